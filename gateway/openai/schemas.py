@@ -1,0 +1,186 @@
+"""OpenAI request and response bodies as msgspec Structs.
+
+Requests forbid unknown fields, so a parameter we do not implement is a 400 naming it, never
+silently ignored. vLLM's extensions that benchmarks rely on (ignore_eos, min_tokens, top_k,
+min_p, repetition_penalty, stop_token_ids) are accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+NonNegInt = Annotated[int, Meta(ge=0)]
+PosInt = Annotated[int, Meta(ge=1)]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+StopList = Annotated[list[str], Meta(max_length=16)]
+
+
+class _Body(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    pass
+
+
+class ContentPart(msgspec.Struct, omit_defaults=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ResponseFormat(msgspec.Struct):
+    type: str
+
+
+class SamplingFields(_Body):
+    """Fields shared by chat and completions requests."""
+
+    model: str
+    max_tokens: PosInt | None = None
+    temperature: Temperature | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Probability | None = None
+    n: PosInt = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | StopList | None = None
+    seed: int | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    min_tokens: NonNegInt = 0
+    stop_token_ids: list[NonNegInt] | None = None
+    include_stop_str_in_output: bool = False
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] = []
+    max_completion_tokens: PosInt | None = None
+    logprobs: bool = False
+    top_logprobs: NonNegInt | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any | None = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, str | bool | int | float] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[NonNegInt] | list[list[NonNegInt]] = ""
+    echo: bool = False
+    suffix: str | None = None
+    best_of: PosInt | None = None
+    logprobs: NonNegInt | None = None
+
+
+# ---- responses --------------------------------------------------------------------------
+
+
+class UsageBody(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    object: str = "chat.completion.chunk"
+    system_fingerprint: str | None = None
+    usage: UsageBody | None = None
+
+
+class AssistantMessage(msgspec.Struct):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageBody
+    object: str = "chat.completion"
+    system_fingerprint: str | None = None
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class Completion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: str = "text_completion"
+    system_fingerprint: str | None = None
+    usage: UsageBody | None = None
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(msgspec.Struct):
+    error: ErrorDetail
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    owned_by: str
+    object: str = "model"
+    state: str = "unloaded"
+    aliases: list[str] = []
+    description: str | None = None
+    max_context: int | None = None
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"

@@ -1,0 +1,125 @@
+"""Relay a RequestStream to a client: protocol-neutral, with deadline and abort on exit.
+
+A Formatter (one per protocol) turns deltas into encoded bodies. Errors that happen before
+the first byte are raised as GatewayError (the router renders a status and body); after the
+first byte they become an error event, then the stream's end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+from gateway.errors import GatewayError
+from gateway.stream import RequestStream
+from gateway.supervisor import Supervisor
+from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput, Usage
+
+ABORTED_BY_SERVER = RequestError(
+    ErrorCode.SHUTTING_DOWN, "the request was aborted because its model is being unloaded"
+)
+
+
+class Formatter(Protocol):
+    def role_chunk(self) -> bytes | None: ...
+    def text_chunk(self, text: str) -> bytes: ...
+    def finish_chunk(self, reason: FinishReason | None) -> bytes: ...
+    def usage_chunk(self, usage: Usage | None) -> bytes: ...
+    def response(self, text: str, reason: FinishReason | None, usage: Usage | None) -> bytes: ...
+
+
+class Relay:
+    """One request's consumption of its stream, bounded by a deadline."""
+
+    def __init__(self, supervisor: Supervisor, stream: RequestStream, timeout_s: float) -> None:
+        self.supervisor = supervisor
+        self.stream = stream
+        self.deadline = time.monotonic() + timeout_s
+
+    async def next(self) -> RequestOutput:
+        try:
+            async with asyncio.timeout_at(_loop_time(self.deadline)):
+                output = await self.stream.get()
+        except TimeoutError:
+            self.supervisor.abort(self.stream)
+            raise GatewayError(ErrorCode.TIMEOUT, "the request timed out") from None
+        if output.finish_reason == FinishReason.ABORT:
+            output.error = ABORTED_BY_SERVER
+        return output
+
+    async def first(self) -> RequestOutput:
+        """The first delta; a failure here is still a plain HTTP error."""
+        try:
+            output = await self.next()
+        except BaseException:
+            self.close()
+            raise
+        if output.error is not None:
+            raise GatewayError.from_request_error(output.error)
+        return output
+
+    def close(self) -> None:
+        """Abort in the worker unless the request already finished there."""
+        if not self.stream.finished:
+            self.supervisor.abort(self.stream)
+
+    async def collect(self, fmt: Formatter) -> bytes:
+        try:
+            output = await self.first()
+            parts = [output.text]
+            while output.finish_reason is None:
+                output = await self.next()
+                parts.append(output.text)
+            if output.error is not None:
+                raise GatewayError.from_request_error(output.error)
+            return fmt.response("".join(parts), output.finish_reason, output.usage)
+        finally:
+            self.close()
+
+    async def sse(
+        self,
+        fmt: Formatter,
+        first: RequestOutput,
+        include_usage: bool,
+        error_event: Callable[[GatewayError], bytes],
+    ) -> AsyncIterator[bytes]:
+        """Complete SSE events only; a client disconnect lands in `finally` as an abort."""
+        try:
+            role = fmt.role_chunk()
+            if role is not None:
+                yield _event(role)
+            output = first
+            while True:
+                if output.text:
+                    yield _event(fmt.text_chunk(output.text))
+                if output.finish_reason is not None:
+                    break
+                try:
+                    output = await self.next()
+                except GatewayError as exc:
+                    yield _event(error_event(exc))
+                    yield DONE
+                    return
+            if output.error is not None:
+                yield _event(error_event(GatewayError.from_request_error(output.error)))
+            else:
+                yield _event(fmt.finish_chunk(output.finish_reason))
+                if include_usage:
+                    yield _event(fmt.usage_chunk(output.usage))
+            yield DONE
+        finally:
+            self.close()
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def _event(data: bytes) -> bytes:
+    return b"data: " + data + b"\n\n"
+
+
+def _loop_time(deadline: float) -> float:
+    loop = asyncio.get_running_loop()
+    return loop.time() + (deadline - time.monotonic())

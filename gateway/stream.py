@@ -1,0 +1,50 @@
+"""RequestStream: one request's deltas, merged while the reader is slow (bounded memory)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput
+
+
+class RequestStream:
+    __slots__ = ("_event", "_pending", "finished", "model", "request_id", "worker_id")
+
+    def __init__(self, request_id: str, model: str, worker_id: str) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.worker_id = worker_id
+        self.finished = False
+        self._pending: RequestOutput | None = None
+        self._event = asyncio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        if self.finished:
+            return  # exactly one terminal event per request
+        if output.finish_reason is not None:
+            self.finished = True
+        pending = self._pending
+        if pending is None:
+            self._pending = output
+        else:
+            self._pending = RequestOutput(
+                self.request_id,
+                text=pending.text + output.text,
+                token_ids=pending.token_ids + output.token_ids,
+                finish_reason=output.finish_reason,
+                usage=output.usage or pending.usage,
+                error=output.error or pending.error,
+            )
+        self._event.set()
+
+    def fail(self, code: ErrorCode, message: str) -> None:
+        error = RequestError(code, message)
+        self.put(RequestOutput(self.request_id, finish_reason=FinishReason.ERROR, error=error))
+
+    async def get(self) -> RequestOutput:
+        """The deltas since the last call, merged into one."""
+        await self._event.wait()
+        self._event.clear()
+        output, self._pending = self._pending, None
+        assert output is not None
+        return output

@@ -1,0 +1,116 @@
+"""Configuration: one TOML file decoded with msgspec; defaults serve out of the box.
+
+Precedence: built-in defaults < TOML file < environment (MLX_GATEWAY_*) < command-line flags.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from pathlib import Path
+
+import msgspec
+
+DEMO_SOURCE = "builtin:demo"
+
+
+class ModelKind(enum.StrEnum):
+    LLM = "llm"
+
+
+class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """Per-model engine settings, sent to the worker at spawn."""
+
+    max_running: int = 64
+    max_waiting: int = 256
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 512
+    max_context: int | None = None
+    default_max_tokens: int | None = None
+
+
+class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    name: str
+    source: str
+    kind: ModelKind = ModelKind.LLM
+    aliases: list[str] = []
+    preload: bool = True
+    revision: str | None = None
+    trust_remote_code: bool = False
+    engine: EngineOptions = msgspec.field(default_factory=EngineOptions)
+
+    @property
+    def is_demo(self) -> bool:
+        return self.source == DEMO_SOURCE
+
+
+class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    run_dir: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+    request_timeout_s: float = 600.0
+    load_timeout_s: float = 300.0
+    heartbeat_timeout_s: float = 30.0
+    blas: str = "auto"  # auto | off | /path/to/libblas.so
+    log_level: str = "info"
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    models: list[ModelConfig] = []
+
+    def with_defaults(self) -> Config:
+        """The embedded default: the random-weight demo model when no model is configured."""
+        if self.models:
+            return self
+        demo = ModelConfig(name="demo", source=DEMO_SOURCE, aliases=["default"])
+        return msgspec.structs.replace(self, models=[demo])
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> Config:
+    """Decode the TOML file at `path` (or $MLX_GATEWAY_CONFIG), then apply env overrides."""
+    path = path or os.environ.get("MLX_GATEWAY_CONFIG")
+    config = Config()
+    if path:
+        try:
+            config = msgspec.toml.decode(Path(path).read_bytes(), type=Config)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file not found: {path}") from exc
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"invalid config {path}: {exc}") from exc
+        except msgspec.DecodeError as exc:
+            raise ConfigError(f"config {path} is not valid TOML: {exc}") from exc
+    config = _apply_env(config)
+    _validate(config)
+    return config.with_defaults()
+
+
+def _apply_env(config: Config) -> Config:
+    server = config.server
+    overrides: dict[str, object] = {}
+    for field, cast in (("host", str), ("port", int), ("run_dir", str), ("blas", str)):
+        value = os.environ.get(f"MLX_GATEWAY_{field.upper()}")
+        if value is not None:
+            overrides[field] = cast(value)
+    if overrides:
+        config = msgspec.structs.replace(
+            config, server=msgspec.structs.replace(server, **overrides)
+        )
+    return config
+
+
+def _validate(config: Config) -> None:
+    seen: dict[str, str] = {}
+    for model in config.models:
+        for name in [model.name, *model.aliases]:
+            if name in seen:
+                raise ConfigError(f"model name or alias {name!r} is used twice")
+            seen[name] = model.name
+        opts = model.engine
+        if opts.max_running < 1 or opts.max_waiting < 0 or opts.prefill_step_size < 1:
+            raise ConfigError(f"model {model.name!r}: engine options must be positive")

@@ -1,0 +1,129 @@
+"""Wire frames between the gateway and its workers (msgspec msgpack over ZeroMQ).
+
+Gateway ROUTER <- worker DEALER (identity = worker id) carries gateway -> worker frames;
+worker PUSH -> gateway PULL carries worker -> gateway frames. Every frame is one Struct of a
+tagged union; hot-path Structs are array_like, omit_defaults and gc=False. Fields are only
+appended, with defaults; tests/test_protocol.py pins the bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from shared.types import CanonicalRequest, RequestKind, RequestOutput, SamplingParams
+
+PROTOCOL_VERSION = 1
+
+
+class WorkerState(enum.StrEnum):
+    STARTING = "starting"
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+
+
+class _Frame(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag_field="t"):
+    pass
+
+
+# ---- gateway -> worker -------------------------------------------------------------
+
+
+class Add(_Frame, tag="add"):
+    request_id: str
+    kind: RequestKind
+    request: CanonicalRequest
+    sampling: SamplingParams
+
+
+class Abort(_Frame, tag="abort"):
+    request_ids: list[str]
+
+
+class Control(_Frame, tag="ctl"):
+    call_id: int
+    method: str
+    args: dict[str, Any] = {}
+
+
+class ShutdownMode(enum.StrEnum):
+    DRAIN = "drain"
+    ABORT = "abort"
+
+
+class Shutdown(_Frame, tag="shutdown"):
+    mode: ShutdownMode = ShutdownMode.ABORT
+    timeout_s: float = 10.0
+
+
+# ---- worker -> gateway -------------------------------------------------------------
+
+
+class Hello(_Frame, tag="hello"):
+    worker_id: str
+    protocol_version: int
+    pid: int
+    model: str
+
+
+class Capacity(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    max_running: int
+    max_waiting: int
+    max_context: int
+
+
+class Ready(_Frame, tag="ready"):
+    worker_id: str
+    capacity: Capacity
+    versions: dict[str, str] = {}
+    capabilities: list[str] = []
+    load_time_s: float = 0.0
+
+
+class StepOutputs(_Frame, tag="step"):
+    worker_id: str
+    step: int
+    outputs: list[RequestOutput]
+
+
+class Heartbeat(_Frame, tag="hb"):
+    worker_id: str
+    state: WorkerState
+    step: int
+    running: int
+    waiting: int
+    memory_bytes: int = 0
+
+
+class ControlReply(_Frame, tag="ctlr"):
+    worker_id: str
+    call_id: int
+    ok: bool
+    result: dict[str, Any] = {}
+    error: str | None = None
+
+
+class WorkerDead(_Frame, tag="dead"):
+    worker_id: str
+    reason: str
+    traceback_tail: str = ""
+
+
+ToWorker = Add | Abort | Control | Shutdown
+FromWorker = Hello | Ready | StepOutputs | Heartbeat | ControlReply | WorkerDead
+
+
+class Codec:
+    """Encoders and decoders for both directions; one per thread or task (not shared)."""
+
+    def __init__(self) -> None:
+        self.encoder = msgspec.msgpack.Encoder()
+        self.to_worker = msgspec.msgpack.Decoder(ToWorker)
+        self.from_worker = msgspec.msgpack.Decoder(FromWorker)
+
+    def encode(self, frame: _Frame) -> bytes:
+        return self.encoder.encode(frame)

@@ -1,0 +1,100 @@
+"""Canonical request types: what every protocol adapter translates into.
+
+These Structs are the single source of truth shared by the gateway and the workers. Wire
+compatibility rule: fields are only ever appended, always with defaults.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class RequestKind(enum.StrEnum):
+    CHAT = "chat"
+    COMPLETION = "completion"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class ErrorCode(enum.StrEnum):
+    """Errors that cross the process boundary as values."""
+
+    INVALID_REQUEST = "invalid_request"
+    MODEL_NOT_FOUND = "model_not_found"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    WORKER_DIED = "worker_died"
+    WORKER_UNAVAILABLE = "worker_unavailable"
+    OVERLOADED = "overloaded"
+    TIMEOUT = "timeout"
+    INTERNAL = "internal"
+    SHUTTING_DOWN = "shutting_down"
+
+
+class Message(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    role: str
+    content: str = ""
+    name: str | None = None
+
+
+class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Sampling and stopping, decided entirely in the worker."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = {}
+    include_stop_str_in_output: bool = False
+
+
+class CanonicalRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A generation request, independent of the HTTP protocol it arrived in.
+
+    Chat requests carry `messages` (the worker applies the model's chat template);
+    completion requests carry `prompt` text or `prompt_token_ids`.
+    """
+
+    messages: list[Message] = []
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, str | bool | int | float] = {}
+
+
+class Usage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class RequestError(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    code: ErrorCode
+    message: str
+    param: str | None = None
+
+
+class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One step's delta for one request. Terminal when finish_reason is set."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = []
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: RequestError | None = None

@@ -1,0 +1,37 @@
+"""python -m worker --id ID --requests ADDR --outputs ADDR --model JSON"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import msgspec
+
+from shared.config import ModelConfig
+from worker.daemon import WorkerArgs, WorkerProc
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
+    parser.add_argument("--id", required=True, help="worker identity (DEALER routing id)")
+    parser.add_argument("--requests", required=True, help="gateway ROUTER address")
+    parser.add_argument("--outputs", required=True, help="gateway PULL address")
+    parser.add_argument("--model", required=True, help="the model's config as JSON")
+    parser.add_argument("--no-parent-watch", action="store_true", help="run on after the parent")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s worker[{args.id}] %(message)s",
+        stream=sys.stderr,
+    )
+    model = msgspec.json.decode(args.model, type=ModelConfig)
+    worker = WorkerProc(
+        WorkerArgs(args.id, args.requests, args.outputs, model, not args.no_parent_watch)
+    )
+    return worker.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

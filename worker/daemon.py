@@ -1,0 +1,252 @@
+"""The worker process: one model, three threads.
+
+Main thread: load the model and run the engine loop (MLX streams belong to the thread that
+made them). Input thread: socket -> engine queue (decoding and tokenizing on the way). Output
+thread: queue -> socket, plus a heartbeat every second, also while the model loads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import msgspec
+import psutil
+
+from shared.config import ModelConfig
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Add,
+    Capacity,
+    Codec,
+    Control,
+    ControlReply,
+    Heartbeat,
+    Hello,
+    Ready,
+    Shutdown,
+    ShutdownMode,
+    StepOutputs,
+    WorkerDead,
+    WorkerState,
+)
+from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput
+from worker.channels import WorkerChannels
+from worker.engine import EngineCore
+from worker.loader import LoadedModel, load_model
+from worker.preprocess import PreprocessError, Preprocessor
+
+log = logging.getLogger("worker")
+
+HEARTBEAT_S = 1.0
+_STOP = object()
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerArgs:
+    worker_id: str
+    requests_addr: str
+    outputs_addr: str
+    model: ModelConfig
+    watch_parent: bool = True
+
+
+class WorkerProc:
+    def __init__(self, args: WorkerArgs) -> None:
+        self.args = args
+        self.worker_id = args.worker_id
+        self.channels = WorkerChannels.connect(
+            args.worker_id, args.requests_addr, args.outputs_addr
+        )
+        self.inputs: queue.Queue[object] = queue.Queue()
+        self.outbox: queue.Queue[object] = queue.Queue()
+        self.state = WorkerState.STARTING
+        self.engine: EngineCore | None = None
+        self.parent = os.getppid()
+        self.draining_until: float | None = None
+        self.outputs_thread = threading.Thread(target=self._output_loop, name="output", daemon=True)
+
+    # ---- lifecycle ----------------------------------------------------------------
+
+    def run(self) -> int:
+        self.outputs_thread.start()
+        self._send(Hello(self.worker_id, PROTOCOL_VERSION, os.getpid(), self.args.model.name))
+        try:
+            self.state = WorkerState.LOADING
+            started = time.monotonic()
+            loaded = load_model(self.args.model)
+            self.engine = EngineCore(loaded.model, loaded.tokenizer, self.args.model.engine)
+            preprocess = Preprocessor(loaded.tokenizer, self.args.model.engine, loaded.max_context)
+            threading.Thread(
+                target=self._input_loop, args=(preprocess,), name="input", daemon=True
+            ).start()
+            self.state = WorkerState.READY
+            self._send(self._ready(loaded, time.monotonic() - started))
+            self.run_busy_loop()
+            return 0
+        except Exception as exc:
+            self.state = WorkerState.FAILED
+            log.exception("worker failed")
+            self._fail_all(str(exc))
+            self._send(WorkerDead(self.worker_id, str(exc), traceback.format_exc()[-4000:]))
+            return 1
+        finally:
+            self.outbox.put(_STOP)
+            self.outputs_thread.join(timeout=5)
+            self.channels.close()
+
+    def _ready(self, loaded: LoadedModel, load_time: float) -> Ready:
+        from importlib.metadata import version
+
+        opts = self.args.model.engine
+        return Ready(
+            self.worker_id,
+            Capacity(opts.max_running, opts.max_waiting, loaded.max_context),
+            versions={"mlx": version("mlx"), "mlx_lm": version("mlx-lm")},
+            capabilities=["chat", "completion"] + (["demo"] if loaded.is_demo else []),
+            load_time_s=load_time,
+        )
+
+    # ---- engine loop (main thread) --------------------------------------------------
+
+    def run_busy_loop(self) -> None:
+        while self.state != WorkerState.FAILED and not self._drained():
+            self._process_inputs(block=self.engine is not None and not self.engine.has_work)
+            self._step()
+
+    def _step(self) -> None:
+        assert self.engine is not None
+        if self.engine.has_work:
+            outputs = self.engine.step()
+            if outputs:
+                self._send(StepOutputs(self.worker_id, self.engine.steps, outputs))
+
+    def _process_inputs(self, block: bool) -> None:
+        assert self.engine is not None
+        try:
+            item = self.inputs.get(timeout=HEARTBEAT_S) if block else self.inputs.get_nowait()
+        except queue.Empty:
+            return
+        finished: list[RequestOutput] = []
+        while True:
+            if isinstance(item, Abort):
+                finished += self.engine.abort(item.request_ids)
+            elif isinstance(item, Shutdown):
+                finished += self._shutdown(item)
+            elif item is not None:
+                self.engine.add(item)  # type: ignore[arg-type]
+            try:
+                item = self.inputs.get_nowait()
+            except queue.Empty:
+                break
+        if finished:
+            self._send(StepOutputs(self.worker_id, self.engine.steps, finished))
+
+    def _shutdown(self, frame: Shutdown) -> list[RequestOutput]:
+        assert self.engine is not None
+        self.state = WorkerState.DRAINING
+        if frame.mode == ShutdownMode.ABORT:
+            self.draining_until = time.monotonic()
+            return self.engine.abort(list(self.engine.requests))
+        self.draining_until = time.monotonic() + frame.timeout_s
+        return []
+
+    def _drained(self) -> bool:
+        if self.draining_until is None or self.engine is None:
+            return False
+        if self.engine.has_work and time.monotonic() >= self.draining_until:
+            outputs = self.engine.abort(list(self.engine.requests))
+            self._send(StepOutputs(self.worker_id, self.engine.steps, outputs))
+        return not self.engine.has_work
+
+    def _fail_all(self, reason: str) -> None:
+        if self.engine is None or not self.engine.requests:
+            return
+        error = RequestError(ErrorCode.WORKER_DIED, f"the worker failed: {reason}")
+        outputs = [
+            RequestOutput(rid, finish_reason=FinishReason.ERROR, error=error)
+            for rid in self.engine.requests
+        ]
+        self._send(StepOutputs(self.worker_id, self.engine.steps, outputs))
+
+    # ---- input thread -----------------------------------------------------------------
+
+    def _input_loop(self, preprocess: Preprocessor) -> None:
+        codec = Codec()
+        sock = self.channels.requests
+        while True:
+            try:
+                raw = sock.recv()
+                frame = codec.to_worker.decode(raw)
+            except msgspec.DecodeError:
+                log.exception("undecodable frame from the gateway")
+                continue
+            except Exception:  # socket closed at exit
+                return
+            if isinstance(frame, Add):
+                self._accept(frame, preprocess)
+            elif isinstance(frame, Control):
+                self._send(self._control(frame))
+            else:
+                self.inputs.put(frame)
+
+    def _accept(self, frame: Add, preprocess: Preprocessor) -> None:
+        try:
+            if self.state == WorkerState.DRAINING:
+                raise PreprocessError(
+                    RequestError(ErrorCode.SHUTTING_DOWN, "the model is being unloaded")
+                )
+            self.inputs.put(preprocess(frame))
+        except PreprocessError as exc:
+            out = RequestOutput(frame.request_id, finish_reason=FinishReason.ERROR, error=exc.error)
+            self._send(StepOutputs(self.worker_id, -1, [out]))
+
+    def _control(self, frame: Control) -> ControlReply:
+        if frame.method == "stats" and self.engine is not None:
+            running, waiting = self.engine.counts()
+            return ControlReply(
+                self.worker_id,
+                frame.call_id,
+                True,
+                {"running": running, "waiting": waiting, "steps": self.engine.steps},
+            )
+        return ControlReply(self.worker_id, frame.call_id, False, error=f"unknown {frame.method}")
+
+    # ---- output thread ----------------------------------------------------------------
+
+    def _send(self, frame: object) -> None:
+        self.outbox.put(frame)
+
+    def _output_loop(self) -> None:
+        codec = Codec()
+        sock = self.channels.outputs
+        process = psutil.Process()
+        next_beat = 0.0
+        while True:
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + HEARTBEAT_S
+                sock.send(codec.encode(self._heartbeat(process)))
+                if self.args.watch_parent and os.getppid() != self.parent:
+                    log.error("the gateway is gone; exiting")
+                    os._exit(3)
+            try:
+                frame = self.outbox.get(timeout=max(0.0, next_beat - time.monotonic()))
+            except queue.Empty:
+                continue
+            if frame is _STOP:
+                return
+            sock.send(codec.encode(frame))  # type: ignore[arg-type]
+
+    def _heartbeat(self, process: psutil.Process) -> Heartbeat:
+        running, waiting = self.engine.counts() if self.engine else (0, 0)
+        steps = self.engine.steps if self.engine else 0
+        return Heartbeat(
+            self.worker_id, self.state, steps, running, waiting, process.memory_info().rss
+        )

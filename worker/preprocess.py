@@ -1,0 +1,95 @@
+"""Add frame -> tokens and limits, on the input thread so the engine loop only steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from shared.config import EngineOptions
+from shared.protocol import Add
+from shared.types import ErrorCode, RequestError, RequestKind, SamplingParams
+
+
+class PreprocessError(Exception):
+    def __init__(self, error: RequestError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+
+
+class Preprocessor:
+    def __init__(self, tokenizer: Any, options: EngineOptions, max_context: int) -> None:
+        self.tokenizer = tokenizer
+        self.options = options
+        self.max_context = max_context
+        self.vocab_size = len(tokenizer)
+
+    def __call__(self, frame: Add) -> PreparedRequest:
+        prompt = self._tokenize(frame)
+        if not prompt:
+            raise _invalid("the prompt is empty after tokenization", "messages")
+        return PreparedRequest(
+            frame.request_id, prompt, self._max_tokens(len(prompt), frame.sampling), frame.sampling
+        )
+
+    def _tokenize(self, frame: Add) -> list[int]:
+        request = frame.request
+        if frame.kind == RequestKind.CHAT:
+            messages = [_message_dict(m.role, m.content, m.name) for m in request.messages]
+            try:
+                ids = self.tokenizer.apply_chat_template(
+                    messages,
+                    add_generation_prompt=request.add_generation_prompt,
+                    tokenize=True,
+                    **request.chat_template_kwargs,
+                )
+            except Exception as exc:  # jinja errors carry the template's own message
+                raise _invalid(
+                    f"the chat template rejected the messages: {exc}", "messages"
+                ) from exc
+            return list(ids)
+        if request.prompt_token_ids is not None:
+            bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise _invalid(f"token id {bad[0]} is outside the vocabulary", "prompt")
+            return list(request.prompt_token_ids)
+        return list(self.tokenizer.encode(request.prompt or "", add_special_tokens=True))
+
+    def _max_tokens(self, prompt_len: int, sampling: SamplingParams) -> int:
+        room = self.max_context - prompt_len
+        requested = sampling.max_tokens
+        if requested is None:
+            default = self.options.default_max_tokens
+            requested = min(room, default) if default else room
+        if room <= 0 or requested > room:
+            raise PreprocessError(
+                RequestError(
+                    ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                    f"This model's maximum context length is {self.max_context} tokens. "
+                    f"However, you requested {prompt_len + requested} tokens "
+                    f"({prompt_len} in the prompt, {requested} for the completion). "
+                    "Please reduce the length of the prompt or of max_tokens.",
+                    "messages",
+                )
+            )
+        if sampling.min_tokens > requested:
+            raise _invalid("min_tokens must not exceed max_tokens", "min_tokens")
+        return requested
+
+
+def _message_dict(role: str, content: str, name: str | None) -> dict[str, str]:
+    message = {"role": role, "content": content}
+    if name:
+        message["name"] = name
+    return message
+
+
+def _invalid(message: str, param: str | None = None) -> PreprocessError:
+    return PreprocessError(RequestError(ErrorCode.INVALID_REQUEST, message, param))

@@ -1,0 +1,80 @@
+"""SamplingParams -> mlx-lm samplers and logits processors (public mlx_lm.sample_utils API)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import mlx.core as mx
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    greedy_sampler,
+    make_logits_processors,
+)
+
+from shared.types import SamplingParams
+
+Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+# Penalties look back this many tokens (prompt and output), as mlx-lm's processors do.
+PENALTY_CONTEXT = 256
+
+
+def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler:
+    """Greedy requests share one sampler object, so mlx-lm samples them in one batched call."""
+    if params.temperature == 0:
+        return greedy_sampler
+    filters: list[Callable[[mx.array], mx.array]] = []
+    if 0 < params.top_p < 1:
+        top_p = params.top_p
+        filters.append(lambda x: apply_top_p(x, top_p))
+    if params.min_p > 0:
+        min_p = params.min_p
+        filters.append(lambda x: apply_min_p(x, min_p))
+    if 0 < params.top_k < vocab_size:
+        top_k = params.top_k
+        filters.append(lambda x: apply_top_k(x, top_k))
+    scale = 1.0 / params.temperature
+    key = [mx.random.key(params.seed)] if params.seed is not None else None
+
+    def sample(logprobs: mx.array) -> mx.array:
+        for keep in filters:
+            logprobs = keep(logprobs)
+        if key is None:
+            return mx.random.categorical(logprobs * scale)
+        key[0], step_key = mx.random.split(key[0])
+        return mx.random.categorical(logprobs * scale, key=step_key)
+
+    return sample
+
+
+def make_processors(params: SamplingParams, eos_ids: Iterable[int]) -> list[LogitsProcessor]:
+    processors: list[LogitsProcessor] = make_logits_processors(
+        logit_bias=dict(params.logit_bias) or None,
+        repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1 else None,
+        repetition_context_size=PENALTY_CONTEXT,
+        presence_penalty=params.presence_penalty or None,
+        presence_context_size=PENALTY_CONTEXT,
+        frequency_penalty=params.frequency_penalty or None,
+        frequency_context_size=PENALTY_CONTEXT,
+    )
+    banned = sorted(set(eos_ids) | set(params.stop_token_ids))
+    if params.min_tokens > 0 and banned:
+        processors.append(_min_tokens_processor(params.min_tokens, banned))
+    return processors
+
+
+def _min_tokens_processor(min_tokens: int, banned: list[int]) -> LogitsProcessor:
+    """Forbid stop tokens until `min_tokens` tokens were sampled (as vLLM's min_tokens)."""
+    indices = mx.array(banned)
+    sampled = [0]
+
+    def processor(_tokens: mx.array, logits: mx.array) -> mx.array:
+        sampled[0] += 1
+        if sampled[0] > min_tokens:
+            return logits
+        return logits.at[:, indices].add(-float("inf"))
+
+    return processor
