@@ -82,7 +82,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[NonNegInt] | list[list[NonNegInt]] = ""
+    # msgspec allows one array type per union: the list's shape is checked in translate.
+    prompt: str | list[str | NonNegInt | list[NonNegInt]] = ""
     echo: bool = False
     suffix: str | None = None
     best_of: PosInt | None = None

@@ -147,14 +147,18 @@ def completion_request(req: CompletionRequest) -> tuple[CanonicalRequest, Sampli
         if len(prompt) != 1:
             raise _unsupported("prompt", "batched prompts; send one prompt per request")
         prompt = prompt[0]
-    if isinstance(prompt, list):
-        if not prompt:
-            raise GatewayError(ErrorCode.INVALID_REQUEST, "`prompt` must not be empty", "prompt")
-        canonical = CanonicalRequest(prompt_token_ids=list(prompt))  # type: ignore[arg-type]
-    else:
-        if not prompt:
-            raise GatewayError(ErrorCode.INVALID_REQUEST, "`prompt` must not be empty", "prompt")
+    if not prompt:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "`prompt` must not be empty", "prompt")
+    if isinstance(prompt, str):
         canonical = CanonicalRequest(prompt=prompt)
+    elif all(isinstance(t, int) for t in prompt):
+        canonical = CanonicalRequest(prompt_token_ids=[int(t) for t in prompt])  # type: ignore[arg-type]
+    else:
+        raise GatewayError(
+            ErrorCode.INVALID_REQUEST,
+            "`prompt` must be a string, a list of token ids or a list of one string",
+            "prompt",
+        )
     return canonical, sampling_params(req, req.max_tokens or 16)
 
 

@@ -1,0 +1,115 @@
+"""Run a real gateway (and its real worker processes) for end-to-end tests."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+READY_TIMEOUT_S = 90.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise TypeError(value)
+
+
+def write_config(path: Path, models: list[dict[str, Any]], server: dict[str, Any]) -> Path:
+    lines = ["[server]"] + [f"{k} = {toml_value(v)}" for k, v in server.items()]
+    for model in models:
+        engine = model.pop("engine", {})
+        lines += ["", "[[models]]"] + [f"{k} = {toml_value(v)}" for k, v in model.items()]
+        if engine:
+            lines += ["[models.engine]"] + [f"{k} = {toml_value(v)}" for k, v in engine.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class GatewayProc:
+    def __init__(self, models: list[dict[str, Any]], **server: Any) -> None:
+        # Short run dir: ipc socket paths must stay under 104 bytes.
+        self.run_dir = Path(tempfile.mkdtemp(prefix="gw", dir="/tmp"))
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        server = {"port": self.port, "run_dir": str(self.run_dir), **server}
+        self.config = write_config(self.run_dir / "config.toml", models, server)
+        self.log = open(self.run_dir / "gateway.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "--config", str(self.config), "serve"],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+    def wait_ready(self, models: list[str], timeout: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited:\n{self.logs()}")
+            with contextlib.suppress(httpx.HTTPError):
+                states = httpx.get(f"{self.base_url}/health", timeout=2).json()["models"]
+                if all(states.get(m) == "ready" for m in models):
+                    return
+                failed = [m for m in models if states.get(m) == "failed"]
+                if failed:
+                    raise RuntimeError(f"models failed: {failed}\n{self.logs()}")
+            time.sleep(0.2)
+        raise TimeoutError(f"gateway not ready in {timeout}s\n{self.logs()}")
+
+    def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "gateway", "--config", str(self.config), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=check)
+
+    def ps(self) -> dict[str, dict[str, Any]]:
+        rows = json.loads(self.ctl("ps", "--json").stdout)
+        return {r["model"]: r for r in rows}
+
+    def logs(self) -> str:
+        text = (self.run_dir / "gateway.log").read_text(errors="replace")[-6000:]
+        for log in sorted((self.run_dir / "logs").glob("*.log")):
+            text += f"\n--- {log.name}\n" + log.read_text(errors="replace")[-4000:]
+        return text
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+
+
+@contextlib.contextmanager
+def running_gateway(models: list[dict[str, Any]], **server: Any) -> Iterator[GatewayProc]:
+    gw = GatewayProc(models, **server)
+    try:
+        gw.wait_ready([m["name"] for m in models if m.get("preload", True)])
+        yield gw
+    finally:
+        gw.stop()
