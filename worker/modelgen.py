@@ -1,0 +1,550 @@
+"""Tiny random-weight Llama models on disk that `mlx_lm.load` loads, for tests, demos and benches.
+
+Everything is generated offline: a byte-level BPE tokenizer trained on a built-in synthetic
+corpus, random weights in the layout of `mlx_lm.models.llama`, and the HF-style JSON files.
+The weights are random, so the text is gibberish; `bigram` mode makes greedy decoding a
+deterministic function of the current token for end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import struct
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shared.paths import cache_dir
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    from tokenizers import Tokenizer
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+# The trainer numbers special tokens first. The eos id must be non-zero: mlx_lm ignores a
+# falsy `eos_token_id` in generation_config.json.
+ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 0, 1, 2
+
+RANDOM_WEIGHTS_COMMENT = "Test model with random weights (mlx-gateway worker.modelgen): gibberish."
+BIGRAM_SCALE = 50.0
+RMS_NORM_EPS = 1e-5
+ROPE_THETA = 10000.0
+DTYPES = ("float32", "bfloat16", "float16")
+CORPUS_SEED = 20240611
+# Bump when the generator or DEMO_SPEC changes, so cached demo models are rebuilt.
+DEMO_VERSION = "v1"
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+MODEL_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TinyModelSpec:
+    """Shape and behaviour of a generated model. `vocab_size` is the BPE training target."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    vocab_size: int = 512
+    max_position_embeddings: int = 2048
+    byte_fallback: bool = False
+    logit_scale: float = 1.0
+    bigram: dict[int, int] | None = None
+    seed: int = 0
+    dtype: str = "float32"
+
+
+DEFAULT_SPEC = TinyModelSpec()
+DEMO_SPEC = TinyModelSpec(
+    hidden_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=256,
+    vocab_size=1024,
+    logit_scale=2.0,
+    seed=0,
+)
+
+
+# --- vocabulary --------------------------------------------------------------------------------
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """The GPT-2 byte-level alphabet: visible latin-1 bytes stand for themselves, the rest
+    are shifted to U+0100 and up, in byte order."""
+    visible = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {b: chr(b) for b in visible}
+    shifted = [b for b in range(256) if b not in table]
+    table.update({b: chr(0x100 + i) for i, b in enumerate(shifted)})
+    return table
+
+
+def is_printable_text(text: str) -> bool:
+    """Printable ASCII (0x20-0x7E) plus newline and tab, non-empty."""
+    return bool(text) and all(map(_printable_char, text))
+
+
+def _printable_char(c: str) -> bool:
+    return c in "\n\t" or " " <= c <= "~"
+
+
+def _printable_bytes() -> list[int]:
+    return [0x09, 0x0A, *range(0x20, 0x7F)]
+
+
+def byte_token_id(tokenizer: str | Path, byte_value: int) -> int:
+    """The id of the token for one raw byte, from tokenizer.json or the model dir holding it."""
+    if not 0 <= byte_value <= 0xFF:
+        raise ValueError(f"not a byte: {byte_value}")
+    path = Path(tokenizer)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    vocab: dict[str, int] = json.loads(path.read_text(encoding="utf-8"))["model"]["vocab"]
+    char = byte_to_unicode()[byte_value]
+    if char not in vocab:
+        raise KeyError(f"no token for byte 0x{byte_value:02X} in {path}")
+    return vocab[char]
+
+
+# --- corpus ------------------------------------------------------------------------------------
+
+_PROSE = """\
+The gateway starts one worker per model and talks to it over a socket.
+A request arrives, the prompt is tokenized, and tokens stream back as they are made.
+On Monday, 3 June 2024 at 09:45, the queue held 17 requests (12 chat, 5 completions).
+"Is it fast?" she asked. "Fast enough," he said; "about 42.5 tokens/s on 2 cores."
+Prices: $3.99, 15% off, #7 in line, 2^10 = 1024, 7 * 6 = 42, 100 / 4 = 25, a & b | c.
+Email: team@example.com; path: /var/cache/models/demo-llama; url: https://example.org/a?b=c
+def add(a, b):
+\treturn a + b
+
+for i in range(10):
+\tprint(f"{i:>3} -> {i * i}")
+{"role": "user", "content": "Hello!"} [1, 2, 3] <tag attr='x'>text</tag> `code` ~home
+Lists work too:
+- first item
+- second item, with a comma
+1. numbered; 2. also numbered: 3. done!
+"""
+
+_UNICODE_PROSE = (
+    "Caf\u00e9, na\u00efve, r\u00e9sum\u00e9, jalape\u00f1o, Z\u00fcrich, S\u00e3o Paulo.\n"
+    "\u6771\u4eac, \u0395\u03bb\u03bb\u03b7\u03bd\u03b9\u03ba\u03ac, "
+    "\u0440\u0443\u0441\u0441\u043a\u0438\u0439 \u2014 \u201cquotes\u201d \u2026 "
+    "\u20ac5 \U0001f642\n"
+)
+
+_WORD_TEXT = (
+    "the of and to in is was for on that with as by at from it an be this are or have not but"
+    " which one all were they we when there can more no if out so said what up its about into"
+    " than them time only new some could these two may first then do any like my now over such"
+    " our man even most made after also did many before must through back years where much your"
+    " way well down should because each just those people how too little state good very make"
+    " world still own see men work long get here between both life being under never day same"
+    " another know while last might us great old year off come since against go came right used"
+    " take three model token stream worker queue cache batch prompt reply server client request"
+)
+_ONSETS = ("", "b", "br", "c", "ch", "cl", "d", "dr", "f", "fl", "g", "gr", "h", "j", "k", "l")
+_ONSETS2 = ("m", "n", "p", "pl", "qu", "r", "s", "sh", "sk", "st", "t", "th", "tr", "v", "w", "z")
+_NUCLEI = ("a", "e", "i", "o", "u", "ai", "ea", "ou", "oo", "y")
+_CODAS = ("", "", "n", "r", "s", "t", "l", "nd", "ng", "st", "ck", "m", "x")
+_ENDINGS = (".", ".", ".", "!", "?", ";", ":", ",", "...", ")")
+
+
+def _pseudo_word(rng: random.Random) -> str:
+    onsets = _ONSETS + _ONSETS2
+    syllables = rng.randint(1, 3)
+    return "".join(
+        rng.choice(onsets) + rng.choice(_NUCLEI) + rng.choice(_CODAS) for _ in range(syllables)
+    )
+
+
+def _sentence(rng: random.Random, common: Sequence[str], rare: Sequence[str]) -> str:
+    count = rng.randint(4, 14)
+    words = [rng.choice(rare if rng.random() < 0.5 else common) for _ in range(count)]
+    if rng.random() < 0.25:
+        words.insert(rng.randrange(len(words)), str(rng.randint(0, 99999)))
+    if rng.random() < 0.1:
+        words.insert(rng.randrange(len(words)), rng.choice(("(see", "[1]", '"so"', "-", "a/b")))
+    words[0] = words[0].capitalize()
+    if rng.random() < 0.05:
+        words[-1] = words[-1].upper()
+    prefix = "\t" if rng.random() < 0.08 else ""
+    return prefix + " ".join(words) + rng.choice(_ENDINGS) + rng.choice((" ", " ", "\n", "\n\n"))
+
+
+def builtin_corpus(min_chars: int = 8000, *, non_ascii: bool = False) -> str:
+    """Deterministic English-ish text with digits, punctuation, spaces, tabs and newlines."""
+    rng = random.Random(CORPUS_SEED)
+    common = _WORD_TEXT.split()
+    rare = [_pseudo_word(rng) for _ in range(max(200, min_chars // 40))]
+    parts = [_PROSE, _UNICODE_PROSE if non_ascii else ""]
+    size = sum(map(len, parts))
+    while size < min_chars:
+        parts.append(_sentence(rng, common, rare))
+        size += len(parts[-1])
+    return "".join(parts)
+
+
+def _printable_only(text: str) -> str:
+    return "".join(filter(_printable_char, text))
+
+
+# --- tokenizer ---------------------------------------------------------------------------------
+
+
+def _train_tokenizer(spec: TinyModelSpec, corpus: str | None) -> Tokenizer:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    text = (
+        corpus
+        if corpus is not None
+        else builtin_corpus(max(8000, spec.vocab_size * 30), non_ascii=spec.byte_fallback)
+    )
+    table = byte_to_unicode()
+    if spec.byte_fallback:
+        alphabet = [table[b] for b in range(256)]
+    else:
+        text = _printable_only(text)
+        alphabet = [table[b] for b in _printable_bytes()]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([text], trainer)
+    _check_vocab(tokenizer, spec.byte_fallback)
+    return tokenizer
+
+
+def _check_vocab(tokenizer: Tokenizer, byte_fallback: bool) -> None:
+    for token, want in zip(SPECIAL_TOKENS, (ENDOFTEXT_ID, IM_START_ID, IM_END_ID), strict=True):
+        if tokenizer.token_to_id(token) != want:
+            raise RuntimeError(f"special token {token} did not get id {want}")
+    if byte_fallback:
+        return
+    for i in range(len(SPECIAL_TOKENS), tokenizer.get_vocab_size()):
+        text = tokenizer.decode([i])
+        if not is_printable_text(text):
+            raise RuntimeError(f"token {i} decodes to non-printable {text!r}")
+
+
+def _tokenizer_config(spec: TinyModelSpec) -> dict[str, Any]:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": ENDOFTEXT,
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT,
+        "unk_token": None,
+        "additional_special_tokens": [IM_START, IM_END],
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": spec.max_position_embeddings,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def _special_tokens_map() -> dict[str, Any]:
+    return {
+        "bos_token": ENDOFTEXT,
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT,
+        "additional_special_tokens": [IM_START, IM_END],
+    }
+
+
+# --- weights -----------------------------------------------------------------------------------
+
+
+def _model_config(spec: TinyModelSpec, vocab_size: int) -> dict[str, Any]:
+    extra = asdict(spec)
+    extra["bigram"] = sorted(spec.bigram.items()) if spec.bigram else None
+    return {
+        "_comment": RANDOM_WEIGHTS_COMMENT,
+        "mlx_gateway_demo": True,
+        "mlx_gateway_spec": extra,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.hidden_size // spec.num_heads,
+        "intermediate_size": spec.intermediate_size,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": RMS_NORM_EPS,
+        "rope_theta": ROPE_THETA,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": ENDOFTEXT_ID,
+        "eos_token_id": IM_END_ID,
+        "pad_token_id": ENDOFTEXT_ID,
+        "torch_dtype": spec.dtype,
+    }
+
+
+def _param_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of mlx_lm's llama parameters; the model's own arrays stay lazy."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    model = Model(ModelArgs.from_dict(config))
+    params: dict[str, Any] = dict(tree_flatten(model.parameters()))
+    return {name: tuple(p.shape) for name, p in params.items()}
+
+
+def _init_param(name: str, shape: tuple[int, ...], key: mx.array, spec: TinyModelSpec) -> mx.array:
+    import mlx.core as mx
+
+    if len(shape) == 1:
+        return mx.ones(shape)
+    if name.endswith("embed_tokens.weight"):
+        return mx.random.normal(shape, key=key)
+    std = shape[-1] ** -0.5
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        std /= math.sqrt(2 * spec.num_layers)
+    elif name == "lm_head.weight":
+        std *= spec.logit_scale
+    return mx.random.normal(shape, key=key) * std
+
+
+def _random_weights(spec: TinyModelSpec, config: dict[str, Any]) -> dict[str, mx.array]:
+    import mlx.core as mx
+
+    shapes = _param_shapes(config)
+    keys = mx.random.split(mx.random.key(spec.seed), len(shapes))
+    return {
+        name: _init_param(name, shape, keys[i], spec)
+        for i, (name, shape) in enumerate(shapes.items())
+    }
+
+
+def _apply_bigram(weights: dict[str, mx.array], bigram: Mapping[int, int]) -> None:
+    """Silence every layer and point lm_head row b at the embedding of each a -> b."""
+    import mlx.core as mx
+
+    for name in weights:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = mx.zeros_like(weights[name])
+    embed = weights["model.embed_tokens.weight"]
+    lm_head = weights["lm_head.weight"]
+    vocab = embed.shape[0]
+    bad = [t for pair in bigram.items() for t in pair if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"bigram token ids out of range [0, {vocab}): {bad}")
+    src = mx.array(list(bigram.keys()))
+    dst = mx.array(list(bigram.values()))
+    rows = embed[src]
+    rows = rows / mx.linalg.norm(rows, axis=-1, keepdims=True)
+    targets = mx.zeros_like(lm_head).at[dst].add(rows * BIGRAM_SCALE)
+    hit = mx.zeros((vocab, 1)).at[dst].add(mx.ones((dst.size, 1))) > 0
+    weights["lm_head.weight"] = mx.where(hit, targets, lm_head)
+
+
+def _write_weights(path: Path, weights: dict[str, mx.array], dtype: str) -> None:
+    import mlx.core as mx
+
+    cast = {name: w.astype(getattr(mx, dtype)) for name, w in weights.items()}
+    mx.save_safetensors(str(path / "model.safetensors"), cast, metadata={"format": "mlx"})
+
+
+# --- build -------------------------------------------------------------------------------------
+
+
+def _validate(spec: TinyModelSpec) -> None:
+    if spec.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, not {spec.dtype!r}")
+    if spec.hidden_size % spec.num_heads:
+        raise ValueError("hidden_size must be a multiple of num_heads")
+    if spec.num_heads % spec.num_kv_heads:
+        raise ValueError("num_heads must be a multiple of num_kv_heads")
+    if min(spec.hidden_size, spec.num_layers, spec.intermediate_size, spec.vocab_size) < 1:
+        raise ValueError("sizes must be positive")
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def build_tiny_model(
+    path: str | Path, spec: TinyModelSpec = DEFAULT_SPEC, *, corpus: str | None = None
+) -> Path:
+    """Write a loadable random model into `path` (created; existing files are overwritten).
+
+    `corpus` replaces the built-in tokenizer training text; without byte_fallback its
+    non-printable characters are dropped. The model's vocab_size is the trained vocab's size.
+    """
+    _validate(spec)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tokenizer(spec, corpus)
+    config = _model_config(spec, tokenizer.get_vocab_size())
+    weights = _random_weights(spec, config)
+    if spec.bigram:
+        _apply_bigram(weights, spec.bigram)
+    _write_weights(out, weights, spec.dtype)
+    tokenizer.save(str(out / "tokenizer.json"))
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(spec))
+    _write_json(out / "special_tokens_map.json", _special_tokens_map())
+    _write_json(
+        out / "generation_config.json",
+        {"bos_token_id": ENDOFTEXT_ID, "eos_token_id": IM_END_ID, "pad_token_id": ENDOFTEXT_ID},
+    )
+    _write_json(out / "config.json", config)
+    return out
+
+
+def count_parameters(path: str | Path) -> int:
+    """Parameters in a model dir's model.safetensors (or the given file), from its header."""
+    file = Path(path)
+    if file.is_dir():
+        file = file / "model.safetensors"
+    with file.open("rb") as fh:
+        (length,) = struct.unpack("<Q", fh.read(8))
+        header: dict[str, Any] = json.loads(fh.read(length))
+    return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+
+
+# --- demo model --------------------------------------------------------------------------------
+
+
+def demo_model_path() -> Path:
+    """Where the demo model lives; honours MLX_GATEWAY_CACHE_DIR."""
+    return cache_dir() / "models" / f"demo-llama-{DEMO_VERSION}"
+
+
+def _is_complete(path: Path) -> bool:
+    if not all((path / name).is_file() for name in MODEL_FILES):
+        return False
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return config.get("mlx_gateway_demo") is True
+
+
+def _discard(path: Path) -> None:
+    """Move a stale directory out of the way atomically, then delete it."""
+    aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.stale.", dir=path.parent))
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(path, aside / path.name)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def ensure_demo_model() -> Path:
+    """Build the demo model once, atomically (temp dir beside it, then os.replace)."""
+    final = demo_model_path()
+    if _is_complete(final):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if final.exists():
+        _discard(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp.", dir=final.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it 0700
+        build_tiny_model(tmp, DEMO_SPEC)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if not _is_complete(final):  # not another process winning the race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = DEFAULT_SPEC
+    p = argparse.ArgumentParser(
+        prog="python -m worker.modelgen", description="Build a tiny random Llama model for mlx_lm."
+    )
+    p.add_argument("out_dir", type=Path)
+    p.add_argument("--hidden", type=int, default=d.hidden_size)
+    p.add_argument("--layers", type=int, default=d.num_layers)
+    p.add_argument("--heads", type=int, default=d.num_heads)
+    p.add_argument("--kv-heads", type=int, default=d.num_kv_heads)
+    p.add_argument("--intermediate", type=int, default=d.intermediate_size)
+    p.add_argument("--vocab", type=int, default=d.vocab_size, help="BPE target vocab size")
+    p.add_argument("--max-position", type=int, default=d.max_position_embeddings)
+    p.add_argument("--logit-scale", type=float, default=d.logit_scale)
+    p.add_argument("--byte-fallback", action="store_true", help="full 256-byte alphabet")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--dtype", choices=DTYPES, default=d.dtype)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    spec = TinyModelSpec(
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        intermediate_size=args.intermediate,
+        vocab_size=args.vocab,
+        max_position_embeddings=args.max_position,
+        byte_fallback=args.byte_fallback,
+        logit_scale=args.logit_scale,
+        seed=args.seed,
+        dtype=args.dtype,
+    )
+    start = time.perf_counter()
+    out = build_tiny_model(args.out_dir, spec)
+    elapsed = time.perf_counter() - start
+    params = count_parameters(out)
+    vocab = json.loads((out / "config.json").read_text(encoding="utf-8"))["vocab_size"]
+    size_mb = (out / "model.safetensors").stat().st_size / 1e6
+    print(
+        f"built {out}: {params:,} parameters ({params / 1e6:.1f}M), vocab {vocab}, "
+        f"{spec.dtype}, {size_mb:.1f} MB, {elapsed:.1f}s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
