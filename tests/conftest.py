@@ -8,15 +8,23 @@ from pathlib import Path
 import pytest
 
 from tests.gateway_proc import GatewayProc, running_gateway
-from worker.modelgen import TinyModelSpec, build_tiny_model
+from worker.modelgen import TinyModelSpec, build_tiny_model, byte_token_id
 
 # Greedy-equality model: a large logit scale makes argmax margins far wider than the last-bit
 # differences between batched and single-sequence matmuls.
 CHAT_SPEC = TinyModelSpec(hidden_size=64, num_layers=2, vocab_size=512, logit_scale=8.0, seed=1)
 # A second, different model for the two-worker tests.
 OTHER_SPEC = TinyModelSpec(hidden_size=48, num_layers=1, vocab_size=384, logit_scale=4.0, seed=2)
-# Byte-level vocabulary, for UTF-8 tests.
-BYTES_SPEC = TinyModelSpec(hidden_size=64, num_layers=1, vocab_size=400, byte_fallback=True)
+
+
+def bytes_spec(model_dir: Path) -> TinyModelSpec:
+    """Byte-level vocabulary and a scripted (bigram) greedy chain, for UTF-8 and stop tests:
+    'a' -> C3 -> A9 -> C3 ... spells "ééé" one byte token at a time; 'x' -> 'y' -> 'z' -> 'x'."""
+    probe = build_tiny_model(model_dir, TinyModelSpec(vocab_size=400, byte_fallback=True))
+    b = {c: byte_token_id(probe, c) for c in (0x61, 0xC3, 0xA9, 0x78, 0x79, 0x7A)}
+    chain = {b[0x61]: b[0xC3], b[0xC3]: b[0xA9], b[0xA9]: b[0xC3]}
+    chain |= {b[0x78]: b[0x79], b[0x79]: b[0x7A], b[0x7A]: b[0x78]}
+    return TinyModelSpec(hidden_size=64, num_layers=1, vocab_size=400, byte_fallback=True, bigram=chain)
 
 
 @pytest.fixture(scope="session")
@@ -35,11 +43,18 @@ def other_model(model_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def gateway(chat_model: Path, other_model: Path) -> Iterator[GatewayProc]:
-    """One gateway serving two models from two worker processes, for most e2e tests."""
+def bytes_model(model_root: Path) -> Path:
+    path = model_root / "bytes"
+    return build_tiny_model(path, bytes_spec(path))
+
+
+@pytest.fixture(scope="session")
+def gateway(chat_model: Path, other_model: Path, bytes_model: Path) -> Iterator[GatewayProc]:
+    """One gateway serving three models from three worker processes, for most e2e tests."""
     models = [
         {"name": "chat", "source": str(chat_model), "aliases": ["chat-alias"]},
         {"name": "other", "source": str(other_model), "engine": {"max_context": 256}},
+        {"name": "bytes", "source": str(bytes_model)},
     ]
     with running_gateway(models, request_timeout_s=60.0) as gw:
         yield gw

@@ -14,7 +14,7 @@ MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
 
 def test_models_lists_configured_models(client: openai.OpenAI) -> None:
     models = {m.id: m for m in client.models.list().data}
-    assert set(models) == {"chat", "other"}
+    assert set(models) == {"chat", "other", "bytes"}
     extra = models["chat"].model_extra or {}
     assert extra["state"] == "ready"
     assert extra["aliases"] == ["chat-alias"]
