@@ -1,0 +1,111 @@
+"""Bad input gets a 4xx in OpenAI's error shape and never wedges anything."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway_proc import GatewayProc
+
+OK_MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def _post(gateway: GatewayProc, path: str, body: Any, raw: bytes | None = None) -> httpx.Response:
+    url = f"{gateway.base_url}/v1/{path}"
+    if raw is not None:
+        return httpx.post(url, content=raw, headers={"content-type": "application/json"})
+    return httpx.post(url, json=body, timeout=30)
+
+
+def _assert_openai_error(r: httpx.Response, status: int, *needles: str) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"}
+    for needle in needles:
+        assert needle in error["message"], error
+    return error
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"model": "chat", "messages": OK_MESSAGES, "max_tokens": "ten"}, "max_tokens"),
+        ({"model": "chat", "messages": OK_MESSAGES, "max_tokens": -1}, "max_tokens"),
+        ({"model": "chat", "messages": OK_MESSAGES, "max_tokens": 0}, "max_tokens"),
+        ({"model": "chat", "messages": OK_MESSAGES, "temperature": -1}, "temperature"),
+        ({"model": "chat", "messages": OK_MESSAGES, "top_p": 1.5}, "top_p"),
+        ({"model": "chat", "messages": []}, "messages"),
+        ({"model": "chat"}, "messages"),
+        ({"messages": OK_MESSAGES}, "model"),
+        ({"model": "chat", "messages": [{"role": "robot", "content": "x"}]}, "role"),
+        ({"model": "chat", "messages": OK_MESSAGES, "frobnicate": 1}, "frobnicate"),
+        ({"model": "chat", "messages": OK_MESSAGES, "n": 2}, "n"),
+        ({"model": "chat", "messages": OK_MESSAGES, "logprobs": True}, "logprobs"),
+        ({"model": "chat", "messages": OK_MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+        ({"model": "chat", "messages": OK_MESSAGES, "stop": 5}, "stop"),
+        ({"model": "chat", "messages": OK_MESSAGES, "logit_bias": {"abc": 1}}, "logit_bias"),
+        ([1, 2, 3], "object"),
+    ],
+)
+def test_chat_validation_errors(gateway: GatewayProc, body: Any, needle: str) -> None:
+    error = _assert_openai_error(_post(gateway, "chat/completions", body), 400, needle)
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "raw", [b"{not json", b"", b'{"model": "chat", "messages": [', b"\xff\xfe"]
+)
+def test_invalid_json(gateway: GatewayProc, raw: bytes) -> None:
+    _assert_openai_error(_post(gateway, "chat/completions", None, raw=raw), 400)
+
+
+def test_completion_validation(gateway: GatewayProc) -> None:
+    _assert_openai_error(_post(gateway, "completions", {"model": "chat", "prompt": ""}), 400)
+    body = {"model": "chat", "prompt": ["a", "b"]}
+    _assert_openai_error(_post(gateway, "completions", body), 400, "batched")
+    body = {"model": "chat", "prompt": "a", "echo": True}
+    _assert_openai_error(_post(gateway, "completions", body), 400, "echo")
+    body = {"model": "chat", "prompt": [999999]}
+    _assert_openai_error(_post(gateway, "completions", body), 400, "vocabulary")
+
+
+def test_unknown_model_is_404_naming_available(gateway: GatewayProc) -> None:
+    body = {"model": "nope", "messages": OK_MESSAGES}
+    error = _assert_openai_error(_post(gateway, "chat/completions", body), 404, "nope", "chat")
+    assert error["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_over_long_prompt_is_400(gateway: GatewayProc, stream: bool) -> None:
+    body = {
+        "model": "other",  # max_context 256
+        "messages": [{"role": "user", "content": "word " * 600}],
+        "stream": stream,
+    }
+    error = _assert_openai_error(_post(gateway, "chat/completions", body), 400, "context length")
+    assert error["code"] == "context_length_exceeded"
+    body = {"model": "other", "messages": OK_MESSAGES, "max_tokens": 1000}
+    _assert_openai_error(_post(gateway, "chat/completions", body), 400, "context length")
+
+
+def test_unknown_route_and_method(gateway: GatewayProc) -> None:
+    _assert_openai_error(httpx.get(f"{gateway.base_url}/v1/nothing"), 404)
+    _assert_openai_error(httpx.get(f"{gateway.base_url}/v1/chat/completions"), 405)
+
+
+def test_body_too_large(gateway: GatewayProc) -> None:
+    big = b'{"model": "chat", "messages": [{"role": "user", "content": "' + b"a" * (9 << 20)
+    r = httpx.post(f"{gateway.base_url}/v1/chat/completions", content=big + b'"}]}', timeout=30)
+    assert r.status_code == 413
+
+
+def test_sdk_raises_typed_errors_and_gateway_still_serves(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="missing", messages=OK_MESSAGES)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="chat", messages=OK_MESSAGES, temperature=-1)  # type: ignore[arg-type]
+    r = client.chat.completions.create(model="chat", messages=OK_MESSAGES, max_tokens=2)  # type: ignore[arg-type]
+    assert r.usage is not None and r.usage.completion_tokens >= 1
