@@ -85,7 +85,10 @@ class GatewayProc:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=check)
 
     def ps(self) -> dict[str, dict[str, Any]]:
-        rows = json.loads(self.ctl("ps", "--json").stdout)
+        """The admin API's ps, straight over the unix socket (gatewayctl has its own tests)."""
+        transport = httpx.HTTPTransport(uds=str(self.run_dir / "admin.sock"))
+        with httpx.Client(transport=transport, base_url="http://gw", timeout=10) as admin:
+            rows = admin.get("/ps").json()
         return {r["model"]: r for r in rows}
 
     def logs(self) -> str:

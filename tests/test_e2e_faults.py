@@ -1,0 +1,148 @@
+"""Faults through real processes: disconnects, killed workers, load/unload, idle CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.gateway_proc import GatewayProc, running_gateway
+
+MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
+
+
+@pytest.fixture(scope="module")
+def fault_gateway(chat_model: Path, other_model: Path) -> Iterator[GatewayProc]:
+    models = [
+        {"name": "victim", "source": str(chat_model)},
+        {"name": "bystander", "source": str(other_model)},
+        {"name": "lazy", "source": str(other_model), "preload": False},
+    ]
+    with running_gateway(models, request_timeout_s=60.0) as gw:
+        yield gw
+
+
+def _client(gw: GatewayProc) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gw.base_url}/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def _wait(predicate, timeout: float = 15.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_disconnect_mid_stream_frees_the_slot(fault_gateway: GatewayProc) -> None:
+    body = {
+        "model": "victim",
+        "messages": MESSAGES,
+        "max_tokens": 100000 // 100,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", f"{fault_gateway.base_url}/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert fault_gateway.ps()["victim"]["in_flight"] == 1
+    # The connection is closed: the gateway aborts, the worker drops the request.
+    _wait(lambda: fault_gateway.ps()["victim"]["in_flight"] == 0, what="gateway abort")
+    _wait(
+        lambda: fault_gateway.ps()["victim"]["running"] == 0,
+        what="worker heartbeat showing the slot free",
+    )
+
+
+def test_worker_killed_mid_stream(fault_gateway: GatewayProc) -> None:
+    client = _client(fault_gateway)
+    pid = fault_gateway.ps()["victim"]["pid"]
+    stream = client.chat.completions.create(
+        model="victim",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=1000,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    seen = 0
+    with pytest.raises(openai.APIError) as info:
+        for _chunk in stream:
+            seen += 1
+            if seen == 3:
+                os.kill(pid, signal.SIGKILL)
+    assert "exited" in str(info.value)
+    # The other model keeps serving; the dead one answers 503 at once, never hangs.
+    r = client.chat.completions.create(model="bystander", messages=MESSAGES, max_tokens=3)  # type: ignore[arg-type]
+    assert r.usage is not None
+    with pytest.raises(openai.APIStatusError) as dead:
+        client.chat.completions.create(model="victim", messages=MESSAGES, max_tokens=3)  # type: ignore[arg-type]
+    assert dead.value.status_code == 503
+    ps = fault_gateway.ps()
+    assert ps["victim"]["state"] == "failed"
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    # Loading it again through gatewayctl brings it back.
+    fault_gateway.ctl("load", "victim")
+    r = client.chat.completions.create(model="victim", messages=MESSAGES, max_tokens=3)  # type: ignore[arg-type]
+    assert r.usage is not None
+
+
+def test_load_and_unload_with_gatewayctl(fault_gateway: GatewayProc) -> None:
+    client = _client(fault_gateway)
+    assert fault_gateway.ps()["lazy"]["state"] == "unloaded"
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(model="lazy", messages=MESSAGES, max_tokens=2)  # type: ignore[arg-type]
+    assert info.value.status_code == 503
+    assert "gatewayctl load lazy" in str(info.value)
+
+    out = fault_gateway.ctl("load", "lazy").stdout
+    assert "lazy: ready" in out
+    row = fault_gateway.ps()["lazy"]
+    assert row["state"] == "ready" and row["pid"]
+    pid = row["pid"]
+    r = client.chat.completions.create(model="lazy", messages=MESSAGES, max_tokens=2)  # type: ignore[arg-type]
+    assert r.usage is not None
+
+    table = fault_gateway.ctl("ps").stdout
+    assert "lazy" in table and "ready" in table and "MEMORY" in table
+
+    out = fault_gateway.ctl("unload", "lazy").stdout
+    assert "unloaded" in out
+    assert fault_gateway.ps()["lazy"]["state"] == "unloaded"
+    # The worker process is gone, so its memory went back to the OS.
+    _wait(lambda: not psutil.pid_exists(pid), what="worker exit")
+
+    bad = fault_gateway.ctl("load", "no-such-model", check=False)
+    assert bad.returncode == 1 and "no-such-model" in bad.stderr
+
+
+def test_admin_socket_is_private(fault_gateway: GatewayProc) -> None:
+    mode = (fault_gateway.run_dir / "admin.sock").stat().st_mode & 0o777
+    assert mode == 0o600
+    assert (fault_gateway.run_dir.stat().st_mode & 0o777) == 0o700
+
+
+def test_ps_json_fields(fault_gateway: GatewayProc) -> None:
+    rows = json.loads(fault_gateway.ctl("ps", "--json").stdout)
+    row = next(r for r in rows if r["model"] == "bystander")
+    for key in ("model", "state", "pid", "rss_bytes", "running", "waiting", "uptime_s"):
+        assert key in row
+
+
+def test_idle_worker_uses_no_cpu(fault_gateway: GatewayProc) -> None:
+    proc = psutil.Process(fault_gateway.ps()["bystander"]["pid"])
+    before = proc.cpu_times()
+    time.sleep(3)
+    after = proc.cpu_times()
+    used = (after.user - before.user) + (after.system - before.system)
+    assert used < 0.15, f"idle worker used {used:.3f}s of CPU in 3s"
