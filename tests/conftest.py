@@ -24,7 +24,9 @@ def bytes_spec(model_dir: Path) -> TinyModelSpec:
     b = {c: byte_token_id(probe, c) for c in (0x61, 0xC3, 0xA9, 0x78, 0x79, 0x7A)}
     chain = {b[0x61]: b[0xC3], b[0xC3]: b[0xA9], b[0xA9]: b[0xC3]}
     chain |= {b[0x78]: b[0x79], b[0x79]: b[0x7A], b[0x7A]: b[0x78]}
-    return TinyModelSpec(hidden_size=64, num_layers=1, vocab_size=400, byte_fallback=True, bigram=chain)
+    return TinyModelSpec(
+        hidden_size=64, num_layers=1, vocab_size=400, byte_fallback=True, bigram=chain
+    )
 
 
 @pytest.fixture(scope="session")
