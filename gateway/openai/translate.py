@@ -142,7 +142,7 @@ def completion_request(req: CompletionRequest) -> tuple[CanonicalRequest, Sampli
         raise _unsupported("best_of", "only best_of=1 is served")
     if req.logprobs is not None:
         raise _unsupported("logprobs", "log probabilities are not served yet")
-    prompt = req.prompt
+    prompt: object = req.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
             raise _unsupported("prompt", "batched prompts; send one prompt per request")
@@ -151,8 +151,8 @@ def completion_request(req: CompletionRequest) -> tuple[CanonicalRequest, Sampli
         raise GatewayError(ErrorCode.INVALID_REQUEST, "`prompt` must not be empty", "prompt")
     if isinstance(prompt, str):
         canonical = CanonicalRequest(prompt=prompt)
-    elif all(isinstance(t, int) for t in prompt):
-        canonical = CanonicalRequest(prompt_token_ids=[int(t) for t in prompt])  # type: ignore[arg-type]
+    elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        canonical = CanonicalRequest(prompt_token_ids=prompt)
     else:
         raise GatewayError(
             ErrorCode.INVALID_REQUEST,
