@@ -50,7 +50,9 @@ def write_config(path: Path, models: list[dict[str, Any]], server: dict[str, Any
 
 
 class GatewayProc:
-    def __init__(self, models: list[dict[str, Any]], **server: Any) -> None:
+    def __init__(
+        self, models: list[dict[str, Any]], env: dict[str, str] | None = None, **server: Any
+    ) -> None:
         # Short run dir: ipc socket paths must stay under 104 bytes.
         self.run_dir = Path(tempfile.mkdtemp(prefix="gw", dir="/tmp"))
         self.port = free_port()
@@ -62,7 +64,7 @@ class GatewayProc:
             [sys.executable, "-m", "gateway", "--config", str(self.config), "serve"],
             stdout=self.log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
 
     def wait_ready(self, models: list[str], timeout: float = READY_TIMEOUT_S) -> None:
@@ -109,8 +111,10 @@ class GatewayProc:
 
 
 @contextlib.contextmanager
-def running_gateway(models: list[dict[str, Any]], **server: Any) -> Iterator[GatewayProc]:
-    gw = GatewayProc(models, **server)
+def running_gateway(
+    models: list[dict[str, Any]], env: dict[str, str] | None = None, **server: Any
+) -> Iterator[GatewayProc]:
+    gw = GatewayProc(models, env, **server)
     try:
         gw.wait_ready([m["name"] for m in models if m.get("preload", True)])
         yield gw

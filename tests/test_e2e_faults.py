@@ -25,8 +25,9 @@ def fault_gateway(chat_model: Path, other_model: Path) -> Iterator[GatewayProc]:
         {"name": "victim", "source": str(chat_model)},
         {"name": "bystander", "source": str(other_model)},
         {"name": "lazy", "source": str(other_model), "preload": False},
+        {"name": "hub", "source": "nobody/no-such-model", "preload": False},
     ]
-    with running_gateway(models, request_timeout_s=60.0) as gw:
+    with running_gateway(models, {"HF_HUB_OFFLINE": "1"}, request_timeout_s=60.0) as gw:
         yield gw
 
 
@@ -146,3 +147,30 @@ def test_idle_worker_uses_no_cpu(fault_gateway: GatewayProc) -> None:
     after = proc.cpu_times()
     used = (after.user - before.user) + (after.system - before.system)
     assert used < 0.15, f"idle worker used {used:.3f}s of CPU in 3s"
+
+
+def test_unreachable_hub_model_fails_clearly(fault_gateway: GatewayProc) -> None:
+    result = fault_gateway.ctl("load", "hub", check=False)
+    assert result.returncode == 1
+    assert "'hub'" in result.stderr and "nobody/no-such-model" in result.stderr
+    assert "Traceback" not in result.stderr
+    row = fault_gateway.ps()["hub"]
+    assert row["state"] == "failed" and "nobody/no-such-model" in row["error"]
+    r = httpx.post(
+        f"{fault_gateway.base_url}/v1/chat/completions",
+        json={"model": "hub", "messages": MESSAGES},
+        timeout=30,
+    )
+    assert r.status_code == 503 and "nobody/no-such-model" in r.json()["error"]["message"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="Linux only")
+def test_workers_run_with_optimized_blas(fault_gateway: GatewayProc) -> None:
+    from shared.blas import resolve_blas
+
+    lib = resolve_blas("auto")
+    if lib is None:
+        pytest.skip("no OpenBLAS installed")
+    pid = fault_gateway.ps()["bystander"]["pid"]
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    assert "libopenblas" in maps
