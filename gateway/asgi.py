@@ -1,7 +1,7 @@
 """ASGI factory for running the gateway under any ASGI server (config from the environment).
 
-    uvicorn --factory gateway.asgi:app --loop uvloop --http httptools
-    granian --interface asgi --factory gateway.asgi:app --loop uvloop
+uvicorn --factory gateway.asgi:app --loop uvloop --http httptools
+granian --interface asgi --factory gateway.asgi:app --loop uvloop
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ STATUS = {
     ErrorCode.SHUTTING_DOWN: 503,
     ErrorCode.TIMEOUT: 504,
     ErrorCode.INTERNAL: 500,
+    ErrorCode.CANCELLED: 499,  # the client went away; nobody reads this one
 }
 
 

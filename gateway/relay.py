@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
 
 from gateway.errors import GatewayError
 from gateway.stream import RequestStream
@@ -31,12 +31,34 @@ class Formatter(Protocol):
 
 
 class Relay:
-    """One request's consumption of its stream, bounded by a deadline."""
+    """One request's consumption of its stream, bounded by a deadline.
 
-    def __init__(self, supervisor: Supervisor, stream: RequestStream, timeout_s: float) -> None:
+    Until a streaming response takes over (Litestar's Stream listens for the disconnect
+    itself), a watcher on the ASGI receive channel turns a client disconnect into an abort.
+    """
+
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        stream: RequestStream,
+        timeout_s: float,
+        receive: Callable[[], Awaitable[Any]] | None = None,
+    ) -> None:
         self.supervisor = supervisor
         self.stream = stream
         self.deadline = time.monotonic() + timeout_s
+        self._watcher = asyncio.create_task(self._watch(receive)) if receive else None
+
+    async def _watch(self, receive: Callable[[], Awaitable[Any]]) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.close()
+        self.stream.fail(ErrorCode.CANCELLED, "the client disconnected")
+
+    def stop_watching(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
 
     async def next(self) -> RequestOutput:
         try:
@@ -55,8 +77,10 @@ class Relay:
             output = await self.next()
         except BaseException:
             self.close()
+            self.stop_watching()
             raise
         if output.error is not None:
+            self.stop_watching()
             raise GatewayError.from_request_error(output.error)
         return output
 
@@ -77,6 +101,7 @@ class Relay:
             return fmt.response("".join(parts), output.finish_reason, output.usage)
         finally:
             self.close()
+            self.stop_watching()
 
     async def sse(
         self,

@@ -35,6 +35,7 @@ class ErrorCode(enum.StrEnum):
     TIMEOUT = "timeout"
     INTERNAL = "internal"
     SHUTTING_DOWN = "shutting_down"
+    CANCELLED = "cancelled"
 
 
 class Message(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -22,7 +22,8 @@ MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
 @pytest.fixture(scope="module")
 def fault_gateway(chat_model: Path, other_model: Path) -> Iterator[GatewayProc]:
     models = [
-        {"name": "victim", "source": str(chat_model)},
+        # A context far beyond what a test could generate: requests end only by abort.
+        {"name": "victim", "source": str(chat_model), "engine": {"max_context": 1_000_000}},
         {"name": "bystander", "source": str(other_model)},
         {"name": "lazy", "source": str(other_model), "preload": False},
         {"name": "hub", "source": "nobody/no-such-model", "preload": False},
@@ -48,7 +49,7 @@ def test_disconnect_mid_stream_frees_the_slot(fault_gateway: GatewayProc) -> Non
     body = {
         "model": "victim",
         "messages": MESSAGES,
-        "max_tokens": 100000 // 100,
+        "max_tokens": 500_000,
         "stream": True,
         "ignore_eos": True,
     }
@@ -64,6 +65,14 @@ def test_disconnect_mid_stream_frees_the_slot(fault_gateway: GatewayProc) -> Non
         lambda: fault_gateway.ps()["victim"]["running"] == 0,
         what="worker heartbeat showing the slot free",
     )
+
+
+def test_disconnect_of_non_streaming_request_frees_the_slot(fault_gateway: GatewayProc) -> None:
+    body = {"model": "victim", "messages": MESSAGES, "max_tokens": 500_000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{fault_gateway.base_url}/v1/chat/completions", json=body, timeout=1.5)
+    _wait(lambda: fault_gateway.ps()["victim"]["in_flight"] == 0, what="gateway abort")
+    _wait(lambda: fault_gateway.ps()["victim"]["running"] == 0, what="worker slot freed")
 
 
 def test_worker_killed_mid_stream(fault_gateway: GatewayProc) -> None:

@@ -45,6 +45,7 @@ def _error_event(exc: GatewayError) -> bytes:
 
 
 async def _serve(
+    request_: Request,
     state: State,
     model: str,
     kind: RequestKind,
@@ -55,10 +56,11 @@ async def _serve(
 ) -> Response[bytes] | Stream:
     supervisor: Supervisor = state.supervisor
     handle = await supervisor.submit(model, kind, *request)
-    relay = Relay(supervisor, handle, state.config.server.request_timeout_s)
+    relay = Relay(supervisor, handle, state.config.server.request_timeout_s, request_.receive)
     if not stream:
         return Response(await relay.collect(fmt), media_type=JSON)
     first = await relay.first()
+    relay.stop_watching()  # from here on, Litestar's Stream watches for the disconnect
     return Stream(
         relay.sse(fmt, first, include_usage, _error_event),
         media_type="text/event-stream",
@@ -71,6 +73,7 @@ async def chat_completions(request: Request, state: State) -> Response[bytes] | 
     body = decode_body(await request.body(), ChatCompletionRequest)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await _serve(
+        request,
         state,
         body.model,
         RequestKind.CHAT,
@@ -86,6 +89,7 @@ async def completions(request: Request, state: State) -> Response[bytes] | Strea
     body = decode_body(await request.body(), CompletionRequest)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await _serve(
+        request,
         state,
         body.model,
         RequestKind.COMPLETION,
