@@ -1,0 +1,80 @@
+"""Helpers for in-process EngineCore tests: load a tiny model, drive the engine, references."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm import load as mlx_load
+from mlx_lm.generate import generate_step
+
+from shared.config import EngineOptions
+from shared.types import FinishReason, RequestOutput, SamplingParams
+from worker.engine import EngineCore
+from worker.preprocess import PreparedRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    path: Path
+    model: Any
+    tokenizer: Any
+
+    def engine(self, **options: Any) -> EngineCore:
+        return EngineCore(self.model, self.tokenizer, EngineOptions(**options))
+
+
+def load(path: Path) -> Loaded:
+    result = mlx_load(str(path))
+    return Loaded(path, result[0], result[1])
+
+
+def prepared(
+    request_id: str, prompt: list[int], max_tokens: int, **sampling: Any
+) -> PreparedRequest:
+    return PreparedRequest(request_id, list(prompt), max_tokens, SamplingParams(**sampling))
+
+
+def greedy(request_id: str, prompt: list[int], max_tokens: int, **sampling: Any) -> PreparedRequest:
+    return prepared(request_id, prompt, max_tokens, temperature=0.0, **sampling)
+
+
+def drive(
+    engine: EngineCore, requests: list[PreparedRequest], max_steps: int = 2000
+) -> dict[str, list[RequestOutput]]:
+    """Add the requests, step until the engine is idle; each request's deltas in order
+    (requests added earlier are included with the deltas this call saw)."""
+    for request in requests:
+        engine.add(request)
+    outputs: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}
+    for _ in range(max_steps):
+        if not engine.has_work:
+            break
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).append(output)
+    else:
+        raise AssertionError(f"the engine did not finish within {max_steps} steps")
+    for request_id, deltas in outputs.items():
+        finals = [o for o in deltas if o.finish_reason is not None]
+        assert len(finals) == 1 and deltas[-1] is finals[0], f"{request_id}: one terminal, last"
+    return outputs
+
+
+def token_ids(deltas: list[RequestOutput]) -> list[int]:
+    return [t for o in deltas for t in o.token_ids]
+
+
+def text(deltas: list[RequestOutput]) -> str:
+    return "".join(o.text for o in deltas)
+
+
+def finish(deltas: list[RequestOutput]) -> FinishReason | None:
+    return deltas[-1].finish_reason
+
+
+def reference_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    """mlx-lm's own single-sequence greedy decode (no EOS handling)."""
+    steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens)
+    return [int(token) for token, _ in steps]

@@ -1,0 +1,91 @@
+"""resolve_blas and the worker environment's LD_PRELOAD."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared.blas import BlasError, resolve_blas, worker_env
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+
+
+@pytest.fixture
+def libs(tmp_path: Path) -> tuple[str, str, str]:
+    first, second = tmp_path / "libfirst.so.0", tmp_path / "libsecond.so.0"
+    first.write_bytes(b"\x7fELF")
+    second.write_bytes(b"\x7fELF")
+    return str(tmp_path / "missing.so.0"), str(first), str(second)
+
+
+def test_off(libs: tuple[str, str, str]) -> None:
+    _, first, _ = libs
+    assert resolve_blas("off", (first,)) is None
+
+
+def test_auto_picks_the_first_existing_candidate(libs: tuple[str, str, str]) -> None:
+    missing, first, second = libs
+    assert resolve_blas("auto", (missing, second, first)) == second
+    assert resolve_blas("auto", (first, second)) == first
+
+
+def test_auto_without_candidates(libs: tuple[str, str, str], tmp_path: Path) -> None:
+    missing, _, _ = libs
+    assert resolve_blas("auto", (missing,)) is None
+    assert resolve_blas("auto", ()) is None
+    assert resolve_blas("auto", (str(tmp_path),)) is None  # a directory is no library
+
+
+def test_explicit_path(libs: tuple[str, str, str]) -> None:
+    missing, first, second = libs
+    assert resolve_blas(second, (first,)) == second
+    with pytest.raises(BlasError, match=r"missing\.so\.0"):
+        resolve_blas(missing, (first,))
+
+
+def test_worker_env_sets_ld_preload(libs: tuple[str, str, str]) -> None:
+    _, first, _ = libs
+    env = worker_env(first, {"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "LD_PRELOAD": first}
+
+
+def test_worker_env_prepends_to_an_existing_preload(libs: tuple[str, str, str]) -> None:
+    _, first, second = libs
+    base = {"LD_PRELOAD": second}
+    env = worker_env(first, base)
+    assert env["LD_PRELOAD"] == f"{first}:{second}"
+    assert base == {"LD_PRELOAD": second}  # the base is not modified
+
+
+def test_worker_env_does_not_preload_twice(libs: tuple[str, str, str]) -> None:
+    _, first, second = libs
+    base = {"LD_PRELOAD": f"{second}:{first}"}
+    assert worker_env(first, base)["LD_PRELOAD"] == f"{second}:{first}"
+
+
+def test_worker_env_off_leaves_the_environment(libs: tuple[str, str, str]) -> None:
+    _, _, second = libs
+    assert worker_env("off", {"LD_PRELOAD": second, "A": "1"}) == {"LD_PRELOAD": second, "A": "1"}
+    assert "LD_PRELOAD" not in worker_env("off", {"A": "1"})
+
+
+def test_worker_env_missing_library_is_an_error(libs: tuple[str, str, str]) -> None:
+    missing, _, _ = libs
+    with pytest.raises(BlasError):
+        worker_env(missing, {})
+
+
+def test_worker_env_defaults_to_os_environ(
+    libs: tuple[str, str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, first, second = libs
+    monkeypatch.setenv("MLX_GATEWAY_TEST_MARKER", "yes")
+    monkeypatch.setenv("LD_PRELOAD", second)
+    env = worker_env(first)
+    assert env["MLX_GATEWAY_TEST_MARKER"] == "yes"
+    assert env["LD_PRELOAD"] == f"{first}:{second}"
+
+    assert os.environ["LD_PRELOAD"] == second  # os.environ itself is untouched
