@@ -94,9 +94,13 @@ def _apply_env(config: Config) -> Config:
     server = config.server
     overrides: dict[str, object] = {}
     for field, cast in (("host", str), ("port", int), ("run_dir", str), ("blas", str)):
-        value = os.environ.get(f"MLX_GATEWAY_{field.upper()}")
+        name = f"MLX_GATEWAY_{field.upper()}"
+        value = os.environ.get(name)
         if value is not None:
-            overrides[field] = cast(value)
+            try:
+                overrides[field] = cast(value)
+            except ValueError:
+                raise ConfigError(f"{name}={value!r} is not a valid {field}") from None
     if overrides:
         config = msgspec.structs.replace(
             config, server=msgspec.structs.replace(server, **overrides)
@@ -112,5 +116,15 @@ def _validate(config: Config) -> None:
                 raise ConfigError(f"model name or alias {name!r} is used twice")
             seen[name] = model.name
         opts = model.engine
-        if opts.max_running < 1 or opts.max_waiting < 0 or opts.prefill_step_size < 1:
-            raise ConfigError(f"model {model.name!r}: engine options must be positive")
+        positive = {
+            "max_running": opts.max_running,
+            "prefill_batch_size": opts.prefill_batch_size,
+            "prefill_step_size": opts.prefill_step_size,
+            "max_context": opts.max_context or 1,
+            "default_max_tokens": opts.default_max_tokens or 1,
+        }
+        for key, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"model {model.name!r}: engine.{key} must be at least 1")
+        if opts.max_waiting < 0:
+            raise ConfigError(f"model {model.name!r}: engine.max_waiting must not be negative")

@@ -21,13 +21,9 @@ def mlx_lm_greedy(model_dir: Path, messages: list[dict[str, str]], n: int) -> st
     """mlx-lm's own in-process greedy generation: the reference."""
     model, tokenizer = load(str(model_dir))[:2]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    detok = tokenizer.detokenizer
-    for (token, _), _i in zip(
-        generate_step(mx.array(prompt), model, max_tokens=n), range(n), strict=False
-    ):
-        detok.add_token(int(token))
-    detok.finalize()
-    return str(detok.text)
+    steps = zip(generate_step(mx.array(prompt), model), range(n), strict=False)
+    tokens = [int(t) for (t, _), _i in steps]
+    return str(tokenizer.decode(tokens))
 
 
 def _served(client: openai.OpenAI, messages: list[dict[str, str]]) -> tuple[str, int]:

@@ -179,11 +179,6 @@ def test_schema_rejections_name_the_field(field: str, value: Any) -> None:
     assert f"$.{field}" in error.message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: decode_body drops the field path of a msgspec ValidationError, so `param` "
-    "is None instead of the offending field (OpenAI sets param, e.g. 'max_tokens')",
-)
 @pytest.mark.parametrize(("field", "value"), SCHEMA_REJECTIONS)
 def test_schema_rejections_set_param(field: str, value: Any) -> None:
     assert rejected(chat, **{field: value}).param == field

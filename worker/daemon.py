@@ -40,7 +40,7 @@ from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput
 from worker.channels import WorkerChannels
 from worker.engine import EngineCore
 from worker.loader import LoadedModel, load_model
-from worker.preprocess import PreprocessError, Preprocessor
+from worker.preprocess import PreparedRequest, PreprocessError, Preprocessor
 
 log = logging.getLogger("worker")
 
@@ -139,14 +139,27 @@ class WorkerProc:
                 finished += self.engine.abort(item.request_ids)
             elif isinstance(item, Shutdown):
                 finished += self._shutdown(item)
-            elif item is not None:
-                self.engine.add(item)  # type: ignore[arg-type]
+            elif isinstance(item, PreparedRequest):
+                failed = self._add(item)
+                if failed is not None:
+                    finished.append(failed)
             try:
                 item = self.inputs.get_nowait()
             except queue.Empty:
                 break
         if finished:
             self._send(StepOutputs(self.worker_id, self.engine.steps, finished))
+
+    def _add(self, prepared: PreparedRequest) -> RequestOutput | None:
+        """A request the engine refuses fails alone; the worker keeps serving."""
+        assert self.engine is not None
+        try:
+            self.engine.add(prepared)
+            return None
+        except ValueError as exc:
+            log.warning("request %s refused by the engine: %s", prepared.request_id, exc)
+            error = RequestError(ErrorCode.INVALID_REQUEST, str(exc))
+            return RequestOutput(prepared.request_id, finish_reason=FinishReason.ERROR, error=error)
 
     def _shutdown(self, frame: Shutdown) -> list[RequestOutput]:
         assert self.engine is not None

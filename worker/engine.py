@@ -67,6 +67,7 @@ class EngineCore:
             prompt_len=len(prepared.prompt),
             max_tokens=prepared.max_tokens,
             detokenizer=self.tokenizer.detokenizer,
+            decode=self.tokenizer.decode,
             stop=StopStringMatcher(params.stop, params.include_stop_str_in_output),
         )
         self.requests[request.request_id] = request

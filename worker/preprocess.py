@@ -32,12 +32,12 @@ class Preprocessor:
         self.vocab_size = len(tokenizer)
 
     def __call__(self, frame: Add) -> PreparedRequest:
+        param = _prompt_param(frame)
         prompt = self._tokenize(frame)
         if not prompt:
-            raise _invalid("the prompt is empty after tokenization", "messages")
-        return PreparedRequest(
-            frame.request_id, prompt, self._max_tokens(len(prompt), frame.sampling), frame.sampling
-        )
+            raise _invalid("the prompt is empty after tokenization", param)
+        max_tokens = self._max_tokens(len(prompt), frame.sampling, param)
+        return PreparedRequest(frame.request_id, prompt, max_tokens, frame.sampling)
 
     def _tokenize(self, frame: Add) -> list[int]:
         request = frame.request
@@ -62,7 +62,7 @@ class Preprocessor:
             return list(request.prompt_token_ids)
         return list(self.tokenizer.encode(request.prompt or "", add_special_tokens=True))
 
-    def _max_tokens(self, prompt_len: int, sampling: SamplingParams) -> int:
+    def _max_tokens(self, prompt_len: int, sampling: SamplingParams, param: str) -> int:
         room = self.max_context - prompt_len
         requested = sampling.max_tokens
         if requested is None:
@@ -76,12 +76,18 @@ class Preprocessor:
                     f"However, you requested {prompt_len + requested} tokens "
                     f"({prompt_len} in the prompt, {requested} for the completion). "
                     "Please reduce the length of the prompt or of max_tokens.",
-                    "messages",
+                    param,
                 )
             )
+        if requested < 1:
+            raise _invalid("max_tokens must be at least 1", "max_tokens")
         if sampling.min_tokens > requested:
             raise _invalid("min_tokens must not exceed max_tokens", "min_tokens")
         return requested
+
+
+def _prompt_param(frame: Add) -> str:
+    return "messages" if frame.kind == RequestKind.CHAT else "prompt"
 
 
 def _message_dict(role: str, content: str, name: str | None) -> dict[str, str]:

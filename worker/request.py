@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from shared.types import FinishReason, RequestOutput, Usage
@@ -16,10 +17,23 @@ class Request:
     prompt_len: int
     max_tokens: int
     detokenizer: Any  # mlx_lm StreamingDetokenizer (one copy per request)
+    decode: Callable[[list[int]], str]
     stop: StopStringMatcher
     completion_tokens: int = 0
     finished: bool = False
-    pending_ids: list[int] = field(default_factory=list)
+    started: bool = False
+
+    def _segment(self) -> str:
+        """Newly readable text. mlx-lm's streaming detokenizers trim the first segment's
+        leading space; the API returns exactly tokenizer.decode(tokens), so restore it once."""
+        text: str = self.detokenizer.last_segment
+        if text and not self.started:
+            self.started = True
+            full = self.decode(self.detokenizer.tokens)
+            lead = full[: len(full) - len(full.lstrip())]
+            if lead and not text.startswith(lead) and full.startswith(lead + text):
+                text = lead + text
+        return text
 
     def on_token(self, token: int, stop_token: bool) -> RequestOutput | None:
         """Feed one sampled token; return this step's delta (None when nothing to say)."""
@@ -27,7 +41,7 @@ class Request:
         if stop_token:  # EOS or a stop token id: counted, never shown
             return self.finish(FinishReason.STOP, token, flush=True)
         self.detokenizer.add_token(token)
-        text, hit = self.stop.feed(self.detokenizer.last_segment)
+        text, hit = self.stop.feed(self._segment())
         if hit:
             return self.finish(FinishReason.STOP, token, text)
         if self.completion_tokens >= self.max_tokens:
@@ -41,7 +55,7 @@ class Request:
         self.finished = True
         if flush:
             self.detokenizer.finalize()
-            tail, hit = self.stop.feed(self.detokenizer.last_segment)
+            tail, hit = self.stop.feed(self._segment())
             text += tail if hit else tail + self.stop.flush()
         return RequestOutput(
             self.request_id,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import TypeVar
@@ -50,6 +51,7 @@ def _unsupported(param: str, detail: str = "") -> GatewayError:
 
 
 T = TypeVar("T")
+_ERROR_PATH = re.compile(r"at `\$\.([A-Za-z_][\w.\[\]]*)`")
 
 
 def decode_body(body: bytes, type_: type[T]) -> T:
@@ -58,7 +60,9 @@ def decode_body(body: bytes, type_: type[T]) -> T:
     try:
         return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as exc:
-        raise GatewayError(ErrorCode.INVALID_REQUEST, f"invalid request: {exc}") from exc
+        match = _ERROR_PATH.search(str(exc))
+        param = match.group(1) if match else None
+        raise GatewayError(ErrorCode.INVALID_REQUEST, f"invalid request: {exc}", param) from exc
     except msgspec.DecodeError as exc:
         raise GatewayError(ErrorCode.INVALID_REQUEST, f"the body is not valid JSON: {exc}") from exc
 
