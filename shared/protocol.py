@@ -2,8 +2,10 @@
 
 Gateway ROUTER <- worker DEALER (identity = worker id) carries gateway -> worker frames;
 worker PUSH -> gateway PULL carries worker -> gateway frames. Every frame is one Struct of a
-tagged union; hot-path Structs are array_like, omit_defaults and gc=False. Fields are only
-appended, with defaults; tests/test_protocol.py pins the bytes.
+tagged union; hot-path Structs are array_like (positional: no field names on the wire) and
+gc=False. Fields are only appended, with defaults, so an older peer's shorter arrays still
+decode (msgspec 0.23 writes every field of an array_like Struct, defaults included);
+tests/test_protocol.py pins the bytes.
 """
 
 from __future__ import annotations
