@@ -106,7 +106,7 @@ class Supervisor:
 
     async def stop(self) -> None:
         await asyncio.gather(
-            *(self.unload(name, force=True) for name in list(self.workers)),
+            *(self.unload(name, force=True, timeout=3.0) for name in list(self.workers)),
             return_exceptions=True,
         )
         for task in list(self._tasks):

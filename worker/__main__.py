@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import msgspec
@@ -30,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     worker = WorkerProc(
         WorkerArgs(args.id, args.requests, args.outputs, model, not args.no_parent_watch)
     )
-    return worker.run()
+    code = worker.run()
+    logging.shutdown()
+    os._exit(code)  # never wait on a daemon thread stuck in a send to a vanished gateway
 
 
 if __name__ == "__main__":

@@ -70,11 +70,15 @@ class WorkerProc:
         self.engine: EngineCore | None = None
         self.parent = os.getppid()
         self.draining_until: float | None = None
+        self.stopping = threading.Event()
         self.outputs_thread = threading.Thread(target=self._output_loop, name="output", daemon=True)
+        self.inputs_thread: threading.Thread | None = None
 
     # ---- lifecycle ----------------------------------------------------------------
 
     def run(self) -> int:
+        if self.args.watch_parent:
+            threading.Thread(target=self._watch_parent, name="parent-watch", daemon=True).start()
         self.outputs_thread.start()
         self._send(Hello(self.worker_id, PROTOCOL_VERSION, os.getpid(), self.args.model.name))
         try:
@@ -83,9 +87,10 @@ class WorkerProc:
             loaded = load_model(self.args.model)
             self.engine = EngineCore(loaded.model, loaded.tokenizer, self.args.model.engine)
             preprocess = Preprocessor(loaded.tokenizer, self.args.model.engine, loaded.max_context)
-            threading.Thread(
+            self.inputs_thread = threading.Thread(
                 target=self._input_loop, args=(preprocess,), name="input", daemon=True
-            ).start()
+            )
+            self.inputs_thread.start()
             self.state = WorkerState.READY
             self._send(self._ready(loaded, time.monotonic() - started))
             self.run_busy_loop()
@@ -97,9 +102,26 @@ class WorkerProc:
             self._send(WorkerDead(self.worker_id, str(exc), traceback.format_exc()[-4000:]))
             return 1
         finally:
-            self.outbox.put(_STOP)
-            self.outputs_thread.join(timeout=5)
-            self.channels.close()
+            self._close()
+
+    def _close(self) -> None:
+        """Sockets close only once the threads that own them are done (ZeroMQ sockets are
+        not thread-safe); a thread stuck on a dead gateway is left to os._exit."""
+        self.stopping.set()
+        self.outbox.put(_STOP)
+        self.outputs_thread.join(timeout=5)
+        if self.inputs_thread is not None:
+            self.inputs_thread.join(timeout=2)
+        threads = [self.outputs_thread, self.inputs_thread]
+        if not any(t is not None and t.is_alive() for t in threads):
+            self.channels.close()  # the output socket lingers so the last frames leave
+
+    def _watch_parent(self) -> None:
+        """macOS has no PDEATHSIG: notice re-parenting and exit with the gateway."""
+        while not self.stopping.wait(HEARTBEAT_S):
+            if os.getppid() != self.parent:
+                log.error("the gateway is gone; exiting")
+                os._exit(3)
 
     def _ready(self, loaded: LoadedModel, load_time: float) -> Ready:
         from importlib.metadata import version
@@ -193,8 +215,10 @@ class WorkerProc:
     def _input_loop(self, preprocess: Preprocessor) -> None:
         codec = Codec()
         sock = self.channels.requests
-        while True:
+        while not self.stopping.is_set():
             try:
+                if not sock.poll(200):
+                    continue
                 raw = sock.recv()
                 frame = codec.to_worker.decode(raw)
             except msgspec.DecodeError:
@@ -246,9 +270,6 @@ class WorkerProc:
             if now >= next_beat:
                 next_beat = now + HEARTBEAT_S
                 sock.send(codec.encode(self._heartbeat(process)))
-                if self.args.watch_parent and os.getppid() != self.parent:
-                    log.error("the gateway is gone; exiting")
-                    os._exit(3)
             try:
                 frame = self.outbox.get(timeout=max(0.0, next_beat - time.monotonic()))
             except queue.Empty:
