@@ -8,7 +8,6 @@ first byte they become an error event, then the stream's end.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
@@ -46,8 +45,18 @@ class Relay:
     ) -> None:
         self.supervisor = supervisor
         self.stream = stream
-        self.deadline = time.monotonic() + timeout_s
+        self.timeout_s = timeout_s
+        # One timer per request, not one per token: expiry aborts and ends the stream.
+        self._timer = asyncio.get_running_loop().call_later(timeout_s, self._expire)
         self._watcher = asyncio.create_task(self._watch(receive)) if receive else None
+
+    def _expire(self) -> None:
+        if not self.stream.finished:
+            self.supervisor.abort(self.stream)
+            self.stream.fail(
+                ErrorCode.TIMEOUT,
+                f"the request timed out (server.request_timeout_s={self.timeout_s:g})",
+            )
 
     async def _watch(self, receive: Callable[[], Awaitable[Any]]) -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -61,12 +70,7 @@ class Relay:
             self._watcher = None
 
     async def next(self) -> RequestOutput:
-        try:
-            async with asyncio.timeout_at(_loop_time(self.deadline)):
-                output = await self.stream.get()
-        except TimeoutError:
-            self.supervisor.abort(self.stream)
-            raise GatewayError(ErrorCode.TIMEOUT, "the request timed out") from None
+        output = await self.stream.get()
         if output.finish_reason == FinishReason.ABORT:
             output.error = ABORTED_BY_SERVER
         return output
@@ -86,6 +90,7 @@ class Relay:
 
     def close(self) -> None:
         """Abort in the worker unless the request already finished there."""
+        self._timer.cancel()
         if not self.stream.finished:
             self.supervisor.abort(self.stream)
 
@@ -121,12 +126,7 @@ class Relay:
                     yield _event(fmt.text_chunk(output.text))
                 if output.finish_reason is not None:
                     break
-                try:
-                    output = await self.next()
-                except GatewayError as exc:
-                    yield _event(error_event(exc))
-                    yield DONE
-                    return
+                output = await self.next()
             if output.error is not None:
                 yield _event(error_event(GatewayError.from_request_error(output.error)))
             else:
@@ -143,8 +143,3 @@ DONE = b"data: [DONE]\n\n"
 
 def _event(data: bytes) -> bytes:
     return b"data: " + data + b"\n\n"
-
-
-def _loop_time(deadline: float) -> float:
-    loop = asyncio.get_running_loop()
-    return loop.time() + (deadline - time.monotonic())

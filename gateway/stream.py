@@ -8,7 +8,7 @@ from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput
 
 
 class RequestStream:
-    __slots__ = ("_event", "_pending", "finished", "model", "request_id", "worker_id")
+    __slots__ = ("_pending", "_waiter", "finished", "model", "request_id", "worker_id")
 
     def __init__(self, request_id: str, model: str, worker_id: str) -> None:
         self.request_id = request_id
@@ -16,7 +16,7 @@ class RequestStream:
         self.worker_id = worker_id
         self.finished = False
         self._pending: RequestOutput | None = None
-        self._event = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None
 
     def put(self, output: RequestOutput) -> None:
         if self.finished:
@@ -35,16 +35,22 @@ class RequestStream:
                 usage=output.usage or pending.usage,
                 error=output.error or pending.error,
             )
-        self._event.set()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def fail(self, code: ErrorCode, message: str) -> None:
         error = RequestError(code, message)
         self.put(RequestOutput(self.request_id, finish_reason=FinishReason.ERROR, error=error))
 
     async def get(self) -> RequestOutput:
-        """The deltas since the last call, merged into one."""
-        await self._event.wait()
-        self._event.clear()
+        """The deltas since the last call, merged into one (one reader at a time)."""
+        while self._pending is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         output, self._pending = self._pending, None
         assert output is not None
         return output

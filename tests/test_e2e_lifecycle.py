@@ -38,3 +38,37 @@ def test_workers_exit_with_the_gateway(other_model: Path, sig: signal.Signals) -
         _wait_gone(pid, 15)
     finally:
         gw.stop()
+
+
+def test_request_timeout_aborts_and_reports(chat_model: Path) -> None:
+    import httpx
+    import openai
+
+    from tests.gateway_proc import running_gateway
+
+    models = [{"name": "m", "source": str(chat_model), "engine": {"max_context": 1_000_000}}]
+    with running_gateway(models, request_timeout_s=2.0) as gw:
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "go on forever"}],
+            "max_tokens": 500_000,
+            "ignore_eos": True,
+        }
+        r = httpx.post(f"{gw.base_url}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 504
+        assert "request_timeout_s" in r.json()["error"]["message"]
+
+        client = openai.OpenAI(base_url=f"{gw.base_url}/v1", api_key="x", max_retries=0)
+        sdk_body = {k: v for k, v in body.items() if k != "ignore_eos"}
+        stream = client.chat.completions.create(
+            stream=True,
+            extra_body={"ignore_eos": True},
+            **sdk_body,  # type: ignore[call-overload]
+        )
+        with pytest.raises(openai.APIError, match="timed out"):
+            for _ in stream:
+                pass
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and gw.ps()["m"]["running"]:
+            time.sleep(0.2)
+        assert gw.ps()["m"]["running"] == 0 and gw.ps()["m"]["in_flight"] == 0
