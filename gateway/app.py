@@ -95,5 +95,6 @@ def create_app(config: Config) -> Litestar:
         lifespan=[_lifespan],
         exception_handlers={Exception: _http_error},
         request_max_body_size=config.server.max_body_bytes,
+        logging_config=None,  # gateway.server configures logging once for the process
         type_encoders={msgspec.Struct: msgspec.to_builtins},
     )

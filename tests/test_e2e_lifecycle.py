@@ -72,3 +72,23 @@ def test_request_timeout_aborts_and_reports(chat_model: Path) -> None:
         while time.monotonic() < deadline and gw.ps()["m"]["running"]:
             time.sleep(0.2)
         assert gw.ps()["m"]["running"] == 0 and gw.ps()["m"]["in_flight"] == 0
+
+
+def test_embedded_default_serves_the_demo_model(tmp_path: Path) -> None:
+    """No config at all: the gateway generates and serves the random-weight demo model."""
+    import openai
+
+    from tests.gateway_proc import running_gateway
+
+    with running_gateway([], env={"MLX_GATEWAY_CACHE_DIR": str(tmp_path)}) as gw:
+        gw.wait_ready(["demo"])
+        client = openai.OpenAI(base_url=f"{gw.base_url}/v1", api_key="x", max_retries=0)
+        (card,) = client.models.list().data
+        assert card.id == "demo"
+        assert "random-weight" in (card.model_extra or {})["description"]
+        r = client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=8
+        )
+        assert r.choices[0].message.content
+        assert "random-weight demo" in gw.logs()
+    assert list(tmp_path.glob("models/demo-llama-*/model.safetensors"))
