@@ -1,0 +1,192 @@
+"""Streaming load generator for an OpenAI-compatible /v1/chat/completions endpoint.
+
+Closed loop: ``concurrency`` workers each send one request at a time until ``n`` requests
+have been started or the level's deadline passes, so exactly ``concurrency`` requests are
+in flight for most of the level. Only loopback URLs are accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from benchmarks._stats import RequestRecord
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def check_loopback(url: str) -> str:
+    host = urlsplit(url).hostname or ""
+    if host not in LOOPBACK and not host.startswith("127."):
+        raise ValueError(f"refusing non-loopback target {url!r}: only 127.0.0.1 is allowed")
+    return url.rstrip("/")
+
+
+def make_client(max_connections: int, request_timeout: float) -> httpx.AsyncClient:
+    limits = httpx.Limits(
+        max_connections=max_connections + 8,
+        max_keepalive_connections=max_connections + 8,
+        keepalive_expiry=30.0,
+    )
+    timeout = httpx.Timeout(request_timeout, connect=30.0, pool=request_timeout)
+    return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+
+
+def chat_body(model: str, prompt: str, max_tokens: int, ignore_eos: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    if ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def _content_of(event: dict[str, Any]) -> str:
+    text = ""
+    for choice in event.get("choices") or ():
+        delta = choice.get("delta") or {}
+        for key in ("content", "reasoning_content", "reasoning"):
+            part = delta.get(key)
+            if isinstance(part, str):
+                text += part
+    return text
+
+
+async def one_request(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    max_tokens: int,
+    deadline: float,
+) -> RequestRecord:
+    """Send one streaming request; never raises (errors land in the record)."""
+    rec = RequestRecord(start=time.perf_counter())
+    usage: dict[str, Any] | None = None
+    finish = None
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+            rec.status = resp.status_code
+            if resp.status_code != 200:
+                detail = (await resp.aread())[:200].decode("utf-8", "replace")
+                rec.error = f"http_{resp.status_code}: {detail}"
+                return rec
+            async for line in resp.aiter_lines():
+                if time.perf_counter() > deadline:
+                    rec.error = "deadline: request exceeded the level deadline"
+                    return rec
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                try:
+                    event = json.loads(data)
+                except json.JSONDecodeError:
+                    rec.error = f"bad_json: {data[:80]}"
+                    return rec
+                if "error" in event and not event.get("choices"):
+                    rec.error = f"stream_error: {str(event['error'])[:160]}"
+                    return rec
+                if _content_of(event):
+                    rec.chunk_times.append(time.perf_counter())
+                for choice in event.get("choices") or ():
+                    finish = choice.get("finish_reason") or finish
+                if event.get("usage"):
+                    usage = event["usage"]
+    except httpx.TimeoutException as e:
+        rec.error = f"timeout: {type(e).__name__}"
+    except httpx.HTTPError as e:
+        rec.error = f"connection: {type(e).__name__} {e}"[:200]
+    except (OSError, asyncio.IncompleteReadError) as e:
+        rec.error = f"connection: {type(e).__name__} {e}"[:200]
+    finally:
+        rec.end = time.perf_counter()
+    if rec.error is not None:
+        return rec
+    if usage is None:
+        # No usage chunk: fall back to counting content chunks, and call it a failure.
+        rec.completion_tokens = len(rec.chunk_times)
+        rec.error = "no_usage: server sent no usage chunk"
+        return rec
+    rec.prompt_tokens = usage.get("prompt_tokens")
+    rec.completion_tokens = usage.get("completion_tokens")
+    if not rec.chunk_times:
+        rec.error = "empty: no content chunks"
+    elif (rec.completion_tokens or 0) < max_tokens:
+        rec.error = f"short: {rec.completion_tokens} < {max_tokens} tokens (finish={finish})"
+    else:
+        rec.ok = True
+    return rec
+
+
+async def run_level(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompts: Sequence[str],
+    concurrency: int,
+    max_tokens: int,
+    ignore_eos: bool,
+    level_timeout: float,
+) -> tuple[list[RequestRecord], float]:
+    """Run ``len(prompts)`` requests with ``concurrency`` in flight; returns records, wall."""
+    records: list[RequestRecord] = []
+    next_index = 0
+    t0 = time.perf_counter()
+    deadline = t0 + level_timeout
+
+    async def worker() -> None:
+        nonlocal next_index
+        while next_index < len(prompts) and time.perf_counter() < deadline:
+            prompt = prompts[next_index]
+            next_index += 1
+            body = chat_body(model, prompt, max_tokens, ignore_eos)
+            records.append(await one_request(client, url, body, max_tokens, deadline))
+
+    tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
+    try:
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=level_timeout + 30.0)
+    except TimeoutError:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    wall = (max(r.end for r in records) if records else time.perf_counter()) - t0
+    skipped = len(prompts) - next_index
+    for _ in range(skipped):
+        records.append(RequestRecord(start=t0, end=t0, error="not_started: level deadline"))
+    return records, wall
+
+
+async def served_model(client: httpx.AsyncClient, url: str, prefer: str | None) -> str:
+    """The model id to send: ``prefer`` if given, else the last id listed by /v1/models.
+
+    mlx_lm's server lists the Hugging Face cache first and its own ``--model`` last, and
+    its listing fails outright (after a 200 header) when there is no cache; it also maps
+    the id ``default_model`` to its ``--model``, so that is the fallback.
+    """
+    if prefer:
+        return prefer
+    try:
+        resp = await client.get(url + "/v1/models", timeout=10.0)
+        ids = [m.get("id") for m in resp.json().get("data", []) if m.get("id")]
+    except (httpx.HTTPError, ValueError, AttributeError):
+        ids = []
+    return ids[-1] if ids else "default_model"
+
+
+async def warm_up(
+    client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int
+) -> RequestRecord:
+    body = chat_body(model, prompt, max_tokens, ignore_eos=True)
+    return await one_request(client, url, body, max_tokens, time.perf_counter() + 300.0)

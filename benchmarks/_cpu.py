@@ -1,0 +1,49 @@
+"""Machine-wide CPU use from /proc/stat, to spot other processes competing for the cores.
+
+Percentages are in units of one core (200 = two cores busy), like a process's CPU %.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+def snapshot() -> tuple[int, int] | None:
+    """(busy, total) jiffies over all CPUs, or None where /proc/stat is missing."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + fields[4]  # idle + iowait
+    total = sum(fields)
+    return total - idle, total
+
+
+def busy_pct(a: tuple[int, int] | None, b: tuple[int, int] | None) -> float | None:
+    if a is None or b is None or b[1] <= a[1]:
+        return None
+    return round(100.0 * (os.cpu_count() or 1) * (b[0] - a[0]) / (b[1] - a[1]), 1)
+
+
+def wait_idle(max_wait: float, threshold: float, label: str) -> dict[str, float | None]:
+    """Wait (bounded by ``max_wait`` seconds) until the machine's CPU use over a 1 s window
+    is below ``threshold`` % of one core; returns what was seen."""
+    start = time.perf_counter()
+    seen: float | None = None
+    for _ in range(int(max_wait) + 1):
+        a = snapshot()
+        time.sleep(1.0)
+        seen = busy_pct(a, snapshot())
+        if seen is None or seen < threshold:
+            break
+        if time.perf_counter() - start >= max_wait:
+            print(
+                f"[{label}] machine still busy ({seen}% CPU) after {max_wait:.0f}s; "
+                "measuring anyway (see bg CPU % in the table)",
+                file=sys.stderr,
+            )
+            break
+    return {"idle_wait_s": round(time.perf_counter() - start, 1), "busy_before_pct": seen}

@@ -1,0 +1,159 @@
+"""Start a server as a subprocess on 127.0.0.1 with a free port, wait for it, stop it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+BLAS_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+)
+
+# Built-in launch commands. Placeholders: {python} {model} {port} {max_concurrency}
+# {vllm_mlx_cmd}. Both servers get batch sizes >= the highest concurrency measured.
+BUILTIN_COMMANDS = {
+    "mlx_lm": (
+        "{python} -m mlx_lm server --model {model} --host 127.0.0.1 --port {port}"
+        " --decode-concurrency {max_concurrency} --prompt-concurrency {max_concurrency}"
+        " --log-level WARNING"
+    ),
+    "vllm_mlx": (
+        "{vllm_mlx_cmd} serve {model} --host 127.0.0.1 --port {port} --continuous-batching"
+        " --max-num-seqs {max_concurrency} --prefill-batch-size {max_concurrency}"
+        " --completion-batch-size {max_concurrency}"
+    ),
+}
+
+# Launched with HOME pointing at a scratch directory (removed after the run).
+PRIVATE_HOME = {"vllm_mlx"}
+
+
+def resolve_blas(setting: str) -> str | None:
+    if setting == "off" or not sys.platform.startswith("linux"):
+        return None
+    if setting == "auto":
+        return next((c for c in BLAS_CANDIDATES if Path(c).is_file()), None)
+    if not Path(setting).is_file():
+        raise SystemExit(f"--blas: {setting} not found")
+    return setting
+
+
+def child_env(blas: str | None) -> dict[str, str]:
+    """Environment for servers and the in-process child: exactly one BLAS preload, or none
+    (an inherited openblas preload is removed when ``blas`` is None)."""
+    env = dict(os.environ)
+    parts = [p for p in env.get("LD_PRELOAD", "").split(":") if p]
+    parts = [p for p in parts if "openblas" not in Path(p).name]
+    if blas:
+        parts = [blas, *[p for p in parts if p != blas]]
+    if parts:
+        env["LD_PRELOAD"] = ":".join(parts)
+    else:
+        env.pop("LD_PRELOAD", None)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """One launched server process (its own process group), logging to a file."""
+
+    def __init__(
+        self, name: str, template: str, fields: dict[str, str], env: dict[str, str], log_dir: Path
+    ) -> None:
+        self.name = name
+        self.port = free_port()
+        quoted = {k: shlex.quote(v) for k, v in fields.items()}
+        self.command = template.format(port=self.port, **quoted)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"{name}-{self.port}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            shlex.split(self.command),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        self.started = time.perf_counter()
+        self.ready_s: float | None = None
+
+    def wait_ready(self, timeout: float) -> None:
+        """Poll GET /v1/models until 200; bounded by ``timeout`` and the process exiting."""
+        deadline = time.perf_counter() + timeout
+        with httpx.Client(timeout=5.0, trust_env=False) as client:
+            while time.perf_counter() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{self.name} exited with {self.proc.returncode} before ready; "
+                        f"see {self.log_path}:\n{self.log_tail()}"
+                    )
+                try:
+                    if client.get(self.url + "/v1/models").status_code == 200:
+                        self.ready_s = time.perf_counter() - self.started
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not ready after {timeout:.0f}s; see {self.log_path}")
+
+    def cpu_seconds(self) -> float | None:
+        """User+system CPU of the server's process tree so far (needs psutil)."""
+        try:
+            import psutil
+
+            root = psutil.Process(self.proc.pid)
+            total = 0.0
+            for p in [root, *root.children(recursive=True)]:
+                t = p.cpu_times()
+                total += t.user + t.system
+            return total
+        except Exception:
+            return None
+
+    def rss_mb(self) -> float | None:
+        try:
+            import psutil
+
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+            return round(sum(p.memory_info().rss for p in procs) / 2**20, 1)
+        except Exception:
+            return None
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return ""
+        return data[-n:].decode("utf-8", "replace")
+
+    def stop(self, grace: float = 15.0) -> int | None:
+        """SIGTERM the server's process group, then SIGKILL it after ``grace`` seconds."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=grace)
+        self._log.close()
+        return self.proc.returncode

@@ -1,0 +1,393 @@
+"""Serving benchmark: streaming chat completions at fixed concurrency, against a ceiling.
+
+Measures OpenAI-compatible servers (already running with ``--target NAME=URL``, or started
+here with ``--launch`` / ``--launch-cmd``) and, with ``--inprocess``, mlx_lm's own
+``BatchGenerator`` in a child process on the same model, prompts and lengths. For every
+concurrency level it reports output tokens/s, TTFT and inter-token latency percentiles and
+failures, as a Markdown table per model on stdout and as JSON (``--out``).
+
+Run from the repository root, e.g.::
+
+    python -m benchmarks.serving --model /tmp/bench-llama --inprocess \\
+        --launch mlx_lm,vllm_mlx --vllm-mlx-cmd /tmp/vllm-venv/bin/vllm-mlx \\
+        --concurrency 1,4,16,64 --out /tmp/bench.json
+
+    python -m benchmarks.serving --target gateway=http://127.0.0.1:8000 \\
+        --tokenizer /path/to/model --concurrency 1,4
+
+All traffic goes to 127.0.0.1; every loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks import _ceiling, _client, _cpu, _launch, _prompts
+from benchmarks._stats import (
+    machine_header,
+    machine_info,
+    markdown_table,
+    merge_repeats,
+    record_to_dict,
+    summarize_level,
+    table_rows,
+)
+
+
+@dataclass
+class Job:
+    """One thing to measure: a running URL, or a command to launch, for one model group."""
+
+    name: str
+    url: str | None = None
+    command: str | None = None
+    served_model: str | None = None
+
+
+def _pairs(items: list[str], flag: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise SystemExit(f"{flag} expects NAME=VALUE, got {item!r}")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.serving",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", action="append", default=[], help="model dir (repeatable)")
+    p.add_argument("--target", action="append", default=[], metavar="NAME=URL")
+    p.add_argument(
+        "--served-model",
+        action="append",
+        default=[],
+        metavar="[NAME=]ID",
+        help="model id to send in requests (per target with NAME=)",
+    )
+    p.add_argument(
+        "--launch",
+        nargs="?",
+        const="mlx_lm,vllm_mlx",
+        default=None,
+        metavar="NAMES",
+        help="launch built-in servers (default mlx_lm,vllm_mlx)",
+    )
+    p.add_argument(
+        "--launch-cmd",
+        action="append",
+        default=[],
+        metavar="NAME=CMD",
+        help="launch CMD; fills {port} {model} {max_concurrency} {python} {vllm_mlx_cmd}",
+    )
+    p.add_argument("--vllm-mlx-cmd", default=None, help="vllm-mlx executable")
+    p.add_argument(
+        "--inprocess",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="MODEL_PATH",
+        help="measure mlx_lm BatchGenerator in-process (default: each --model)",
+    )
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir for prompt calibration")
+    p.add_argument("--concurrency", default="1,4,16,64")
+    p.add_argument("--requests", type=int, default=None, help="per level (default max(2c, 8))")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--blas", default="auto", help="auto | off | path of a BLAS to LD_PRELOAD")
+    p.add_argument("--level-timeout", type=float, default=300.0, help="seconds per level run")
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument(
+        "--wait-idle",
+        type=float,
+        default=60.0,
+        help="before each source, wait up to this many seconds for the machine to go idle",
+    )
+    p.add_argument("--idle-threshold", type=float, default=30.0, help="idle: < this CPU %%")
+    p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: temp)")
+    p.add_argument("--out", type=Path, default=None, help="JSON results file")
+    p.add_argument("--raw", action="store_true", help="include per-request records in JSON")
+    args = p.parse_args(argv)
+    args.levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    if not args.levels or min(args.levels) < 1 or max(args.levels) > 512:
+        p.error("--concurrency: integers in 1..512")
+    if args.repeats < 1 or args.repeats > 20:
+        p.error("--repeats: 1..20")
+    launching = args.launch is not None or bool(args.launch_cmd)
+    if launching and not args.model:
+        p.error("--launch/--launch-cmd need --model")
+    if args.inprocess == "" and not args.model:
+        p.error("--inprocess without a path needs --model")
+    if not (args.target or launching or args.inprocess is not None):
+        p.error("nothing to measure: give --target, --launch, --launch-cmd or --inprocess")
+    return args
+
+
+# --- HTTP targets --------------------------------------------------------------------------
+
+
+async def measure_url(
+    args: argparse.Namespace,
+    job: Job,
+    job_index: int,
+    bank: _prompts.PromptBank,
+    url: str,
+    server: _launch.Server | None,
+    repeat: int,
+) -> dict[str, Any]:
+    """One repeat of every level against one URL: {"levels": [summary, ...], ...}."""
+    client = _client.make_client(max(args.levels), args.request_timeout)
+    async with client:
+        model_id = await _client.served_model(client, url, job.served_model)
+        warm = await _client.warm_up(client, url, model_id, bank.warmup, 16)
+        result: dict[str, Any] = {
+            "url": url,
+            "model_id": model_id,
+            "warmup": {"ok": warm.ok, "error": warm.error, "ttft_s": warm.ttft},
+            "levels": [],
+        }
+        if warm.error and not warm.error.startswith("short"):
+            print(f"[{job.name}] warm-up failed: {warm.error}", file=sys.stderr)
+            result["error"] = f"warm-up failed: {warm.error}"
+            return result
+        for c in args.levels:
+            prompts = bank.get(job_index, c, repeat)
+            cpu0, scpu0 = time.process_time(), server.cpu_seconds() if server else None
+            sys0 = _cpu.snapshot()
+            records, wall = await _client.run_level(
+                client,
+                url,
+                model_id,
+                prompts,
+                c,
+                args.max_tokens,
+                not args.no_ignore_eos,
+                args.level_timeout,
+            )
+            system = _cpu.busy_pct(sys0, _cpu.snapshot())
+            summary = summarize_level(records, wall, c, args.max_tokens)
+            client_pct = round(100 * (time.process_time() - cpu0) / wall, 1)
+            summary.update(client_cpu_pct=client_pct, system_cpu_pct=system)
+            if server and scpu0 is not None:
+                scpu1 = server.cpu_seconds()
+                if scpu1 is not None:
+                    server_pct = round(100 * (scpu1 - scpu0) / wall, 1)
+                    summary["server_cpu_pct"] = server_pct
+                    if system is not None:
+                        # CPU used by neither this client nor the server: other processes.
+                        summary["other_cpu_pct"] = round(system - client_pct - server_pct, 1)
+                summary["server_rss_mb"] = server.rss_mb()
+            if args.raw:
+                summary["raw"] = [record_to_dict(x) for x in records]
+            result["levels"].append(summary)
+            print(
+                f"[{job.name}] c={c} rep={repeat} tok/s={summary['output_tok_s']} "
+                f"ttft_p50={summary['ttft_p50_ms']}ms itl_p50={summary['itl_p50_ms']}ms "
+                f"fail={summary['failures']}/{summary['requests']} {summary['errors']}",
+                file=sys.stderr,
+                flush=True,
+            )
+            if server and server.proc.poll() is not None:
+                result["server_exit"] = server.proc.returncode
+                print(f"[{job.name}] server exited ({server.proc.returncode})", file=sys.stderr)
+                break
+    return result
+
+
+def _run_async(coro: Any) -> Any:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+def run_job(
+    args: argparse.Namespace,
+    job: Job,
+    job_index: int,
+    bank: _prompts.PromptBank,
+    model: str | None,
+    env: dict[str, str],
+    log_dir: Path,
+    repeat: int,
+) -> dict[str, Any]:
+    if job.url:
+        return _run_async(measure_url(args, job, job_index, bank, job.url, None, repeat))
+    assert job.command is not None and model is not None
+    fields = {
+        "model": model,
+        "max_concurrency": str(max(max(args.levels), 32)),
+        "python": sys.executable,
+        "vllm_mlx_cmd": args.vllm_mlx_cmd or "vllm-mlx",
+    }
+    scratch = None
+    if job.name in _launch.PRIVATE_HOME:
+        # vllm-mlx persists its prefix cache under ~/.cache (GBs over a few runs): keep it
+        # in a scratch HOME that is removed afterwards.
+        scratch = Path(tempfile.mkdtemp(prefix=f"{job.name}-home-", dir=log_dir))
+        env = {**env, "HOME": str(scratch)}
+    try:
+        server = _launch.Server(job.name, job.command, fields, env, log_dir)
+    except (OSError, KeyError, ValueError) as e:
+        print(f"[{job.name}] cannot launch: {e!r}", file=sys.stderr)
+        return {"error": f"cannot launch {job.command!r}: {e!r}", "levels": []}
+    print(f"[{job.name}] launching: {server.command}", file=sys.stderr, flush=True)
+    try:
+        server.wait_ready(args.ready_timeout)
+        print(f"[{job.name}] ready in {server.ready_s:.1f}s", file=sys.stderr, flush=True)
+        coro = measure_url(args, job, job_index, bank, server.url, server, repeat)
+        result = _run_async(coro)
+        result["ready_s"] = round(server.ready_s or 0.0, 2)
+    except RuntimeError as e:
+        result = {"error": str(e), "levels": []}
+        print(f"[{job.name}] {e}", file=sys.stderr)
+    finally:
+        code = server.stop()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    result.update(command=server.command, log=str(server.log_path), exit_code=code)
+    tail = server.log_tail(4000)
+    if "Traceback" in tail or code not in (0, -15, None):
+        result["log_tail"] = tail[-1500:]
+    return result
+
+
+# --- orchestration -------------------------------------------------------------------------
+
+
+def build_groups(args: argparse.Namespace) -> list[tuple[str | None, list[Job], bool]]:
+    """(model, jobs, run in-process?) per model group."""
+    served = {}
+    default_served = None
+    for item in args.served_model:
+        name, sep, value = item.partition("=")
+        if sep:
+            served[name] = value
+        else:
+            default_served = item
+    commands = {}
+    if args.launch is not None:
+        for name in [n.strip() for n in args.launch.split(",") if n.strip()]:
+            if name not in _launch.BUILTIN_COMMANDS:
+                raise SystemExit(f"--launch: unknown server {name!r}; use --launch-cmd")
+            commands[name] = _launch.BUILTIN_COMMANDS[name]
+    commands.update(_pairs(args.launch_cmd, "--launch-cmd"))
+    targets = _pairs(args.target, "--target")
+
+    models: list[str | None] = [str(Path(m).resolve()) for m in args.model]
+    if args.inprocess:
+        ip = str(Path(args.inprocess).resolve())
+        if ip not in models:
+            models.insert(0, ip)
+    if not models:
+        models = [None]
+    groups = []
+    for i, model in enumerate(models):
+        jobs = []
+        if i == 0:
+            for name, url in targets.items():
+                url = _client.check_loopback(url)
+                jobs.append(Job(name, url=url, served_model=served.get(name, default_served)))
+        if model is not None:
+            for name, cmd in commands.items():
+                jobs.append(
+                    Job(name, command=cmd, served_model=served.get(name, default_served) or model)
+                )
+        inproc = (
+            args.inprocess is not None
+            and model is not None
+            and (args.inprocess == "" or str(Path(args.inprocess).resolve()) == model)
+        )
+        groups.append((model, jobs, inproc))
+    return groups
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.vllm_mlx_cmd is None:
+        found = shutil.which("vllm-mlx")
+        fallback = Path("/tmp/vllm-venv/bin/vllm-mlx")
+        args.vllm_mlx_cmd = found or (str(fallback) if fallback.exists() else "vllm-mlx")
+    blas = _launch.resolve_blas(args.blas)
+    env = _launch.child_env(blas)
+    info = machine_info(blas)
+    work = Path(tempfile.mkdtemp(prefix="bench-serving-"))
+    log_dir = args.log_dir or work
+    log_dir.mkdir(parents=True, exist_ok=True)
+    groups = build_groups(args)
+    started = time.time()
+    results: dict[str, Any] = {
+        "machine": info,
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "models": {},
+    }
+    job_base = 0
+    for model, jobs, inproc in groups:
+        label = model or "served"
+        bank = _prompts.PromptBank(args, model or args.tokenizer)
+        per_source: dict[str, list[dict[str, Any]]] = {}
+        # Repeats are the outer loop, so that every source sees each stretch of machine
+        # noise (e.g. other processes on a shared box) about equally.
+        for r in range(args.repeats):
+            if inproc and model:
+                idle = _cpu.wait_idle(args.wait_idle, args.idle_threshold, "inprocess")
+                res = _ceiling.run_inprocess(args, model, bank, env, work, r)
+                per_source.setdefault("inprocess", []).append({**res, **idle})
+            for i, job in enumerate(jobs):
+                idle = _cpu.wait_idle(args.wait_idle, args.idle_threshold, job.name)
+                res = run_job(args, job, job_base + i, bank, model, env, log_dir, r)
+                per_source.setdefault(job.name, []).append({**res, **idle})
+        job_base += len(jobs)
+        mres: dict[str, Any] = {"targets": {}}
+        if "inprocess" in per_source:
+            mres["inprocess"] = merge_repeats(per_source.pop("inprocess"))
+        mres["targets"] = {name: merge_repeats(runs) for name, runs in per_source.items()}
+        results["models"][label] = mres
+        rows = table_rows(mres)
+        print(f"\n## {label}\n")
+        print(machine_header(info))
+        print(
+            f"- {args.prompt_tokens} prompt tokens (target), {args.max_tokens} output tokens, "
+            f"ignore_eos={not args.no_ignore_eos}, repeats={args.repeats} (medians), "
+            f"requests/level={'max(2c,8)' if not args.requests else args.requests}\n"
+        )
+        print(markdown_table(rows))
+        for row in rows:
+            if row["failures"]:
+                what = ", ".join(f"{n}x {e}" for e, n in row["error_samples"].items())
+                print(f"\n- {row['target']} c={row['concurrency']} failures: {what}")
+        for name, res in mres["targets"].items():
+            if res.get("error"):
+                print(f"\n- {name}: {res['error'].splitlines()[0]}")
+        if mres.get("inprocess", {}).get("error"):
+            print(f"\n- inprocess: {mres['inprocess']['error']}")
+        sys.stdout.flush()
+        results["elapsed_s"] = round(time.time() - started, 1)
+        if args.out:  # after each model, so a later crash keeps what was measured
+            args.out.write_text(json.dumps(results, indent=2, default=str))
+    if args.out:
+        print(f"\nJSON: {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
