@@ -159,7 +159,7 @@ class Supervisor:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=log_file,
-                env=worker_env(self.config.server.blas),
+                env=worker_env(self.config.server.blas, self.config.server.blas_threads),
                 start_new_session=True,
             )
         finally:

@@ -34,12 +34,24 @@ def resolve_blas(setting: str, candidates: tuple[str, ...] = CANDIDATES) -> str 
     return setting
 
 
-def worker_env(setting: str, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for a worker process, with the BLAS preload applied."""
+def blas_thread_count(threads: int, cpus: int | None = None) -> int:
+    """0 = auto: half the cores. MLX's own compute thread, the engine loop and the gateway
+    need the rest; on 2 cores a second BLAS thread costs more in contention than it gains."""
+    if threads > 0:
+        return threads
+    return max(1, (cpus or os.cpu_count() or 2) // 2)
+
+
+def worker_env(
+    setting: str, threads: int = 0, base: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The environment for a worker process, with the BLAS preload and thread count applied.
+    An OPENBLAS_NUM_THREADS already in the environment wins."""
     env = dict(os.environ if base is None else base)
     lib = resolve_blas(setting)
     if lib:
         existing = env.get("LD_PRELOAD", "")
         if lib not in existing.split(":"):
             env["LD_PRELOAD"] = f"{lib}:{existing}" if existing else lib
+        env.setdefault("OPENBLAS_NUM_THREADS", str(blas_thread_count(threads)))
     return env

@@ -53,6 +53,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     load_timeout_s: float = 300.0
     heartbeat_timeout_s: float = 30.0
     blas: str = "auto"  # auto | off | /path/to/libblas.so
+    blas_threads: int = 0  # 0 = auto (half the cores)
     log_level: str = "info"
 
 

@@ -48,14 +48,14 @@ def test_explicit_path(libs: tuple[str, str, str]) -> None:
 
 def test_worker_env_sets_ld_preload(libs: tuple[str, str, str]) -> None:
     _, first, _ = libs
-    env = worker_env(first, {"PATH": "/bin"})
-    assert env == {"PATH": "/bin", "LD_PRELOAD": first}
+    env = worker_env(first, 3, base={"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "LD_PRELOAD": first, "OPENBLAS_NUM_THREADS": "3"}
 
 
 def test_worker_env_prepends_to_an_existing_preload(libs: tuple[str, str, str]) -> None:
     _, first, second = libs
     base = {"LD_PRELOAD": second}
-    env = worker_env(first, base)
+    env = worker_env(first, base=base)
     assert env["LD_PRELOAD"] == f"{first}:{second}"
     assert base == {"LD_PRELOAD": second}  # the base is not modified
 
@@ -63,19 +63,22 @@ def test_worker_env_prepends_to_an_existing_preload(libs: tuple[str, str, str]) 
 def test_worker_env_does_not_preload_twice(libs: tuple[str, str, str]) -> None:
     _, first, second = libs
     base = {"LD_PRELOAD": f"{second}:{first}"}
-    assert worker_env(first, base)["LD_PRELOAD"] == f"{second}:{first}"
+    assert worker_env(first, base=base)["LD_PRELOAD"] == f"{second}:{first}"
 
 
 def test_worker_env_off_leaves_the_environment(libs: tuple[str, str, str]) -> None:
     _, _, second = libs
-    assert worker_env("off", {"LD_PRELOAD": second, "A": "1"}) == {"LD_PRELOAD": second, "A": "1"}
-    assert "LD_PRELOAD" not in worker_env("off", {"A": "1"})
+    assert worker_env("off", base={"LD_PRELOAD": second, "A": "1"}) == {
+        "LD_PRELOAD": second,
+        "A": "1",
+    }
+    assert "LD_PRELOAD" not in worker_env("off", base={"A": "1"})
 
 
 def test_worker_env_missing_library_is_an_error(libs: tuple[str, str, str]) -> None:
     missing, _, _ = libs
     with pytest.raises(BlasError):
-        worker_env(missing, {})
+        worker_env(missing, base={})
 
 
 def test_worker_env_defaults_to_os_environ(
@@ -89,3 +92,18 @@ def test_worker_env_defaults_to_os_environ(
     assert env["LD_PRELOAD"] == f"{first}:{second}"
 
     assert os.environ["LD_PRELOAD"] == second  # os.environ itself is untouched
+
+
+def test_blas_threads_auto_is_half_the_cores() -> None:
+    from shared.blas import blas_thread_count
+
+    assert blas_thread_count(0, cpus=2) == 1
+    assert blas_thread_count(0, cpus=16) == 8
+    assert blas_thread_count(0, cpus=1) == 1
+    assert blas_thread_count(4, cpus=2) == 4
+
+
+def test_user_openblas_threads_win(libs: tuple[str, str, str]) -> None:
+    _, first, _ = libs
+    env = worker_env(first, 1, base={"OPENBLAS_NUM_THREADS": "7"})
+    assert env["OPENBLAS_NUM_THREADS"] == "7"

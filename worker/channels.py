@@ -13,7 +13,8 @@ SEND_HWM = 10_000  # bounded: a wedged gateway blocks the output thread, not mem
 class WorkerChannels:
     context: zmq.Context[zmq.Socket[bytes]]
     requests: zmq.Socket[bytes]  # DEALER, identity = worker id; owned by the input thread
-    outputs: zmq.Socket[bytes]  # PUSH; owned by the output thread
+    outputs: zmq.Socket[bytes]  # PUSH; owned by the output thread (heartbeats, replies)
+    steps: zmq.Socket[bytes]  # PUSH; owned by the engine thread (StepOutputs, no thread hop)
 
     @classmethod
     def connect(cls, worker_id: str, requests_addr: str, outputs_addr: str) -> WorkerChannels:
@@ -22,13 +23,15 @@ class WorkerChannels:
         requests.setsockopt(zmq.IDENTITY, worker_id.encode())
         requests.setsockopt(zmq.LINGER, 0)
         requests.connect(requests_addr)
-        outputs = context.socket(zmq.PUSH)
-        outputs.setsockopt(zmq.SNDHWM, SEND_HWM)
-        outputs.setsockopt(zmq.LINGER, 2000)  # let the last frames (WorkerDead) go out
-        outputs.connect(outputs_addr)
-        return cls(context, requests, outputs)
+        outputs, steps = context.socket(zmq.PUSH), context.socket(zmq.PUSH)
+        for sock in (outputs, steps):
+            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            sock.setsockopt(zmq.LINGER, 2000)  # let the last frames (WorkerDead) go out
+            sock.connect(outputs_addr)
+        return cls(context, requests, outputs, steps)
 
     def close(self) -> None:
         self.requests.close()
         self.outputs.close()
+        self.steps.close()
         self.context.term()

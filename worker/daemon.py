@@ -73,6 +73,7 @@ class WorkerProc:
         self.stopping = threading.Event()
         self.outputs_thread = threading.Thread(target=self._output_loop, name="output", daemon=True)
         self.inputs_thread: threading.Thread | None = None
+        self.codec = Codec()  # the engine thread's
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -147,7 +148,7 @@ class WorkerProc:
         if self.engine.has_work:
             outputs = self.engine.step()
             if outputs:
-                self._send(StepOutputs(self.worker_id, self.engine.steps, outputs))
+                self._emit(outputs)
 
     def _process_inputs(self, block: bool) -> None:
         assert self.engine is not None
@@ -170,7 +171,7 @@ class WorkerProc:
             except queue.Empty:
                 break
         if finished:
-            self._send(StepOutputs(self.worker_id, self.engine.steps, finished))
+            self._emit(finished)
 
     def _add(self, prepared: PreparedRequest) -> RequestOutput | None:
         """A request the engine refuses fails alone; the worker keeps serving."""
@@ -197,7 +198,7 @@ class WorkerProc:
             return False
         if self.engine.has_work and time.monotonic() >= self.draining_until:
             outputs = self.engine.abort(list(self.engine.requests))
-            self._send(StepOutputs(self.worker_id, self.engine.steps, outputs))
+            self._emit(outputs)
         return not self.engine.has_work
 
     def _fail_all(self, reason: str) -> None:
@@ -208,7 +209,7 @@ class WorkerProc:
             RequestOutput(rid, finish_reason=FinishReason.ERROR, error=error)
             for rid in self.engine.requests
         ]
-        self._send(StepOutputs(self.worker_id, self.engine.steps, outputs))
+        self._emit(outputs)
 
     # ---- input thread -----------------------------------------------------------------
 
@@ -256,6 +257,13 @@ class WorkerProc:
         return ControlReply(self.worker_id, frame.call_id, False, error=f"unknown {frame.method}")
 
     # ---- output thread ----------------------------------------------------------------
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        """Engine thread only: deltas go straight out on its own socket, no thread hop."""
+        assert self.engine is not None
+        self.channels.steps.send(
+            self.codec.encode(StepOutputs(self.worker_id, self.engine.steps, outputs))
+        )
 
     def _send(self, frame: object) -> None:
         self.outbox.put(frame)
