@@ -25,6 +25,10 @@ from shared.types import ErrorCode
 
 log = logging.getLogger("gateway")
 
+# Set by `gatewayctl serve` when the app runs in an HTTP server's child process: the pid the
+# app must not outlive (its workers, in turn, watch the app's process).
+WATCH_PARENT_ENV = "MLX_GATEWAY_PARENT_PID"
+
 
 @get("/health")
 async def health(state: State) -> dict[str, object]:
@@ -50,14 +54,25 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
     state = app.state
     supervisor: Supervisor = state.supervisor
     admin = await _start_admin(state, supervisor.run_dir)
+    watch = asyncio.create_task(_watch_parent(os.environ.get(WATCH_PARENT_ENV)))
     try:
         await supervisor.start()
         yield
     finally:
+        watch.cancel()
         await supervisor.stop()
         admin.should_exit = True
         with contextlib.suppress(Exception):
             await asyncio.wait_for(state.admin_task, 5)
+
+
+async def _watch_parent(pid: str | None) -> None:
+    if not pid:
+        return
+    while os.getppid() == int(pid):
+        await asyncio.sleep(1.0)
+    log.error("gatewayctl (pid %s) is gone; exiting, workers follow", pid)
+    os._exit(1)
 
 
 class _NestedServer(uvicorn.Server):

@@ -6,11 +6,17 @@ granian --interface asgi --factory gateway.asgi:app --loop uvloop
 
 from __future__ import annotations
 
+import os
+
+import msgspec
 from litestar import Litestar
 
 from gateway.app import create_app
-from shared.config import load_config
+from shared.config import CONFIG_JSON_ENV, Config, load_config
 
 
 def app() -> Litestar:
-    return create_app(load_config())
+    """Config: the JSON that `gatewayctl serve` resolved, else the usual file/env lookup."""
+    resolved = os.environ.get(CONFIG_JSON_ENV)
+    config = msgspec.json.decode(resolved, type=Config) if resolved else load_config()
+    return create_app(config)

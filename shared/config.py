@@ -8,10 +8,13 @@ from __future__ import annotations
 import enum
 import os
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
 DEMO_SOURCE = "builtin:demo"
+# The resolved config, handed to the HTTP server's worker process (gateway.asgi:app).
+CONFIG_JSON_ENV = "MLX_GATEWAY_CONFIG_JSON"
 
 
 class ModelKind(enum.StrEnum):
@@ -55,6 +58,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     blas: str = "auto"  # auto | off | /path/to/libblas.so
     blas_threads: int = 0  # 0 = auto (half the cores)
     log_level: str = "info"
+    http_server: Literal["granian", "uvicorn"] = "granian"
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
