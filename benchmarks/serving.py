@@ -23,9 +23,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +121,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=60.0,
         help="before each source, wait up to this many seconds for the machine to go idle",
     )
+    p.add_argument(
+        "--client-nice",
+        type=int,
+        default=10,
+        help="nice value of the load-generator thread (Linux; 0 = same priority as servers)",
+    )
     p.add_argument("--idle-threshold", type=float, default=30.0, help="idle: < this CPU %%")
     p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: temp)")
     p.add_argument("--out", type=Path, default=None, help="JSON results file")
@@ -210,13 +218,33 @@ async def measure_url(
     return result
 
 
-def _run_async(coro: Any) -> Any:
-    try:
-        import uvloop
+CLIENT_NICE = [0]  # set from --client-nice in main()
 
-        return uvloop.run(coro)
-    except ImportError:
-        return asyncio.run(coro)
+
+def _run_async(coro: Any) -> Any:
+    """Run the load generator on its own thread at a lower priority (Linux nice is per
+    thread): on a small machine it then takes only CPU the server leaves idle, as a client on
+    another host would. Servers are launched from the main thread and keep normal priority."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        if CLIENT_NICE[0] and hasattr(os, "setpriority"):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), CLIENT_NICE[0])
+        try:
+            import uvloop
+
+            box["result"] = uvloop.run(coro)
+        except ImportError:
+            box["result"] = asyncio.run(coro)
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="load-generator")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
 
 
 def run_job(
@@ -322,6 +350,7 @@ def build_groups(args: argparse.Namespace) -> list[tuple[str | None, list[Job], 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    CLIENT_NICE[0] = args.client_nice
     if args.vllm_mlx_cmd is None:
         found = shutil.which("vllm-mlx")
         fallback = Path("/tmp/vllm-venv/bin/vllm-mlx")
