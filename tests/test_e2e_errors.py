@@ -109,3 +109,27 @@ def test_sdk_raises_typed_errors_and_gateway_still_serves(client: openai.OpenAI)
         client.chat.completions.create(model="chat", messages=OK_MESSAGES, temperature=-1)  # type: ignore[arg-type]
     r = client.chat.completions.create(model="chat", messages=OK_MESSAGES, max_tokens=2)  # type: ignore[arg-type]
     assert r.usage is not None and r.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"logit_bias": {"999999": 5}}, "logit_bias"),
+        ({"logit_bias": {"-3": 5}}, "logit_bias"),
+        ({"stop_token_ids": [999999]}, "stop_token_ids"),
+    ],
+)
+def test_token_ids_outside_the_vocabulary(
+    gateway: GatewayProc, extra: dict[str, Any], needle: str
+) -> None:
+    body = {"model": "chat", "messages": OK_MESSAGES, **extra}
+    error = _assert_openai_error(_post(gateway, "chat/completions", body), 400, "vocabulary")
+    assert error["param"] == needle
+
+
+def test_any_integer_seed_is_served(gateway: GatewayProc) -> None:
+    for seed in (-1, 2**63 + 5):
+        body = {"model": "chat", "messages": OK_MESSAGES, "seed": seed, "max_tokens": 3}
+        r = _post(gateway, "chat/completions", body)
+        assert r.status_code == 200, r.text
+    assert gateway.ps()["chat"]["state"] == "ready"

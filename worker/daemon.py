@@ -179,7 +179,7 @@ class WorkerProc:
         try:
             self.engine.add(prepared)
             return None
-        except ValueError as exc:
+        except Exception as exc:  # one bad request must never take the worker down
             log.warning("request %s refused by the engine: %s", prepared.request_id, exc)
             error = RequestError(ErrorCode.INVALID_REQUEST, str(exc))
             return RequestOutput(prepared.request_id, finish_reason=FinishReason.ERROR, error=error)

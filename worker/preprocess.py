@@ -33,11 +33,23 @@ class Preprocessor:
 
     def __call__(self, frame: Add) -> PreparedRequest:
         param = _prompt_param(frame)
+        self._check_token_ids(frame.sampling)
         prompt = self._tokenize(frame)
         if not prompt:
             raise _invalid("the prompt is empty after tokenization", param)
         max_tokens = self._max_tokens(len(prompt), frame.sampling, param)
         return PreparedRequest(frame.request_id, prompt, max_tokens, frame.sampling)
+
+    def _check_token_ids(self, sampling: SamplingParams) -> None:
+        for param, ids in (
+            ("logit_bias", sampling.logit_bias),
+            ("stop_token_ids", sampling.stop_token_ids),
+        ):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise _invalid(
+                    f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})", param
+                )
 
     def _tokenize(self, frame: Add) -> list[int]:
         request = frame.request

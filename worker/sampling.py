@@ -37,7 +37,8 @@ def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler:
         top_k = params.top_k
         filters.append(lambda x: apply_top_k(x, top_k))
     scale = 1.0 / params.temperature
-    key = [mx.random.key(params.seed)] if params.seed is not None else None
+    # Any integer is a valid seed (OpenAI allows negatives); MLX keys take an unsigned 64-bit.
+    key = [mx.random.key(params.seed % 2**64)] if params.seed is not None else None
 
     def sample(logprobs: mx.array) -> mx.array:
         for keep in filters:
