@@ -183,3 +183,17 @@ def test_workers_run_with_optimized_blas(fault_gateway: GatewayProc) -> None:
     pid = fault_gateway.ps()["bystander"]["pid"]
     maps = Path(f"/proc/{pid}/maps").read_text()
     assert "libopenblas" in maps
+
+
+def test_admin_api_rejects_bad_input(fault_gateway: GatewayProc) -> None:
+    transport = httpx.HTTPTransport(uds=str(fault_gateway.run_dir / "admin.sock"))
+    with httpx.Client(transport=transport, base_url="http://gw", timeout=30) as admin:
+        r = admin.post("/load", json={"model": 5})
+        assert r.status_code == 400 and "error" in r.json()
+        r = admin.post("/load", content=b"{not json")
+        assert r.status_code == 400
+        r = admin.post("/unload", json={"model": "no-such-model"})
+        assert r.status_code == 404 and "no-such-model" in r.json()["error"]
+        r = admin.post("/unload", json={"model": "bystander", "surprise": True})
+        assert r.status_code == 400
+    assert fault_gateway.ps()["bystander"]["state"] == "ready"
