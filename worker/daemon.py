@@ -74,6 +74,7 @@ class WorkerProc:
         self.outputs_thread = threading.Thread(target=self._output_loop, name="output", daemon=True)
         self.inputs_thread: threading.Thread | None = None
         self.codec = Codec()  # the engine thread's
+        self.returning = 0  # requests finished since the engine last admitted one
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -149,6 +150,7 @@ class WorkerProc:
             outputs = self.engine.step()
             if outputs:
                 self._emit(outputs)
+                self.returning += sum(1 for o in outputs if o.finish_reason is not None)
 
     def _process_inputs(self, block: bool) -> None:
         assert self.engine is not None
@@ -156,22 +158,58 @@ class WorkerProc:
             item = self.inputs.get(timeout=HEARTBEAT_S) if block else self.inputs.get_nowait()
         except queue.Empty:
             return
+        items = self._coalesce(item) if block and isinstance(item, PreparedRequest) else [item]
+        while True:  # everything already queued joins this step
+            try:
+                items.append(self.inputs.get_nowait())
+            except queue.Empty:
+                break
         finished: list[RequestOutput] = []
-        while True:
+        for item in items:
             if isinstance(item, Abort):
                 finished += self.engine.abort(item.request_ids)
             elif isinstance(item, Shutdown):
                 finished += self._shutdown(item)
             elif isinstance(item, PreparedRequest):
+                self.returning = 0
                 failed = self._add(item)
                 if failed is not None:
                     finished.append(failed)
-            try:
-                item = self.inputs.get_nowait()
-            except queue.Empty:
-                break
         if finished:
             self._emit(finished)
+
+    def _coalesce(self, first: object) -> list[object]:
+        """An idle engine woken by a request waits for the rest of the burst it expects.
+
+        Clients whose requests finished since the last admission (a closed loop, an agent
+        fanning out) tend to send their next ones together, but spread over milliseconds of
+        HTTP and preprocessing. Prefilling the first alone would put it a step ahead of the
+        others for good (and prefill twice), so while more of them may come, keep gathering
+        arrivals less than `admission_gap_ms` apart (at most `admission_window_ms` in all).
+        A lone client never waits.
+        """
+        opts = self.args.model.engine
+        expected = min(self.returning, opts.prefill_batch_size)
+        gap = opts.admission_gap_ms / 1000
+        items = [first]
+        if expected <= 1 or gap <= 0:
+            return items
+        deadline = time.monotonic() + opts.admission_window_ms / 1000
+        requests = 1
+        while requests < expected:
+            wait = min(gap, deadline - time.monotonic())
+            if wait <= 0:
+                break
+            try:
+                item = self.inputs.get(timeout=wait)
+            except queue.Empty:
+                break
+            items.append(item)
+            if isinstance(item, PreparedRequest):
+                requests += 1
+            elif isinstance(item, Shutdown):
+                break
+        return items
 
     def _add(self, prepared: PreparedRequest) -> RequestOutput | None:
         """A request the engine refuses fails alone; the worker keeps serving."""
