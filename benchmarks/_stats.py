@@ -237,7 +237,7 @@ def machine_info(blas: str | None) -> dict[str, Any]:
         "mlx": _version("mlx"),
         "mlx_cpu": _version("mlx-cpu"),
         "mlx_lm": _version("mlx-lm"),
-        "httpx": _version("httpx"),
+        "aiohttp": _version("aiohttp"),
         "blas_preload": blas,
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
     }
@@ -301,7 +301,7 @@ def machine_header(info: dict[str, Any]) -> str:
         f"- machine: {info['cpu']}, {info['cores']} cores "
         f"(affinity {info['affinity']}), {info['memory_gib']} GiB, {info['platform']}\n"
         f"- python {info['python']}, mlx {info['mlx']} (mlx-cpu {info['mlx_cpu']}), "
-        f"mlx-lm {info['mlx_lm']}, httpx {info['httpx']}\n"
+        f"mlx-lm {info['mlx_lm']}, aiohttp {info['aiohttp']}\n"
         f"- BLAS preload: {info['blas_preload'] or 'none'}; "
         f"load average at start: {info['loadavg_start']}"
     )
