@@ -30,10 +30,13 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     prefill_step_size: int = 512
     max_context: int | None = None
     default_max_tokens: int | None = None
-    # An idle engine whose last batch held several requests gathers the next burst before
-    # prefilling: arrivals less than `admission_gap_ms` apart, `admission_window_ms` at most.
+    # Admission of new requests (worker/daemon.py): a batch ending within
+    # `admission_hold_steps` steps finishes before its successors start together; an idle
+    # engine gathers a burst of returning clients (arrivals < `admission_gap_ms` apart,
+    # `admission_window_ms` at most). 0 turns each off.
+    admission_hold_steps: int = 4
     admission_gap_ms: float = 20.0
-    admission_window_ms: float = 100.0
+    admission_window_ms: float = 250.0
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

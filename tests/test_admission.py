@@ -1,39 +1,50 @@
-"""The worker's admission of a burst: an idle engine gathers the requests it expects back.
+"""The worker's admission policy: bursts of returning clients start together.
 
 Driven on a real WorkerProc (its sockets dial nowhere) with a thread feeding its input queue
-the way the input thread does, at controlled spacings.
+the way the input thread does, at controlled spacings; the hold rule runs a real engine on
+conftest's tiny chat model.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from shared.config import EngineOptions, ModelConfig
 from shared.protocol import Abort, Shutdown, ShutdownMode
-from shared.types import SamplingParams
+from shared.types import FinishReason, SamplingParams, Usage
+from tests.engine_fixtures import Loaded, greedy, load
 from worker.daemon import WorkerArgs, WorkerProc
+from worker.engine import EngineCore
 from worker.preprocess import PreparedRequest
+
+MakeProc = Callable[..., WorkerProc]
 
 
 def _request(i: int) -> PreparedRequest:
     return PreparedRequest(f"r{i}", [1, 2, 3], 4, SamplingParams())
 
 
+@pytest.fixture(scope="module")
+def chat(chat_model: Path) -> Loaded:
+    return load(chat_model)
+
+
 @pytest.fixture
-def make_proc(tmp_path: object) -> Iterator[object]:
+def make_proc(tmp_path: Path, chat: Loaded) -> Iterator[MakeProc]:
     made: list[WorkerProc] = []
 
-    def make(gap_ms: float = 20.0, window_ms: float = 50.0, batch: int = 8) -> WorkerProc:
-        engine = EngineOptions(
-            prefill_batch_size=batch, admission_gap_ms=gap_ms, admission_window_ms=window_ms
-        )
-        model = ModelConfig(name="m", source="unused", engine=engine)
-        addr = f"ipc://{tmp_path}/none.sock"
+    def make(**engine: Any) -> WorkerProc:
+        options = EngineOptions(**({"prefill_batch_size": 8, "admission_gap_ms": 20.0} | engine))
+        model = ModelConfig(name="m", source="unused", engine=options)
+        addr = f"ipc://{tmp_path}/nobody.sock"
         proc = WorkerProc(WorkerArgs("w-test", addr, addr, model, watch_parent=False))
+        proc.engine = EngineCore(chat.model, chat.tokenizer, options)
         made.append(proc)
         return proc
 
@@ -53,73 +64,144 @@ def _feed(proc: WorkerProc, items: list[object], spacing_s: float) -> threading.
     return thread
 
 
-def test_a_burst_of_returning_clients_is_admitted_together(make_proc) -> None:
+def _held(proc: WorkerProc) -> list[str]:
+    return [p.request_id for p in proc.held]
+
+
+def test_a_burst_of_returning_clients_is_gathered(make_proc: MakeProc) -> None:
     proc = make_proc()
     proc.returning = 4  # four requests finished since the last admission
+    proc.held = [_request(0)]
     feeder = _feed(proc, [_request(i) for i in range(1, 4)], spacing_s=0.005)
     started = time.monotonic()
-    items = proc._coalesce(_request(0))
+    assert proc._gather() == []
     feeder.join()
-    assert [i.request_id for i in items] == ["r0", "r1", "r2", "r3"]
-    # It stopped as soon as the expected four were in, not at the end of the window.
+    assert _held(proc) == ["r0", "r1", "r2", "r3"]
+    # It stopped as soon as the four were back, not at the end of the window.
     assert time.monotonic() - started < 0.045
 
 
-def test_a_lone_client_never_waits(make_proc) -> None:
+def test_a_lone_client_never_waits(make_proc: MakeProc) -> None:
     proc = make_proc()
     proc.returning = 1
+    proc.held = [_request(0)]
     feeder = _feed(proc, [_request(1)], spacing_s=0.005)
-    items = proc._coalesce(_request(0))
-    assert [i.request_id for i in items] == ["r0"]
+    proc._gather()
+    assert _held(proc) == ["r0"]
     feeder.join()
-    assert proc.inputs.qsize() == 1  # left for the next step
+    assert proc.inputs.qsize() == 1  # left for the next turn of the loop
 
 
-def test_gathering_stops_at_a_gap(make_proc) -> None:
-    proc = make_proc(gap_ms=10, window_ms=500)
+def test_gathering_stops_at_a_gap(make_proc: MakeProc) -> None:
+    proc = make_proc(admission_gap_ms=10, admission_window_ms=500)
     proc.returning = 5
+    proc.held = [_request(0)]
     feeder = _feed(proc, [_request(1), _request(2)], spacing_s=0.060)
-    items = proc._coalesce(_request(0))
-    assert [i.request_id for i in items] == ["r0"]  # r1 came 60 ms later: over the gap
+    proc._gather()
+    assert _held(proc) == ["r0"]  # r1 came 60 ms later: past the gap
     feeder.join()
 
 
-def test_gathering_is_bounded_by_the_window(make_proc) -> None:
-    proc = make_proc(gap_ms=30, window_ms=40)
+def test_gathering_is_bounded_by_the_window(make_proc: MakeProc) -> None:
+    proc = make_proc(admission_gap_ms=30, admission_window_ms=40)
     proc.returning = 8
+    proc.held = [_request(0)]
     feeder = _feed(proc, [_request(i) for i in range(1, 8)], spacing_s=0.015)
     started = time.monotonic()
-    items = proc._coalesce(_request(0))
+    proc._gather()
     waited = time.monotonic() - started
     feeder.join()
-    assert 1 < len(items) < 8
+    assert 1 < len(proc.held) < 8
     assert waited < 0.2
 
 
-def test_gathering_is_bounded_by_the_prefill_batch(make_proc) -> None:
-    proc = make_proc(batch=2)
+def test_gathering_is_bounded_by_the_prefill_batch(make_proc: MakeProc) -> None:
+    proc = make_proc(prefill_batch_size=2)
     proc.returning = 6
+    proc.held = [_request(0)]
     feeder = _feed(proc, [_request(i) for i in range(1, 6)], spacing_s=0.002)
-    items = proc._coalesce(_request(0))
+    proc._gather()
     feeder.join()
-    assert [i.request_id for i in items] == ["r0", "r1"]
+    assert _held(proc) == ["r0", "r1"]
 
 
-def test_aborts_and_shutdown_are_kept_in_order(make_proc) -> None:
-    proc = make_proc()
-    proc.returning = 3
-    shutdown = Shutdown(ShutdownMode.DRAIN, 5.0)
-    feeder = _feed(proc, [Abort(["r0"]), shutdown, _request(1)], spacing_s=0.002)
-    items = proc._coalesce(_request(0))
-    feeder.join()
-    # The shutdown ends the gathering at once; the later request waits for the next step.
-    assert items[0].request_id == "r0" and isinstance(items[1], Abort) and items[2] is shutdown
-    assert len(items) == 3
-
-
-def test_disabled_by_a_zero_gap(make_proc) -> None:
-    proc = make_proc(gap_ms=0)
+def test_disabled_by_a_zero_gap(make_proc: MakeProc) -> None:
+    proc = make_proc(admission_gap_ms=0)
     proc.returning = 4
+    proc.held = [_request(0)]
     feeder = _feed(proc, [_request(1)], spacing_s=0.002)
-    assert len(proc._coalesce(_request(0))) == 1
+    proc._gather()
+    assert _held(proc) == ["r0"]
     feeder.join()
+
+
+def test_an_aborted_held_request_ends_with_usage(make_proc: MakeProc, chat: Loaded) -> None:
+    proc = make_proc()
+    proc.held = [_request(0), _request(1)]
+    outputs = proc._handle(Abort(["r0", "unknown"]))
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("r0", FinishReason.ABORT)]
+    assert outputs[0].usage == Usage(prompt_tokens=3, completion_tokens=0)
+    assert _held(proc) == ["r1"]
+
+
+def test_a_shutdown_admits_held_requests_before_draining(make_proc: MakeProc, chat: Loaded) -> None:
+    proc = make_proc()
+    proc.held = [_request(0)]
+    assert proc._handle(Shutdown(ShutdownMode.DRAIN, 5.0)) == []
+    assert proc.held == [] and "r0" in proc.engine.requests  # type: ignore[union-attr]
+    proc.engine.abort(["r0"])  # type: ignore[union-attr]
+
+
+def _step_until(proc: WorkerProc, done: Callable[[], bool], limit: int = 200) -> None:
+    for _ in range(limit):
+        if done():
+            return
+        proc._step()
+    raise AssertionError("condition not reached")
+
+
+def test_a_batch_about_to_end_finishes_before_newcomers_start(
+    make_proc: MakeProc, chat: Loaded
+) -> None:
+    proc = make_proc(admission_hold_steps=4)
+    engine = proc.engine
+    assert engine is not None
+    prompt = chat.tokenizer.encode("The gateway starts one worker")
+    for i in range(2):
+        engine.add(greedy(f"old{i}", prompt, 10, ignore_eos=True))
+    # Far from the end: a newcomer is admitted at once.
+    _step_until(proc, lambda: engine.requests["old0"].completion_tokens >= 2)
+    assert not engine.ending_within(4)
+    proc.inputs.put(greedy("early", prompt, 30, ignore_eos=True))
+    proc._process_inputs()
+    assert "early" in engine.requests
+    # Every running request within 4 tokens of its end, but "early" is not: still admitted.
+    _step_until(proc, lambda: engine.requests["old0"].completion_tokens >= 7)
+    proc.inputs.put(greedy("late", prompt, 8, ignore_eos=True))
+    proc._process_inputs()
+    assert "late" in engine.requests
+    engine.abort(["early", "late"])
+    # Now the whole batch ends within 4 steps: newcomers wait for it, then start together.
+    _step_until(proc, lambda: engine.ending_within(4))
+    for i in range(3):
+        proc.inputs.put(greedy(f"new{i}", prompt, 8, ignore_eos=True))
+    proc._process_inputs()
+    assert _held(proc) == ["new0", "new1", "new2"]
+    assert not any(name.startswith("new") for name in engine.requests)
+    _step_until(proc, lambda: not engine.has_work)
+    proc._process_inputs()
+    assert proc.held == [] and sorted(engine.requests) == ["new0", "new1", "new2"]
+    engine.abort(list(engine.requests))
+
+
+def test_the_hold_can_be_switched_off(make_proc: MakeProc, chat: Loaded) -> None:
+    proc = make_proc(admission_hold_steps=0)
+    engine = proc.engine
+    assert engine is not None
+    prompt = chat.tokenizer.encode("Hello")
+    engine.add(greedy("old", prompt, 4, ignore_eos=True))
+    _step_until(proc, lambda: engine.requests["old"].completion_tokens >= 2)
+    proc.inputs.put(greedy("new", prompt, 4, ignore_eos=True))
+    proc._process_inputs()
+    assert "new" in engine.requests
+    engine.abort(list(engine.requests))

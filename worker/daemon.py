@@ -36,7 +36,7 @@ from shared.protocol import (
     WorkerDead,
     WorkerState,
 )
-from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput
+from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput, Usage
 from worker.channels import WorkerChannels
 from worker.engine import EngineCore
 from worker.loader import LoadedModel, load_model
@@ -75,6 +75,7 @@ class WorkerProc:
         self.inputs_thread: threading.Thread | None = None
         self.codec = Codec()  # the engine thread's
         self.returning = 0  # requests finished since the engine last admitted one
+        self.held: list[PreparedRequest] = []  # received, not yet in the batch
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -141,7 +142,7 @@ class WorkerProc:
 
     def run_busy_loop(self) -> None:
         while self.state != WorkerState.FAILED and not self._drained():
-            self._process_inputs(block=self.engine is not None and not self.engine.has_work)
+            self._process_inputs()
             self._step()
 
     def _step(self) -> None:
@@ -152,51 +153,83 @@ class WorkerProc:
                 self._emit(outputs)
                 self.returning += sum(1 for o in outputs if o.finish_reason is not None)
 
-    def _process_inputs(self, block: bool) -> None:
-        assert self.engine is not None
-        try:
-            item = self.inputs.get(timeout=HEARTBEAT_S) if block else self.inputs.get_nowait()
-        except queue.Empty:
-            return
-        items = self._coalesce(item) if block and isinstance(item, PreparedRequest) else [item]
-        while True:  # everything already queued joins this step
-            try:
-                items.append(self.inputs.get_nowait())
-            except queue.Empty:
-                break
+    # ---- admission ------------------------------------------------------------------
+    #
+    # New requests are held, then admitted into the BatchGenerator together. A closed loop
+    # of clients (a benchmark, an eval harness, agents fanning out) sends its next requests
+    # as its previous ones finish, spread over milliseconds of HTTP and preprocessing.
+    # Admitting each at once would prefill the first alone and put it a step ahead of the
+    # others for good: a desynchronised batch that prefills several times per wave. So:
+    # - a batch that will end within `admission_hold_steps` steps (every request is that
+    #   close to its max_tokens) finishes first, and its successors start together;
+    # - an idle engine woken by a request, when several requests finished since it last
+    #   admitted one, gathers arrivals less than `admission_gap_ms` apart until as many
+    #   came back (`admission_window_ms` at most). A lone client never waits.
+
+    def _process_inputs(self) -> None:
+        engine = self.engine
+        assert engine is not None
         finished: list[RequestOutput] = []
-        for item in items:
-            if isinstance(item, Abort):
-                finished += self.engine.abort(item.request_ids)
-            elif isinstance(item, Shutdown):
-                finished += self._shutdown(item)
-            elif isinstance(item, PreparedRequest):
-                self.returning = 0
-                failed = self._add(item)
-                if failed is not None:
-                    finished.append(failed)
+        for item in self._take(block=not engine.has_work and not self.held):
+            finished += self._handle(item)
+        if self.held and not (engine.has_work and self._batch_ending()):
+            if not engine.has_work:
+                finished += self._gather()
+            finished += self._admit_held()
         if finished:
             self._emit(finished)
 
-    def _coalesce(self, first: object) -> list[object]:
-        """An idle engine woken by a request waits for the rest of the burst it expects.
+    def _take(self, block: bool) -> list[object]:
+        items: list[object] = []
+        if block:
+            try:
+                items.append(self.inputs.get(timeout=HEARTBEAT_S))
+            except queue.Empty:
+                return items
+        while True:
+            try:
+                items.append(self.inputs.get_nowait())
+            except queue.Empty:
+                return items
 
-        Clients whose requests finished since the last admission (a closed loop, an agent
-        fanning out) tend to send their next ones together, but spread over milliseconds of
-        HTTP and preprocessing. Prefilling the first alone would put it a step ahead of the
-        others for good (and prefill twice), so while more of them may come, keep gathering
-        arrivals less than `admission_gap_ms` apart (at most `admission_window_ms` in all).
-        A lone client never waits.
-        """
+    def _handle(self, item: object) -> list[RequestOutput]:
+        assert self.engine is not None
+        if isinstance(item, PreparedRequest):
+            self.held.append(item)
+            return []
+        if isinstance(item, Abort):
+            ids = set(item.request_ids)
+            dropped = [p for p in self.held if p.request_id in ids]
+            if dropped:
+                self.held = [p for p in self.held if p.request_id not in ids]
+            outputs = [
+                RequestOutput(
+                    p.request_id,
+                    finish_reason=FinishReason.ABORT,
+                    usage=Usage(prompt_tokens=len(p.prompt), completion_tokens=0),
+                )
+                for p in dropped
+            ]
+            return outputs + self.engine.abort(item.request_ids)
+        if isinstance(item, Shutdown):
+            outputs = self._admit_held()  # a drain or abort covers them too
+            return outputs + self._shutdown(item)
+        return []
+
+    def _batch_ending(self) -> bool:
+        assert self.engine is not None
+        return self.engine.ending_within(self.args.model.engine.admission_hold_steps)
+
+    def _gather(self) -> list[RequestOutput]:
+        """Idle engine: wait for the rest of the burst of returning clients."""
         opts = self.args.model.engine
         expected = min(self.returning, opts.prefill_batch_size)
         gap = opts.admission_gap_ms / 1000
-        items = [first]
-        if expected <= 1 or gap <= 0:
-            return items
+        finished: list[RequestOutput] = []
+        if gap <= 0:
+            return finished
         deadline = time.monotonic() + opts.admission_window_ms / 1000
-        requests = 1
-        while requests < expected:
+        while self.held and len(self.held) < expected:
             wait = min(gap, deadline - time.monotonic())
             if wait <= 0:
                 break
@@ -204,12 +237,16 @@ class WorkerProc:
                 item = self.inputs.get(timeout=wait)
             except queue.Empty:
                 break
-            items.append(item)
-            if isinstance(item, PreparedRequest):
-                requests += 1
-            elif isinstance(item, Shutdown):
+            finished += self._handle(item)
+            if isinstance(item, Shutdown):
                 break
-        return items
+        return finished
+
+    def _admit_held(self) -> list[RequestOutput]:
+        held, self.held = self.held, []
+        if held:
+            self.returning = 0
+        return [failed for p in held if (failed := self._add(p)) is not None]
 
     def _add(self, prepared: PreparedRequest) -> RequestOutput | None:
         """A request the engine refuses fails alone; the worker keeps serving."""
@@ -286,6 +323,7 @@ class WorkerProc:
     def _control(self, frame: Control) -> ControlReply:
         if frame.method == "stats" and self.engine is not None:
             running, waiting = self.engine.counts()
+            waiting += len(self.held)
             return ControlReply(
                 self.worker_id,
                 frame.call_id,
@@ -326,6 +364,7 @@ class WorkerProc:
 
     def _heartbeat(self, process: psutil.Process) -> Heartbeat:
         running, waiting = self.engine.counts() if self.engine else (0, 0)
+        waiting += len(self.held)
         steps = self.engine.steps if self.engine else 0
         return Heartbeat(
             self.worker_id, self.state, steps, running, waiting, process.memory_info().rss

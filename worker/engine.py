@@ -41,6 +41,15 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self.requests)
 
+    def ending_within(self, steps: int) -> bool:
+        """True when every request will reach its max_tokens within `steps` steps."""
+        if steps <= 0 or not self.requests:
+            return False
+        return all(
+            r.completion_tokens > 0 and r.max_tokens - r.completion_tokens <= steps
+            for r in self.requests.values()
+        )
+
     def counts(self) -> tuple[int, int]:
         """(running, waiting): waiting requests have not produced a token yet."""
         waiting = sum(1 for r in list(self.requests.values()) if r.completion_tokens == 0)
