@@ -106,7 +106,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--tokenizer", default=None, help="tokenizer dir for prompt calibration")
     p.add_argument("--concurrency", default="1,4,16,64")
-    p.add_argument("--requests", type=int, default=None, help="per level (default max(2c, 8))")
+    p.add_argument("--requests", type=int, default=None, help="per level (default max(4c, 16))")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"- {args.prompt_tokens} prompt tokens (target), {args.max_tokens} output tokens, "
             f"ignore_eos={not args.no_ignore_eos}, repeats={args.repeats} (medians), "
-            f"requests/level={'max(2c,8)' if not args.requests else args.requests}\n"
+            f"requests/level={'max(4c,16)' if not args.requests else args.requests}\n"
         )
         print(markdown_table(rows))
         for row in rows:
