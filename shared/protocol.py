@@ -23,6 +23,7 @@ PROTOCOL_VERSION = 1
 class WorkerState(enum.StrEnum):
     STARTING = "starting"
     LOADING = "loading"
+    PROBING = "probing"
     READY = "ready"
     DRAINING = "draining"
     FAILED = "failed"
@@ -98,7 +99,12 @@ class Heartbeat(_Frame, tag="hb"):
     step: int
     running: int
     waiting: int
-    memory_bytes: int = 0
+    memory_bytes: int = 0  # the process's resident set
+    active_bytes: int = 0  # MLX: arrays alive (weights, KV cache, activations)
+    cache_bytes: int = 0  # MLX: freed buffers kept for reuse
+    peak_bytes: int = 0  # MLX: high-water mark of active memory
+    stage: str = ""  # while loading: "downloading", "loading weights", "probing"
+    progress: float = -1.0  # of that stage, 0..1; -1 when unknown
 
 
 class ControlReply(_Frame, tag="ctlr"):

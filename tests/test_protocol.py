@@ -92,8 +92,8 @@ FROM_WORKER = {
         "6f729305010093a8696e7465726e616ca4626f6f6da178",
     ),
     "heartbeat": (
-        Heartbeat("w1", WorkerState.READY, 17, 1, 0, 1024),
-        "97a26862a27731a57265616479110100cd0400",
+        Heartbeat("w1", WorkerState.READY, 17, 1, 0, 1024, 2048, 512, 4096),
+        "9ca26862a27731a57265616479110100cd0400cd0800cd0200cd1000a0cbbff0000000000000",
     ),
     "control_reply": (ControlReply("w1", 3, True, {"n": 1}), "96a463746c72a2773103c381a16e01c0"),
     "worker_dead": (

@@ -15,6 +15,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
+import mlx.core as mx
 import msgspec
 import psutil
 
@@ -39,6 +40,7 @@ from shared.protocol import (
 from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput, Usage
 from worker.channels import WorkerChannels
 from worker.engine import EngineCore
+from worker.faults import Faults
 from worker.loader import LoadedModel, load_model
 from worker.preprocess import PreparedRequest, PreprocessError, Preprocessor
 
@@ -76,6 +78,10 @@ class WorkerProc:
         self.codec = Codec()  # the engine thread's
         self.returning = 0  # requests finished since the engine last admitted one
         self.held: list[PreparedRequest] = []  # received, not yet in the batch
+        self.faults = Faults.for_model(args.model.name)
+        self.stage, self.stage_progress = "starting", -1.0  # reported while loading
+        self.crash_ids: set[str] = set()  # fault injection: die after their first token
+        self.stall_ids: set[str] = set()  # fault injection: stop stepping once added
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -87,8 +93,12 @@ class WorkerProc:
         try:
             self.state = WorkerState.LOADING
             started = time.monotonic()
-            loaded = load_model(self.args.model)
+            if self.faults.load_delay_s:
+                time.sleep(self.faults.load_delay_s)
+            log.info("loading model %s from %s", self.args.model.name, self.args.model.source)
+            loaded = load_model(self.args.model, self._progress)
             self.engine = EngineCore(loaded.model, loaded.tokenizer, self.args.model.engine)
+            self._probe()
             preprocess = Preprocessor(loaded.tokenizer, self.args.model.engine, loaded.max_context)
             self.inputs_thread = threading.Thread(
                 target=self._input_loop, args=(preprocess,), name="input", daemon=True
@@ -96,6 +106,9 @@ class WorkerProc:
             self.inputs_thread.start()
             self.state = WorkerState.READY
             self._send(self._ready(loaded, time.monotonic() - started))
+            log.info("ready in %.1fs (probe passed)", time.monotonic() - started)
+            if self.faults.crash_after_ready_s is not None:
+                threading.Timer(self.faults.crash_after_ready_s, Faults.die).start()
             self.run_busy_loop()
             return 0
         except Exception as exc:
@@ -125,6 +138,21 @@ class WorkerProc:
             if os.getppid() != self.parent:
                 log.error("the gateway is gone; exiting")
                 os._exit(3)
+
+    def _progress(self, stage: str, fraction: float) -> None:
+        self.stage, self.stage_progress = stage, fraction
+
+    def _probe(self) -> None:
+        """Ready means ready: one real token through the batch, or the load failed."""
+        assert self.engine is not None
+        self.state = WorkerState.PROBING
+        self._progress("probing", -1.0)
+        try:
+            if self.faults.probe_error:
+                raise RuntimeError(f"the probe failed: {self.faults.probe_error}")
+            self.engine.probe()
+        except Exception as exc:
+            raise RuntimeError(f"the model loaded but cannot generate: {exc}") from exc
 
     def _ready(self, loaded: LoadedModel, load_time: float) -> Ready:
         from importlib.metadata import version
@@ -253,6 +281,8 @@ class WorkerProc:
         assert self.engine is not None
         try:
             self.engine.add(prepared)
+            if prepared.request_id in self.stall_ids:
+                self.faults.stall()
             return None
         except Exception as exc:  # one bad request must never take the worker down
             log.warning("request %s refused by the engine: %s", prepared.request_id, exc)
@@ -315,10 +345,22 @@ class WorkerProc:
                 raise PreprocessError(
                     RequestError(ErrorCode.SHUTTING_DOWN, "the model is being unloaded")
                 )
-            self.inputs.put(preprocess(frame))
+            prepared = preprocess(frame)
+            if self.faults.crash_on or self.faults.stall_on:
+                self._mark_faults(frame)
+            self.inputs.put(prepared)
         except PreprocessError as exc:
             out = RequestOutput(frame.request_id, finish_reason=FinishReason.ERROR, error=exc.error)
             self._send(StepOutputs(self.worker_id, -1, [out]))
+
+    def _mark_faults(self, frame: Add) -> None:
+        text = msgspec.json.encode(frame.request).decode()
+        if self.faults.matches(self.faults.crash_on, text):
+            if self.faults.crash_before_token:
+                Faults.die()
+            self.crash_ids.add(frame.request_id)
+        if self.faults.matches(self.faults.stall_on, text):
+            self.stall_ids.add(frame.request_id)
 
     def _control(self, frame: Control) -> ControlReply:
         if frame.method == "stats" and self.engine is not None:
@@ -340,6 +382,9 @@ class WorkerProc:
         self.channels.steps.send(
             self.codec.encode(StepOutputs(self.worker_id, self.engine.steps, outputs))
         )
+        if self.crash_ids and any(o.request_id in self.crash_ids for o in outputs):
+            time.sleep(0.2)  # let the frame leave: the client must have seen a token
+            Faults.die()
 
     def _send(self, frame: object) -> None:
         self.outbox.put(frame)
@@ -367,5 +412,15 @@ class WorkerProc:
         waiting += len(self.held)
         steps = self.engine.steps if self.engine else 0
         return Heartbeat(
-            self.worker_id, self.state, steps, running, waiting, process.memory_info().rss
+            self.worker_id,
+            self.state,
+            steps,
+            running,
+            waiting,
+            process.memory_info().rss,
+            mx.get_active_memory(),
+            mx.get_cache_memory(),
+            mx.get_peak_memory(),
+            "" if self.state == WorkerState.READY else self.stage,
+            self.stage_progress,
         )

@@ -13,7 +13,7 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from shared.config import EngineOptions
-from shared.types import FinishReason, RequestOutput
+from shared.types import FinishReason, RequestOutput, SamplingParams
 from worker.preprocess import PreparedRequest
 from worker.request import Request
 from worker.sampling import make_processors, make_sampler
@@ -40,6 +40,24 @@ class EngineCore:
     @property
     def has_work(self) -> bool:
         return bool(self.requests)
+
+    def probe(self, max_steps: int = 64) -> None:
+        """Generate one greedy token through the real batch: Ready means this worked."""
+        request_id = "__probe__"
+        prompt = list(self.tokenizer.encode("Hi")) or [0]
+        sampling = SamplingParams(temperature=0.0, ignore_eos=True)
+        self.add(PreparedRequest(request_id, prompt, 1, sampling))
+        for _ in range(max_steps):
+            for output in self.step():
+                if output.request_id != request_id or output.finish_reason is None:
+                    continue
+                if output.error is not None:
+                    raise RuntimeError(f"the probe failed: {output.error.message}")
+                if output.usage is None or output.usage.completion_tokens != 1:
+                    raise RuntimeError("the probe finished without generating a token")
+                return
+        self.abort([request_id])
+        raise RuntimeError(f"the probe generated no token within {max_steps} engine steps")
 
     def ending_within(self, steps: int) -> bool:
         """True when every request will reach its max_tokens within `steps` steps."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,14 @@ class LoadedModel:
     is_demo: bool
 
 
-def resolve_source(config: ModelConfig) -> Path:
+Progress = Callable[[str, float], None]  # (stage, fraction done or -1 when unknown)
+
+
+def _no_progress(stage: str, fraction: float) -> None:
+    pass
+
+
+def resolve_source(config: ModelConfig, progress: Progress = _no_progress) -> Path:
     if config.is_demo:
         from worker.modelgen import ensure_demo_model
 
@@ -41,16 +49,34 @@ def resolve_source(config: ModelConfig) -> Path:
             f"model {config.name!r}: {config.source!r} is neither an existing directory "
             "nor a Hugging Face hub id (owner/name)"
         )
-    return _download(config)
+    return _download(config, progress)
 
 
-def _download(config: ModelConfig) -> Path:
+def _download(config: ModelConfig, progress: Progress) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from tqdm.auto import tqdm
 
+    class Report(tqdm):
+        """huggingface_hub's per-snapshot bar (files fetched), reported to the gateway."""
+
+        done = 0.0  # counted here: a disabled bar (HF_HUB_DISABLE_PROGRESS_BARS) counts nothing
+
+        def update(self, n: float | None = 1) -> bool | None:
+            self.done += n or 0
+            if self.total:
+                progress("downloading", min(1.0, self.done / self.total))
+            return super().update(n)
+
+    progress("downloading", -1.0)
     try:
         return Path(
-            snapshot_download(config.source, revision=config.revision, allow_patterns=HUB_PATTERNS)
+            snapshot_download(
+                config.source,
+                revision=config.revision,
+                allow_patterns=HUB_PATTERNS,
+                tqdm_class=Report,
+            )
         )
     except LocalEntryNotFoundError as exc:
         raise LoadError(
@@ -65,10 +91,11 @@ def _download(config: ModelConfig) -> Path:
         ) from exc
 
 
-def load_model(config: ModelConfig) -> LoadedModel:
+def load_model(config: ModelConfig, progress: Progress = _no_progress) -> LoadedModel:
     from mlx_lm import load
 
-    path = resolve_source(config)
+    path = resolve_source(config, progress)
+    progress("loading weights", -1.0)
     try:
         model, tokenizer = load(str(path), trust_remote_code=config.trust_remote_code)[:2]
     except Exception as exc:
