@@ -21,6 +21,34 @@ class ModelKind(enum.StrEnum):
     LLM = "llm"
 
 
+# A duration: seconds as a number, or a string with a unit ("90s", "30m", "2h");
+# for keep-alive and TTL a negative value means forever and 0 means "right after".
+Duration = float | str
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(value: Duration, what: str = "duration") -> float:
+    """Seconds from 30, 1.5, "30", "90s", "30m", "2h", "-1" (Ollama's keep_alive forms)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: {value!r} is not a duration")
+    if isinstance(value, int | float):
+        return float(value)
+    text = value.strip().lower()
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if text.endswith(unit):
+            number, scale = text[: -len(unit)], _UNITS[unit]
+            break
+    else:
+        number, scale = text, 1.0
+    try:
+        return float(number) * scale
+    except ValueError:
+        raise ConfigError(
+            f"{what}: {value!r} is not a duration (seconds, or a number with s, m, h or d)"
+        ) from None
+
+
 class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """Per-model engine settings, sent to the worker at spawn."""
 
@@ -45,6 +73,16 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     kind: ModelKind = ModelKind.LLM
     aliases: list[str] = []
     preload: bool = True
+    # Idle time before the worker is unloaded (negative: never; 0: right after each request);
+    # default: server.default_ttl. A request's `keep_alive` overrides it, as in Ollama.
+    ttl: Duration | None = None
+    # A request for this model while it is not loaded: "load" it (and wait), or "refuse"
+    # (503 + Retry-After).
+    on_demand: Literal["load", "refuse"] = "load"
+    # Memory the loaded model needs, in GiB; default: its weight files plus a quarter.
+    memory_gb: float | None = None
+    # Higher wins: with memory_policy = "preempt", a load may unload lower-priority models.
+    priority: int = 0
     revision: str | None = None
     trust_remote_code: bool = False
     engine: EngineOptions = msgspec.field(default_factory=EngineOptions)
@@ -62,6 +100,24 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     request_timeout_s: float = 600.0
     load_timeout_s: float = 300.0
     heartbeat_timeout_s: float = 30.0
+    # A worker whose engine has work but whose step counter has not moved for this long is
+    # wedged: it is killed and restarted.
+    wedge_timeout_s: float = 300.0
+    default_ttl: Duration = -1
+    drain_timeout_s: float = 30.0
+    # Crash recovery: restart after restart_backoff_s, doubling per recent crash up to
+    # restart_backoff_max_s; crash_loop_count crashes within crash_loop_window_s mark the
+    # model failed.
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 60.0
+    crash_loop_count: int = 5
+    crash_loop_window_s: float = 120.0
+    # Memory budget for all workers, in GiB (default: 75% of the machine's memory), and what
+    # a load that does not fit does once idle models are evicted: wait for memory (at most
+    # memory_wait_s), fail at once (503 + Retry-After), or preempt lower-priority models.
+    memory_budget_gb: float | None = None
+    memory_policy: Literal["wait", "fail", "preempt"] = "wait"
+    memory_wait_s: float = 60.0
     blas: str = "auto"  # auto | off | /path/to/libblas.so
     blas_threads: int = 0  # 0 = auto (half the cores)
     log_level: str = "info"
@@ -140,3 +196,8 @@ def _validate(config: Config) -> None:
                 raise ConfigError(f"model {model.name!r}: engine.{key} must be at least 1")
         if opts.max_waiting < 0:
             raise ConfigError(f"model {model.name!r}: engine.max_waiting must not be negative")
+        if model.ttl is not None:
+            parse_duration(model.ttl, f"model {model.name!r}: ttl")
+        if model.memory_gb is not None and model.memory_gb <= 0:
+            raise ConfigError(f"model {model.name!r}: memory_gb must be positive")
+    parse_duration(config.server.default_ttl, "server.default_ttl")

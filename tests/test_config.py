@@ -15,6 +15,7 @@ from shared.config import (
     ModelKind,
     ServerConfig,
     load_config,
+    parse_duration,
 )
 
 TWO_MODELS = """
@@ -199,3 +200,68 @@ def test_bad_port_env_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None
 def test_with_defaults_keeps_configured_models() -> None:
     model = ModelConfig(name="m", source="/x")
     assert Config(models=[model]).with_defaults().models == [model]
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        (30, 30.0),
+        (1.5, 1.5),
+        ("30", 30.0),
+        ("90s", 90.0),
+        ("30m", 1800.0),
+        ("2h", 7200.0),
+        ("1d", 86400.0),
+        ("500ms", 0.5),
+        ("-1", -1.0),
+        (-1, -1.0),
+        (0, 0.0),
+        (" 5M ", 300.0),
+    ],
+)
+def test_durations(value: float | str, seconds: float) -> None:
+    assert parse_duration(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["soon", "5 minutes", "m", "", True])
+def test_bad_durations_are_named(value: object) -> None:
+    with pytest.raises(ConfigError, match="keep_alive"):
+        parse_duration(value, "keep_alive")  # type: ignore[arg-type]
+
+
+def test_lifecycle_settings(tmp_path: Path) -> None:
+    text = """
+[server]
+default_ttl = "30m"
+memory_budget_gb = 12.5
+memory_policy = "preempt"
+crash_loop_count = 3
+
+[[models]]
+name = "a"
+source = "/m/a"
+ttl = 600
+on_demand = "refuse"
+memory_gb = 4.0
+priority = 2
+"""
+    config = load_config(write(tmp_path, text))
+    assert config.server.default_ttl == "30m" and config.server.memory_policy == "preempt"
+    assert config.server.memory_budget_gb == 12.5 and config.server.crash_loop_count == 3
+    model = config.models[0]
+    assert (model.ttl, model.on_demand, model.memory_gb, model.priority) == (600, "refuse", 4.0, 2)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ('[server]\ndefault_ttl = "later"', "server.default_ttl"),
+        ('[server]\nmemory_policy = "pray"', "memory_policy"),
+        ('[[models]]\nname = "a"\nsource = "/m"\nttl = "x"', "'a': ttl"),
+        ('[[models]]\nname = "a"\nsource = "/m"\non_demand = "maybe"', "on_demand"),
+        ('[[models]]\nname = "a"\nsource = "/m"\nmemory_gb = 0', "memory_gb"),
+    ],
+)
+def test_bad_lifecycle_settings_are_named(tmp_path: Path, text: str, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        load_config(write(tmp_path, text))
