@@ -8,18 +8,30 @@ from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 
 from gateway.errors import GatewayError
-from gateway.supervisor import Supervisor
+from gateway.supervisor import Slot, Supervisor
+from shared.config import ConfigError, ModelConfig, parse_duration
+from shared.types import ErrorCode
+
+LOG_CHUNK = 64 * 1024
 
 
 class LoadBody(msgspec.Struct, forbid_unknown_fields=True):
     model: str
     wait: bool = True
+    # A model that is not in the config: added to the catalog for this run.
+    source: str | None = None
+    aliases: list[str] = []
+    ttl: float | str | None = None
 
 
 class UnloadBody(msgspec.Struct, forbid_unknown_fields=True):
     model: str
     force: bool = False
-    timeout_s: float = 30.0
+    timeout_s: float | None = None
+
+
+class ReloadBody(msgspec.Struct, forbid_unknown_fields=True):
+    model: str
 
 
 def _error(_: Request, exc: Exception) -> Response[dict[str, str]]:
@@ -30,19 +42,47 @@ def _error(_: Request, exc: Exception) -> Response[dict[str, str]]:
     return Response({"error": repr(exc)}, status_code=500)
 
 
+def _summary(slot: Slot) -> dict[str, object]:
+    handle = slot.handle
+    return {
+        "model": slot.name,
+        "state": slot.state.value,
+        "pid": handle.pid if handle else None,
+        "error": slot.error,
+    }
+
+
 @get("/ps")
 async def ps(state: State) -> list[dict[str, object]]:
     supervisor: Supervisor = state.supervisor
     return supervisor.ps()
 
 
+@get("/status")
+async def status(state: State) -> dict[str, object]:
+    supervisor: Supervisor = state.supervisor
+    return supervisor.status()
+
+
 @post("/load", status_code=200)
 async def load(state: State, data: LoadBody) -> dict[str, object]:
     supervisor: Supervisor = state.supervisor
-    handle = await supervisor.load(data.model)
-    if data.wait:
-        await supervisor.wait_ready(handle)
-    return {"model": handle.config.name, "state": handle.state.value, "pid": handle.pid}
+    if data.source is not None and data.model not in supervisor.slots:
+        try:
+            if data.ttl is not None:
+                parse_duration(data.ttl, "ttl")
+            model = ModelConfig(
+                name=data.model,
+                source=data.source,
+                aliases=data.aliases,
+                preload=False,
+                ttl=data.ttl,
+            )
+        except (TypeError, msgspec.ValidationError, ConfigError) as exc:
+            raise GatewayError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+        supervisor.add_model(model)
+    slot = await supervisor.load(data.model, wait=data.wait)
+    return _summary(slot)
 
 
 @post("/unload", status_code=200)
@@ -52,9 +92,34 @@ async def unload(state: State, data: UnloadBody) -> dict[str, object]:
     return {"model": data.model, "unloaded": was_loaded}
 
 
+@post("/reload", status_code=200)
+async def reload(state: State, data: ReloadBody) -> dict[str, object]:
+    supervisor: Supervisor = state.supervisor
+    handle = await supervisor.reload(data.model)
+    return {"model": handle.config.name, "pid": handle.pid, "state": "ready"}
+
+
+@get("/logs")
+async def logs(state: State, model: str, offset: int = -LOG_CHUNK) -> dict[str, object]:
+    """The worker's own log from byte `offset` (negative: from the end); follow with the
+    returned offset."""
+    supervisor: Supervisor = state.supervisor
+    name = supervisor.resolve(model).name
+    path = supervisor.run_dir.worker_log(name)
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            start = max(0, size + offset) if offset < 0 else min(offset, size)
+            f.seek(start)
+            data = f.read(LOG_CHUNK)
+    except FileNotFoundError:
+        return {"model": name, "text": "", "offset": 0}
+    return {"model": name, "text": data.decode("utf-8", "replace"), "offset": start + len(data)}
+
+
 def create_admin_app(state: State) -> Litestar:
     return Litestar(
-        route_handlers=[ps, load, unload],
+        route_handlers=[ps, status, load, unload, reload, logs],
         state=state,
         exception_handlers={Exception: _error},
     )

@@ -4,17 +4,29 @@ from __future__ import annotations
 
 import asyncio
 
+from shared.protocol import Add
 from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput
 
 
 class RequestStream:
-    __slots__ = ("_pending", "_waiter", "finished", "model", "request_id", "worker_id")
+    __slots__ = (
+        "_pending",
+        "_waiter",
+        "add",
+        "finished",
+        "model",
+        "received",
+        "request_id",
+        "worker_id",
+    )
 
     def __init__(self, request_id: str, model: str, worker_id: str) -> None:
         self.request_id = request_id
         self.model = model
-        self.worker_id = worker_id
+        self.worker_id = worker_id  # the worker it runs on now ("" while queued)
         self.finished = False
+        self.received = False  # the worker produced output: it can no longer be replayed
+        self.add: Add | None = None  # what was sent, for a replay on a restarted worker
         self._pending: RequestOutput | None = None
         self._waiter: asyncio.Future[None] | None = None
 
@@ -23,6 +35,8 @@ class RequestStream:
             return  # exactly one terminal event per request
         if output.finish_reason is not None:
             self.finished = True
+        if output.token_ids or output.text:
+            self.received = True
         pending = self._pending
         if pending is None:
             self._pending = output

@@ -1,8 +1,16 @@
-"""Supervisor: spawns one worker process per model, watches it, routes requests to it.
+"""Supervisor: the model catalog and one worker process per loaded model.
 
-Liveness: process exit is authoritative; a WorkerDead frame carries the reason; heartbeat
-silence gets the process killed. A worker that dies fails every in-flight request of its model
-with a terminal error, and nothing else.
+Each configured model has a Slot: its state (unloaded, loading, ready, unloading, failed),
+the worker serving new requests, older workers still draining (reload, unload), and its
+history (crashes, restarts, requests served). Requests hold a lease on the worker they run
+on (its `streams`): nothing unloads a worker under an in-flight request except a timeout or
+`--force`, and both end those requests with a clear error.
+
+Liveness: process exit is authoritative. A worker that dies is restarted with exponential
+backoff; its requests that had produced nothing yet are replayed on the new worker, the
+others end with a terminal error; a crash loop marks the model failed with the worker's exit
+status and the tail of its log. Heartbeat silence, or an engine with work whose step counter
+stands still, gets a worker killed (and so restarted).
 """
 
 from __future__ import annotations
@@ -18,8 +26,10 @@ import signal
 import sys
 import time
 import uuid
+from collections import deque
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -29,7 +39,7 @@ from gateway.errors import GatewayError
 from gateway.stream import RequestStream
 from gateway.transport import Transport
 from shared.blas import worker_env
-from shared.config import Config, ModelConfig
+from shared.config import Config, ModelConfig, parse_duration
 from shared.paths import RunDir
 from shared.protocol import (
     PROTOCOL_VERSION,
@@ -50,6 +60,9 @@ from shared.types import CanonicalRequest, ErrorCode, RequestKind, SamplingParam
 
 log = logging.getLogger("gateway.supervisor")
 
+GiB = 2**30
+LOG_TAIL_BYTES = 4000
+
 
 class ModelState(enum.StrEnum):
     UNLOADED = "unloaded"
@@ -64,7 +77,7 @@ class WorkerHandle:
     config: ModelConfig
     worker_id: str
     process: asyncio.subprocess.Process
-    state: ModelState = ModelState.LOADING
+    restart: bool = False  # spawned to replace a crashed worker
     started_at: float = field(default_factory=time.time)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     exited: asyncio.Event = field(default_factory=asyncio.Event)
@@ -73,25 +86,96 @@ class WorkerHandle:
     info: Ready | None = None
     heartbeat: Heartbeat | None = None
     last_seen: float = field(default_factory=time.monotonic)
+    step: int = -1
+    step_moved_at: float = field(default_factory=time.monotonic)
+    retiring: bool = False  # unload or reload: its exit is expected
+    killed: bool = False  # by the liveness watch
     error: str | None = None
+    exit_code: int | None = None
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
+    @property
+    def is_ready(self) -> bool:
+        return self.info is not None and not self.exited.is_set()
+
+    def memory_bytes(self) -> int:
+        """What the worker holds: the larger of its resident set and MLX's own count."""
+        hb = self.heartbeat
+        if hb is None:
+            return 0
+        return max(hb.memory_bytes, hb.active_bytes + hb.cache_bytes)
+
+
+@dataclass(slots=True, eq=False)
+class Slot:
+    config: ModelConfig
+    handle: WorkerHandle | None = None  # takes new requests
+    retiring: list[WorkerHandle] = field(default_factory=list)
+    loading: asyncio.Task[WorkerHandle] | None = None
+    unloading: bool = False
+    restarting: bool = False  # crashed; a new worker is on its way (backoff, then load)
+    restart_pending: bool = False  # a restart is scheduled and has not begun
+    error: str | None = None  # why it failed: set only in the failed state
+    last_error: str | None = None
+    exit_code: int | None = None
+    log_tail: str = ""
+    crashes: deque[float] = field(default_factory=deque)
+    restarts: int = 0
+    served: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    keep_alive_s: float | None = None  # the last request's keep_alive
+    idle_timer: asyncio.TimerHandle | None = None
+    idle_since: float | None = None
+    replay: list[RequestStream] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def state(self) -> ModelState:
+        if self.error is not None:
+            return ModelState.FAILED
+        if self.unloading:
+            return ModelState.UNLOADING
+        if self.handle is not None and self.handle.is_ready:
+            return ModelState.READY
+        if self.loading is not None or self.handle is not None or self.restarting:
+            return ModelState.LOADING
+        return ModelState.UNLOADED
+
+    @property
+    def is_evictable(self) -> bool:
+        return self.loading is None and not self.unloading and not self.restarting
+
+    def in_flight(self) -> int:
+        workers = ([self.handle] if self.handle else []) + self.retiring
+        return sum(len(w.streams) for w in workers) + len(self.replay)
+
 
 class Supervisor:
     def __init__(self, config: Config, run_dir: RunDir) -> None:
         self.config = config
+        self.server = config.server
         self.run_dir = run_dir
-        self.models = {m.name: m for m in config.models}
+        self.slots: dict[str, Slot] = {m.name: Slot(m) for m in config.models}
         self.aliases = {a: m.name for m in config.models for a in m.aliases}
-        self.workers: dict[str, WorkerHandle] = {}
-        self.failures: dict[str, str] = {}
         self._by_id: dict[str, WorkerHandle] = {}
         self._serial = itertools.count(1)
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.started_at = time.time()
         self.transport = Transport(run_dir.requests_ipc, run_dir.outputs_ipc)
+        total = psutil.virtual_memory().total
+        budget_gb = self.server.memory_budget_gb
+        self.memory_total = total
+        self.memory_budget = int(budget_gb * GiB) if budget_gb else int(total * 0.75)
+
+    @property
+    def models(self) -> dict[str, ModelConfig]:
+        return {name: slot.config for name, slot in self.slots.items()}
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -99,14 +183,16 @@ class Supervisor:
         self.run_dir.create()
         self._reap_leftovers()
         self.transport.bind(self._on_frame)
-        self._spawn_task(self._watch_heartbeats())
-        for model in self.config.models:
-            if model.preload:
-                await self.load(model.name)
+        self._spawn_task(self._watch_liveness())
+        for slot in self.slots.values():
+            if slot.config.preload:
+                self._load_task(slot)
+        loads = [s.loading for s in self.slots.values() if s.loading is not None]
+        await asyncio.gather(*loads, return_exceptions=True)
 
     async def stop(self) -> None:
         await asyncio.gather(
-            *(self.unload(name, force=True, timeout=3.0) for name in list(self.workers)),
+            *(self.unload(name, force=True, timeout=3.0) for name in self.slots),
             return_exceptions=True,
         )
         for task in list(self._tasks):
@@ -116,31 +202,117 @@ class Supervisor:
     # ---- catalog --------------------------------------------------------------------
 
     def resolve(self, name: str) -> ModelConfig:
-        model = self.models.get(self.aliases.get(name, name))
-        if model is None:
-            available = ", ".join(sorted(self.models)) or "none"
+        return self._slot(name).config
+
+    def _slot(self, name: str) -> Slot:
+        slot = self.slots.get(self.aliases.get(name, name))
+        if slot is None:
+            available = ", ".join(sorted(self.slots)) or "none"
             raise GatewayError(
                 ErrorCode.MODEL_NOT_FOUND,
                 f"The model `{name}` does not exist. Available models: {available}.",
                 "model",
             )
-        return model
+        return slot
 
     def state_of(self, name: str) -> ModelState:
-        handle = self.workers.get(name)
-        if handle is not None:
-            return handle.state
-        return ModelState.FAILED if name in self.failures else ModelState.UNLOADED
+        return self._slot(name).state
 
-    # ---- load / unload ----------------------------------------------------------------
+    def add_model(self, model: ModelConfig) -> None:
+        """`gatewayctl load NAME --source ...`: a catalog entry made at run time."""
+        if model.name in self.slots or model.name in self.aliases:
+            raise GatewayError(
+                ErrorCode.INVALID_REQUEST, f"model {model.name!r} is already configured"
+            )
+        for alias in model.aliases:
+            if alias in self.slots or alias in self.aliases:
+                raise GatewayError(ErrorCode.INVALID_REQUEST, f"alias {alias!r} is taken")
+        self.slots[model.name] = Slot(model)
+        self.aliases.update({a: model.name for a in model.aliases})
 
-    async def load(self, name: str) -> WorkerHandle:
-        model = self.resolve(name)
-        handle = self.workers.get(model.name)
-        if handle is not None and handle.state in (ModelState.LOADING, ModelState.READY):
-            return handle
-        if handle is not None:
-            await handle.exited.wait()
+    def must_load(self, name: str) -> bool:
+        """A request for this model would wait for a worker to load or restart."""
+        slot = self._slot(name)
+        return slot.state in (ModelState.UNLOADED, ModelState.LOADING) and not (
+            slot.state == ModelState.UNLOADED and slot.config.on_demand == "refuse"
+        )
+
+    def worker_info(self, name: str) -> Ready | None:
+        slot = self.slots.get(name)
+        return slot.handle.info if slot and slot.handle else None
+
+    # ---- load / unload / reload -----------------------------------------------------
+
+    async def load(self, name: str, wait: bool = True) -> Slot:
+        """Explicit load: also retries a failed model."""
+        slot = self._slot(name)
+        if slot.state == ModelState.UNLOADING:
+            raise GatewayError(
+                ErrorCode.WORKER_UNAVAILABLE, f"model {name!r} is being unloaded", retry_after=2
+            )
+        if slot.state == ModelState.FAILED:
+            slot.error = None
+            slot.crashes.clear()
+        if slot.restarting:
+            raise GatewayError(
+                ErrorCode.WORKER_UNAVAILABLE,
+                f"model {name!r} is restarting after a crash",
+                retry_after=2,
+            )
+        task = self._load_task(slot)
+        if wait and task is not None:
+            await self._await_load(slot, task)
+        return slot
+
+    def _load_task(self, slot: Slot) -> asyncio.Task[WorkerHandle] | None:
+        """Single flight: concurrent requests for an unloaded model start one worker."""
+        if slot.handle is not None and slot.loading is None:
+            return None
+        if slot.loading is None:
+            slot.loading = asyncio.create_task(self._bring_up(slot))
+            slot.loading.add_done_callback(lambda _: setattr(slot, "loading", None))
+            slot.loading.add_done_callback(_consume)
+        return slot.loading
+
+    async def _await_load(self, slot: Slot, task: asyncio.Task[WorkerHandle]) -> WorkerHandle:
+        timeout = self.server.load_timeout_s
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), timeout)
+        except TimeoutError:
+            raise GatewayError(
+                ErrorCode.WORKER_UNAVAILABLE,
+                f"model {slot.name!r} did not load within server.load_timeout_s={timeout:g}s",
+                retry_after=5,
+            ) from None
+
+    async def _bring_up(self, slot: Slot, restart: bool = False) -> WorkerHandle:
+        slot.error = None
+        try:
+            await self._make_room(slot)
+        except GatewayError as exc:
+            if not restart:
+                slot.last_error = exc.message
+            raise
+        handle = await self._spawn(slot.config, restart)
+        slot.handle = handle
+        try:
+            await self._wait_ready(handle, self.server.load_timeout_s)
+        except GatewayError as exc:
+            if not handle.exited.is_set():
+                handle.error = exc.message
+                await self._kill(handle, signal.SIGKILL, grace=0)
+            if slot.handle is handle:
+                slot.handle = None
+            if not restart:  # a failed restart is a crash: _crashed decides what follows
+                slot.error = slot.last_error = handle.error or exc.message
+                self._fail_replay(slot, exc.message)
+            raise
+        self._resubmit_replay(slot, handle)
+        self._touch(slot)
+        self._released(slot)  # idle until a request comes: the TTL runs
+        return handle
+
+    async def _spawn(self, model: ModelConfig, restart: bool) -> WorkerHandle:
         worker_id = f"{model.name}-{next(self._serial)}-{uuid.uuid4().hex[:6]}"
         log_file = open(self.run_dir.worker_log(model.name), "ab")  # noqa: SIM115
         try:
@@ -159,22 +331,19 @@ class Supervisor:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=log_file,
-                env=worker_env(self.config.server.blas, self.config.server.blas_threads),
+                env=worker_env(self.server.blas, self.server.blas_threads),
                 start_new_session=True,
             )
         finally:
             log_file.close()
-        handle = WorkerHandle(model, worker_id, process)
-        self.workers[model.name] = handle
+        handle = WorkerHandle(model, worker_id, process, restart=restart)
         self._by_id[worker_id] = handle
-        self.failures.pop(model.name, None)
         self._save_pids()
         self._spawn_task(self._watch_exit(handle))
         log.info("model %s: worker %s spawned (pid %d)", model.name, worker_id, process.pid)
         return handle
 
-    async def wait_ready(self, handle: WorkerHandle, timeout: float | None = None) -> None:
-        timeout = self.config.server.load_timeout_s if timeout is None else timeout
+    async def _wait_ready(self, handle: WorkerHandle, timeout: float) -> None:
         ready = asyncio.ensure_future(handle.ready.wait())
         exited = asyncio.ensure_future(handle.exited.wait())
         try:
@@ -182,88 +351,293 @@ class Supervisor:
         finally:
             ready.cancel()
             exited.cancel()
-        if handle.state == ModelState.READY:
+        if handle.is_ready:
             return
-        if handle.state == ModelState.LOADING:
+        name = handle.config.name
+        if not handle.exited.is_set():
             raise GatewayError(
                 ErrorCode.WORKER_UNAVAILABLE,
-                f"model {handle.config.name!r} did not load within "
-                f"server.load_timeout_s={timeout:g}s",
+                f"model {name!r} did not load within server.load_timeout_s={timeout:g}s",
                 retry_after=5,
             )
-        reason = handle.error or self.failures.get(handle.config.name) or "the worker exited"
-        raise GatewayError(
-            ErrorCode.WORKER_UNAVAILABLE, f"model {handle.config.name!r} failed to load: {reason}"
-        )
+        reason = handle.error or f"the worker exited ({_describe_exit(handle.exit_code)})"
+        raise GatewayError(ErrorCode.WORKER_UNAVAILABLE, f"model {name!r} failed to load: {reason}")
 
-    async def unload(self, name: str, force: bool = False, timeout: float = 30.0) -> bool:
+    async def unload(self, name: str, force: bool = False, timeout: float | None = None) -> bool:
         """Stop new requests, drain (or abort with force), end the process. False if not loaded."""
-        handle = self.workers.get(self.resolve(name).name)
-        if handle is None:
+        slot = self._slot(name)
+        timeout = self.server.drain_timeout_s if timeout is None else timeout
+        if slot.restarting:
+            slot.restarting = slot.restart_pending = False
+            self._fail_replay(slot, f"model {slot.name!r} was unloaded")
+        if slot.loading is not None:
+            slot.loading.cancel()
+            with contextlib.suppress(BaseException):
+                await slot.loading
+        handle = slot.handle
+        if handle is None and not slot.retiring:
             return False
-        handle.state = ModelState.UNLOADING
+        slot.unloading = True
+        self._cancel_idle(slot)
+        try:
+            if handle is not None:
+                slot.handle = None
+                await self._retire(slot, handle, force, timeout)
+            await asyncio.gather(*(w.exited.wait() for w in list(slot.retiring)))
+        finally:
+            slot.unloading = False
+        self._fail_replay(slot, f"model {slot.name!r} was unloaded")
+        log.info("model %s: unloaded", slot.name)
+        return True
+
+    async def _retire(self, slot: Slot, handle: WorkerHandle, force: bool, timeout: float) -> None:
+        """Drain a worker that takes no new requests, then end it."""
+        handle.retiring = True
+        slot.retiring.append(handle)
+        if not handle.is_ready:  # still loading: nothing to drain
+            await self._kill(handle, signal.SIGTERM, grace=5)
+            return
         mode = ShutdownMode.ABORT if force else ShutdownMode.DRAIN
         self.transport.send(handle.worker_id, Shutdown(mode, timeout))
         try:
             await asyncio.wait_for(handle.exited.wait(), timeout + 5)
         except TimeoutError:
             await self._kill(handle, signal.SIGTERM, grace=5)
-        return True
+
+    async def reload(self, name: str) -> WorkerHandle:
+        """Zero downtime: a new worker takes over once Ready; the old one drains."""
+        slot = self._slot(name)
+        old = slot.handle
+        if old is None or slot.loading is not None:
+            return await self._await_load(slot, self.load_task_or_fail(slot))
+        await self._make_room(slot, extra=old.memory_bytes())
+        new = await self._spawn(slot.config, restart=False)
+        try:
+            await self._wait_ready(new, self.server.load_timeout_s)
+        except GatewayError:
+            if not new.exited.is_set():
+                await self._kill(new, signal.SIGKILL, grace=0)
+            raise
+        slot.handle = new
+        self._touch(slot)
+        self._released(slot)
+        log.info("model %s: reloaded; worker %s drains", slot.name, old.worker_id)
+        self._spawn_task(self._retire(slot, old, False, self.server.drain_timeout_s))
+        return new
+
+    def load_task_or_fail(self, slot: Slot) -> asyncio.Task[WorkerHandle]:
+        task = self._load_task(slot)
+        if task is None:
+            raise GatewayError(ErrorCode.INTERNAL, f"model {slot.name!r}: nothing to load")
+        return task
 
     async def _kill(self, handle: WorkerHandle, sig: int, grace: float) -> None:
         with contextlib.suppress(ProcessLookupError):
             handle.process.send_signal(sig)
         try:
-            await asyncio.wait_for(handle.exited.wait(), grace)
+            await asyncio.wait_for(handle.exited.wait(), grace or 0.001)
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 handle.process.kill()
             await handle.exited.wait()
 
+    # ---- memory budget --------------------------------------------------------------
+
+    def estimate(self, model: ModelConfig) -> int:
+        """Bytes a model needs once loaded: configured, or its weights plus a quarter."""
+        if model.memory_gb:
+            return int(model.memory_gb * GiB)
+        path = Path(model.source).expanduser()
+        if not path.is_dir():
+            return 0  # a hub id not downloaded yet, or the demo: measured once loaded
+        weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        return int(weights * 1.25)
+
+    def memory_used(self, exclude: Slot | None = None) -> int:
+        used = 0
+        for slot in self.slots.values():
+            if slot is exclude:
+                continue
+            for handle in ([slot.handle] if slot.handle else []) + slot.retiring:
+                used += max(handle.memory_bytes(), self.estimate(slot.config))
+        return used
+
+    async def _make_room(self, slot: Slot, extra: int = 0) -> None:
+        """Evict idle models (least recently used first) until `slot` fits the budget;
+        then apply server.memory_policy."""
+        need = self.estimate(slot.config) + extra
+        deadline = time.monotonic() + self.server.memory_wait_s
+        while self.memory_used(exclude=slot) + need > self.memory_budget:
+            idle = [
+                s
+                for s in self.slots.values()
+                if s is not slot and s.handle is not None and s.in_flight() == 0 and s.is_evictable
+            ]
+            if idle:
+                victim = min(idle, key=lambda s: s.last_used)
+                log.info("model %s: evicted (idle) to make room for %s", victim.name, slot.name)
+                await self.unload(victim.name)
+                continue
+            policy = self.server.memory_policy
+            if policy == "preempt":
+                lower = [
+                    s
+                    for s in self.slots.values()
+                    if s is not slot
+                    and s.handle is not None
+                    and s.config.priority < slot.config.priority
+                ]
+                if lower:
+                    victim = min(lower, key=lambda s: (s.config.priority, s.last_used))
+                    log.warning("model %s: preempted for %s", victim.name, slot.name)
+                    await self.unload(victim.name, force=True)
+                    continue
+            used, budget = self.memory_used(exclude=slot), self.memory_budget
+            message = (
+                f"model {slot.name!r} needs {need / GiB:.1f} GiB; "
+                f"{used / GiB:.1f} of the {budget / GiB:.1f} GiB budget are in use by busy "
+                "models (server.memory_budget_gb)"
+            )
+            if policy == "wait" and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+                continue
+            raise GatewayError(ErrorCode.WORKER_UNAVAILABLE, message, retry_after=10)
+
     # ---- requests ---------------------------------------------------------------------
 
     async def submit(
-        self, name: str, kind: RequestKind, request: CanonicalRequest, sampling: SamplingParams
+        self,
+        name: str,
+        kind: RequestKind,
+        request: CanonicalRequest,
+        sampling: SamplingParams,
+        keep_alive: float | None = None,
     ) -> RequestStream:
-        model = self.resolve(name)
-        handle = self.workers.get(model.name)
-        if handle is None:
-            reason = self.failures.get(model.name)
-            hint = f"load it with `gatewayctl load {model.name}`"
-            message = f"failed: {reason}" if reason else f"is not loaded; {hint}"
-            raise GatewayError(
-                ErrorCode.WORKER_UNAVAILABLE, f"model {model.name!r} {message}", retry_after=5
-            )
-        if handle.state == ModelState.LOADING:
-            await self.wait_ready(handle)
-        if handle.state != ModelState.READY:
-            raise GatewayError(
-                ErrorCode.WORKER_UNAVAILABLE,
-                f"model {model.name!r} is {handle.state.value}",
-                retry_after=5,
-            )
+        slot = self._slot(name)
+        if keep_alive is not None:
+            slot.keep_alive_s = keep_alive
+        if slot.restarting:  # queued: it runs on the new worker once that is Ready
+            stream = RequestStream(uuid.uuid4().hex, slot.name, "")
+            stream.add = Add(stream.request_id, kind, request, sampling)
+            slot.replay.append(stream)
+            slot.served += 1
+            self._touch(slot)
+            return stream
+        handle = await self._acquire(slot)
         capacity = handle.capacity
         assert capacity is not None
         if len(handle.streams) >= capacity.max_running + capacity.max_waiting:
             raise GatewayError(
                 ErrorCode.OVERLOADED,
-                f"model {model.name!r} is at capacity ({len(handle.streams)} requests in flight)",
+                f"model {slot.name!r} is at capacity ({len(handle.streams)} requests in flight)",
                 retry_after=1,
             )
-        request_id = uuid.uuid4().hex
-        stream = RequestStream(request_id, model.name, handle.worker_id)
-        handle.streams[request_id] = stream
-        if not self.transport.send(handle.worker_id, Add(request_id, kind, request, sampling)):
-            handle.streams.pop(request_id, None)
-            raise GatewayError(ErrorCode.WORKER_UNAVAILABLE, f"model {model.name!r} is unreachable")
+        stream = RequestStream(uuid.uuid4().hex, slot.name, handle.worker_id)
+        stream.add = Add(stream.request_id, kind, request, sampling)
+        if not self._send_add(handle, stream):
+            raise GatewayError(ErrorCode.WORKER_UNAVAILABLE, f"model {slot.name!r} is unreachable")
+        slot.served += 1
+        self._touch(slot)
         return stream
+
+    async def _acquire(self, slot: Slot) -> WorkerHandle:
+        """The worker for a new request: loading the model on demand (and waiting)."""
+        for _ in range(3):  # a worker may die between Ready and this request
+            state = slot.state
+            if state == ModelState.READY and slot.handle is not None:
+                return slot.handle
+            if state == ModelState.FAILED:
+                raise GatewayError(
+                    ErrorCode.WORKER_UNAVAILABLE,
+                    f"model {slot.name!r} failed: {slot.error}; "
+                    f"`gatewayctl load {slot.name}` tries again",
+                )
+            if slot.restarting and slot.loading is None:
+                await asyncio.sleep(0.1)
+                continue
+            if state == ModelState.UNLOADING:
+                raise GatewayError(
+                    ErrorCode.WORKER_UNAVAILABLE,
+                    f"model {slot.name!r} is being unloaded",
+                    retry_after=2,
+                )
+            if state == ModelState.UNLOADED and slot.config.on_demand == "refuse":
+                raise GatewayError(
+                    ErrorCode.WORKER_UNAVAILABLE,
+                    f"model {slot.name!r} is not loaded; load it with "
+                    f"`gatewayctl load {slot.name}`",
+                    retry_after=30,
+                )
+            task = self._load_task(slot)
+            if task is not None:
+                await self._await_load(slot, task)
+            elif slot.handle is not None and not slot.handle.is_ready:
+                await self._wait_ready(slot.handle, self.server.load_timeout_s)
+        raise GatewayError(ErrorCode.WORKER_UNAVAILABLE, f"model {slot.name!r} keeps failing")
+
+    def _send_add(self, handle: WorkerHandle, stream: RequestStream) -> bool:
+        assert stream.add is not None
+        stream.worker_id = handle.worker_id
+        handle.streams[stream.request_id] = stream
+        if self.transport.send(handle.worker_id, stream.add):
+            return True
+        handle.streams.pop(stream.request_id, None)
+        return False
 
     def abort(self, stream: RequestStream) -> None:
         """The client went away or timed out: free its slot in the worker (idempotent)."""
+        slot = self.slots.get(stream.model)
+        if slot is not None and stream in slot.replay:
+            slot.replay.remove(stream)
+            self._released(slot)
+            return
         handle = self._by_id.get(stream.worker_id)
         if handle is None or handle.streams.pop(stream.request_id, None) is None:
             return
         self.transport.send(handle.worker_id, Abort([stream.request_id]))
+        self._released(self.slots.get(handle.config.name))
+
+    # ---- idle TTL -------------------------------------------------------------------
+
+    def _touch(self, slot: Slot) -> None:
+        slot.last_used = time.monotonic()
+        self._cancel_idle(slot)
+
+    def _cancel_idle(self, slot: Slot) -> None:
+        if slot.idle_timer is not None:
+            slot.idle_timer.cancel()
+            slot.idle_timer = None
+        slot.idle_since = None
+
+    def ttl_of(self, slot: Slot) -> float:
+        if slot.keep_alive_s is not None:
+            return slot.keep_alive_s
+        return parse_duration(
+            slot.config.ttl if slot.config.ttl is not None else self.server.default_ttl
+        )
+
+    def _released(self, slot: Slot | None) -> None:
+        """A request left its worker: an idle model starts its TTL."""
+        if slot is None or slot.in_flight() or slot.handle is None or slot.unloading:
+            return
+        slot.last_used = time.monotonic()
+        ttl = self.ttl_of(slot)
+        self._cancel_idle(slot)
+        if ttl < 0:
+            return
+        slot.idle_since = time.monotonic()
+        slot.idle_timer = asyncio.get_running_loop().call_later(ttl, self._expire_idle, slot)
+
+    def _expire_idle(self, slot: Slot) -> None:
+        slot.idle_timer = None
+        if slot.in_flight() or slot.handle is None:
+            return
+        log.info("model %s: idle for %gs (ttl); unloading", slot.name, self.ttl_of(slot))
+        self._spawn_task(self._unload_quietly(slot.name))
+
+    async def _unload_quietly(self, name: str) -> None:
+        with contextlib.suppress(GatewayError):
+            await self.unload(name)
 
     # ---- frames from workers --------------------------------------------------------
 
@@ -271,17 +645,24 @@ class Supervisor:
         handle = self._by_id.get(frame.worker_id)
         if handle is None:
             return
-        handle.last_seen = time.monotonic()
+        now = time.monotonic()
+        handle.last_seen = now
         if isinstance(frame, StepOutputs):
+            self._note_step(handle, frame.step, now)
             streams = handle.streams
+            released = False
             for output in frame.outputs:
                 stream = streams.get(output.request_id)
                 if stream is not None:
                     stream.put(output)
                     if output.finish_reason is not None:
                         del streams[output.request_id]
+                        released = True
+            if released and not streams:
+                self._released(self.slots.get(handle.config.name))
         elif isinstance(frame, Heartbeat):
             handle.heartbeat = frame
+            self._note_step(handle, frame.step, now)
         elif isinstance(frame, Hello):
             if frame.protocol_version != PROTOCOL_VERSION:
                 handle.error = (
@@ -292,50 +673,147 @@ class Supervisor:
         elif isinstance(frame, Ready):
             handle.info = frame
             handle.capacity = frame.capacity
-            if handle.state == ModelState.LOADING:
-                handle.state = ModelState.READY
             handle.ready.set()
             log.info("model %s ready in %.1fs", handle.config.name, frame.load_time_s)
         elif isinstance(frame, WorkerDead):
             handle.error = frame.reason
-            log.error("model %s: worker died: %s", handle.config.name, frame.reason)
+            log.error("model %s: worker failed: %s", handle.config.name, frame.reason)
         elif isinstance(frame, ControlReply):
             pass
 
-    # ---- watchers ---------------------------------------------------------------------
+    @staticmethod
+    def _note_step(handle: WorkerHandle, step: int, now: float) -> None:
+        if step != handle.step:
+            handle.step = step
+            handle.step_moved_at = now
+
+    # ---- crashes --------------------------------------------------------------------
 
     async def _watch_exit(self, handle: WorkerHandle) -> None:
         code = await handle.process.wait()
+        handle.exit_code = code
         name = handle.config.name
-        expected = handle.state == ModelState.UNLOADING
-        if not expected:
-            reason = handle.error or f"worker process exited with code {code}"
-            self.failures[name] = reason
-            log.error("model %s: worker %s exited (%s)", name, handle.worker_id, reason)
-        message = f"the worker of model {name!r} exited" + ("" if expected else f": {code}")
-        for stream in list(handle.streams.values()):
-            stream.fail(ErrorCode.WORKER_DIED, message)
-        handle.streams.clear()
-        handle.state = ModelState.UNLOADED if expected else ModelState.FAILED
-        if self.workers.get(name) is handle:
-            del self.workers[name]
+        slot = self.slots.get(name)
         self._by_id.pop(handle.worker_id, None)
-        self._save_pids()
         handle.exited.set()
+        self._save_pids()
+        if slot is None:
+            return
+        if handle in slot.retiring:
+            slot.retiring.remove(handle)
+        if handle.retiring:
+            message = f"the request was aborted because model {name!r} was unloaded"
+            for stream in list(handle.streams.values()):
+                stream.fail(ErrorCode.SHUTTING_DOWN, message)
+            handle.streams.clear()
+            return
+        # An exit nobody asked for.
+        if slot.handle is handle:
+            slot.handle = None
+        reason = handle.error or f"the worker exited ({_describe_exit(code)})"
+        slot.exit_code = code
+        slot.log_tail = _tail(self.run_dir.worker_log(name))
+        slot.last_error = reason
+        if not handle.info and not handle.restart:
+            # It never got Ready: a load failure, not a crash. Its waiters see the reason.
+            log.error("model %s: load failed: %s", name, reason)
+            return
+        self._crashed(slot, handle, reason)
 
-    async def _watch_heartbeats(self) -> None:
-        limit = self.config.server.heartbeat_timeout_s
+    def _crashed(self, slot: Slot, handle: WorkerHandle, reason: str) -> None:
+        now = time.monotonic()
+        slot.crashes.append(now)
+        while slot.crashes and now - slot.crashes[0] > self.server.crash_loop_window_s:
+            slot.crashes.popleft()
+        sent = [s for s in handle.streams.values() if s.received]
+        fresh = [s for s in handle.streams.values() if not s.received]
+        handle.streams.clear()
+        message = f"the worker of model {slot.name!r} died: {reason}"
+        for stream in sent:
+            stream.fail(ErrorCode.WORKER_DIED, message)
+        slot.replay.extend(fresh)
+        if len(slot.crashes) >= self.server.crash_loop_count:
+            slot.restarting = slot.restart_pending = False
+            slot.error = slot.last_error = (
+                f"crash loop: {len(slot.crashes)} crashes within "
+                f"{self.server.crash_loop_window_s:g}s; last: {reason}"
+            )
+            log.error("model %s: %s", slot.name, slot.error)
+            self._fail_replay(slot, message)
+            return
+        slot.restarting = slot.restart_pending = True
+        delay = min(
+            self.server.restart_backoff_s * 2 ** (len(slot.crashes) - 1),
+            self.server.restart_backoff_max_s,
+        )
+        log.error(
+            "model %s: %s; restarting in %.1fs (%d request(s) to replay)",
+            slot.name,
+            reason,
+            delay,
+            len(fresh),
+        )
+        self._spawn_task(self._restart(slot, delay))
+
+    async def _restart(self, slot: Slot, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if not slot.restart_pending or slot.handle is not None or slot.loading is not None:
+            return
+        slot.restart_pending = False
+        slot.restarts += 1
+        task = asyncio.create_task(self._bring_up(slot, restart=True))
+        slot.loading = task
+        task.add_done_callback(lambda _: setattr(slot, "loading", None))
+        try:
+            await task
+            slot.restarting = False
+        except (GatewayError, asyncio.CancelledError) as exc:
+            if not slot.restart_pending and slot.restarting:
+                # Not a crash of the new worker (that schedules the next attempt): give up.
+                reason = getattr(exc, "message", "the restart was cancelled")
+                slot.restarting = False
+                slot.error = slot.last_error = f"restart failed: {reason}"
+                self._fail_replay(slot, slot.error)
+
+    def _resubmit_replay(self, slot: Slot, handle: WorkerHandle) -> None:
+        replay, slot.replay = slot.replay, []
+        for stream in replay:
+            if stream.finished:
+                continue
+            if not self._send_add(handle, stream):
+                stream.fail(ErrorCode.WORKER_UNAVAILABLE, f"model {slot.name!r} is unreachable")
+        if replay:
+            log.info("model %s: replayed %d request(s)", slot.name, len(replay))
+
+    def _fail_replay(self, slot: Slot, message: str) -> None:
+        replay, slot.replay = slot.replay, []
+        for stream in replay:
+            stream.fail(ErrorCode.WORKER_DIED, message)
+
+    # ---- liveness -------------------------------------------------------------------
+
+    async def _watch_liveness(self) -> None:
+        silence, wedge = self.server.heartbeat_timeout_s, self.server.wedge_timeout_s
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(0.5)
             now = time.monotonic()
-            for handle in list(self.workers.values()):
-                if handle.state == ModelState.READY and now - handle.last_seen > limit:
-                    handle.error = f"no heartbeat for {limit:g}s"
-                    log.error("model %s: %s; killing it", handle.config.name, handle.error)
+            for handle in list(self._by_id.values()):
+                if handle.exited.is_set() or handle.killed:
+                    continue
+                why = None
+                if handle.is_ready and now - handle.last_seen > silence:
+                    why = f"no heartbeat for {silence:g}s (server.heartbeat_timeout_s)"
+                hb = handle.heartbeat
+                busy = hb is not None and (hb.running + hb.waiting) > 0
+                if handle.is_ready and busy and now - handle.step_moved_at > wedge:
+                    why = f"engine stalled: no step for {wedge:g}s with work (wedge_timeout_s)"
+                if why is not None:
+                    handle.error, handle.killed = why, True
+                    log.error("model %s: %s; killing pid %d", handle.config.name, why, handle.pid)
                     with contextlib.suppress(ProcessLookupError):
                         handle.process.kill()
 
-    def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn_task(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -343,7 +821,7 @@ class Supervisor:
     # ---- leftovers from a crashed gateway -------------------------------------------
 
     def _save_pids(self) -> None:
-        pids = [h.pid for h in self.workers.values()]
+        pids = [h.pid for h in self._by_id.values()]
         self.run_dir.workers_file.write_text(json.dumps(pids))
 
     def _reap_leftovers(self) -> None:
@@ -362,26 +840,82 @@ class Supervisor:
 
     def ps(self) -> list[dict[str, object]]:
         rows: list[dict[str, object]] = []
-        for name, model in self.models.items():
-            handle = self.workers.get(name)
+        now = time.monotonic()
+        for name, slot in self.slots.items():
+            handle = slot.handle
+            ttl = self.ttl_of(slot)
             row: dict[str, object] = {
                 "model": name,
-                "state": self.state_of(name).value,
-                "aliases": model.aliases,
+                "state": slot.state.value,
+                "aliases": slot.config.aliases,
                 "pid": None,
                 "rss_bytes": None,
+                "memory_bytes": None,
                 "running": 0,
                 "waiting": 0,
-                "in_flight": 0,
+                "in_flight": slot.in_flight(),
+                "served": slot.served,
+                "restarts": slot.restarts,
                 "uptime_s": None,
-                "error": self.failures.get(name),
+                "ttl_s": None if ttl < 0 else ttl,
+                "ttl_left_s": None,
+                "error": slot.error,
+                "last_error": slot.last_error,
+                "exit_code": slot.exit_code,
+                "log_tail": slot.log_tail if slot.state == ModelState.FAILED else None,
+                "draining": [h.pid for h in slot.retiring],
             }
+            if slot.idle_since is not None and ttl >= 0:
+                row["ttl_left_s"] = round(max(0.0, ttl - (now - slot.idle_since)), 1)
             if handle is not None:
-                row.update(pid=handle.pid, in_flight=len(handle.streams))
+                row.update(pid=handle.pid, memory_bytes=handle.memory_bytes() or None)
                 row["uptime_s"] = round(time.time() - handle.started_at, 1)
                 with contextlib.suppress(psutil.Error):
                     row["rss_bytes"] = psutil.Process(handle.pid).memory_info().rss
-                if handle.heartbeat is not None:
-                    row.update(running=handle.heartbeat.running, waiting=handle.heartbeat.waiting)
+                hb = handle.heartbeat
+                if hb is not None:
+                    row.update(running=hb.running, waiting=hb.waiting)
+                    if not handle.is_ready:
+                        row.update(stage=hb.stage, progress=hb.progress)
             rows.append(row)
         return rows
+
+    def status(self) -> dict[str, object]:
+        from importlib.metadata import version
+
+        return {
+            "version": version("mlx-gateway"),
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started_at, 1),
+            "memory_budget_bytes": self.memory_budget,
+            "memory_used_bytes": self.memory_used(),
+            "memory_total_bytes": self.memory_total,
+            "models": {name: slot.state.value for name, slot in self.slots.items()},
+        }
+
+
+def _consume(task: asyncio.Task[Any]) -> None:
+    """Load tasks are awaited by whoever wants them; nobody may be left: mark it seen."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def _tail(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - LOG_TAIL_BYTES))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""

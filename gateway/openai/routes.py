@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
 import msgspec
 from litestar import Request, Response, Router, get, post
 from litestar.datastructures import State
@@ -21,13 +25,16 @@ from gateway.openai.translate import (
     completion_request,
     decode_body,
     error_body,
+    keep_alive_of,
 )
-from gateway.relay import Formatter, Relay
+from gateway.relay import DONE, Formatter, Relay
+from gateway.stream import RequestStream
 from gateway.supervisor import Supervisor
 from shared.types import CanonicalRequest, RequestKind, SamplingParams
 
 JSON = "application/json"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+KEEPALIVE_S = 2.0  # SSE comment interval while a model loads for a streaming request
 
 
 def error_response(_: Request, exc: GatewayError) -> Response[bytes]:
@@ -53,10 +60,20 @@ async def _serve(
     fmt: Formatter,
     stream: bool,
     include_usage: bool,
+    keep_alive: float | None,
 ) -> Response[bytes] | Stream:
     supervisor: Supervisor = state.supervisor
-    handle = await supervisor.submit(model, kind, *request)
-    relay = Relay(supervisor, handle, state.config.server.request_timeout_s, request_.receive)
+    timeout = state.config.server.request_timeout_s
+    if stream and supervisor.must_load(model):
+        # The model loads first: answer at once and keep the connection alive meanwhile.
+        submit = supervisor.submit(model, kind, *request, keep_alive=keep_alive)
+        return Stream(
+            _load_then_relay(supervisor, model, submit, timeout, fmt, include_usage),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    handle = await supervisor.submit(model, kind, *request, keep_alive=keep_alive)
+    relay = Relay(supervisor, handle, timeout, request_.receive)
     if not stream:
         return Response(await relay.collect(fmt), media_type=JSON)
     first = await relay.first()
@@ -66,6 +83,40 @@ async def _serve(
         media_type="text/event-stream",
         headers=SSE_HEADERS,
     )
+
+
+async def _load_then_relay(
+    supervisor: Supervisor,
+    model: str,
+    submit: Coroutine[Any, Any, RequestStream],
+    timeout: float,
+    fmt: Formatter,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    """SSE comments every KEEPALIVE_S while the model loads, then the usual stream; a
+    failure to load is an error event (the status line has gone out)."""
+    task = asyncio.ensure_future(submit)
+    handed_over = False
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=KEEPALIVE_S)
+            if not task.done():
+                yield f": loading model {model}\n\n".encode()
+        try:
+            relay = Relay(supervisor, task.result(), timeout)
+            first = await relay.first()
+        except GatewayError as exc:
+            yield b"data: " + _error_event(exc) + b"\n\n"
+            yield DONE
+            return
+        handed_over = True
+        async for chunk in relay.sse(fmt, first, include_usage, _error_event):
+            yield chunk
+    finally:
+        if not task.done():
+            task.cancel()
+        elif not handed_over and not task.cancelled() and task.exception() is None:
+            supervisor.abort(task.result())
 
 
 @post("/chat/completions", status_code=200)
@@ -81,6 +132,7 @@ async def chat_completions(request: Request, state: State) -> Response[bytes] | 
         ChatFormatter(body.model),
         body.stream,
         include_usage,
+        keep_alive_of(body),
     )
 
 
@@ -97,6 +149,7 @@ async def completions(request: Request, state: State) -> Response[bytes] | Strea
         CompletionFormatter(body.model),
         body.stream,
         include_usage,
+        keep_alive_of(body),
     )
 
 
@@ -105,8 +158,7 @@ async def list_models(state: State) -> Response[bytes]:
     supervisor: Supervisor = state.supervisor
     cards = []
     for name, model in supervisor.models.items():
-        handle = supervisor.workers.get(name)
-        info = handle.info if handle else None
+        info = supervisor.worker_info(name)
         demo = model.is_demo
         cards.append(
             ModelCard(

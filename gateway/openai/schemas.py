@@ -66,6 +66,9 @@ class SamplingFields(_Body):
     min_tokens: NonNegInt = 0
     stop_token_ids: list[NonNegInt] | None = None
     include_stop_str_in_output: bool = False
+    # How long the model stays loaded after this request (as Ollama's keep_alive): seconds,
+    # or "30m" / "2h"; 0 unloads it after this request, a negative value never.
+    keep_alive: float | str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -27,6 +27,7 @@ from gateway.openai.schemas import (
     SamplingFields,
     UsageBody,
 )
+from shared.config import ConfigError, parse_duration
 from shared.types import (
     CanonicalRequest,
     ErrorCode,
@@ -96,6 +97,15 @@ def sampling_params(req: SamplingFields, max_tokens: int | None) -> SamplingPara
         logit_bias=bias,
         include_stop_str_in_output=req.include_stop_str_in_output,
     )
+
+
+def keep_alive_of(req: ChatCompletionRequest | CompletionRequest) -> float | None:
+    if req.keep_alive is None:
+        return None
+    try:
+        return parse_duration(req.keep_alive, "keep_alive")
+    except ConfigError as exc:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, str(exc), "keep_alive") from None
 
 
 def chat_request(req: ChatCompletionRequest) -> tuple[CanonicalRequest, SamplingParams]:
