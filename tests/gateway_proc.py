@@ -54,7 +54,8 @@ class GatewayProc:
         self, models: list[dict[str, Any]], env: dict[str, str] | None = None, **server: Any
     ) -> None:
         # Short run dir: ipc socket paths must stay under 104 bytes.
-        self.run_dir = Path(tempfile.mkdtemp(prefix="gw", dir="/tmp"))
+        given = server.get("run_dir")
+        self.run_dir = Path(given) if given else Path(tempfile.mkdtemp(prefix="gw", dir="/tmp"))
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         server = {"port": self.port, "run_dir": str(self.run_dir), **server}

@@ -92,3 +92,33 @@ def test_embedded_default_serves_the_demo_model(tmp_path: Path) -> None:
         assert r.choices[0].message.content
         assert "random-weight demo" in gw.logs()
     assert list(tmp_path.glob("models/demo-llama-*/model.safetensors"))
+
+
+def test_a_new_gateway_ends_leftover_workers_and_stale_sockets(other_model: Path) -> None:
+    """A gateway that crashed without its workers noticing (say, a worker run without its
+    parent watch): the next one kills the pids in workers.json and replaces stale sockets."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.gateway_proc import running_gateway
+
+    run_dir = Path(tempfile.mkdtemp(prefix="gw", dir="/tmp"))
+    (run_dir / "logs").mkdir()
+    leftover = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)", "-m", "worker", "--leftover"]
+    )
+    try:
+        (run_dir / "workers.json").write_text(json.dumps([leftover.pid]))
+        for name in ("in.sock", "out.sock"):
+            (run_dir / name).write_text("stale")
+        models = [{"name": "m", "source": str(other_model)}]
+        with running_gateway(models, run_dir=str(run_dir)) as gw:
+            assert leftover.wait(15) is not None
+            assert not (run_dir / "in.sock").is_file()  # a live socket now, not the stale file
+            assert gw.ps()["m"]["state"] == "ready"
+    finally:
+        if leftover.poll() is None:
+            leftover.kill()
+            leftover.wait()

@@ -404,3 +404,61 @@ def test_gatewayctl_load_adds_a_model_at_run_time(other_model: Path) -> None:
         assert _chat(gw, "x").status_code == 200
         ids = {m["id"] for m in httpx.get(f"{gw.base_url}/v1/models").json()["data"]}
         assert {"base", "extra"} <= ids
+
+
+def test_memory_policy_wait_loads_once_a_busy_model_goes_idle(
+    chat_model: Path, other_model: Path
+) -> None:
+    models = _budget_models(chat_model, other_model)
+    server = {"memory_budget_gb": 1.6, "memory_policy": "wait", "memory_wait_s": 30.0}
+    with running_gateway(models, **server) as gw:
+        body = {
+            "model": "a",
+            "messages": MESSAGES,
+            "max_tokens": 100_000,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        with httpx.stream("POST", f"{gw.base_url}/v1/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            for _ in range(4):
+                next(lines)
+            results: list[httpx.Response] = []
+            waiter = threading.Thread(target=lambda: results.append(_chat(gw, "b")))
+            waiter.start()
+            time.sleep(2.0)
+            assert not results  # b waits for memory while a is busy
+            assert gw.ps()["b"]["state"] == "loading"
+        # The stream is closed: a goes idle, is evicted, and b loads.
+        waiter.join(60)
+        assert results and results[0].status_code == 200
+        assert gw.ps()["a"]["state"] == "unloaded"
+
+
+def test_logs_follow(other_model: Path) -> None:
+    import subprocess
+    import sys
+
+    with running_gateway([{"name": "m", "source": str(other_model)}]) as gw:
+        cmd = [sys.executable, "-m", "gateway", "--config", str(gw.config), "logs", "m", "-f"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        try:
+            assert "ready in" in _read_until(proc, "ready in")
+            gw.ctl("reload", "m")  # a new worker writes to the same log
+            assert "loading model m" in _read_until(proc, "loading model m")
+        finally:
+            proc.kill()
+            proc.wait(10)
+
+
+def _read_until(proc: Any, needle: str, timeout: float = 30.0) -> str:
+    seen = ""
+    box: list[str] = []
+    deadline = time.monotonic() + timeout
+    while needle not in seen and time.monotonic() < deadline:
+        reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(max(0.1, deadline - time.monotonic()))
+        if box:
+            seen += box.pop()
+    return seen
