@@ -8,7 +8,8 @@ from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 
 from gateway.errors import GatewayError
-from gateway.supervisor import Slot, Supervisor
+from gateway.slots import Slot
+from gateway.supervisor import Supervisor
 from shared.config import ConfigError, ModelConfig, parse_duration
 from shared.types import ErrorCode
 
@@ -67,7 +68,15 @@ async def status(state: State) -> dict[str, object]:
 @post("/load", status_code=200)
 async def load(state: State, data: LoadBody) -> dict[str, object]:
     supervisor: Supervisor = state.supervisor
-    if data.source is not None and data.model not in supervisor.slots:
+    known = supervisor.slots.get(data.model)
+    if known is not None and data.source not in (None, known.config.source):
+        raise GatewayError(
+            ErrorCode.INVALID_REQUEST,
+            f"model {data.model!r} is configured with source {known.config.source!r}; "
+            "`--source` only adds models that are not configured",
+            "source",
+        )
+    if data.source is not None and known is None:
         try:
             if data.ttl is not None:
                 parse_duration(data.ttl, "ttl")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import itertools
 import json
 import logging
@@ -26,16 +25,14 @@ import signal
 import sys
 import time
 import uuid
-from collections import deque
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import psutil
 
 from gateway.errors import GatewayError
+from gateway.slots import GiB, ModelState, Slot, WorkerHandle, describe_exit, estimate_bytes, tail
 from gateway.stream import RequestStream
 from gateway.transport import Transport
 from shared.blas import worker_env
@@ -45,7 +42,6 @@ from shared.protocol import (
     PROTOCOL_VERSION,
     Abort,
     Add,
-    Capacity,
     ControlReply,
     FromWorker,
     Heartbeat,
@@ -59,101 +55,6 @@ from shared.protocol import (
 from shared.types import CanonicalRequest, ErrorCode, RequestKind, SamplingParams
 
 log = logging.getLogger("gateway.supervisor")
-
-GiB = 2**30
-LOG_TAIL_BYTES = 4000
-
-
-class ModelState(enum.StrEnum):
-    UNLOADED = "unloaded"
-    LOADING = "loading"
-    READY = "ready"
-    UNLOADING = "unloading"
-    FAILED = "failed"
-
-
-@dataclass(slots=True, eq=False)
-class WorkerHandle:
-    config: ModelConfig
-    worker_id: str
-    process: asyncio.subprocess.Process
-    restart: bool = False  # spawned to replace a crashed worker
-    started_at: float = field(default_factory=time.time)
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-    exited: asyncio.Event = field(default_factory=asyncio.Event)
-    streams: dict[str, RequestStream] = field(default_factory=dict)
-    capacity: Capacity | None = None
-    info: Ready | None = None
-    heartbeat: Heartbeat | None = None
-    last_seen: float = field(default_factory=time.monotonic)
-    step: int = -1
-    step_moved_at: float = field(default_factory=time.monotonic)
-    retiring: bool = False  # unload or reload: its exit is expected
-    killed: bool = False  # by the liveness watch
-    error: str | None = None
-    exit_code: int | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
-    def is_ready(self) -> bool:
-        return self.info is not None and not self.exited.is_set()
-
-    def memory_bytes(self) -> int:
-        """What the worker holds: the larger of its resident set and MLX's own count."""
-        hb = self.heartbeat
-        if hb is None:
-            return 0
-        return max(hb.memory_bytes, hb.active_bytes + hb.cache_bytes)
-
-
-@dataclass(slots=True, eq=False)
-class Slot:
-    config: ModelConfig
-    handle: WorkerHandle | None = None  # takes new requests
-    retiring: list[WorkerHandle] = field(default_factory=list)
-    loading: asyncio.Task[WorkerHandle] | None = None
-    unloading: bool = False
-    restarting: bool = False  # crashed; a new worker is on its way (backoff, then load)
-    restart_pending: bool = False  # a restart is scheduled and has not begun
-    error: str | None = None  # why it failed: set only in the failed state
-    last_error: str | None = None
-    exit_code: int | None = None
-    log_tail: str = ""
-    crashes: deque[float] = field(default_factory=deque)
-    restarts: int = 0
-    served: int = 0
-    last_used: float = field(default_factory=time.monotonic)
-    keep_alive_s: float | None = None  # the last request's keep_alive
-    idle_timer: asyncio.TimerHandle | None = None
-    idle_since: float | None = None
-    replay: list[RequestStream] = field(default_factory=list)
-
-    @property
-    def name(self) -> str:
-        return self.config.name
-
-    @property
-    def state(self) -> ModelState:
-        if self.error is not None:
-            return ModelState.FAILED
-        if self.unloading:
-            return ModelState.UNLOADING
-        if self.handle is not None and self.handle.is_ready:
-            return ModelState.READY
-        if self.loading is not None or self.handle is not None or self.restarting:
-            return ModelState.LOADING
-        return ModelState.UNLOADED
-
-    @property
-    def is_evictable(self) -> bool:
-        return self.loading is None and not self.unloading and not self.restarting
-
-    def in_flight(self) -> int:
-        workers = ([self.handle] if self.handle else []) + self.retiring
-        return sum(len(w.streams) for w in workers) + len(self.replay)
 
 
 class Supervisor:
@@ -360,7 +261,7 @@ class Supervisor:
                 f"model {name!r} did not load within server.load_timeout_s={timeout:g}s",
                 retry_after=5,
             )
-        reason = handle.error or f"the worker exited ({_describe_exit(handle.exit_code)})"
+        reason = handle.error or f"the worker exited ({describe_exit(handle.exit_code)})"
         raise GatewayError(ErrorCode.WORKER_UNAVAILABLE, f"model {name!r} failed to load: {reason}")
 
     async def unload(self, name: str, force: bool = False, timeout: float | None = None) -> bool:
@@ -409,7 +310,12 @@ class Supervisor:
         slot = self._slot(name)
         old = slot.handle
         if old is None or slot.loading is not None:
-            return await self._await_load(slot, self.load_task_or_fail(slot))
+            task = self._load_task(slot)
+            if task is None:  # a worker, not ready yet: none of ours to wait for
+                raise GatewayError(
+                    ErrorCode.WORKER_UNAVAILABLE, f"model {name!r} is starting", retry_after=2
+                )
+            return await self._await_load(slot, task)
         await self._make_room(slot, extra=old.memory_bytes())
         new = await self._spawn(slot.config, restart=False)
         try:
@@ -425,12 +331,6 @@ class Supervisor:
         self._spawn_task(self._retire(slot, old, False, self.server.drain_timeout_s))
         return new
 
-    def load_task_or_fail(self, slot: Slot) -> asyncio.Task[WorkerHandle]:
-        task = self._load_task(slot)
-        if task is None:
-            raise GatewayError(ErrorCode.INTERNAL, f"model {slot.name!r}: nothing to load")
-        return task
-
     async def _kill(self, handle: WorkerHandle, sig: int, grace: float) -> None:
         with contextlib.suppress(ProcessLookupError):
             handle.process.send_signal(sig)
@@ -443,29 +343,19 @@ class Supervisor:
 
     # ---- memory budget --------------------------------------------------------------
 
-    def estimate(self, model: ModelConfig) -> int:
-        """Bytes a model needs once loaded: configured, or its weights plus a quarter."""
-        if model.memory_gb:
-            return int(model.memory_gb * GiB)
-        path = Path(model.source).expanduser()
-        if not path.is_dir():
-            return 0  # a hub id not downloaded yet, or the demo: measured once loaded
-        weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        return int(weights * 1.25)
-
     def memory_used(self, exclude: Slot | None = None) -> int:
         used = 0
         for slot in self.slots.values():
             if slot is exclude:
                 continue
             for handle in ([slot.handle] if slot.handle else []) + slot.retiring:
-                used += max(handle.memory_bytes(), self.estimate(slot.config))
+                used += max(handle.memory_bytes(), estimate_bytes(slot.config))
         return used
 
     async def _make_room(self, slot: Slot, extra: int = 0) -> None:
         """Evict idle models (least recently used first) until `slot` fits the budget;
         then apply server.memory_policy."""
-        need = self.estimate(slot.config) + extra
+        need = estimate_bytes(slot.config) + extra
         deadline = time.monotonic() + self.server.memory_wait_s
         while self.memory_used(exclude=slot) + need > self.memory_budget:
             idle = [
@@ -710,9 +600,9 @@ class Supervisor:
         # An exit nobody asked for.
         if slot.handle is handle:
             slot.handle = None
-        reason = handle.error or f"the worker exited ({_describe_exit(code)})"
+        reason = handle.error or f"the worker exited ({describe_exit(code)})"
         slot.exit_code = code
-        slot.log_tail = _tail(self.run_dir.worker_log(name))
+        slot.log_tail = tail(self.run_dir.worker_log(name))
         slot.last_error = reason
         if not handle.info and not handle.restart:
             # It never got Ready: a load failure, not a crash. Its waiters see the reason.
@@ -898,24 +788,3 @@ def _consume(task: asyncio.Task[Any]) -> None:
     """Load tasks are awaited by whoever wants them; nobody may be left: mark it seen."""
     if not task.cancelled():
         task.exception()
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-code).name}"
-        return f"killed by signal {-code}"
-    return f"exit status {code}"
-
-
-def _tail(path: Path) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - LOG_TAIL_BYTES))
-            return f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""

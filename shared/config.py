@@ -6,6 +6,7 @@ Precedence: built-in defaults < TOML file < environment (MLX_GATEWAY_*) < comman
 from __future__ import annotations
 
 import enum
+import math
 import os
 from pathlib import Path
 from typing import Literal
@@ -33,7 +34,7 @@ def parse_duration(value: Duration, what: str = "duration") -> float:
     if isinstance(value, bool):
         raise ConfigError(f"{what}: {value!r} is not a duration")
     if isinstance(value, int | float):
-        return float(value)
+        return _finite(float(value), value, what)
     text = value.strip().lower()
     for unit in sorted(_UNITS, key=len, reverse=True):
         if text.endswith(unit):
@@ -42,11 +43,18 @@ def parse_duration(value: Duration, what: str = "duration") -> float:
     else:
         number, scale = text, 1.0
     try:
-        return float(number) * scale
+        return _finite(float(number) * scale, value, what)
     except ValueError:
         raise ConfigError(
             f"{what}: {value!r} is not a duration (seconds, or a number with s, m, h or d)"
         ) from None
+
+
+def _finite(seconds: float, value: Duration, what: str) -> float:
+    """Beyond ten years is "forever" in practice: refuse NaN and infinities outright."""
+    if not math.isfinite(seconds) or abs(seconds) > 10 * 365 * 86400:
+        raise ConfigError(f"{what}: {value!r} is out of range (use a negative value for never)")
+    return seconds
 
 
 class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

@@ -11,11 +11,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 
 READY_TIMEOUT_S = 90.0
 
@@ -121,3 +122,16 @@ def running_gateway(
         yield gw
     finally:
         gw.stop()
+
+
+def openai_client(gw: GatewayProc, timeout: float = 60) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gw.base_url}/v1", api_key="x", max_retries=0, timeout=timeout)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -223,7 +223,9 @@ def test_durations(value: float | str, seconds: float) -> None:
     assert parse_duration(value) == seconds
 
 
-@pytest.mark.parametrize("value", ["soon", "5 minutes", "m", "", True])
+@pytest.mark.parametrize(
+    "value", ["soon", "5 minutes", "m", "", True, "inf", "nan", "1e400", 1e12, "-1e12"]
+)
 def test_bad_durations_are_named(value: object) -> None:
     with pytest.raises(ConfigError, match="keep_alive"):
         parse_duration(value, "keep_alive")  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ import openai
 import psutil
 import pytest
 
-from tests.gateway_proc import GatewayProc, running_gateway
+from tests.gateway_proc import GatewayProc, openai_client, running_gateway, wait_for
 
 MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
 
@@ -32,19 +32,6 @@ def fault_gateway(chat_model: Path, other_model: Path) -> Iterator[GatewayProc]:
         yield gw
 
 
-def _client(gw: GatewayProc) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gw.base_url}/v1", api_key="x", max_retries=0, timeout=60)
-
-
-def _wait(predicate, timeout: float = 15.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_disconnect_mid_stream_frees_the_slot(fault_gateway: GatewayProc) -> None:
     body = {
         "model": "victim",
@@ -60,8 +47,8 @@ def test_disconnect_mid_stream_frees_the_slot(fault_gateway: GatewayProc) -> Non
             next(lines)
         assert fault_gateway.ps()["victim"]["in_flight"] == 1
     # The connection is closed: the gateway aborts, the worker drops the request.
-    _wait(lambda: fault_gateway.ps()["victim"]["in_flight"] == 0, what="gateway abort")
-    _wait(
+    wait_for(lambda: fault_gateway.ps()["victim"]["in_flight"] == 0, what="gateway abort")
+    wait_for(
         lambda: fault_gateway.ps()["victim"]["running"] == 0,
         what="worker heartbeat showing the slot free",
     )
@@ -71,12 +58,12 @@ def test_disconnect_of_non_streaming_request_frees_the_slot(fault_gateway: Gatew
     body = {"model": "victim", "messages": MESSAGES, "max_tokens": 500_000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{fault_gateway.base_url}/v1/chat/completions", json=body, timeout=1.5)
-    _wait(lambda: fault_gateway.ps()["victim"]["in_flight"] == 0, what="gateway abort")
-    _wait(lambda: fault_gateway.ps()["victim"]["running"] == 0, what="worker slot freed")
+    wait_for(lambda: fault_gateway.ps()["victim"]["in_flight"] == 0, what="gateway abort")
+    wait_for(lambda: fault_gateway.ps()["victim"]["running"] == 0, what="worker slot freed")
 
 
 def test_worker_killed_mid_stream(fault_gateway: GatewayProc) -> None:
-    client = _client(fault_gateway)
+    client = openai_client(fault_gateway)
     pid = fault_gateway.ps()["victim"]["pid"]
     stream = client.chat.completions.create(
         model="victim",
@@ -103,7 +90,7 @@ def test_worker_killed_mid_stream(fault_gateway: GatewayProc) -> None:
 
 
 def test_load_and_unload_with_gatewayctl(fault_gateway: GatewayProc) -> None:
-    client = _client(fault_gateway)
+    client = openai_client(fault_gateway)
     assert fault_gateway.ps()["lazy"]["state"] == "unloaded"
     with pytest.raises(openai.APIStatusError) as info:
         client.chat.completions.create(model="lazy", messages=MESSAGES, max_tokens=2)  # type: ignore[arg-type]
@@ -125,7 +112,7 @@ def test_load_and_unload_with_gatewayctl(fault_gateway: GatewayProc) -> None:
     assert "unloaded" in out
     assert fault_gateway.ps()["lazy"]["state"] == "unloaded"
     # The worker process is gone, so its memory went back to the OS.
-    _wait(lambda: not psutil.pid_exists(pid), what="worker exit")
+    wait_for(lambda: not psutil.pid_exists(pid), what="worker exit")
 
     bad = fault_gateway.ctl("load", "no-such-model", check=False)
     assert bad.returncode == 1 and "no-such-model" in bad.stderr
@@ -191,4 +178,14 @@ def test_admin_api_rejects_bad_input(fault_gateway: GatewayProc) -> None:
         assert r.status_code == 404 and "no-such-model" in r.json()["error"]
         r = admin.post("/unload", json={"model": "bystander", "surprise": True})
         assert r.status_code == 400
+        r = admin.post("/load", json={"model": "bystander", "source": "/elsewhere"})
+        assert r.status_code == 400 and "only adds models" in r.json()["error"]
+        r = admin.post("/load", json={"model": "new", "source": "/m", "ttl": "whenever"})
+        assert r.status_code == 400 and "ttl" in r.json()["error"]
+        r = admin.get("/logs", params={"model": "bystander", "offset": "x"})
+        assert r.status_code == 400
+        r = admin.get("/logs", params={"model": "bystander", "offset": 10**12})
+        assert r.status_code == 200 and r.json()["text"] == ""
+        r = admin.post("/reload", json={"model": "no-such-model"})
+        assert r.status_code == 404
     assert fault_gateway.ps()["bystander"]["state"] == "ready"

@@ -11,7 +11,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,24 +20,11 @@ import openai
 import psutil
 import pytest
 
-from tests.gateway_proc import GatewayProc, running_gateway
+from tests.gateway_proc import GatewayProc, openai_client, running_gateway, wait_for
 
 MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
 BIG = {"engine": {"max_context": 1_000_000}}  # streams that end only when aborted
 FAST_RESTART = {"restart_backoff_s": 0.2, "restart_backoff_max_s": 1.0}
-
-
-def _client(gw: GatewayProc, timeout: float = 60) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gw.base_url}/v1", api_key="x", max_retries=0, timeout=timeout)
-
-
-def _wait(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _gone(pid: int) -> bool:
@@ -132,7 +119,7 @@ def test_idle_model_unloads_after_its_ttl(jit_gateway: GatewayProc) -> None:
     pid = jit_gateway.ps()["brief"]["pid"]
     assert pid
     # ttl = 1 s: the worker process ends, so its memory goes back to the OS.
-    _wait(lambda: _gone(pid), timeout=15, what="worker exit after the ttl")
+    wait_for(lambda: _gone(pid), timeout=15, what="worker exit after the ttl")
     assert jit_gateway.ps()["brief"]["state"] == "unloaded"
 
 
@@ -144,7 +131,7 @@ def test_keep_alive_per_request(jit_gateway: GatewayProc) -> None:
     assert jit_gateway.ps()["kept"]["state"] == "ready"
     pid = row["pid"]
     assert _chat(jit_gateway, "kept", keep_alive=0).status_code == 200
-    _wait(lambda: _gone(pid), timeout=15, what="unload right after the request")
+    wait_for(lambda: _gone(pid), timeout=15, what="unload right after the request")
     assert jit_gateway.ps()["kept"]["state"] == "unloaded"
     r = _chat(jit_gateway, "kept", keep_alive="soon")
     assert r.status_code == 400 and r.json()["error"]["param"] == "keep_alive"
@@ -164,7 +151,7 @@ def test_load_timeout_is_a_clear_503(chat_model: Path) -> None:
 
 def _stream_in_background(gw: GatewayProc, model: str, out: list[object]) -> threading.Thread:
     def run() -> None:
-        client = _client(gw)
+        client = openai_client(gw)
         try:
             stream = client.chat.completions.create(
                 model=model,
@@ -200,7 +187,7 @@ def test_unload_drains_then_aborts_with_a_clear_error(
         gw.ctl("load", "busy")
     out: list[object] = []
     thread = _stream_in_background(gw, "busy", out)
-    _wait(lambda: len(out) >= 3, what="tokens streaming")
+    wait_for(lambda: len(out) >= 3, what="tokens streaming")
     pid = gw.ps()["busy"]["pid"]
     started = time.monotonic()
     args = ["unload", "busy", "--force"] if force else ["unload", "busy", "--timeout", "1.5"]
@@ -247,12 +234,12 @@ def test_crash_replays_requests_that_had_not_started(crash_gateway: GatewayProc)
     pid = gw.ps()["single"]["pid"]
     running: list[object] = []
     thread = _stream_in_background(gw, "single", running)
-    _wait(lambda: len(running) >= 3, what="the first request streaming")
+    wait_for(lambda: len(running) >= 3, what="the first request streaming")
     # max_running = 1: this one waits in the worker with nothing sent to its client.
     queued: list[httpx.Response] = []
     waiter = threading.Thread(target=lambda: queued.append(_chat(gw, "single", max_tokens=5)))
     waiter.start()
-    _wait(lambda: gw.ps()["single"]["waiting"] >= 1, what="the second request queued")
+    wait_for(lambda: gw.ps()["single"]["waiting"] >= 1, what="the second request queued")
     os.kill(pid, signal.SIGKILL)
     thread.join(30)
     waiter.join(60)
@@ -268,7 +255,7 @@ def test_crash_replays_requests_that_had_not_started(crash_gateway: GatewayProc)
 def test_a_crash_loop_marks_the_model_failed(crash_gateway: GatewayProc) -> None:
     gw = crash_gateway
     gw.ctl("load", "loop", check=False)
-    _wait(lambda: gw.ps()["loop"]["state"] == "failed", timeout=60, what="crash loop detected")
+    wait_for(lambda: gw.ps()["loop"]["state"] == "failed", timeout=60, what="crash loop detected")
     row = gw.ps()["loop"]
     assert "crash loop" in row["error"] and "exit status 17" in row["error"]
     assert row["exit_code"] == 17 and row["restarts"] >= 2
@@ -288,8 +275,8 @@ def test_a_wedged_engine_is_killed_and_restarted(crash_gateway: GatewayProc) -> 
     # Heartbeats went on, the step counter did not: killed after wedge_timeout_s, and the
     # request (nothing sent yet) replayed on the new worker, where it freezes it again...
     assert r.status_code in (200, 503)
-    _wait(lambda: _gone(pid), what="the wedged worker killed")
-    _wait(lambda: gw.ps()["stall"]["restarts"] >= 1, what="a restart")
+    wait_for(lambda: _gone(pid), what="the wedged worker killed")
+    wait_for(lambda: gw.ps()["stall"]["restarts"] >= 1, what="a restart")
     assert "stalled" in (gw.ps()["stall"]["last_error"] or "")
 
 
@@ -298,11 +285,11 @@ def test_a_stopped_worker_is_killed_and_restarted(crash_gateway: GatewayProc) ->
     pid = gw.ps()["stopped"]["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
-        _wait(lambda: _gone(pid), timeout=20, what="the stopped worker killed")
+        wait_for(lambda: _gone(pid), timeout=20, what="the stopped worker killed")
     finally:
         if not _gone(pid):
             os.kill(pid, signal.SIGCONT)
-    _wait(lambda: gw.ps()["stopped"]["state"] == "ready", timeout=60, what="restart")
+    wait_for(lambda: gw.ps()["stopped"]["state"] == "ready", timeout=60, what="restart")
     row = gw.ps()["stopped"]
     assert row["pid"] != pid and "no heartbeat" in row["last_error"]
     assert _chat(gw, "stopped").status_code == 200
@@ -326,7 +313,7 @@ def test_reload_under_load_fails_no_request(drain_gateway: GatewayProc) -> None:
     threads = [threading.Thread(target=load) for _ in range(3)]
     for t in threads:
         t.start()
-    _wait(lambda: len(statuses) >= 3, what="traffic")
+    wait_for(lambda: len(statuses) >= 3, what="traffic")
     out = gw.ctl("reload", "busy").stdout
     assert "reloaded" in out
     time.sleep(1.0)
@@ -335,7 +322,7 @@ def test_reload_under_load_fails_no_request(drain_gateway: GatewayProc) -> None:
         t.join(60)
     new = gw.ps()["busy"]["pid"]
     assert new != old
-    _wait(lambda: _gone(old), what="the old worker drained and gone")
+    wait_for(lambda: _gone(old), what="the old worker drained and gone")
     assert statuses and set(statuses) == {200}, statuses
 
 
@@ -365,7 +352,7 @@ def test_memory_budget_evicts_the_least_recently_used_idle_model(
         assert _chat(gw, "a").status_code == 200
         pid_a = gw.ps()["a"]["pid"]
         assert _chat(gw, "b").status_code == 200  # a is idle: evicted
-        _wait(lambda: _gone(pid_a), what="a evicted")
+        wait_for(lambda: _gone(pid_a), what="a evicted")
         assert gw.ps()["a"]["state"] == "unloaded" and gw.ps()["b"]["state"] == "ready"
         status = json.loads(gw.ctl("status", "--json").stdout)
         assert status["memory_budget_bytes"] == int(1.6 * 2**30)
@@ -373,7 +360,7 @@ def test_memory_budget_evicts_the_least_recently_used_idle_model(
         # b is busy now: with memory_policy = "fail", a load that does not fit is a 503.
         out: list[object] = []
         _stream_in_background(gw, "b", out)
-        _wait(lambda: len(out) >= 2, what="b busy")
+        wait_for(lambda: len(out) >= 2, what="b busy")
         r = _chat(gw, "a")
         assert r.status_code == 503 and "memory_budget_gb" in r.json()["error"]["message"]
         assert r.headers.get("retry-after")
@@ -385,7 +372,7 @@ def test_memory_budget_preempts_a_lower_priority_model(chat_model: Path, other_m
     with running_gateway(models, memory_budget_gb=1.6, memory_policy="preempt") as gw:
         out: list[object] = []
         thread = _stream_in_background(gw, "a", out)
-        _wait(lambda: len(out) >= 2, what="a busy")
+        wait_for(lambda: len(out) >= 2, what="a busy")
         assert _chat(gw, "vip").status_code == 200
         thread.join(30)
         assert isinstance(out[-1], openai.APIError) and "unloaded" in str(out[-1])
