@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import msgspec
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Request, Response, Router, get, post
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 
@@ -130,5 +130,14 @@ def create_admin_app(state: State) -> Litestar:
     return Litestar(
         route_handlers=[ps, status, load, unload, reload, logs],
         state=state,
+        exception_handlers={Exception: _error},
+    )
+
+
+def admin_router() -> Router:
+    """The same admin API over HTTP at /admin (server.admin_http; admin-scope keys only)."""
+    return Router(
+        path="/admin",
+        route_handlers=[ps, status, load, unload, reload, logs],
         exception_handlers={Exception: _error},
     )

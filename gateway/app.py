@@ -7,7 +7,8 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import msgspec
 import uvicorn
@@ -15,9 +16,13 @@ from litestar import Litestar, Request, Response, get
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 
-from gateway.admin import create_admin_app
-from gateway.errors import GatewayError
-from gateway.openai.routes import error_response, openai_router
+from gateway.admin import admin_router, create_admin_app
+from gateway.context import RequestContext
+from gateway.errors import GatewayError, error_response
+from gateway.keys import KeyStore, keys_path
+from gateway.middleware import ASGIApp, GatewayMiddleware
+from gateway.openai.routes import openai_router
+from gateway.ratelimit import KeyLimiter
 from gateway.supervisor import Supervisor
 from shared.config import Config
 from shared.paths import RunDir
@@ -38,11 +43,16 @@ async def health(state: State) -> dict[str, object]:
 
 
 def _http_error(request: Request, exc: Exception) -> Response[bytes]:
-    """Framework errors (404 route, 405, 413 body too large, ...) in OpenAI's shape."""
+    """Framework errors (404 route, 405, 413 body too large, ...) in the protocol's shape."""
+    if isinstance(exc, GatewayError):
+        return error_response(request, exc)
     if isinstance(exc, HTTPException):
-        code = ErrorCode.INVALID_REQUEST
-        error = GatewayError(code, str(exc.detail))
-        response = error_response(request, error)
+        code = {413: ErrorCode.PAYLOAD_TOO_LARGE}.get(exc.status_code, ErrorCode.INVALID_REQUEST)
+        message = str(exc.detail)
+        if exc.status_code == 413:
+            limit = request.app.state.config.server.max_body_bytes
+            message = f"request body too large: the limit is {limit} bytes (server.max_body_bytes)"
+        response = error_response(request, GatewayError(code, message))
         response.status_code = exc.status_code
         return response
     log.exception("unhandled error", exc_info=exc)
@@ -99,13 +109,37 @@ async def _start_admin(state: State, run_dir: RunDir) -> uvicorn.Server:
     return server
 
 
-def create_app(config: Config) -> Litestar:
+class GatewayApp:
+    """The ASGI app a server runs: the middleware in front of the Litestar application."""
+
+    def __init__(self, litestar: Litestar, asgi: ASGIApp) -> None:
+        self.litestar = litestar
+        self.state = litestar.state
+        self._asgi = asgi
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self._asgi(scope, receive, send)
+
+
+def create_app(config: Config) -> GatewayApp:
     run_dir = RunDir(config.server.run_dir)
+    keys = KeyStore(keys_path(config.server.keys_file))
+    finish_hooks: list[Callable[[RequestContext], None]] = []
     state = State(
-        {"config": config, "supervisor": Supervisor(config, run_dir), "started_at": time.time()}
+        {
+            "config": config,
+            "supervisor": Supervisor(config, run_dir),
+            "started_at": time.time(),
+            "keys": keys,
+            # Called with each finished RequestContext (metrics, access log).
+            "finish_hooks": finish_hooks,
+        }
     )
-    return Litestar(
-        route_handlers=[openai_router(), health],
+    handlers: list[Any] = [openai_router(), health]
+    if config.server.admin_http:
+        handlers.append(admin_router())
+    litestar = Litestar(
+        route_handlers=handlers,
         state=state,
         lifespan=[_lifespan],
         exception_handlers={Exception: _http_error},
@@ -113,3 +147,11 @@ def create_app(config: Config) -> Litestar:
         logging_config=None,  # gateway.server configures logging once for the process
         type_encoders={msgspec.Struct: msgspec.to_builtins},
     )
+    asgi = GatewayMiddleware(
+        litestar,
+        keys,
+        KeyLimiter(),
+        finish_hooks,
+        metrics_open=config.server.metrics_open,
+    )
+    return GatewayApp(litestar, asgi)

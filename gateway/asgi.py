@@ -9,13 +9,12 @@ from __future__ import annotations
 import os
 
 import msgspec
-from litestar import Litestar
 
-from gateway.app import create_app
+from gateway.app import GatewayApp, create_app
 from shared.config import CONFIG_JSON_ENV, Config, load_config
 
 
-def app() -> Litestar:
+def app() -> GatewayApp:
     """Config: the JSON that `gatewayctl serve` resolved, else the usual file/env lookup."""
     resolved = os.environ.get(CONFIG_JSON_ENV)
     config = msgspec.json.decode(resolved, type=Config) if resolved else load_config()

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import msgspec
+from litestar import Request, Response
+
 from shared.types import ErrorCode, RequestError
 
 STATUS = {
     ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.FORBIDDEN: 403,
+    ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.RATE_LIMITED: 429,
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: 400,
     ErrorCode.MODEL_NOT_FOUND: 404,
     ErrorCode.OVERLOADED: 503,
@@ -25,12 +32,14 @@ class GatewayError(Exception):
         message: str,
         param: str | None = None,
         retry_after: int | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.param = param
         self.retry_after = retry_after
+        self.headers = headers or []  # extra response headers (RateLimit-*)
 
     @property
     def status(self) -> int:
@@ -40,3 +49,49 @@ class GatewayError(Exception):
     def from_request_error(cls, error: RequestError) -> GatewayError:
         retry = 1 if STATUS.get(error.code) == 503 else None
         return cls(error.code, error.message, error.param, retry)
+
+
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "api_error",
+}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def error_json(path: str, error: GatewayError) -> bytes:
+    """The error body in the shape of the protocol that `path` belongs to."""
+    if is_anthropic_path(path):
+        kind = _ANTHROPIC_TYPES.get(error.status, "api_error")
+        body: dict[str, object] = {
+            "type": "error",
+            "error": {"type": kind, "message": error.message},
+        }
+    else:
+        from gateway.openai.translate import error_body
+
+        body = msgspec.to_builtins(error_body(error))
+    return msgspec.json.encode(body)
+
+
+def error_response(request: Request, exc: GatewayError) -> Response[bytes]:
+    """A GatewayError in the shape of the protocol the request's path belongs to."""
+    headers = {name.decode(): value.decode() for name, value in exc.headers}
+    if exc.retry_after:
+        headers["Retry-After"] = str(exc.retry_after)
+    return Response(
+        error_json(request.url.path, exc),
+        status_code=exc.status,
+        media_type="application/json",
+        headers=headers or None,
+    )

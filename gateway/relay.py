@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
+from gateway.context import RequestContext
 from gateway.errors import GatewayError
 from gateway.stream import RequestStream
 from gateway.supervisor import Supervisor
@@ -42,9 +43,11 @@ class Relay:
         stream: RequestStream,
         timeout_s: float,
         receive: Callable[[], Awaitable[Any]] | None = None,
+        ctx: RequestContext | None = None,
     ) -> None:
         self.supervisor = supervisor
         self.stream = stream
+        self.ctx = ctx
         self.timeout_s = timeout_s
         # One timer per request, not one per token: expiry aborts and ends the stream.
         self._timer = asyncio.get_running_loop().call_later(timeout_s, self._expire)
@@ -73,6 +76,18 @@ class Relay:
         output = await self.stream.get()
         if output.finish_reason == FinishReason.ABORT:
             output.error = ABORTED_BY_SERVER
+        ctx = self.ctx
+        if ctx is not None:
+            if output.token_ids:
+                ctx.token(len(output.token_ids))
+            if output.finish_reason is not None:
+                ctx.finish_reason = output.finish_reason.value
+                if output.usage is not None:
+                    ctx.prompt_tokens = output.usage.prompt_tokens
+                    ctx.completion_tokens = output.usage.completion_tokens
+                    ctx.cached_tokens = output.usage.cached_tokens
+                if output.error is not None:
+                    ctx.error_code = output.error.code.value
         return output
 
     async def first(self) -> RequestOutput:

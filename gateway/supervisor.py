@@ -213,6 +213,14 @@ class Supervisor:
         self._released(slot)  # idle until a request comes: the TTL runs
         return handle
 
+    def _worker_model(self, model: ModelConfig) -> ModelConfig:
+        """The model's config as its worker sees it: server-wide request limits filled in."""
+        limit = self.server.max_prompt_tokens
+        if limit is None or model.engine.max_prompt_tokens is not None:
+            return model
+        engine = msgspec.structs.replace(model.engine, max_prompt_tokens=limit)
+        return msgspec.structs.replace(model, engine=engine)
+
     async def _spawn(self, model: ModelConfig, restart: bool) -> WorkerHandle:
         worker_id = f"{model.name}-{next(self._serial)}-{uuid.uuid4().hex[:6]}"
         log_file = open(self.run_dir.worker_log(model.name), "ab")  # noqa: SIM115
@@ -228,7 +236,7 @@ class Supervisor:
                 "--outputs",
                 self.transport.outputs_addr,
                 "--model",
-                msgspec.json.encode(model).decode(),
+                msgspec.json.encode(self._worker_model(model)).decode(),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=log_file,
@@ -402,13 +410,19 @@ class Supervisor:
         request: CanonicalRequest,
         sampling: SamplingParams,
         keep_alive: float | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         slot = self._slot(name)
         if keep_alive is not None:
             slot.keep_alive_s = keep_alive
+        request_id = request_id or uuid.uuid4().hex
         if slot.restarting:  # queued: it runs on the new worker once that is Ready
-            stream = RequestStream(uuid.uuid4().hex, slot.name, "")
-            stream.add = Add(stream.request_id, kind, request, sampling)
+            if len(slot.replay) >= self.server.max_queued:
+                raise self._queue_full(slot, len(slot.replay))
+            stream = RequestStream(request_id, slot.name, "")
+            stream.add = Add(stream.request_id, kind, request, sampling, priority)
             slot.replay.append(stream)
             slot.served += 1
             self._touch(slot)
@@ -416,19 +430,24 @@ class Supervisor:
         handle = await self._acquire(slot)
         capacity = handle.capacity
         assert capacity is not None
-        if len(handle.streams) >= capacity.max_running + capacity.max_waiting:
-            raise GatewayError(
-                ErrorCode.OVERLOADED,
-                f"model {slot.name!r} is at capacity ({len(handle.streams)} requests in flight)",
-                retry_after=1,
-            )
-        stream = RequestStream(uuid.uuid4().hex, slot.name, handle.worker_id)
-        stream.add = Add(stream.request_id, kind, request, sampling)
+        queued = len(handle.streams) - capacity.max_running
+        if queued >= min(capacity.max_waiting, self.server.max_queued):
+            raise self._queue_full(slot, len(handle.streams))
+        stream = RequestStream(request_id, slot.name, handle.worker_id)
+        stream.add = Add(stream.request_id, kind, request, sampling, priority)
         if not self._send_add(handle, stream):
             raise GatewayError(ErrorCode.WORKER_UNAVAILABLE, f"model {slot.name!r} is unreachable")
         slot.served += 1
         self._touch(slot)
         return stream
+
+    def _queue_full(self, slot: Slot, in_flight: int) -> GatewayError:
+        return GatewayError(
+            ErrorCode.OVERLOADED,
+            f"model {slot.name!r} is at capacity ({in_flight} requests in flight, its queue is "
+            f"full: server.max_queued={self.server.max_queued}); retry shortly",
+            retry_after=1,
+        )
 
     async def _acquire(self, slot: Slot) -> WorkerHandle:
         """The worker for a new request: loading the model on demand (and waiting)."""

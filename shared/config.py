@@ -73,6 +73,12 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     admission_hold_steps: int = 4
     admission_gap_ms: float = 20.0
     admission_window_ms: float = 250.0
+    # Batch-priority requests (keys with priority = "batch") may fill at most this share of
+    # max_running, so that an interactive request always finds a free place in the batch.
+    batch_share: float = 0.75
+    # Prompt tokens after templating; default: server.max_prompt_tokens (then no limit but
+    # the context length).
+    max_prompt_tokens: int | None = None
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -130,6 +136,29 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     blas_threads: int = 0  # 0 = auto (half the cores)
     log_level: str = "info"
     http_server: Literal["granian", "uvicorn"] = "granian"
+    # Security (docs/operations.md, "Security model"). API keys live hashed in keys_file
+    # (default: <user config dir>/keys.json, managed by `gatewayctl keys`); once it holds a
+    # key, every request needs one. Serving a non-loopback address with no key is refused
+    # unless insecure_no_auth is set.
+    keys_file: str | None = None
+    insecure_no_auth: bool = False
+    admin_http: bool = False  # admin-scope keys may use /admin/* over HTTP
+    metrics_open: bool = False  # /metrics without a key even when keys exist
+    # Request limits: prompt tokens after templating, a cap on max_tokens (a request asking
+    # for more is a 400), and requests queued per model before 503 + Retry-After.
+    max_prompt_tokens: int | None = None
+    max_tokens_cap: int | None = None
+    max_queued: int = 256
+    # Logs: text or one JSON object per line; an access line per request; request bodies
+    # (prompts) only when log_bodies is switched on explicitly.
+    log_format: Literal["text", "json"] = "text"
+    access_log: bool = True
+    log_bodies: bool = False
+    # TLS for LAN clients (both paths, PEM) and mDNS/Bonjour advertisement (_http._tcp).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    mdns: bool = False
+    mdns_name: str | None = None
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -202,6 +231,10 @@ def _validate(config: Config) -> None:
         for key, value in positive.items():
             if value < 1:
                 raise ConfigError(f"model {model.name!r}: engine.{key} must be at least 1")
+        if not 0 < opts.batch_share <= 1:
+            raise ConfigError(f"model {model.name!r}: engine.batch_share must be in (0, 1]")
+        if opts.max_prompt_tokens is not None and opts.max_prompt_tokens < 1:
+            raise ConfigError(f"model {model.name!r}: engine.max_prompt_tokens must be >= 1")
         if opts.max_waiting < 0:
             raise ConfigError(f"model {model.name!r}: engine.max_waiting must not be negative")
         if model.ttl is not None:
@@ -209,3 +242,12 @@ def _validate(config: Config) -> None:
         if model.memory_gb is not None and model.memory_gb <= 0:
             raise ConfigError(f"model {model.name!r}: memory_gb must be positive")
     parse_duration(config.server.default_ttl, "server.default_ttl")
+    server = config.server
+    for key in ("max_prompt_tokens", "max_tokens_cap"):
+        value = getattr(server, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"server.{key} must be at least 1")
+    if server.max_queued < 0:
+        raise ConfigError("server.max_queued must not be negative")
+    if (server.tls_cert is None) != (server.tls_key is None):
+        raise ConfigError("server.tls_cert and server.tls_key go together: set both or neither")

@@ -17,7 +17,7 @@ import msgspec
 
 from shared.types import CanonicalRequest, RequestKind, RequestOutput, SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class WorkerState(enum.StrEnum):
@@ -41,6 +41,9 @@ class Add(_Frame, tag="add"):
     kind: RequestKind
     request: CanonicalRequest
     sampling: SamplingParams
+    # Scheduling class: INTERACTIVE first; BATCH requests wait while interactive ones do and
+    # hold at most `engine.batch_share` of the running batch (see worker/daemon.py).
+    priority: int = 0
 
 
 class Abort(_Frame, tag="abort"):

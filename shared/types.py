@@ -23,6 +23,11 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"
 
 
+class Priority(enum.IntEnum):
+    INTERACTIVE = 0
+    BATCH = 1
+
+
 class ErrorCode(enum.StrEnum):
     """Errors that cross the process boundary as values."""
 
@@ -36,6 +41,10 @@ class ErrorCode(enum.StrEnum):
     INTERNAL = "internal"
     SHUTTING_DOWN = "shutting_down"
     CANCELLED = "cancelled"
+    UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"
+    RATE_LIMITED = "rate_limited"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
 
 
 class Message(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

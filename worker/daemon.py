@@ -240,7 +240,7 @@ class WorkerProc:
             ]
             return outputs + self.engine.abort(item.request_ids)
         if isinstance(item, Shutdown):
-            outputs = self._admit_held()  # a drain or abort covers them too
+            outputs = self._admit_held(everything=True)  # a drain or abort covers them too
             return outputs + self._shutdown(item)
         return []
 
@@ -270,11 +270,28 @@ class WorkerProc:
                 break
         return finished
 
-    def _admit_held(self) -> list[RequestOutput]:
-        held, self.held = self.held, []
-        if held:
+    def _admit_held(self, everything: bool = False) -> list[RequestOutput]:
+        """Move held requests into the batch while it has room: interactive ones first (FIFO
+        within a class), batch ones up to `batch_share` of `max_running`."""
+        engine = self.engine
+        assert engine is not None
+        if not self.held:
+            return []
+        opts = self.args.model.engine
+        free = len(self.held) if everything else opts.max_running - len(engine.requests)
+        batch_room = max(1, int(opts.max_running * opts.batch_share)) - engine.batch_count
+        admit: list[PreparedRequest] = []
+        keep: list[PreparedRequest] = []
+        for prepared in sorted(self.held, key=lambda p: p.priority):
+            if len(admit) < free and (everything or prepared.priority == 0 or batch_room > 0):
+                admit.append(prepared)
+                batch_room -= prepared.priority > 0
+            else:
+                keep.append(prepared)
+        self.held = keep
+        if admit:
             self.returning = 0
-        return [failed for p in held if (failed := self._add(p)) is not None]
+        return [failed for p in admit if (failed := self._add(p)) is not None]
 
     def _add(self, prepared: PreparedRequest) -> RequestOutput | None:
         """A request the engine refuses fails alone; the worker keeps serving."""
@@ -307,13 +324,14 @@ class WorkerProc:
         return not self.engine.has_work
 
     def _fail_all(self, reason: str) -> None:
-        if self.engine is None or not self.engine.requests:
+        ids = [p.request_id for p in self.held]
+        self.held = []
+        if self.engine is not None:
+            ids += list(self.engine.requests)
+        if not ids:
             return
         error = RequestError(ErrorCode.WORKER_DIED, f"the worker failed: {reason}")
-        outputs = [
-            RequestOutput(rid, finish_reason=FinishReason.ERROR, error=error)
-            for rid in self.engine.requests
-        ]
+        outputs = [RequestOutput(rid, finish_reason=FinishReason.ERROR, error=error) for rid in ids]
         self._emit(outputs)
 
     # ---- input thread -----------------------------------------------------------------

@@ -36,6 +36,7 @@ class EngineCore:
         self._by_uid: dict[int, Request] = {}
         self._eos_stops = StopSequences([[t] for t in sorted(self.eos_ids)])
         self.steps = 0
+        self.batch_count = 0  # batch-priority requests in the generator
 
     @property
     def has_work(self) -> bool:
@@ -96,7 +97,9 @@ class EngineCore:
             detokenizer=self.tokenizer.detokenizer,
             decode=self.tokenizer.decode,
             stop=StopStringMatcher(params.stop, params.include_stop_str_in_output),
+            priority=prepared.priority,
         )
+        self.batch_count += prepared.priority > 0
         self.requests[request.request_id] = request
         self._by_uid[uid] = request
 
@@ -131,5 +134,6 @@ class EngineCore:
         return outputs
 
     def _forget(self, request: Request) -> None:
-        self.requests.pop(request.request_id, None)
+        if self.requests.pop(request.request_id, None) is not None:
+            self.batch_count -= request.priority > 0
         self._by_uid.pop(request.uid, None)

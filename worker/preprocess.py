@@ -22,6 +22,7 @@ class PreparedRequest:
     prompt: list[int]
     max_tokens: int
     sampling: SamplingParams
+    priority: int = 0
 
 
 class Preprocessor:
@@ -37,8 +38,15 @@ class Preprocessor:
         prompt = self._tokenize(frame)
         if not prompt:
             raise _invalid("the prompt is empty after tokenization", param)
+        limit = self.options.max_prompt_tokens
+        if limit is not None and len(prompt) > limit:
+            raise _invalid(
+                f"the prompt has {len(prompt)} tokens; this gateway accepts at most {limit} "
+                "(server.max_prompt_tokens)",
+                param,
+            )
         max_tokens = self._max_tokens(len(prompt), frame.sampling, param)
-        return PreparedRequest(frame.request_id, prompt, max_tokens, frame.sampling)
+        return PreparedRequest(frame.request_id, prompt, max_tokens, frame.sampling, frame.priority)
 
     def _check_token_ids(self, sampling: SamplingParams) -> None:
         for param, ids in (

@@ -19,6 +19,7 @@ class Request:
     detokenizer: Any  # mlx_lm StreamingDetokenizer (one copy per request)
     decode: Callable[[list[int]], str]
     stop: StopStringMatcher
+    priority: int = 0
     completion_tokens: int = 0
     finished: bool = False
     started: bool = False

@@ -11,7 +11,9 @@ from litestar import Request, Response, Router, get, post
 from litestar.datastructures import State
 from litestar.response import Stream
 
-from gateway.errors import GatewayError
+from gateway.context import RequestContext
+from gateway.errors import GatewayError, error_response
+from gateway.middleware import authorize_model, context_of
 from gateway.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -30,21 +32,11 @@ from gateway.openai.translate import (
 from gateway.relay import DONE, Formatter, Relay
 from gateway.stream import RequestStream
 from gateway.supervisor import Supervisor
-from shared.types import CanonicalRequest, RequestKind, SamplingParams
+from shared.types import CanonicalRequest, ErrorCode, Priority, RequestKind, SamplingParams
 
 JSON = "application/json"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 KEEPALIVE_S = 2.0  # SSE comment interval while a model loads for a streaming request
-
-
-def error_response(_: Request, exc: GatewayError) -> Response[bytes]:
-    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
-    return Response(
-        msgspec.json.encode(error_body(exc)),
-        status_code=exc.status,
-        media_type=JSON,
-        headers=headers,
-    )
 
 
 def _error_event(exc: GatewayError) -> bytes:
@@ -63,17 +55,28 @@ async def _serve(
     keep_alive: float | None,
 ) -> Response[bytes] | Stream:
     supervisor: Supervisor = state.supervisor
-    timeout = state.config.server.request_timeout_s
+    server = state.config.server
+    timeout = server.request_timeout_s
+    ctx = context_of(request_.scope)
+    authorize_model(ctx, model)
+    if ctx is not None:
+        ctx.stream = stream
+    request = (request[0], _capped(request[1], server.max_tokens_cap))
+    submit_args = {
+        "keep_alive": keep_alive,
+        "request_id": ctx.request_id if ctx else None,
+        "priority": priority_of(ctx),
+    }
     if stream and supervisor.must_load(model):
         # The model loads first: answer at once and keep the connection alive meanwhile.
-        submit = supervisor.submit(model, kind, *request, keep_alive=keep_alive)
+        submit = supervisor.submit(model, kind, *request, **submit_args)  # type: ignore[arg-type]
         return Stream(
-            _load_then_relay(supervisor, model, submit, timeout, fmt, include_usage),
+            _load_then_relay(supervisor, model, submit, timeout, fmt, include_usage, ctx),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
-    handle = await supervisor.submit(model, kind, *request, keep_alive=keep_alive)
-    relay = Relay(supervisor, handle, timeout, request_.receive)
+    handle = await supervisor.submit(model, kind, *request, **submit_args)  # type: ignore[arg-type]
+    relay = Relay(supervisor, handle, timeout, request_.receive, ctx)
     if not stream:
         return Response(await relay.collect(fmt), media_type=JSON)
     first = await relay.first()
@@ -85,6 +88,29 @@ async def _serve(
     )
 
 
+def _capped(sampling: SamplingParams, cap: int | None) -> SamplingParams:
+    """server.max_tokens_cap: a request asking for more is refused, one asking for nothing
+    gets the cap."""
+    if cap is None:
+        return sampling
+    if sampling.max_tokens is None:
+        return msgspec.structs.replace(sampling, max_tokens=cap)
+    if sampling.max_tokens > cap:
+        raise GatewayError(
+            ErrorCode.INVALID_REQUEST,
+            f"max_tokens is {sampling.max_tokens}; this gateway allows at most {cap} "
+            "(server.max_tokens_cap)",
+            "max_tokens",
+        )
+    return sampling
+
+
+def priority_of(ctx: RequestContext | None) -> int:
+    if ctx is None or ctx.key is None or ctx.key.priority == "interactive":
+        return Priority.INTERACTIVE
+    return Priority.BATCH
+
+
 async def _load_then_relay(
     supervisor: Supervisor,
     model: str,
@@ -92,6 +118,7 @@ async def _load_then_relay(
     timeout: float,
     fmt: Formatter,
     include_usage: bool,
+    ctx: RequestContext | None,
 ) -> AsyncIterator[bytes]:
     """SSE comments every KEEPALIVE_S while the model loads, then the usual stream; a
     failure to load is an error event (the status line has gone out)."""
@@ -103,7 +130,7 @@ async def _load_then_relay(
             if not task.done():
                 yield f": loading model {model}\n\n".encode()
         try:
-            relay = Relay(supervisor, task.result(), timeout)
+            relay = Relay(supervisor, task.result(), timeout, ctx=ctx)
             first = await relay.first()
         except GatewayError as exc:
             yield b"data: " + _error_event(exc) + b"\n\n"

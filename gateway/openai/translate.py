@@ -39,7 +39,10 @@ from shared.types import (
 
 ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
     404: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
     504: "timeout",
