@@ -59,7 +59,9 @@ class GatewayProc:
         self.run_dir = Path(given) if given else Path(tempfile.mkdtemp(prefix="gw", dir="/tmp"))
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        server = {"port": self.port, "run_dir": str(self.run_dir), **server}
+        # Keys live in the run dir: a developer's own key file never turns auth on here.
+        keys = str(self.run_dir / "keys.json")
+        server = {"port": self.port, "run_dir": str(self.run_dir), "keys_file": keys, **server}
         self.config = write_config(self.run_dir / "config.toml", models, server)
         self.log = open(self.run_dir / "gateway.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
