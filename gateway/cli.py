@@ -12,6 +12,8 @@ from typing import Any
 import httpx
 import msgspec
 
+from gateway import keys_cli
+from gateway import service as service_cli
 from shared.config import ConfigError, load_config
 from shared.paths import RunDir
 
@@ -25,6 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--blas", help="auto | off | path to a BLAS library to preload")
+    serve.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        default=None,
+        help="serve a non-loopback address even with no API key (anyone may use it)",
+    )
+    keys_cli.add_parser(sub)
     load = sub.add_parser("load", help="start a model's worker (and wait until it is ready)")
     load.add_argument("model")
     load.add_argument("--wait", dest="wait", action="store_true", default=True, help="default")
@@ -46,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     logs.add_argument("-f", "--follow", action="store_true")
     status = sub.add_parser("status", help="the gateway: version, uptime, memory budget")
     status.add_argument("--json", action="store_true")
+    service = sub.add_parser("service", help="run the gateway under launchd or systemd")
+    service_cli.add_arguments(service)
     args = parser.parse_args(argv)
 
     try:
@@ -60,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             "host": getattr(args, "host", None),
             "port": getattr(args, "port", None),
             "blas": getattr(args, "blas", None),
+            "insecure_no_auth": getattr(args, "insecure_no_auth", None),
         }.items()
         if v is not None
     }
@@ -67,11 +79,19 @@ def main(argv: list[str] | None = None) -> int:
         server = msgspec.structs.replace(config.server, **overrides)
         config = msgspec.structs.replace(config, server=server)
 
+    if args.command == "keys":
+        return keys_cli.run(args, config)
     if args.command == "serve":
+        refusal = keys_cli.check_bind(config)
+        if refusal is not None:
+            print(f"gatewayctl: {refusal}", file=sys.stderr)
+            return 2
         from gateway.server import serve as run_server
 
         run_server(config)
         return 0
+    if args.command == "service":
+        return service_cli.main(args, config)
     admin = RunDir(config.server.run_dir).admin_socket
     try:
         if args.command == "load":
