@@ -131,6 +131,7 @@ def create_admin_app(state: State) -> Litestar:
         route_handlers=[ps, status, load, unload, reload, logs],
         state=state,
         exception_handlers={Exception: _error},
+        logging_config=None,  # the process's logging is configured once (gateway/logs.py)
     )
 
 

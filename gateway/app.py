@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -20,6 +21,9 @@ from gateway.admin import admin_router, create_admin_app
 from gateway.context import RequestContext
 from gateway.errors import GatewayError, error_response
 from gateway.keys import KeyStore, keys_path
+from gateway.logs import access_hook
+from gateway.mdns import Advertiser, advertise
+from gateway.metrics import Metrics, metrics_route, ready_route
 from gateway.middleware import ASGIApp, GatewayMiddleware
 from gateway.openai.routes import openai_router
 from gateway.ratelimit import KeyLimiter
@@ -64,16 +68,40 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
     state = app.state
     supervisor: Supervisor = state.supervisor
     admin = await _start_admin(state, supervisor.run_dir)
-    watch = asyncio.create_task(_watch_parent(os.environ.get(WATCH_PARENT_ENV)))
+    advert: Advertiser | None = None
+    parent = os.environ.get(WATCH_PARENT_ENV)
+    watch = asyncio.create_task(_watch_parent(parent))
+    if parent:
+        _drain_on_sigterm(supervisor)
     try:
         await supervisor.start()
+        advert = await advertise(state.config.server, state.keys.auth_required)
         yield
     finally:
+        if advert is not None:
+            await advert.close()
+        # Shutdown (SIGTERM): new requests get 503 while in-flight ones drain (or end with
+        # an error after server.drain_timeout_s); then the workers and the sockets go.
         watch.cancel()
         await supervisor.stop()
         admin.should_exit = True
         with contextlib.suppress(Exception):
             await asyncio.wait_for(state.admin_task, 5)
+        supervisor.run_dir.admin_socket.unlink(missing_ok=True)
+
+
+def _drain_on_sigterm(supervisor: Supervisor) -> None:
+    """Under Granian, whose worker waits for open connections before the lifespan's shutdown:
+    on SIGTERM drain first (new requests get 503 meanwhile), then let Granian stop (SIGINT)."""
+    loop = asyncio.get_running_loop()
+
+    def drain_then_stop() -> None:
+        if supervisor.draining:
+            return
+        task = asyncio.ensure_future(supervisor.stop())
+        task.add_done_callback(lambda _: os.kill(os.getpid(), signal.SIGINT))
+
+    loop.add_signal_handler(signal.SIGTERM, drain_then_stop)
 
 
 async def _watch_parent(pid: str | None) -> None:
@@ -124,18 +152,23 @@ class GatewayApp:
 def create_app(config: Config) -> GatewayApp:
     run_dir = RunDir(config.server.run_dir)
     keys = KeyStore(keys_path(config.server.keys_file))
-    finish_hooks: list[Callable[[RequestContext], None]] = []
+    supervisor = Supervisor(config, run_dir)
+    metrics = Metrics(supervisor)
+    finish_hooks: list[Callable[[RequestContext], None]] = [metrics.observe]
+    if config.server.access_log:
+        finish_hooks.append(access_hook())
     state = State(
         {
             "config": config,
-            "supervisor": Supervisor(config, run_dir),
+            "supervisor": supervisor,
+            "metrics": metrics,
             "started_at": time.time(),
             "keys": keys,
             # Called with each finished RequestContext (metrics, access log).
             "finish_hooks": finish_hooks,
         }
     )
-    handlers: list[Any] = [openai_router(), health]
+    handlers: list[Any] = [openai_router(), health, metrics_route, ready_route]
     if config.server.admin_http:
         handlers.append(admin_router())
     litestar = Litestar(

@@ -22,12 +22,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-parent-watch", action="store_true", help="run on after the parent")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s worker[{args.id}] %(message)s",
-        stream=sys.stderr,
-    )
     model = msgspec.json.decode(args.model, type=ModelConfig)
+    handler = logging.StreamHandler(sys.stderr)
+    if os.environ.get("MLX_GATEWAY_LOG_FORMAT") == "json":  # set by the gateway (gateway/logs.py)
+        from pythonjsonlogger.json import JsonFormatter
+
+        handler.setFormatter(
+            JsonFormatter(
+                "%(asctime)s %(levelname)s %(name)s %(message)s",
+                rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
+                static_fields={"worker": args.id, "model": model.name},
+            )
+        )
+    else:
+        handler.setFormatter(
+            logging.Formatter(f"%(asctime)s %(levelname)s worker[{args.id}] %(message)s")
+        )
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     worker = WorkerProc(
         WorkerArgs(args.id, args.requests, args.outputs, model, not args.no_parent_watch)
     )

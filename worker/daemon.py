@@ -302,7 +302,12 @@ class WorkerProc:
                 self.faults.stall()
             return None
         except Exception as exc:  # one bad request must never take the worker down
-            log.warning("request %s refused by the engine: %s", prepared.request_id, exc)
+            log.warning(
+                "request %s refused by the engine: %s",
+                prepared.request_id,
+                exc,
+                extra={"request_id": prepared.request_id},
+            )
             error = RequestError(ErrorCode.INVALID_REQUEST, str(exc))
             return RequestOutput(prepared.request_id, finish_reason=FinishReason.ERROR, error=error)
 
@@ -367,7 +372,20 @@ class WorkerProc:
             if self.faults.crash_on or self.faults.stall_on:
                 self._mark_faults(frame)
             self.inputs.put(prepared)
+            log.debug(
+                "request %s accepted (%d prompt tokens, priority %d)",
+                frame.request_id,
+                len(prepared.prompt),
+                prepared.priority,
+                extra={"request_id": frame.request_id},
+            )
         except PreprocessError as exc:
+            log.info(
+                "request %s rejected: %s",
+                frame.request_id,
+                exc.error.message,
+                extra={"request_id": frame.request_id},
+            )
             out = RequestOutput(frame.request_id, finish_reason=FinishReason.ERROR, error=exc.error)
             self._send(StepOutputs(self.worker_id, -1, [out]))
 
@@ -400,6 +418,17 @@ class WorkerProc:
         self.channels.steps.send(
             self.codec.encode(StepOutputs(self.worker_id, self.engine.steps, outputs))
         )
+        if log.isEnabledFor(logging.DEBUG):
+            for o in outputs:
+                if o.finish_reason is not None:
+                    tokens = o.usage.completion_tokens if o.usage else 0
+                    log.debug(
+                        "request %s finished (%s, %d tokens)",
+                        o.request_id,
+                        o.finish_reason.value,
+                        tokens,
+                        extra={"request_id": o.request_id},
+                    )
         if self.crash_ids and any(o.request_id in self.crash_ids for o in outputs):
             time.sleep(0.2)  # let the frame leave: the client must have seen a token
             Faults.die()

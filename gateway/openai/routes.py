@@ -13,6 +13,7 @@ from litestar.response import Stream
 
 from gateway.context import RequestContext
 from gateway.errors import GatewayError, error_response
+from gateway.logs import log_body
 from gateway.middleware import authorize_model, context_of
 from gateway.openai.schemas import (
     ChatCompletionRequest,
@@ -148,7 +149,9 @@ async def _load_then_relay(
 
 @post("/chat/completions", status_code=200)
 async def chat_completions(request: Request, state: State) -> Response[bytes] | Stream:
-    body = decode_body(await request.body(), ChatCompletionRequest)
+    raw = await request.body()
+    log_body(state.config.server.log_bodies, context_of(request.scope), raw)
+    body = decode_body(raw, ChatCompletionRequest)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await _serve(
         request,
@@ -165,7 +168,9 @@ async def chat_completions(request: Request, state: State) -> Response[bytes] | 
 
 @post("/completions", status_code=200)
 async def completions(request: Request, state: State) -> Response[bytes] | Stream:
-    body = decode_body(await request.body(), CompletionRequest)
+    raw = await request.body()
+    log_body(state.config.server.log_bodies, context_of(request.scope), raw)
+    body = decode_body(raw, CompletionRequest)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await _serve(
         request,

@@ -1,0 +1,115 @@
+"""/metrics and /ready through a real gateway, real workers and a tiny real model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.gateway_proc import GatewayProc, openai_client, running_gateway, wait_for
+
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me about the sea."}]
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+@pytest.fixture(scope="module")
+def gw(chat_model: Path) -> Iterator[GatewayProc]:
+    with running_gateway([{"name": "chat", "source": str(chat_model)}]) as gw:
+        yield gw
+
+
+def scrape(gw: GatewayProc) -> Samples:
+    r = httpx.get(f"{gw.base_url}/metrics", timeout=10)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def test_request_metrics_move_by_the_right_amounts(gw: GatewayProc) -> None:
+    client = openai_client(gw)
+    before = scrape(gw)
+    plain = client.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=6)
+    chunks = list(
+        client.chat.completions.create(
+            model="chat",
+            messages=MESSAGES,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    streamed = chunks[-1].usage
+    assert plain.usage is not None and streamed is not None
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MESSAGES, max_tokens=2)
+    after = scrape(gw)
+
+    def moved(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert moved("mlxgw_requests_total", model="chat", status="200", key="-") == 2
+    assert moved("mlxgw_requests_total", model="nope", status="404", key="-") == 1
+    completion = plain.usage.completion_tokens + streamed.completion_tokens
+    assert moved("mlxgw_completion_tokens_total", model="chat", key="-") == completion
+    prompt = plain.usage.prompt_tokens + streamed.prompt_tokens
+    assert moved("mlxgw_prompt_tokens_total", model="chat", key="-") == prompt
+    assert moved("mlxgw_time_to_first_token_seconds_count", model="chat") == 2
+    assert moved("mlxgw_inter_token_latency_seconds_count", model="chat") == 2
+    assert moved("mlxgw_request_duration_seconds_count", model="chat", stream="true") == 1
+    assert moved("mlxgw_request_duration_seconds_count", model="chat", stream="false") == 1
+    # Scrapes and probes are not API requests.
+    assert not any(k[0] == "mlxgw_requests_total" and ("model", "-") in k[1] for k in after)
+
+
+def test_worker_gauges_come_from_the_supervisor(gw: GatewayProc) -> None:
+    wait_for(lambda: value(scrape(gw), "mlxgw_mlx_active_bytes", model="chat") > 0, what="hb")
+    samples = scrape(gw)
+    assert value(samples, "mlxgw_model_state", model="chat", state="ready") == 1
+    assert value(samples, "mlxgw_model_state", model="chat", state="failed") == 0
+    assert ("mlxgw_running_requests", frozenset({("model", "chat")})) in samples
+    assert ("mlxgw_waiting_requests", frozenset({("model", "chat")})) in samples
+    assert value(samples, "mlxgw_worker_resident_memory_bytes", model="chat") > 0
+    assert value(samples, "mlxgw_model_load_seconds", model="chat") > 0
+    assert value(samples, "mlxgw_worker_restarts_total", model="chat") == 0
+
+
+def test_ready_with_a_ready_model(gw: GatewayProc) -> None:
+    r = httpx.get(f"{gw.base_url}/ready", timeout=10)
+    assert r.status_code == 200
+    assert r.json() == {"status": "ready", "models": {"chat": "ready"}}
+
+
+def test_not_ready_when_the_only_model_failed(chat_model: Path) -> None:
+    faults = {"MLX_GATEWAY_FAULTS": json.dumps({"broken": {"probe_error": "no logits"}})}
+    gw = GatewayProc([{"name": "broken", "source": str(chat_model)}], faults)
+    try:
+
+        def failed() -> bool:
+            try:
+                r = httpx.get(f"{gw.base_url}/health", timeout=2)
+            except httpx.HTTPError:
+                return False
+            return bool(r.json()["models"].get("broken") == "failed")
+
+        wait_for(failed, timeout=90, what="the model to fail")
+        r = httpx.get(f"{gw.base_url}/ready", timeout=10)
+        assert r.status_code == 503
+        assert r.json() == {"status": "not_ready", "models": {"broken": "failed"}}
+        assert httpx.get(f"{gw.base_url}/health", timeout=10).status_code == 200
+    finally:
+        gw.stop()
