@@ -65,13 +65,31 @@ def secured(chat_model: Path, other_model: Path) -> Iterator[GatewayProc]:
         {"name": "chat", "source": str(chat_model), "engine": {"max_context": 1_000_000}},
         {"name": "other", "source": str(other_model)},
     ]
-    with running_gateway(models) as gw:
+    with running_gateway(models, admin_http=True) as gw:
         yield gw
+
+
+def test_admin_over_http_needs_an_admin_key(secured: GatewayProc) -> None:
+    gw = secured
+    # Even with no key configured, /admin over HTTP is never open.
+    assert httpx.get(f"{gw.base_url}/admin/ps", timeout=10).status_code == 401
+    admin = _create(gw, "ops", "--scope", "admin")
+    user = _create(gw, "user")
+    rows = httpx.get(
+        f"{gw.base_url}/admin/ps", headers={"Authorization": f"Bearer {admin}"}, timeout=10
+    )
+    assert rows.status_code == 200 and {r["model"] for r in rows.json()} == {"chat", "other"}
+    denied = httpx.get(f"{gw.base_url}/admin/ps", headers={"x-api-key": user}, timeout=10)
+    assert denied.status_code == 403 and "not admin" in denied.json()["error"]["message"]
+    assert _chat(gw, admin).status_code == 200  # admin keys may also infer
+    gw.ctl("keys", "revoke", "ops")
+    gw.ctl("keys", "revoke", "user")
 
 
 def test_keys_required_once_one_exists(secured: GatewayProc) -> None:
     gw = secured
-    assert _chat(gw, None).status_code == 200  # no key file yet: an open loopback gateway
+    (gw.run_dir / "keys.json").unlink(missing_ok=True)
+    assert _chat(gw, None).status_code == 200  # no key file: an open loopback gateway
     key = _create(gw, "alice")
     listing = gw.ctl("keys", "list").stdout
     assert "alice" in listing and key not in listing  # the secret is shown once only
