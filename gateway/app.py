@@ -75,7 +75,7 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
         _drain_on_sigterm(supervisor)
     try:
         await supervisor.start()
-        advert = await advertise(state.config.server, state.keys.auth_required)
+        advert = await advertise(state.config.server, state.key_store.auth_required)
         yield
     finally:
         if advert is not None:
@@ -163,7 +163,7 @@ def create_app(config: Config) -> GatewayApp:
             "supervisor": supervisor,
             "metrics": metrics,
             "started_at": time.time(),
-            "keys": keys,
+            "key_store": keys,
             # Called with each finished RequestContext (metrics, access log).
             "finish_hooks": finish_hooks,
         }

@@ -11,9 +11,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import psutil
 
 from gateway.stream import RequestStream
 from shared.config import ModelConfig
+from shared.paths import RunDir
 from shared.protocol import Capacity, Heartbeat, Ready
 
 GiB = 2**30
@@ -142,3 +146,55 @@ def tail(path: Path) -> str:
             return f.read().decode("utf-8", "replace")
     except OSError:
         return ""
+
+
+def consume(task: asyncio.Task[Any]) -> None:
+    """Load tasks are awaited by whoever wants them; nobody may be left: mark it seen."""
+    if not task.cancelled():
+        task.exception()
+
+
+def remove_sockets(run_dir: RunDir) -> None:
+    """After a clean stop: no stale ipc sockets are left in the run directory."""
+    for path in run_dir.root.glob("*.sock"):
+        if path != run_dir.admin_socket:  # the admin server removes its own once it stops
+            path.unlink(missing_ok=True)
+
+
+def status_row(slot: Slot, ttl: float, now: float) -> dict[str, object]:
+    """One model's row of `gatewayctl ps`."""
+    handle = slot.handle
+    row: dict[str, object] = {
+        "model": slot.name,
+        "state": slot.state.value,
+        "aliases": slot.config.aliases,
+        "pid": None,
+        "rss_bytes": None,
+        "memory_bytes": None,
+        "running": 0,
+        "waiting": 0,
+        "in_flight": slot.in_flight(),
+        "served": slot.served,
+        "restarts": slot.restarts,
+        "uptime_s": None,
+        "ttl_s": None if ttl < 0 else ttl,
+        "ttl_left_s": None,
+        "error": slot.error,
+        "last_error": slot.last_error,
+        "exit_code": slot.exit_code,
+        "log_tail": slot.log_tail if slot.state == ModelState.FAILED else None,
+        "draining": [h.pid for h in slot.retiring],
+    }
+    if slot.idle_since is not None and ttl >= 0:
+        row["ttl_left_s"] = round(max(0.0, ttl - (now - slot.idle_since)), 1)
+    if handle is not None:
+        row.update(pid=handle.pid, memory_bytes=handle.memory_bytes() or None)
+        row["uptime_s"] = round(time.time() - handle.started_at, 1)
+        with contextlib.suppress(psutil.Error):
+            row["rss_bytes"] = psutil.Process(handle.pid).memory_info().rss
+        hb = handle.heartbeat
+        if hb is not None:
+            row.update(running=hb.running, waiting=hb.waiting)
+            if not handle.is_ready:
+                row.update(stage=hb.stage, progress=hb.progress)
+    return row

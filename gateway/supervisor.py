@@ -32,7 +32,18 @@ import msgspec
 import psutil
 
 from gateway.errors import GatewayError
-from gateway.slots import GiB, ModelState, Slot, WorkerHandle, describe_exit, estimate_bytes, tail
+from gateway.slots import (
+    GiB,
+    ModelState,
+    Slot,
+    WorkerHandle,
+    consume,
+    describe_exit,
+    estimate_bytes,
+    remove_sockets,
+    status_row,
+    tail,
+)
 from gateway.stream import RequestStream
 from gateway.transport import Transport
 from shared.blas import worker_env
@@ -67,6 +78,8 @@ class Supervisor:
         self._by_id: dict[str, WorkerHandle] = {}
         self._serial = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.draining = False  # shutting down: new requests get 503 shutting_down
+        self._stopping: asyncio.Future[None] | None = None
         self.started_at = time.time()
         self.transport = Transport(run_dir.requests_ipc, run_dir.outputs_ipc)
         total = psutil.virtual_memory().total
@@ -92,13 +105,23 @@ class Supervisor:
         await asyncio.gather(*loads, return_exceptions=True)
 
     async def stop(self) -> None:
+        """Refuse new requests, drain every model for server.drain_timeout_s, end the workers.
+        Idempotent: a server's shutdown hook and the app's lifespan may both call it."""
+        self.draining = True
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._drain_all())
+        await asyncio.shield(self._stopping)
+
+    async def _drain_all(self) -> None:
+        timeout = self.server.drain_timeout_s
+        log.info("shutting down: draining in-flight requests for up to %gs", timeout)
         await asyncio.gather(
-            *(self.unload(name, force=True, timeout=3.0) for name in self.slots),
-            return_exceptions=True,
+            *(self.unload(name, timeout=timeout) for name in self.slots), return_exceptions=True
         )
         for task in list(self._tasks):
             task.cancel()
         await self.transport.close()
+        remove_sockets(self.run_dir)
 
     # ---- catalog --------------------------------------------------------------------
 
@@ -172,7 +195,7 @@ class Supervisor:
         if slot.loading is None:
             slot.loading = asyncio.create_task(self._bring_up(slot))
             slot.loading.add_done_callback(lambda _: setattr(slot, "loading", None))
-            slot.loading.add_done_callback(_consume)
+            slot.loading.add_done_callback(consume)
         return slot.loading
 
     async def _await_load(self, slot: Slot, task: asyncio.Task[WorkerHandle]) -> WorkerHandle:
@@ -415,6 +438,10 @@ class Supervisor:
         priority: int = 0,
     ) -> RequestStream:
         slot = self._slot(name)
+        if self.draining:
+            raise GatewayError(
+                ErrorCode.SHUTTING_DOWN, "the gateway is shutting down", retry_after=5
+            )
         if keep_alive is not None:
             slot.keep_alive_s = keep_alive
         request_id = request_id or uuid.uuid4().hex
@@ -748,46 +775,8 @@ class Supervisor:
     # ---- status -------------------------------------------------------------------------
 
     def ps(self) -> list[dict[str, object]]:
-        rows: list[dict[str, object]] = []
         now = time.monotonic()
-        for name, slot in self.slots.items():
-            handle = slot.handle
-            ttl = self.ttl_of(slot)
-            row: dict[str, object] = {
-                "model": name,
-                "state": slot.state.value,
-                "aliases": slot.config.aliases,
-                "pid": None,
-                "rss_bytes": None,
-                "memory_bytes": None,
-                "running": 0,
-                "waiting": 0,
-                "in_flight": slot.in_flight(),
-                "served": slot.served,
-                "restarts": slot.restarts,
-                "uptime_s": None,
-                "ttl_s": None if ttl < 0 else ttl,
-                "ttl_left_s": None,
-                "error": slot.error,
-                "last_error": slot.last_error,
-                "exit_code": slot.exit_code,
-                "log_tail": slot.log_tail if slot.state == ModelState.FAILED else None,
-                "draining": [h.pid for h in slot.retiring],
-            }
-            if slot.idle_since is not None and ttl >= 0:
-                row["ttl_left_s"] = round(max(0.0, ttl - (now - slot.idle_since)), 1)
-            if handle is not None:
-                row.update(pid=handle.pid, memory_bytes=handle.memory_bytes() or None)
-                row["uptime_s"] = round(time.time() - handle.started_at, 1)
-                with contextlib.suppress(psutil.Error):
-                    row["rss_bytes"] = psutil.Process(handle.pid).memory_info().rss
-                hb = handle.heartbeat
-                if hb is not None:
-                    row.update(running=hb.running, waiting=hb.waiting)
-                    if not handle.is_ready:
-                        row.update(stage=hb.stage, progress=hb.progress)
-            rows.append(row)
-        return rows
+        return [status_row(slot, self.ttl_of(slot), now) for slot in self.slots.values()]
 
     def status(self) -> dict[str, object]:
         from importlib.metadata import version
@@ -801,9 +790,3 @@ class Supervisor:
             "memory_total_bytes": self.memory_total,
             "models": {name: slot.state.value for name, slot in self.slots.items()},
         }
-
-
-def _consume(task: asyncio.Task[Any]) -> None:
-    """Load tasks are awaited by whoever wants them; nobody may be left: mark it seen."""
-    if not task.cancelled():
-        task.exception()

@@ -61,7 +61,14 @@ class GatewayProc:
         self.base_url = f"http://127.0.0.1:{self.port}"
         # Keys live in the run dir: a developer's own key file never turns auth on here.
         keys = str(self.run_dir / "keys.json")
-        server = {"port": self.port, "run_dir": str(self.run_dir), "keys_file": keys, **server}
+        # A short drain at SIGTERM: tests often end with endless streams still open.
+        server = {
+            "port": self.port,
+            "run_dir": str(self.run_dir),
+            "keys_file": keys,
+            "drain_timeout_s": 3.0,
+            **server,
+        }
         self.config = write_config(self.run_dir / "config.toml", models, server)
         self.log = open(self.run_dir / "gateway.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -107,7 +114,7 @@ class GatewayProc:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(20)
+                self.proc.wait(40)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
