@@ -22,7 +22,6 @@ from gateway.logs import setup_logging
 from shared.config import CONFIG_JSON_ENV, Config, ConfigError
 from shared.paths import RunDir
 
-
 # Beyond server.drain_timeout_s: a stubborn worker gets SIGTERM after 5s more, SIGKILL after 5s.
 KILL_MARGIN_S = 15
 
