@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import ipaddress
 import json
 import sys
 
 import msgspec
 
 from gateway.keys import ApiKey, KeyError_, KeyStore, keys_path, parse_expiry
-from shared.config import Config
+from shared.config import Config, ConfigError, is_loopback
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -72,7 +71,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
             record = store.revoke(args.key)
             print(f"revoked key {record.name!r} ({record.display})")
             return 0
-    except KeyError_ as exc:
+    except (KeyError_, ConfigError) as exc:
         print(f"gatewayctl keys: {exc}", file=sys.stderr)
         return 2
     return 2
@@ -119,23 +118,17 @@ def _print_table(rows: list[dict[str, object]]) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def check_bind(config: Config) -> str | None:
     """Why serving this config is refused (a non-loopback address with no key), or None."""
     server = config.server
     if is_loopback(server.host) or server.insecure_no_auth:
         return None
     store = KeyStore(keys_path(server.keys_file))
-    if store.active_count() > 0:
-        return None
+    try:
+        if store.active_count() > 0:
+            return None
+    except ConfigError as exc:
+        return f"refusing to serve {server.host}:{server.port}: {exc}"
     return (
         f"refusing to serve {server.host}:{server.port} without API keys: anyone on the "
         f"network could use it. Create a key first (`gatewayctl keys create NAME`, stored in "

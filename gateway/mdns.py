@@ -3,7 +3,6 @@ _mlx-gateway._tcp, with TXT records telling clients where the API is and how to 
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 from importlib.metadata import version
@@ -12,21 +11,12 @@ import psutil
 from zeroconf import ServiceInfo
 from zeroconf.asyncio import AsyncZeroconf
 
-from shared.config import ServerConfig
+from shared.config import ServerConfig, is_loopback
 
 log = logging.getLogger("gateway.mdns")
 
 SERVICE_TYPES = ("_http._tcp.local.", "_mlx-gateway._tcp.local.")
 WILDCARDS = ("0.0.0.0", "::", "")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def lan_addresses(host: str) -> list[str]:

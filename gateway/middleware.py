@@ -16,6 +16,7 @@ Access by path:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -23,7 +24,10 @@ from gateway.context import RequestContext, client_request_id, new_request_id
 from gateway.errors import GatewayError, error_json
 from gateway.keys import KeyStore
 from gateway.ratelimit import KeyLimiter
+from shared.config import ConfigError
 from shared.types import ErrorCode
+
+log = logging.getLogger("gateway")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -41,13 +45,28 @@ def context_of(scope: Any) -> RequestContext | None:
     return ctx
 
 
-def authorize_model(ctx: RequestContext | None, model: str) -> None:
-    """403 when the caller's key is limited to other models; records the model."""
+def authorize_model(
+    ctx: RequestContext | None, model: str, canonical_of: Callable[[str], str]
+) -> None:
+    """Records the model (by its configured name once known: 404 for an unknown one) and
+    answers 403 when the caller's key is limited to other models, listed by name or alias."""
+    if ctx is not None:
+        ctx.model = model
+    canonical = canonical_of(model)
     if ctx is None:
         return
-    ctx.model = model
+    ctx.model = canonical
     key = ctx.key
-    if key is not None and not key.allows_model(model):
+    if key is None or not key.models:
+        return
+
+    def same(listed: str) -> bool:
+        try:
+            return canonical_of(listed) == canonical
+        except GatewayError:  # a listed model that is not configured (any more)
+            return False
+
+    if not any(same(listed) for listed in key.models):
         allowed = ", ".join(key.models)
         raise GatewayError(
             ErrorCode.FORBIDDEN,
@@ -107,6 +126,13 @@ class GatewayMiddleware:
             ctx.finish()  # idempotent: a disconnect or an error also ends the request
 
     def _admit(self, ctx: RequestContext, headers: dict[bytes, bytes]) -> list[tuple[bytes, bytes]]:
+        try:
+            return self._check(ctx, headers)
+        except ConfigError as exc:  # an unreadable key file: refuse (fail closed), say why
+            log.error("%s", exc)
+            raise GatewayError(ErrorCode.INTERNAL, f"authentication unavailable: {exc}") from None
+
+    def _check(self, ctx: RequestContext, headers: dict[bytes, bytes]) -> list[tuple[bytes, bytes]]:
         path = ctx.path
         if path in OPEN_PATHS:
             return []

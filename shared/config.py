@@ -6,6 +6,7 @@ Precedence: built-in defaults < TOML file < environment (MLX_GATEWAY_*) < comman
 from __future__ import annotations
 
 import enum
+import ipaddress
 import math
 import os
 from pathlib import Path
@@ -175,6 +176,16 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 
 class ConfigError(ValueError):
     pass
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address only serves this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def load_config(path: str | os.PathLike[str] | None = None) -> Config:

@@ -134,6 +134,32 @@ def test_keys_required_once_one_exists(secured: GatewayProc) -> None:
     assert _chat(gw, _create(gw, "bob")).status_code == 200  # and so does creation
 
 
+def test_a_corrupt_key_file_fails_closed(secured: GatewayProc) -> None:
+    gw = secured
+    keyfile = gw.run_dir / "keys.json"
+    _create(gw, "before-corruption")
+    good = keyfile.read_bytes()
+    try:
+        keyfile.write_text("{not json")
+        refused = _chat(gw, None)
+        assert refused.status_code == 500
+        assert "is not valid" in refused.json()["error"]["message"]
+        listing = gw.ctl("keys", "list", check=False)
+        assert listing.returncode == 2 and "is not valid" in listing.stderr
+    finally:
+        keyfile.write_bytes(good)
+    assert _chat(gw, None).status_code == 401  # and back to normal
+
+
+def test_aliases_count_for_a_keys_model_list(chat_model: Path) -> None:
+    model = {"name": "chat", "source": str(chat_model), "aliases": ["assistant"]}
+    with running_gateway([model]) as gw:
+        key = _create(gw, "by-alias", "--models", "assistant")
+        assert _chat(gw, key, model="chat").status_code == 200
+        assert _chat(gw, key, model="assistant").status_code == 200
+        assert _chat(gw, key, model="nope").status_code == 404
+
+
 def test_model_scope_and_expiry(secured: GatewayProc) -> None:
     gw = secured
     scoped = _create(gw, "only-other", "--models", "other")

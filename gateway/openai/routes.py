@@ -59,7 +59,7 @@ async def _serve(
     server = state.config.server
     timeout = server.request_timeout_s
     ctx = context_of(request_.scope)
-    authorize_model(ctx, model)
+    authorize_model(ctx, model, lambda name: supervisor.resolve(name).name)
     if ctx is not None:
         ctx.stream = stream
     request = (request[0], _capped(request[1], server.max_tokens_cap))
