@@ -18,6 +18,7 @@ from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 
 from gateway.admin import admin_router, create_admin_app
+from gateway.anthropic.routes import anthropic_router
 from gateway.context import RequestContext
 from gateway.errors import GatewayError, error_response
 from gateway.keys import KeyStore, keys_path
@@ -27,7 +28,10 @@ from gateway.metrics import Metrics, metrics_route, ready_route
 from gateway.middleware import ASGIApp, GatewayMiddleware
 from gateway.openai.routes import openai_router
 from gateway.ratelimit import KeyLimiter
+from gateway.responses.routes import responses_router
+from gateway.serve import InFlight
 from gateway.supervisor import Supervisor
+from gateway.tokenize import detokenize, tokenize
 from shared.config import Config
 from shared.paths import RunDir
 from shared.types import ErrorCode
@@ -164,11 +168,21 @@ def create_app(config: Config) -> GatewayApp:
             "metrics": metrics,
             "started_at": time.time(),
             "key_store": keys,
+            "inflight": InFlight(),  # requests in flight, for cancel by id
             # Called with each finished RequestContext (metrics, access log).
             "finish_hooks": finish_hooks,
         }
     )
-    handlers: list[Any] = [openai_router(), health, metrics_route, ready_route]
+    handlers: list[Any] = [
+        openai_router(),
+        anthropic_router(),
+        responses_router(),
+        tokenize,
+        detokenize,
+        health,
+        metrics_route,
+        ready_route,
+    ]
     if config.server.admin_http:
         handlers.append(admin_router())
     litestar = Litestar(

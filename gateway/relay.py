@@ -1,37 +1,82 @@
-"""Relay a RequestStream to a client: protocol-neutral, with deadline and abort on exit.
+"""Relay a request's streams to a client: protocol-neutral, with deadline and abort on exit.
 
-A Formatter (one per protocol) turns deltas into encoded bodies. Errors that happen before
-the first byte are raised as GatewayError (the router renders a status and body); after the
-first byte they become an error event, then the stream's end.
+A request is one or more choices (OpenAI's `n`, or a batch of completion prompts), each its
+own RequestStream in the worker's batch. A Formatter (one per protocol) turns their deltas
+into complete encoded bodies or SSE events. Errors before the first byte are raised as
+GatewayError (the router renders a status and body); after the first byte they become the
+protocol's error event, then the stream's end, and the other choices are aborted.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gateway.context import RequestContext
 from gateway.errors import GatewayError
 from gateway.stream import RequestStream
 from gateway.supervisor import Supervisor
-from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput, Usage
+from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput, TokenLogprob, Usage
 
 ABORTED_BY_SERVER = RequestError(
     ErrorCode.SHUTTING_DOWN, "the request was aborted because its model is being unloaded"
 )
 
 
+@dataclass(slots=True)
+class Choice:
+    """One choice, collected whole (non-streaming responses)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_text: str | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+    def add(self, output: RequestOutput) -> None:
+        self.text += output.text
+        self.token_ids += output.token_ids
+        self.logprobs += output.logprobs
+        if output.prompt_text is not None:
+            self.prompt_text = output.prompt_text
+            self.prompt_logprobs = output.prompt_logprobs
+        if output.finish_reason is not None:
+            self.finish_reason = output.finish_reason
+            self.usage = output.usage
+
+
 class Formatter(Protocol):
-    def role_chunk(self) -> bytes | None: ...
-    def text_chunk(self, text: str) -> bytes: ...
-    def finish_chunk(self, reason: FinishReason | None) -> bytes: ...
-    def usage_chunk(self, usage: Usage | None) -> bytes: ...
-    def response(self, text: str, reason: FinishReason | None, usage: Usage | None) -> bytes: ...
+    """Encodes one request's responses in one protocol. The stream_* methods return complete
+    SSE bytes (b"" for nothing to send); `index` is the choice."""
+
+    def stream_start(self) -> bytes: ...
+    def stream_delta(self, index: int, output: RequestOutput) -> bytes: ...
+    def stream_finish(self, index: int, output: RequestOutput) -> bytes: ...
+    def stream_end(self, usage: Usage) -> bytes: ...
+    def stream_error(self, error: GatewayError) -> bytes: ...
+    def response(self, choices: list[Choice], usage: Usage) -> bytes: ...
+
+
+def total_usage(usages: list[Usage | None], groups: list[int]) -> Usage:
+    """Prompt tokens once per prompt (choices of one prompt share it), completions summed."""
+    prompt: dict[int, int] = {}
+    completion = cached = 0
+    for usage, group in zip(usages, groups, strict=True):
+        if usage is None:
+            continue
+        prompt.setdefault(group, usage.prompt_tokens)
+        completion += usage.completion_tokens
+        cached += usage.cached_tokens
+    return Usage(sum(prompt.values()), completion, cached)
 
 
 class Relay:
-    """One request's consumption of its stream, bounded by a deadline.
+    """One request's consumption of its streams, bounded by a deadline.
 
     Until a streaming response takes over (Litestar's Stream listens for the disconnect
     itself), a watcher on the ASGI receive channel turns a client disconnect into an abort.
@@ -40,121 +85,155 @@ class Relay:
     def __init__(
         self,
         supervisor: Supervisor,
-        stream: RequestStream,
+        streams: list[RequestStream],
         timeout_s: float,
         receive: Callable[[], Awaitable[Any]] | None = None,
         ctx: RequestContext | None = None,
+        groups: list[int] | None = None,
     ) -> None:
         self.supervisor = supervisor
-        self.stream = stream
+        self.streams = streams
+        self.groups = groups if groups is not None else list(range(len(streams)))
         self.ctx = ctx
         self.timeout_s = timeout_s
-        # One timer per request, not one per token: expiry aborts and ends the stream.
+        self.usages: list[Usage | None] = [None] * len(streams)
+        self.done: set[int] = set()
+        self._gets: dict[int, asyncio.Future[RequestOutput]] = {}
+        # One timer per request, not one per token: expiry aborts and ends the streams.
         self._timer = asyncio.get_running_loop().call_later(timeout_s, self._expire)
         self._watcher = asyncio.create_task(self._watch(receive)) if receive else None
 
+    @property
+    def finished(self) -> bool:
+        return len(self.done) == len(self.streams)
+
     def _expire(self) -> None:
-        if not self.stream.finished:
-            self.supervisor.abort(self.stream)
-            self.stream.fail(
-                ErrorCode.TIMEOUT,
-                f"the request timed out (server.request_timeout_s={self.timeout_s:g})",
-            )
+        message = f"the request timed out (server.request_timeout_s={self.timeout_s:g})"
+        for stream in self.streams:
+            if not stream.finished:
+                self.supervisor.abort(stream)
+                stream.fail(ErrorCode.TIMEOUT, message)
 
     async def _watch(self, receive: Callable[[], Awaitable[Any]]) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
         self.close()
-        self.stream.fail(ErrorCode.CANCELLED, "the client disconnected")
+        for stream in self.streams:
+            stream.fail(ErrorCode.CANCELLED, "the client disconnected")
 
     def stop_watching(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
             self._watcher = None
 
-    async def next(self) -> RequestOutput:
-        output = await self.stream.get()
+    async def _get(self) -> tuple[int, RequestOutput]:
+        if len(self.streams) == 1:
+            return 0, await self.streams[0].get()
+        for i, stream in enumerate(self.streams):
+            if i not in self.done and i not in self._gets:
+                self._gets[i] = asyncio.ensure_future(stream.get())
+        ready, _ = await asyncio.wait(self._gets.values(), return_when=asyncio.FIRST_COMPLETED)
+        index = min(i for i, task in self._gets.items() if task in ready)
+        return index, self._gets.pop(index).result()
+
+    async def next(self) -> tuple[int, RequestOutput]:
+        """The next delta of any choice (merged deltas of one choice while the reader lags)."""
+        index, output = await self._get()
         if output.finish_reason == FinishReason.ABORT:
             output.error = ABORTED_BY_SERVER
         ctx = self.ctx
-        if ctx is not None:
-            if output.token_ids:
-                ctx.token(len(output.token_ids))
-            if output.finish_reason is not None:
+        if ctx is not None and output.token_ids:
+            ctx.token(len(output.token_ids))
+        if output.finish_reason is not None:
+            self.done.add(index)
+            self.usages[index] = output.usage
+            if ctx is not None:
                 ctx.finish_reason = output.finish_reason.value
-                if output.usage is not None:
-                    ctx.prompt_tokens = output.usage.prompt_tokens
-                    ctx.completion_tokens = output.usage.completion_tokens
-                    ctx.cached_tokens = output.usage.cached_tokens
                 if output.error is not None:
                     ctx.error_code = output.error.code.value
-        return output
+                usage = self.usage()
+                ctx.prompt_tokens = usage.prompt_tokens
+                ctx.completion_tokens = usage.completion_tokens
+                ctx.cached_tokens = usage.cached_tokens
+        return index, output
 
-    async def first(self) -> RequestOutput:
+    def usage(self) -> Usage:
+        return total_usage(self.usages, self.groups)
+
+    async def first(self) -> tuple[int, RequestOutput]:
         """The first delta; a failure here is still a plain HTTP error."""
         try:
-            output = await self.next()
+            index, output = await self.next()
         except BaseException:
             self.close()
             self.stop_watching()
             raise
         if output.error is not None:
+            self.close()
             self.stop_watching()
             raise GatewayError.from_request_error(output.error)
-        return output
+        return index, output
 
     def close(self) -> None:
-        """Abort in the worker unless the request already finished there."""
+        """Abort in the worker every choice that has not finished there."""
         self._timer.cancel()
-        if not self.stream.finished:
-            self.supervisor.abort(self.stream)
+        for task in self._gets.values():
+            task.cancel()
+        self._gets.clear()
+        for stream in self.streams:
+            if not stream.finished:
+                self.supervisor.abort(stream)
 
     async def collect(self, fmt: Formatter) -> bytes:
         try:
-            output = await self.first()
-            parts = [output.text]
-            while output.finish_reason is None:
-                output = await self.next()
-                parts.append(output.text)
-            if output.error is not None:
-                raise GatewayError.from_request_error(output.error)
-            return fmt.response("".join(parts), output.finish_reason, output.usage)
+            choices = [Choice(i) for i in range(len(self.streams))]
+            index, output = await self.first()
+            while True:
+                if output.error is not None:
+                    raise GatewayError.from_request_error(output.error)
+                choices[index].add(output)
+                if self.finished:
+                    break
+                index, output = await self.next()
+            return fmt.response(choices, self.usage())
         finally:
             self.close()
             self.stop_watching()
 
-    async def sse(
-        self,
-        fmt: Formatter,
-        first: RequestOutput,
-        include_usage: bool,
-        error_event: Callable[[GatewayError], bytes],
-    ) -> AsyncIterator[bytes]:
+    async def sse(self, fmt: Formatter, first: tuple[int, RequestOutput]) -> AsyncIterator[bytes]:
         """Complete SSE events only; a client disconnect lands in `finally` as an abort."""
         try:
-            role = fmt.role_chunk()
-            if role is not None:
-                yield _event(role)
-            output = first
+            start = fmt.stream_start()
+            if start:
+                yield start
+            index, output = first
             while True:
-                if output.text:
-                    yield _event(fmt.text_chunk(output.text))
+                if output.error is not None:
+                    yield fmt.stream_error(GatewayError.from_request_error(output.error))
+                    return
+                delta = fmt.stream_delta(index, output)
+                if delta:
+                    yield delta
                 if output.finish_reason is not None:
-                    break
-                output = await self.next()
-            if output.error is not None:
-                yield _event(error_event(GatewayError.from_request_error(output.error)))
-            else:
-                yield _event(fmt.finish_chunk(output.finish_reason))
-                if include_usage:
-                    yield _event(fmt.usage_chunk(output.usage))
-            yield DONE
+                    end = fmt.stream_finish(index, output)
+                    if end:
+                        yield end
+                    if self.finished:
+                        break
+                index, output = await self.next()
+            yield fmt.stream_end(self.usage())
         finally:
             self.close()
 
 
-DONE = b"data: [DONE]\n\n"
-
-
-def _event(data: bytes) -> bytes:
+def sse_data(data: bytes) -> bytes:
+    """One unnamed SSE event (OpenAI's framing)."""
     return b"data: " + data + b"\n\n"
+
+
+def sse_event(name: str, data: bytes) -> bytes:
+    """One named SSE event (Anthropic's and the Responses API's framing)."""
+    return b"event: " + name.encode() + b"\ndata: " + data + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"

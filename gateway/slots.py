@@ -90,6 +90,7 @@ class Slot:
     idle_timer: asyncio.TimerHandle | None = None
     idle_since: float | None = None
     replay: list[RequestStream] = field(default_factory=list)
+    last_info: Ready | None = None  # the last Ready: capabilities and context stay known
 
     @property
     def name(self) -> str:

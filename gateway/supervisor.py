@@ -53,6 +53,7 @@ from shared.protocol import (
     PROTOCOL_VERSION,
     Abort,
     Add,
+    Control,
     ControlReply,
     FromWorker,
     Heartbeat,
@@ -64,6 +65,21 @@ from shared.protocol import (
     WorkerDead,
 )
 from shared.types import CanonicalRequest, ErrorCode, RequestKind, SamplingParams
+
+# Why a model lacks a capability a request needs, and the request field that asked for it.
+_MISSING = {
+    "chat": "it has no chat template; send a prompt to /v1/completions instead",
+    "completion": "it does not serve text completions",
+    "logprobs": "it does not report log probabilities",
+    "echo": "it does not echo prompts",
+    "tokenize": "it does not expose its tokenizer",
+}
+MISSING_PARAM = {"chat": "messages", "logprobs": "logprobs", "echo": "echo"}
+
+
+def missing_reason(capability: str) -> str:
+    return _MISSING.get(capability, f"it lacks the {capability!r} capability")
+
 
 log = logging.getLogger("gateway.supervisor")
 
@@ -79,6 +95,8 @@ class Supervisor:
         self._serial = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
         self.draining = False  # shutting down: new requests get 503 shutting_down
+        self._calls: dict[int, tuple[str, asyncio.Future[ControlReply]]] = {}
+        self._call_seq = 0
         self._stopping: asyncio.Future[None] | None = None
         self.started_at = time.time()
         self.transport = Transport(run_dir.requests_ipc, run_dir.outputs_ipc)
@@ -436,7 +454,10 @@ class Supervisor:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        needs: list[str] | None = None,
     ) -> RequestStream:
+        """Send one request to `name`'s worker (loading it on demand). `needs`: capabilities
+        the request relies on; a model without one is a 400 before anything is sent."""
         slot = self._slot(name)
         if self.draining:
             raise GatewayError(
@@ -445,6 +466,9 @@ class Supervisor:
         if keep_alive is not None:
             slot.keep_alive_s = keep_alive
         request_id = request_id or uuid.uuid4().hex
+        request = self.with_template_defaults(slot.config, kind, request)
+        if needs:
+            self.check_capabilities(slot, needs)
         if slot.restarting:  # queued: it runs on the new worker once that is Ready
             if len(slot.replay) >= self.server.max_queued:
                 raise self._queue_full(slot, len(slot.replay))
@@ -455,6 +479,8 @@ class Supervisor:
             self._touch(slot)
             return stream
         handle = await self._acquire(slot)
+        if needs:
+            self.check_capabilities(slot, needs, handle.info)
         capacity = handle.capacity
         assert capacity is not None
         queued = len(handle.streams) - capacity.max_running
@@ -467,6 +493,71 @@ class Supervisor:
         slot.served += 1
         self._touch(slot)
         return stream
+
+    @staticmethod
+    def with_template_defaults(
+        model: ModelConfig, kind: RequestKind, request: CanonicalRequest
+    ) -> CanonicalRequest:
+        """The model's configured chat_template_kwargs, overridden key by key by the request's."""
+        if kind != RequestKind.CHAT or not model.chat_template_kwargs:
+            return request
+        merged = {**model.chat_template_kwargs, **request.chat_template_kwargs}
+        return msgspec.structs.replace(request, chat_template_kwargs=merged)
+
+    def capabilities_of(self, name: str) -> list[str] | None:
+        """What the model serves, once a worker of it has been Ready (None before)."""
+        slot = self._slot(name)
+        info = slot.handle.info if slot.handle is not None else None
+        info = info or slot.last_info
+        return None if info is None else list(info.capabilities)
+
+    def check_capabilities(self, slot: Slot, needs: list[str], info: Ready | None = None) -> None:
+        info = info or (slot.handle.info if slot.handle is not None else None) or slot.last_info
+        if info is None:
+            return  # not known before its first load: checked again once the worker is Ready
+        missing = [need for need in needs if need not in info.capabilities]
+        if missing:
+            raise GatewayError(
+                ErrorCode.INVALID_REQUEST,
+                f"model {slot.name!r} cannot serve this request: {missing_reason(missing[0])}",
+                MISSING_PARAM.get(missing[0]),
+            )
+
+    async def call(
+        self, name: str, method: str, args: dict[str, Any], timeout: float = 30.0
+    ) -> dict[str, Any]:
+        """A control call to the model's worker (loading it on demand), e.g. tokenize."""
+        if self.draining:
+            raise GatewayError(
+                ErrorCode.SHUTTING_DOWN, "the gateway is shutting down", retry_after=5
+            )
+        slot = self._slot(name)
+        handle = await self._acquire(slot)
+        self._call_seq += 1
+        call_id = self._call_seq
+        future: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = (handle.worker_id, future)
+        try:
+            if not self.transport.send(handle.worker_id, Control(call_id, method, args)):
+                raise GatewayError(ErrorCode.WORKER_UNAVAILABLE, f"model {name!r} is unreachable")
+            try:
+                reply = await asyncio.wait_for(asyncio.shield(future), timeout)
+            except TimeoutError:
+                raise GatewayError(
+                    ErrorCode.TIMEOUT, f"model {name!r} did not answer {method} in {timeout:g}s"
+                ) from None
+        finally:
+            self._calls.pop(call_id, None)
+        if not reply.ok:
+            code = reply.result.get("code", ErrorCode.INTERNAL.value)
+            raise GatewayError(ErrorCode(code), reply.error or method, reply.result.get("param"))
+        self._touch(slot)
+        return reply.result
+
+    def _fail_calls(self, worker_id: str, message: str) -> None:
+        for wid, future in list(self._calls.values()):
+            if wid == worker_id and not future.done():
+                future.set_exception(GatewayError(ErrorCode.WORKER_DIED, message))
 
     def _queue_full(self, slot: Slot, in_flight: int) -> GatewayError:
         return GatewayError(
@@ -608,6 +699,9 @@ class Supervisor:
                 self._spawn_task(self._kill(handle, signal.SIGTERM, grace=2))
         elif isinstance(frame, Ready):
             handle.info = frame
+            slot = self.slots.get(handle.config.name)
+            if slot is not None:
+                slot.last_info = frame
             handle.capacity = frame.capacity
             handle.ready.set()
             log.info("model %s ready in %.1fs", handle.config.name, frame.load_time_s)
@@ -615,7 +709,9 @@ class Supervisor:
             handle.error = frame.reason
             log.error("model %s: worker failed: %s", handle.config.name, frame.reason)
         elif isinstance(frame, ControlReply):
-            pass
+            entry = self._calls.get(frame.call_id)
+            if entry is not None and not entry[1].done():
+                entry[1].set_result(frame)
 
     @staticmethod
     def _note_step(handle: WorkerHandle, step: int, now: float) -> None:
@@ -633,6 +729,7 @@ class Supervisor:
         self._by_id.pop(handle.worker_id, None)
         handle.exited.set()
         self._save_pids()
+        self._fail_calls(handle.worker_id, f"the worker of model {name!r} exited")
         if slot is None:
             return
         if handle in slot.retiring:
@@ -665,6 +762,7 @@ class Supervisor:
         fresh = [s for s in handle.streams.values() if not s.received]
         handle.streams.clear()
         message = f"the worker of model {slot.name!r} died: {reason}"
+        self._fail_calls(handle.worker_id, message)
         for stream in sent:
             stream.fail(ErrorCode.WORKER_DIED, message)
         slot.replay.extend(fresh)

@@ -100,6 +100,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     priority: int = 0
     revision: str | None = None
     trust_remote_code: bool = False
+    # Defaults for the chat template's extra variables (e.g. enable_thinking = false); a
+    # request's `chat_template_kwargs` overrides them key by key.
+    chat_template_kwargs: dict[str, str | bool | int | float] = {}
     engine: EngineOptions = msgspec.field(default_factory=EngineOptions)
 
     @property

@@ -71,6 +71,13 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = {}
     include_stop_str_in_output: bool = False
+    # Log probabilities of each sampled token (after logits processors, before temperature),
+    # with the `top_logprobs` most likely alternatives.
+    logprobs: bool = False
+    top_logprobs: int = 0
+    # Completions' echo: the prompt's text (and, with logprobs, each prompt token's logprob)
+    # comes back in the first delta; max_tokens may then be 0 (score the prompt only).
+    echo: bool = False
 
 
 class CanonicalRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -99,6 +106,22 @@ class RequestError(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     param: str | None = None
 
 
+class TopLogprob(msgspec.Struct, array_like=True, gc=False):
+    token_id: int
+    token: str  # the token's text as the tokenizer decodes it alone
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One position: the token there, its log probability (None for a prompt's first token,
+    which nothing predicts) and the most likely tokens at that position, best first."""
+
+    token_id: int
+    token: str
+    logprob: float | None = None
+    top: list[TopLogprob] = []
+
+
 class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One step's delta for one request. Terminal when finish_reason is set."""
 
@@ -108,3 +131,6 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: RequestError | None = None
+    logprobs: list[TokenLogprob] = []  # one per token in token_ids that produced text
+    prompt_logprobs: list[TokenLogprob] = []  # echo + logprobs: one per prompt token (first delta)
+    prompt_text: str | None = None  # echo: the prompt as the tokenizer decodes it (first delta)

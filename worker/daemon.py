@@ -42,7 +42,7 @@ from worker.channels import WorkerChannels
 from worker.engine import EngineCore
 from worker.faults import Faults
 from worker.loader import LoadedModel, load_model
-from worker.preprocess import PreparedRequest, PreprocessError, Preprocessor
+from worker.preprocess import PreparedRequest, PreprocessError, Preprocessor, capabilities
 
 log = logging.getLogger("worker")
 
@@ -162,7 +162,7 @@ class WorkerProc:
             self.worker_id,
             Capacity(opts.max_running, opts.max_waiting, loaded.max_context),
             versions={"mlx": version("mlx"), "mlx_lm": version("mlx-lm")},
-            capabilities=["chat", "completion"] + (["demo"] if loaded.is_demo else []),
+            capabilities=capabilities(loaded.tokenizer) + (["demo"] if loaded.is_demo else []),
             load_time_s=load_time,
         )
 
@@ -297,10 +297,10 @@ class WorkerProc:
         """A request the engine refuses fails alone; the worker keeps serving."""
         assert self.engine is not None
         try:
-            self.engine.add(prepared)
+            output = self.engine.add(prepared)
             if prepared.request_id in self.stall_ids:
                 self.faults.stall()
-            return None
+            return output
         except Exception as exc:  # one bad request must never take the worker down
             log.warning(
                 "request %s refused by the engine: %s",
@@ -358,7 +358,7 @@ class WorkerProc:
             if isinstance(frame, Add):
                 self._accept(frame, preprocess)
             elif isinstance(frame, Control):
-                self._send(self._control(frame))
+                self._send(self._control(frame, preprocess))
             else:
                 self.inputs.put(frame)
 
@@ -398,17 +398,30 @@ class WorkerProc:
         if self.faults.matches(self.faults.stall_on, text):
             self.stall_ids.add(frame.request_id)
 
-    def _control(self, frame: Control) -> ControlReply:
-        if frame.method == "stats" and self.engine is not None:
-            running, waiting = self.engine.counts()
-            waiting += len(self.held)
+    def _control(self, frame: Control, preprocess: Preprocessor) -> ControlReply:
+        """Calls answered on the input thread, beside the engine loop (never inside it)."""
+        try:
+            if frame.method == "stats" and self.engine is not None:
+                running, waiting = self.engine.counts()
+                waiting += len(self.held)
+                result = {"running": running, "waiting": waiting, "steps": self.engine.steps}
+            elif frame.method == "tokenize":
+                result = preprocess.tokenize_call(frame.args)
+            elif frame.method == "detokenize":
+                result = preprocess.detokenize_call(frame.args)
+            else:
+                return ControlReply(
+                    self.worker_id, frame.call_id, False, error=f"unknown method {frame.method}"
+                )
+        except PreprocessError as exc:
             return ControlReply(
                 self.worker_id,
                 frame.call_id,
-                True,
-                {"running": running, "waiting": waiting, "steps": self.engine.steps},
+                False,
+                {"code": exc.error.code.value, "param": exc.error.param},
+                exc.error.message,
             )
-        return ControlReply(self.worker_id, frame.call_id, False, error=f"unknown {frame.method}")
+        return ControlReply(self.worker_id, frame.call_id, True, result)
 
     # ---- output thread ----------------------------------------------------------------
 

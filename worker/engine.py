@@ -8,12 +8,21 @@ prompt never freezes running streams.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import make_prompt_cache
 
 from shared.config import EngineOptions
-from shared.types import FinishReason, RequestOutput, SamplingParams
+from shared.types import (
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 from worker.preprocess import PreparedRequest
 from worker.request import Request
 from worker.sampling import make_processors, make_sampler
@@ -22,6 +31,7 @@ from worker.stop import StopStringMatcher
 
 class EngineCore:
     def __init__(self, model: Any, tokenizer: Any, options: EngineOptions) -> None:
+        self.model = model
         self.tokenizer = tokenizer
         self.options = options
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
@@ -37,6 +47,8 @@ class EngineCore:
         self._eos_stops = StopSequences([[t] for t in sorted(self.eos_ids)])
         self.steps = 0
         self.batch_count = 0  # batch-priority requests in the generator
+        self.logprob_count = 0  # requests that want logprobs: 0 keeps step() free of them
+        self._token_texts: dict[int, str] = {}
 
     @property
     def has_work(self) -> bool:
@@ -74,8 +86,22 @@ class EngineCore:
         waiting = sum(1 for r in list(self.requests.values()) if r.completion_tokens == 0)
         return len(self.requests) - waiting, waiting
 
-    def add(self, prepared: PreparedRequest) -> None:
+    def add(self, prepared: PreparedRequest) -> RequestOutput | None:
+        """Into the batch; an echo request with max_tokens 0 (scoring only) is answered here."""
         params = prepared.sampling
+        prompt_text = prompt_logprobs = None
+        if params.echo:
+            prompt_text = self.tokenizer.decode(prepared.prompt)
+            if params.logprobs:
+                prompt_logprobs = self.score(prepared.prompt, params.top_logprobs)
+        if prepared.max_tokens == 0:
+            return RequestOutput(
+                prepared.request_id,
+                finish_reason=FinishReason.LENGTH,
+                usage=Usage(prompt_tokens=len(prepared.prompt)),
+                prompt_logprobs=prompt_logprobs or [],
+                prompt_text=prompt_text,
+            )
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         stops = (
             self._eos_stops
@@ -98,10 +124,16 @@ class EngineCore:
             decode=self.tokenizer.decode,
             stop=StopStringMatcher(params.stop, params.include_stop_str_in_output),
             priority=prepared.priority,
+            logprobs=params.logprobs,
+            top_logprobs=params.top_logprobs,
+            prompt_text=prompt_text,
+            prompt_logprobs=prompt_logprobs,
         )
         self.batch_count += prepared.priority > 0
+        self.logprob_count += params.logprobs
         self.requests[request.request_id] = request
         self._by_uid[uid] = request
+        return None
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         """Remove requests from the batch (their KV goes with them); idempotent."""
@@ -118,11 +150,16 @@ class EngineCore:
         self.steps += 1
         outputs: list[RequestOutput] = []
         early: list[int] = []
+        logprobs = self._logprobs(responses) if self.logprob_count else None
         for response in responses:
             request = self._by_uid.get(response.uid)
             if request is None:
                 continue
-            output = request.on_token(response.token, response.finish_reason == "stop")
+            output = request.on_token(
+                response.token,
+                response.finish_reason == "stop",
+                logprobs.get(response.uid) if logprobs else None,
+            )
             if request.finished:
                 self._forget(request)
                 if response.finish_reason is None:  # a stop string: still in the batch
@@ -136,4 +173,79 @@ class EngineCore:
     def _forget(self, request: Request) -> None:
         if self.requests.pop(request.request_id, None) is not None:
             self.batch_count -= request.priority > 0
+            self.logprob_count -= request.logprobs
         self._by_uid.pop(request.uid, None)
+
+    # ---- log probabilities ------------------------------------------------------------
+
+    def token_text(self, token: int) -> str:
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
+
+    def _logprobs(self, responses: list[Any]) -> dict[int, TokenLogprob]:
+        """The sampled tokens' logprobs (mlx-lm's log-softmax of the processed logits, the
+        distribution the sampler drew from before temperature), for the requests that asked,
+        in one batched computation."""
+        want = [
+            (r, req)
+            for r in responses
+            if (req := self._by_uid.get(r.uid)) is not None and req.logprobs
+        ]
+        if not want:
+            return {}
+        rows = mx.stack([r.logprobs for r, _ in want]).astype(mx.float32)
+        tokens = [r.token for r, _ in want]
+        top = max(req.top_logprobs for _, req in want)
+        entries = self._entries(rows, tokens, top)
+        return {
+            r.uid: _trim(entry, req.top_logprobs)
+            for (r, req), entry in zip(want, entries, strict=True)
+        }
+
+    def _entries(self, rows: mx.array, tokens: list[int], top: int) -> list[TokenLogprob]:
+        """rows: (n, vocab) log probabilities; tokens: the token at each row."""
+        chosen = mx.take_along_axis(rows, mx.array(tokens)[:, None], axis=-1)[:, 0]
+        top = min(top, rows.shape[-1])
+        top_ids: list[list[int]] = []
+        top_vals: list[list[float]] = []
+        if top:
+            idx = mx.argpartition(-rows, kth=top - 1, axis=-1)[:, :top]
+            vals = mx.take_along_axis(rows, idx, axis=-1)
+            mx.eval(chosen, idx, vals)
+            top_ids, top_vals = cast(Any, idx.tolist()), cast(Any, vals.tolist())
+        chosen_vals: list[float] = cast(Any, chosen.tolist())
+        entries = []
+        for i, token in enumerate(tokens):
+            alternatives: list[TopLogprob] = []
+            if top:
+                ranked = sorted(
+                    zip(top_vals[i], top_ids[i], strict=True), key=lambda p: (-p[0], p[1])
+                )
+                alternatives = [TopLogprob(t, self.token_text(t), v) for v, t in ranked]
+            entries.append(
+                TokenLogprob(token, self.token_text(token), chosen_vals[i], alternatives)
+            )
+        return entries
+
+    def score(self, prompt: list[int], top: int) -> list[TokenLogprob]:
+        """Each prompt token's logprob given the tokens before it (echo with logprobs), from
+        a forward pass over the prompt in prefill-sized chunks; the first has none."""
+        entries = [TokenLogprob(prompt[0], self.token_text(prompt[0]))]
+        cache = make_prompt_cache(self.model)
+        step = max(1, self.options.prefill_step_size)
+        last = len(prompt) - 1  # positions 0..last-1 predict tokens 1..last
+        for start in range(0, last, step):
+            chunk = prompt[start : min(start + step, last)]
+            logits = self.model(mx.array(chunk)[None], cache=cache)[0].astype(mx.float32)
+            rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            targets = prompt[start + 1 : start + 1 + len(chunk)]
+            entries += self._entries(rows, targets, top)
+        return entries
+
+
+def _trim(entry: TokenLogprob, top: int) -> TokenLogprob:
+    if len(entry.top) > top:
+        entry.top = entry.top[:top]
+    return entry

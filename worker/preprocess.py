@@ -5,9 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from shared.config import EngineOptions
 from shared.protocol import Add
-from shared.types import ErrorCode, RequestError, RequestKind, SamplingParams
+from shared.types import CanonicalRequest, ErrorCode, RequestError, RequestKind, SamplingParams
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def capabilities(tokenizer: Any) -> list[str]:
+    """What this text model serves (Ready.capabilities; the gateway checks requests against
+    it): chat needs a chat template; the rest every mlx-lm model does."""
+    chat = ["chat"] if has_chat_template(tokenizer) else []
+    return [*chat, "completion", "logprobs", "echo", "tokenize"]
 
 
 class PreprocessError(Exception):
@@ -35,7 +48,7 @@ class Preprocessor:
     def __call__(self, frame: Add) -> PreparedRequest:
         param = _prompt_param(frame)
         self._check_token_ids(frame.sampling)
-        prompt = self._tokenize(frame)
+        prompt = self._tokenize(frame.kind, frame.request)
         if not prompt:
             raise _invalid("the prompt is empty after tokenization", param)
         limit = self.options.max_prompt_tokens
@@ -59,9 +72,38 @@ class Preprocessor:
                     f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})", param
                 )
 
-    def _tokenize(self, frame: Add) -> list[int]:
-        request = frame.request
-        if frame.kind == RequestKind.CHAT:
+    def tokenize_call(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Control "tokenize": {"kind", "request": CanonicalRequest} -> the prompt's tokens."""
+        try:
+            kind = RequestKind(args["kind"])
+            request = msgspec.convert(args["request"], CanonicalRequest)
+        except (KeyError, ValueError, msgspec.ValidationError) as exc:
+            raise _invalid(f"bad tokenize call: {exc}") from exc
+        tokens = self._tokenize(kind, request)
+        result: dict[str, Any] = {"tokens": tokens, "count": len(tokens)}
+        result["max_context"] = self.max_context
+        if args.get("with_text"):
+            result["token_strs"] = [self.tokenizer.decode([t]) for t in tokens]
+        return result
+
+    def detokenize_call(self, args: dict[str, Any]) -> dict[str, Any]:
+        tokens = args.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise _invalid("`tokens` must be a list of token ids", "tokens")
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise _invalid(
+                f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})", "tokens"
+            )
+        return {"text": self.tokenizer.decode(tokens)}
+
+    def _tokenize(self, kind: RequestKind, request: CanonicalRequest) -> list[int]:
+        if kind == RequestKind.CHAT:
+            if not has_chat_template(self.tokenizer):
+                raise _invalid(
+                    "this model has no chat template: use /v1/completions with a prompt",
+                    "messages",
+                )
             messages = [_message_dict(m.role, m.content, m.name) for m in request.messages]
             try:
                 ids = self.tokenizer.apply_chat_template(
@@ -99,6 +141,8 @@ class Preprocessor:
                     param,
                 )
             )
+        if requested == 0 and sampling.echo:
+            return 0  # score the prompt only
         if requested < 1:
             raise _invalid("max_tokens must be at least 1", "max_tokens")
         if sampling.min_tokens > requested:

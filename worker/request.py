@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shared.types import FinishReason, RequestOutput, Usage
+from shared.types import FinishReason, RequestOutput, TokenLogprob, Usage
 from worker.stop import StopStringMatcher
 
 
@@ -20,6 +20,11 @@ class Request:
     decode: Callable[[list[int]], str]
     stop: StopStringMatcher
     priority: int = 0
+    logprobs: bool = False  # attach each token's TokenLogprob (the engine computes them)
+    top_logprobs: int = 0
+    # echo: the prompt's text and logprobs, sent with the first delta and then dropped
+    prompt_text: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
     completion_tokens: int = 0
     finished: bool = False
     started: bool = False
@@ -36,21 +41,33 @@ class Request:
                 text = lead + text
         return text
 
-    def on_token(self, token: int, stop_token: bool) -> RequestOutput | None:
-        """Feed one sampled token; return this step's delta (None when nothing to say)."""
+    def on_token(
+        self, token: int, stop_token: bool, logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
+        """Feed one sampled token; return this step's delta (its text may be empty)."""
         self.completion_tokens += 1
-        if stop_token:  # EOS or a stop token id: counted, never shown
+        if stop_token:  # EOS or a stop token id: counted, never shown (nor its logprob)
             return self.finish(FinishReason.STOP, token, flush=True)
         self.detokenizer.add_token(token)
         text, hit = self.stop.feed(self._segment())
         if hit:
-            return self.finish(FinishReason.STOP, token, text)
+            return self.finish(FinishReason.STOP, token, text, logprob=logprob)
         if self.completion_tokens >= self.max_tokens:
-            return self.finish(FinishReason.LENGTH, token, text, flush=True)
-        return RequestOutput(self.request_id, text=text, token_ids=[token])
+            return self.finish(FinishReason.LENGTH, token, text, flush=True, logprob=logprob)
+        output = RequestOutput(self.request_id, text=text, token_ids=[token])
+        if logprob is not None:
+            output.logprobs = [logprob]
+        if self.prompt_text is not None:
+            self._attach_prompt(output)
+        return output
 
     def finish(
-        self, reason: FinishReason, token: int | None = None, text: str = "", flush: bool = False
+        self,
+        reason: FinishReason,
+        token: int | None = None,
+        text: str = "",
+        flush: bool = False,
+        logprob: TokenLogprob | None = None,
     ) -> RequestOutput:
         """The terminal delta; `flush` releases text held back for UTF-8 or stop matching."""
         self.finished = True
@@ -58,10 +75,20 @@ class Request:
             self.detokenizer.finalize()
             tail, hit = self.stop.feed(self._segment())
             text += tail if hit else tail + self.stop.flush()
-        return RequestOutput(
+        output = RequestOutput(
             self.request_id,
             text=text,
             token_ids=[] if token is None else [token],
             finish_reason=reason,
             usage=Usage(prompt_tokens=self.prompt_len, completion_tokens=self.completion_tokens),
         )
+        if logprob is not None:
+            output.logprobs = [logprob]
+        if self.prompt_text is not None:
+            self._attach_prompt(output)
+        return output
+
+    def _attach_prompt(self, output: RequestOutput) -> None:
+        output.prompt_text = self.prompt_text
+        output.prompt_logprobs = self.prompt_logprobs or []
+        self.prompt_text = self.prompt_logprobs = None

@@ -18,6 +18,7 @@ Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 StopList = Annotated[list[str], Meta(max_length=16)]
+TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -37,6 +38,8 @@ class ChatMessage(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # Random padding against length side channels: never added here (accepted either way).
+    include_obfuscation: bool | None = None
 
 
 class ResponseFormat(msgspec.Struct):
@@ -61,7 +64,12 @@ class SamplingFields(_Body):
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
     logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
-    user: str | None = None
+    user: str | None = None  # an end-user id: logged with the request
+    safety_identifier: str | None = None  # likewise
+    prompt_cache_key: str | None = None  # a caching hint: prefix reuse needs none
+    service_tier: Literal["auto", "default"] | None = None  # one tier here
+    store: bool | None = None  # False only: nothing is kept for distillation
+    metadata: dict[str, str] | None = None  # only with store, as in OpenAI: refused
     ignore_eos: bool = False
     min_tokens: NonNegInt = 0
     stop_token_ids: list[NonNegInt] | None = None
@@ -75,22 +83,33 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)] = []
     max_completion_tokens: PosInt | None = None
     logprobs: bool = False
-    top_logprobs: NonNegInt | None = None
+    top_logprobs: TopLogprobs | None = None
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any | None = None
     parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None
+    # Documented OpenAI fields this gateway cannot honour: a 400 naming each.
+    functions: Any | None = None
+    function_call: Any | None = None
+    audio: Any | None = None
+    prediction: Any | None = None
+    reasoning_effort: Any | None = None
+    verbosity: Any | None = None
+    web_search_options: Any | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, str | bool | int | float] | None = None
 
 
 class CompletionRequest(SamplingFields):
     # msgspec allows one array type per union: the list's shape is checked in translate.
     prompt: str | list[str | NonNegInt | list[NonNegInt]] = ""
+    max_tokens: NonNegInt | None = None  # 0 with echo: score the prompt only
     echo: bool = False
     suffix: str | None = None
     best_of: PosInt | None = None
-    logprobs: NonNegInt | None = None
+    logprobs: TopLogprobs | None = None
 
 
 # ---- responses --------------------------------------------------------------------------
@@ -107,11 +126,36 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
     content: str | None = None
 
 
+class TopLogprobBody(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class LogprobContent(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprobBody]
+
+
+class ChoiceLogprobs(msgspec.Struct):
+    content: list[LogprobContent] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class ChunkChoice(msgspec.Struct):
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -133,7 +177,7 @@ class ChatChoice(msgspec.Struct):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(msgspec.Struct):
@@ -150,7 +194,7 @@ class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(msgspec.Struct):
@@ -182,7 +226,10 @@ class ModelCard(msgspec.Struct):
     state: str = "unloaded"
     aliases: list[str] = []
     description: str | None = None
-    max_context: int | None = None
+    max_context: int | None = None  # tokens: prompt + completion (None until first loaded)
+    context_length: int | None = None  # the same, under the name vLLM and others use
+    capabilities: list[str] | None = None  # what requests it serves (None until first loaded)
+    kind: str = "llm"
 
 
 class ModelList(msgspec.Struct):

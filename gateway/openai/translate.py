@@ -18,22 +18,29 @@ from gateway.openai.schemas import (
     ChatCompletionRequest,
     ChatDelta,
     ChatMessage,
+    ChoiceLogprobs,
     ChunkChoice,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     ErrorBody,
     ErrorDetail,
+    LogprobContent,
     SamplingFields,
+    TopLogprobBody,
     UsageBody,
 )
+from gateway.relay import DONE, Choice, sse_data
 from shared.config import ConfigError, parse_duration
 from shared.types import (
     CanonicalRequest,
     ErrorCode,
     FinishReason,
     Message,
+    RequestOutput,
     SamplingParams,
+    TokenLogprob,
     Usage,
 )
 
@@ -56,6 +63,7 @@ def _unsupported(param: str, detail: str = "") -> GatewayError:
 
 T = TypeVar("T")
 _ERROR_PATH = re.compile(r"at `\$\.([A-Za-z_][\w.\[\]]*)`")
+_UNKNOWN_FIELD = re.compile(r"unknown field `([^`]+)`(?: - at `\$\.([^`]*)`)?")
 
 
 def decode_body(body: bytes, type_: type[T]) -> T:
@@ -64,6 +72,15 @@ def decode_body(body: bytes, type_: type[T]) -> T:
     try:
         return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as exc:
+        unknown = _UNKNOWN_FIELD.search(str(exc))
+        if unknown:
+            field, parent = unknown.groups()
+            param = f"{parent}.{field}" if parent else field
+            raise GatewayError(
+                ErrorCode.INVALID_REQUEST,
+                f"unsupported parameter `{param}`: this gateway does not implement it",
+                param,
+            ) from exc
         match = _ERROR_PATH.search(str(exc))
         param = match.group(1) if match else None
         raise GatewayError(ErrorCode.INVALID_REQUEST, f"invalid request: {exc}", param) from exc
@@ -72,8 +89,6 @@ def decode_body(body: bytes, type_: type[T]) -> T:
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None) -> SamplingParams:
-    if req.n != 1:
-        raise _unsupported("n", "only n=1 is served")
     bias: dict[int, float] = {}
     for key, value in (req.logit_bias or {}).items():
         try:
@@ -82,6 +97,10 @@ def sampling_params(req: SamplingFields, max_tokens: int | None) -> SamplingPara
             raise GatewayError(
                 ErrorCode.INVALID_REQUEST, f"logit_bias key {key!r} is not a token id", "logit_bias"
             ) from None
+    if req.store:
+        raise _unsupported("store", "responses are not stored for distillation")
+    if req.metadata:
+        raise _unsupported("metadata", "it is kept only with store, which is not served")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return SamplingParams(
         max_tokens=max_tokens,
@@ -111,15 +130,37 @@ def keep_alive_of(req: ChatCompletionRequest | CompletionRequest) -> float | Non
         raise GatewayError(ErrorCode.INVALID_REQUEST, str(exc), "keep_alive") from None
 
 
+_CHAT_REFUSED = {
+    "functions": "function calling is not served yet",
+    "function_call": "function calling is not served yet",
+    "audio": "audio output is not served",
+    "prediction": "predicted outputs are not served",
+    "reasoning_effort": "this gateway has no reasoning-effort control; use "
+    "chat_template_kwargs (e.g. enable_thinking) where the model's template has one",
+    "verbosity": "not served",
+    "web_search_options": "web search is not served",
+}
+
+
 def chat_request(req: ChatCompletionRequest) -> tuple[CanonicalRequest, SamplingParams]:
     if not req.messages:
         raise GatewayError(ErrorCode.INVALID_REQUEST, "`messages` must not be empty", "messages")
-    if req.logprobs or req.top_logprobs:
-        raise _unsupported("logprobs", "log probabilities are not served yet")
+    for field, why in _CHAT_REFUSED.items():
+        if getattr(req, field) is not None:
+            raise _unsupported(field, why)
+    if req.top_logprobs and not req.logprobs:
+        raise GatewayError(
+            ErrorCode.INVALID_REQUEST, "top_logprobs requires logprobs: true", "top_logprobs"
+        )
     if req.tools or req.tool_choice not in (None, "none"):
         raise _unsupported("tools", "tool calling is not served yet")
     if req.response_format is not None and req.response_format.type != "text":
-        raise _unsupported("response_format", f"type {req.response_format.type!r}")
+        raise _unsupported(
+            "response_format",
+            f"type {req.response_format.type!r}: structured output is not served yet",
+        )
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise _unsupported("modalities", "text is the only output modality")
     if req.max_tokens and req.max_completion_tokens and req.max_tokens != req.max_completion_tokens:
         raise GatewayError(
             ErrorCode.INVALID_REQUEST,
@@ -127,12 +168,28 @@ def chat_request(req: ChatCompletionRequest) -> tuple[CanonicalRequest, Sampling
             "max_completion_tokens",
         )
     messages = [_message(i, m) for i, m in enumerate(req.messages)]
+    kwargs = dict(req.chat_template_kwargs or {})
+    add_generation_prompt = req.add_generation_prompt
+    if req.continue_final_message:
+        if messages[-1].role != "assistant":
+            raise GatewayError(
+                ErrorCode.INVALID_REQUEST,
+                "continue_final_message needs an assistant message last",
+                "continue_final_message",
+            )
+        kwargs["continue_final_message"] = True
+        add_generation_prompt = False
     canonical = CanonicalRequest(
         messages=messages,
-        add_generation_prompt=req.add_generation_prompt,
-        chat_template_kwargs=dict(req.chat_template_kwargs or {}),
+        add_generation_prompt=add_generation_prompt,
+        chat_template_kwargs=kwargs,
     )
-    return canonical, sampling_params(req, req.max_completion_tokens or req.max_tokens)
+    sampling = sampling_params(req, req.max_completion_tokens or req.max_tokens)
+    if req.logprobs:
+        sampling = msgspec.structs.replace(
+            sampling, logprobs=True, top_logprobs=req.top_logprobs or 0
+        )
+    return canonical, sampling
 
 
 def _message(index: int, message: ChatMessage) -> Message:
@@ -150,33 +207,57 @@ def _message(index: int, message: ChatMessage) -> Message:
     return Message(role=role, content=content or "", name=message.name)
 
 
-def completion_request(req: CompletionRequest) -> tuple[CanonicalRequest, SamplingParams]:
-    if req.echo:
-        raise _unsupported("echo")
-    if req.suffix:
-        raise _unsupported("suffix")
-    if req.best_of not in (None, 1):
-        raise _unsupported("best_of", "only best_of=1 is served")
-    if req.logprobs is not None:
-        raise _unsupported("logprobs", "log probabilities are not served yet")
-    prompt: object = req.prompt
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise _unsupported("prompt", "batched prompts; send one prompt per request")
-        prompt = prompt[0]
-    if not prompt:
-        raise GatewayError(ErrorCode.INVALID_REQUEST, "`prompt` must not be empty", "prompt")
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """`prompt`: a string, token ids, or a batch of either (one choice group per prompt)."""
+    prompt = req.prompt
     if isinstance(prompt, str):
-        canonical = CanonicalRequest(prompt=prompt)
-    elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        canonical = CanonicalRequest(prompt_token_ids=prompt)
+        prompts: list[object] = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompts = [prompt]
     else:
-        raise GatewayError(
-            ErrorCode.INVALID_REQUEST,
-            "`prompt` must be a string, a list of token ids or a list of one string",
-            "prompt",
+        prompts = list(prompt)
+    if not prompts:
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "`prompt` must not be empty", "prompt")
+    for i, item in enumerate(prompts):
+        ok = isinstance(item, str) or (
+            isinstance(item, list) and all(isinstance(t, int) for t in item)
         )
-    return canonical, sampling_params(req, req.max_tokens or 16)
+        if not ok:
+            raise GatewayError(
+                ErrorCode.INVALID_REQUEST,
+                "`prompt` must be a string, a list of token ids, or a list of either",
+                "prompt",
+            )
+        if not item:
+            raise GatewayError(ErrorCode.INVALID_REQUEST, f"prompt {i} is empty", "prompt")
+    return prompts  # type: ignore[return-value]
+
+
+def completion_request(req: CompletionRequest) -> list[tuple[CanonicalRequest, SamplingParams]]:
+    if req.suffix:
+        raise _unsupported("suffix", "fill-in-the-middle is not served")
+    if req.best_of not in (None, req.n):
+        raise _unsupported("best_of", "best_of must equal n (every choice is returned)")
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    if max_tokens == 0 and not req.echo:
+        raise GatewayError(
+            ErrorCode.INVALID_REQUEST, "max_tokens 0 is only allowed with echo", "max_tokens"
+        )
+    sampling = sampling_params(req, max_tokens)
+    sampling = msgspec.structs.replace(
+        sampling,
+        logprobs=req.logprobs is not None,
+        top_logprobs=req.logprobs or 0,
+        echo=req.echo,
+    )
+    jobs = []
+    for prompt in completion_prompts(req):
+        if isinstance(prompt, str):
+            canonical = CanonicalRequest(prompt=prompt)
+        else:
+            canonical = CanonicalRequest(prompt_token_ids=prompt)
+        jobs.append((canonical, sampling))
+    return jobs
 
 
 # ---- responses ---------------------------------------------------------------------------
@@ -198,62 +279,180 @@ def error_body(error: GatewayError) -> ErrorBody:
     return ErrorBody(ErrorDetail(error.message, kind, error.param, error.code.value))
 
 
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> ChoiceLogprobs:
+    return ChoiceLogprobs(
+        [
+            LogprobContent(
+                e.token,
+                e.logprob if e.logprob is not None else 0.0,
+                _bytes(e.token),
+                [TopLogprobBody(t.token, t.logprob, _bytes(t.token)) for t in e.top],
+            )
+            for e in entries
+        ]
+    )
+
+
+def completion_logprobs(
+    entries: list[TokenLogprob], offset: int, with_top: bool
+) -> tuple[CompletionLogprobs, int]:
+    """The legacy shape; `offset` is where the first token's text starts in the choice's
+    text. Returns the offset after the last token."""
+    tokens, values, tops, offsets = [], [], [], []
+    for e in entries:
+        tokens.append(e.token)
+        values.append(e.logprob)
+        tops.append(
+            {t.token: t.logprob for t in e.top} if with_top and e.logprob is not None else None
+        )
+        offsets.append(offset)
+        offset += len(e.token)
+    return CompletionLogprobs(tokens, values, tops, offsets), offset
+
+
 class ChatFormatter:
     """Builds one chat completion's response bodies (encoded once, sent as is)."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(
+        self, model: str, n: int = 1, include_usage: bool = False, logprobs: bool = False
+    ) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.model = model
+        self.n = n
+        self.include_usage = include_usage
+        self.logprobs = logprobs
         self.created = int(time.time())
         self.encode = msgspec.json.Encoder().encode
 
-    def chunk(self, delta: ChatDelta, finish: str | None = None) -> bytes:
-        choice = ChunkChoice(0, delta, finish)
-        return self.encode(ChatCompletionChunk(self.id, self.created, self.model, [choice]))
+    def _chunk(self, choice: ChunkChoice) -> bytes:
+        body = ChatCompletionChunk(self.id, self.created, self.model, [choice])
+        return sse_data(self.encode(body))
 
-    def role_chunk(self) -> bytes:
-        return self.chunk(ChatDelta(role="assistant", content=""))
+    def stream_start(self) -> bytes:
+        return b"".join(
+            self._chunk(ChunkChoice(i, ChatDelta(role="assistant", content="")))
+            for i in range(self.n)
+        )
 
-    def text_chunk(self, text: str) -> bytes:
-        return self.chunk(ChatDelta(content=text))
+    def stream_delta(self, index: int, output: RequestOutput) -> bytes:
+        logprobs = chat_logprobs(output.logprobs) if self.logprobs and output.logprobs else None
+        if not output.text and logprobs is None:
+            return b""
+        return self._chunk(ChunkChoice(index, ChatDelta(content=output.text), None, logprobs))
 
-    def finish_chunk(self, reason: FinishReason | None) -> bytes:
-        return self.chunk(ChatDelta(), finish_reason(reason))
+    def stream_finish(self, index: int, output: RequestOutput) -> bytes:
+        return self._chunk(ChunkChoice(index, ChatDelta(), finish_reason(output.finish_reason)))
 
-    def usage_chunk(self, usage: Usage | None) -> bytes:
+    def stream_end(self, usage: Usage) -> bytes:
+        if not self.include_usage:
+            return DONE
         body = ChatCompletionChunk(self.id, self.created, self.model, [], usage=usage_body(usage))
-        return self.encode(body)
+        return sse_data(self.encode(body)) + DONE
 
-    def response(self, text: str, reason: FinishReason | None, usage: Usage | None) -> bytes:
-        choice = ChatChoice(0, AssistantMessage(text), finish_reason(reason))
-        body = ChatCompletion(self.id, self.created, self.model, [choice], usage_body(usage))
+    def stream_error(self, error: GatewayError) -> bytes:
+        return sse_data(self.encode(error_body(error))) + DONE
+
+    def response(self, choices: list[Choice], usage: Usage) -> bytes:
+        body = ChatCompletion(
+            self.id,
+            self.created,
+            self.model,
+            [
+                ChatChoice(
+                    c.index,
+                    AssistantMessage(c.text),
+                    finish_reason(c.finish_reason),
+                    chat_logprobs(c.logprobs) if self.logprobs else None,
+                )
+                for c in choices
+            ],
+            usage_body(usage),
+        )
         return self.encode(body)
 
 
 class CompletionFormatter:
-    def __init__(self, model: str) -> None:
+    """Legacy completions; with echo each choice's text starts with its prompt."""
+
+    def __init__(
+        self,
+        model: str,
+        prompts: list[str | None],
+        include_usage: bool = False,
+        echo: bool = False,
+        logprobs: int | None = None,
+    ) -> None:
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.model = model
+        self.prompts = prompts  # per choice: the prompt string (None: token ids)
+        self.include_usage = include_usage
+        self.echo = echo
+        self.logprobs = logprobs
+        self.offsets = [0] * len(prompts)  # per choice: text emitted so far (text_offset)
         self.created = int(time.time())
         self.encode = msgspec.json.Encoder().encode
 
-    def role_chunk(self) -> bytes | None:
-        return None
+    def _chunk(self, choice: CompletionChoice) -> bytes:
+        return sse_data(self.encode(Completion(self.id, self.created, self.model, [choice])))
 
-    def text_chunk(self, text: str) -> bytes:
-        choice = CompletionChoice(0, text)
-        return self.encode(Completion(self.id, self.created, self.model, [choice]))
+    def _echo(self, index: int, output: RequestOutput | Choice) -> tuple[str, list[TokenLogprob]]:
+        """The prompt's text and logprobs to put first (echo only, once per choice)."""
+        if not self.echo or output.prompt_text is None:
+            return "", []
+        given = self.prompts[index]
+        return (given if given is not None else output.prompt_text), output.prompt_logprobs
 
-    def finish_chunk(self, reason: FinishReason | None) -> bytes:
-        choice = CompletionChoice(0, "", finish_reason(reason))
-        return self.encode(Completion(self.id, self.created, self.model, [choice]))
-
-    def usage_chunk(self, usage: Usage | None) -> bytes:
-        return self.encode(
-            Completion(self.id, self.created, self.model, [], usage=usage_body(usage))
+    def _logprobs(
+        self, index: int, text: str, prompt_entries: list[TokenLogprob], entries: list[TokenLogprob]
+    ) -> CompletionLogprobs | None:
+        if self.logprobs is None:
+            return None
+        start = self.offsets[index]
+        prompt_part, _ = completion_logprobs(prompt_entries, start, True)
+        gen_start = start + len(text) if prompt_entries else start
+        gen_part, _ = completion_logprobs(entries, gen_start, True)
+        return CompletionLogprobs(
+            prompt_part.tokens + gen_part.tokens,
+            prompt_part.token_logprobs + gen_part.token_logprobs,
+            prompt_part.top_logprobs + gen_part.top_logprobs,
+            prompt_part.text_offset + gen_part.text_offset,
         )
 
-    def response(self, text: str, reason: FinishReason | None, usage: Usage | None) -> bytes:
-        choice = CompletionChoice(0, text, finish_reason(reason))
-        body = Completion(self.id, self.created, self.model, [choice], usage=usage_body(usage))
+    def stream_start(self) -> bytes:
+        return b""
+
+    def stream_delta(self, index: int, output: RequestOutput) -> bytes:
+        prompt, prompt_entries = self._echo(index, output)
+        logprobs = self._logprobs(index, prompt, prompt_entries, output.logprobs)
+        text = prompt + output.text
+        self.offsets[index] += len(text)
+        if not text and (logprobs is None or not logprobs.tokens):
+            return b""
+        return self._chunk(CompletionChoice(index, text, None, logprobs))
+
+    def stream_finish(self, index: int, output: RequestOutput) -> bytes:
+        return self._chunk(CompletionChoice(index, "", finish_reason(output.finish_reason)))
+
+    def stream_end(self, usage: Usage) -> bytes:
+        if not self.include_usage:
+            return DONE
+        body = Completion(self.id, self.created, self.model, [], usage=usage_body(usage))
+        return sse_data(self.encode(body)) + DONE
+
+    def stream_error(self, error: GatewayError) -> bytes:
+        return sse_data(self.encode(error_body(error))) + DONE
+
+    def response(self, choices: list[Choice], usage: Usage) -> bytes:
+        out = []
+        for c in choices:
+            prompt, prompt_entries = self._echo(c.index, c)
+            logprobs = self._logprobs(c.index, prompt, prompt_entries, c.logprobs)
+            out.append(
+                CompletionChoice(c.index, prompt + c.text, finish_reason(c.finish_reason), logprobs)
+            )
+        body = Completion(self.id, self.created, self.model, out, usage=usage_body(usage))
         return self.encode(body)
