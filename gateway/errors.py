@@ -15,6 +15,7 @@ STATUS = {
     ErrorCode.RATE_LIMITED: 429,
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: 400,
     ErrorCode.MODEL_NOT_FOUND: 404,
+    ErrorCode.NOT_FOUND: 404,
     ErrorCode.OVERLOADED: 503,
     ErrorCode.WORKER_DIED: 503,
     ErrorCode.WORKER_UNAVAILABLE: 503,

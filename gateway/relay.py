@@ -37,6 +37,7 @@ class Choice:
     prompt_text: str | None = None
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    stop: str | None = None  # the stop string that ended it
 
     def add(self, output: RequestOutput) -> None:
         self.text += output.text
@@ -48,13 +49,15 @@ class Choice:
         if output.finish_reason is not None:
             self.finish_reason = output.finish_reason
             self.usage = output.usage
+            self.stop = output.stop
 
 
 class Formatter(Protocol):
     """Encodes one request's responses in one protocol. The stream_* methods return complete
-    SSE bytes (b"" for nothing to send); `index` is the choice."""
+    SSE bytes (b"" for nothing to send); `index` is the choice. stream_start sees the first
+    delta (whose usage has the prompt's token count) before stream_delta gets it."""
 
-    def stream_start(self) -> bytes: ...
+    def stream_start(self, first: RequestOutput) -> bytes: ...
     def stream_delta(self, index: int, output: RequestOutput) -> bytes: ...
     def stream_finish(self, index: int, output: RequestOutput) -> bytes: ...
     def stream_end(self, usage: Usage) -> bytes: ...
@@ -203,10 +206,10 @@ class Relay:
     async def sse(self, fmt: Formatter, first: tuple[int, RequestOutput]) -> AsyncIterator[bytes]:
         """Complete SSE events only; a client disconnect lands in `finally` as an abort."""
         try:
-            start = fmt.stream_start()
+            index, output = first
+            start = fmt.stream_start(output)
             if start:
                 yield start
-            index, output = first
             while True:
                 if output.error is not None:
                     yield fmt.stream_error(GatewayError.from_request_error(output.error))

@@ -74,7 +74,7 @@ class InFlight:
         owner = entry[0] if entry else None
         if entry is None or not _may_cancel(by, owner):
             raise GatewayError(
-                ErrorCode.MODEL_NOT_FOUND,
+                ErrorCode.NOT_FOUND,
                 f"no request {request_id!r} is in flight",
                 "request_id",
             )

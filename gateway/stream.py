@@ -48,6 +48,12 @@ class RequestStream:
                 finish_reason=output.finish_reason,
                 usage=output.usage or pending.usage,
                 error=output.error or pending.error,
+                logprobs=pending.logprobs + output.logprobs,
+                prompt_logprobs=pending.prompt_logprobs or output.prompt_logprobs,
+                prompt_text=pending.prompt_text
+                if pending.prompt_text is not None
+                else output.prompt_text,
+                stop=output.stop,
             )
         waiter = self._waiter
         if waiter is not None and not waiter.done():

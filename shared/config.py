@@ -163,6 +163,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     tls_key: str | None = None
     mdns: bool = False
     mdns_name: str | None = None
+    # The Responses API's store (previous_response_id, GET/DELETE): in memory, the oldest
+    # dropped beyond responses_max_stored, each kept responses_ttl after it completed.
+    responses_max_stored: int = 1000
+    responses_ttl: Duration = 3600.0
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -256,6 +260,7 @@ def _validate(config: Config) -> None:
         if model.memory_gb is not None and model.memory_gb <= 0:
             raise ConfigError(f"model {model.name!r}: memory_gb must be positive")
     parse_duration(config.server.default_ttl, "server.default_ttl")
+    parse_duration(config.server.responses_ttl, "server.responses_ttl")
     server = config.server
     for key in ("max_prompt_tokens", "max_tokens_cap"):
         value = getattr(server, key)

@@ -45,6 +45,7 @@ class ErrorCode(enum.StrEnum):
     FORBIDDEN = "forbidden"
     RATE_LIMITED = "rate_limited"
     PAYLOAD_TOO_LARGE = "payload_too_large"
+    NOT_FOUND = "not_found"  # an unknown or expired id (a stored response, a request)
 
 
 class Message(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -95,6 +96,8 @@ class CanonicalRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
 
 class Usage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Final on the terminal delta; the first delta carries the prompt's count already."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -134,3 +137,4 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     logprobs: list[TokenLogprob] = []  # one per token in token_ids that produced text
     prompt_logprobs: list[TokenLogprob] = []  # echo + logprobs: one per prompt token (first delta)
     prompt_text: str | None = None  # echo: the prompt as the tokenizer decodes it (first delta)
+    stop: str | None = None  # the stop string that ended generation (finish_reason "stop")

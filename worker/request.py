@@ -55,6 +55,8 @@ class Request:
         if self.completion_tokens >= self.max_tokens:
             return self.finish(FinishReason.LENGTH, token, text, flush=True, logprob=logprob)
         output = RequestOutput(self.request_id, text=text, token_ids=[token])
+        if self.completion_tokens == 1:  # the prompt's size, for protocols that say it first
+            output.usage = Usage(prompt_tokens=self.prompt_len, completion_tokens=1)
         if logprob is not None:
             output.logprobs = [logprob]
         if self.prompt_text is not None:
@@ -81,6 +83,7 @@ class Request:
             token_ids=[] if token is None else [token],
             finish_reason=reason,
             usage=Usage(prompt_tokens=self.prompt_len, completion_tokens=self.completion_tokens),
+            stop=self.stop.matched if reason == FinishReason.STOP else None,
         )
         if logprob is not None:
             output.logprobs = [logprob]

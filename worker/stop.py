@@ -11,6 +11,7 @@ class StopStringMatcher:
         self.stops = [s for s in stops if s]
         self.include_stop = include_stop
         self._held = ""
+        self.matched: str | None = None  # the stop string that ended generation
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add decoded text; return (text safe to emit, whether a stop string matched)."""
@@ -21,6 +22,7 @@ class StopStringMatcher:
         if hit is not None:
             index, stop = hit
             self._held = ""
+            self.matched = stop
             return buffer[: index + (len(stop) if self.include_stop else 0)], True
         keep = self._partial_suffix(buffer)
         self._held = buffer[len(buffer) - keep :] if keep else ""

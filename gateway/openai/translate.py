@@ -332,7 +332,7 @@ class ChatFormatter:
         body = ChatCompletionChunk(self.id, self.created, self.model, [choice])
         return sse_data(self.encode(body))
 
-    def stream_start(self) -> bytes:
+    def stream_start(self, first: RequestOutput) -> bytes:
         return b"".join(
             self._chunk(ChunkChoice(i, ChatDelta(role="assistant", content="")))
             for i in range(self.n)
@@ -422,7 +422,7 @@ class CompletionFormatter:
             prompt_part.text_offset + gen_part.text_offset,
         )
 
-    def stream_start(self) -> bytes:
+    def stream_start(self, first: RequestOutput) -> bytes:
         return b""
 
     def stream_delta(self, index: int, output: RequestOutput) -> bytes:
