@@ -42,8 +42,8 @@ def _assert_openai_error(r: httpx.Response, status: int, *needles: str) -> dict[
         ({"messages": OK_MESSAGES}, "model"),
         ({"model": "chat", "messages": [{"role": "robot", "content": "x"}]}, "role"),
         ({"model": "chat", "messages": OK_MESSAGES, "frobnicate": 1}, "frobnicate"),
-        ({"model": "chat", "messages": OK_MESSAGES, "n": 2}, "n"),
-        ({"model": "chat", "messages": OK_MESSAGES, "logprobs": True}, "logprobs"),
+        ({"model": "chat", "messages": OK_MESSAGES, "n": 0}, "n"),
+        ({"model": "chat", "messages": OK_MESSAGES, "top_logprobs": 3}, "top_logprobs"),
         ({"model": "chat", "messages": OK_MESSAGES, "tools": [{"type": "function"}]}, "tools"),
         ({"model": "chat", "messages": OK_MESSAGES, "stop": 5}, "stop"),
         ({"model": "chat", "messages": OK_MESSAGES, "logit_bias": {"abc": 1}}, "logit_bias"),
@@ -64,10 +64,12 @@ def test_invalid_json(gateway: GatewayProc, raw: bytes) -> None:
 
 def test_completion_validation(gateway: GatewayProc) -> None:
     _assert_openai_error(_post(gateway, "completions", {"model": "chat", "prompt": ""}), 400)
-    body = {"model": "chat", "prompt": ["a", "b"]}
-    _assert_openai_error(_post(gateway, "completions", body), 400, "batched")
-    body = {"model": "chat", "prompt": "a", "echo": True}
-    _assert_openai_error(_post(gateway, "completions", body), 400, "echo")
+    body = {"model": "chat", "prompt": ["a", ""]}
+    _assert_openai_error(_post(gateway, "completions", body), 400, "prompt 1 is empty")
+    body = {"model": "chat", "prompt": "a", "max_tokens": 0}
+    _assert_openai_error(_post(gateway, "completions", body), 400, "only allowed with echo")
+    body = {"model": "chat", "prompt": "a", "suffix": "b"}
+    _assert_openai_error(_post(gateway, "completions", body), 400, "suffix")
     body = {"model": "chat", "prompt": [999999]}
     _assert_openai_error(_post(gateway, "completions", body), 400, "vocabulary")
 
