@@ -39,7 +39,13 @@ def make_client(max_connections: int, request_timeout: float) -> aiohttp.ClientS
     return aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False)
 
 
-def chat_body(model: str, prompt: str, max_tokens: int, ignore_eos: bool) -> dict[str, Any]:
+def chat_body(
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    ignore_eos: bool,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -50,6 +56,7 @@ def chat_body(model: str, prompt: str, max_tokens: int, ignore_eos: bool) -> dic
     }
     if ignore_eos:
         body["ignore_eos"] = True
+    body.update(extra or {})
     return body
 
 
@@ -140,6 +147,7 @@ async def run_level(
     max_tokens: int,
     ignore_eos: bool,
     level_timeout: float,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Run ``len(prompts)`` requests with ``concurrency`` in flight; returns records, wall."""
     records: list[RequestRecord] = []
@@ -152,7 +160,7 @@ async def run_level(
         while next_index < len(prompts) and time.perf_counter() < deadline:
             prompt = prompts[next_index]
             next_index += 1
-            body = chat_body(model, prompt, max_tokens, ignore_eos)
+            body = chat_body(model, prompt, max_tokens, ignore_eos, extra)
             records.append(await one_request(client, url, body, max_tokens, deadline))
 
     tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]

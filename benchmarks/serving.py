@@ -110,6 +110,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
+    p.add_argument(
+        "--extra-body",
+        action="append",
+        default=[],
+        metavar="[NAME=]JSON",
+        help="fields merged into every request body (per target with NAME=), e.g. "
+        '\'lp={"logprobs": true, "top_logprobs": 5}\'',
+    )
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--blas", default="auto", help="auto | off | path of a BLAS to LD_PRELOAD")
     p.add_argument("--level-timeout", type=float, default=300.0, help="seconds per level run")
@@ -150,6 +158,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # --- HTTP targets --------------------------------------------------------------------------
 
 
+def extra_body(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """--extra-body for the target `name` (a NAME= entry wins over one for all targets)."""
+    chosen: dict[str, Any] = {}
+    for item in args.extra_body:
+        key, sep, text = item.partition("=")
+        if sep and not key.lstrip().startswith("{") and key == name:
+            return dict(json.loads(text))
+        if not sep or key.lstrip().startswith("{"):
+            chosen = dict(json.loads(item))
+    return chosen
+
+
 async def measure_url(
     args: argparse.Namespace,
     job: Job,
@@ -187,6 +207,7 @@ async def measure_url(
                 args.max_tokens,
                 not args.no_ignore_eos,
                 args.level_timeout,
+                extra_body(args, job.name),
             )
             system = _cpu.busy_pct(sys0, _cpu.snapshot())
             summary = summarize_level(records, wall, c, args.max_tokens)
