@@ -73,7 +73,10 @@ def is_anthropic_path(path: str) -> bool:
 def error_json(path: str, error: GatewayError) -> bytes:
     """The error body in the shape of the protocol that `path` belongs to."""
     if is_anthropic_path(path):
+        # overloaded_error means "at capacity, retry": not a dead worker or an unload.
         kind = _ANTHROPIC_TYPES.get(error.status, "api_error")
+        if error.status == 503 and error.code != ErrorCode.OVERLOADED:
+            kind = "api_error"
         body: dict[str, object] = {
             "type": "error",
             "error": {"type": kind, "message": error.message},

@@ -1,0 +1,146 @@
+"""Anthropic Messages request and response bodies as msgspec Structs.
+
+Requests forbid unknown fields, so a parameter this gateway does not implement is a 400 naming
+it, never silently ignored. Message content blocks are decoded as plain objects and checked
+in translate: a `text` block is served, any other block type is a 400 naming its position.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+PosInt = Annotated[int, Meta(ge=1)]
+# Anthropic documents temperature in [0, 1]; top_p 0 would turn the filter off here, not on.
+Temperature = Annotated[float, Meta(ge=0.0, le=1.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, Meta(ge=0)]
+
+
+class _Body(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    pass
+
+
+class TextBlock(_Body):
+    """A `text` content block of a request (in `system`, or in a message's content)."""
+
+    type: Literal["text"]
+    text: str
+    # A prompt-caching breakpoint: the worker reuses common prefixes by itself, so accepted
+    # and ignored.
+    cache_control: dict[str, Any] | None = None
+    # Citations of an earlier response's text block, sent back in a conversation: ignored.
+    citations: list[Any] | None = None
+
+
+class MessageParam(_Body):
+    role: Literal["user", "assistant"]
+    # A string, or a list of content blocks (checked one by one in translate).
+    content: str | list[dict[str, Any]]
+
+
+class Metadata(_Body):
+    user_id: str | None = None  # an opaque end-user id: accepted, not used
+
+
+class PromptFields(_Body):
+    """Fields shared by /v1/messages and /v1/messages/count_tokens."""
+
+    model: str
+    messages: list[MessageParam]
+    system: str | list[TextBlock] | None = None
+    tools: list[Any] | None = None  # an empty list is fine; tool use is not served yet
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None  # {"type": "disabled"} only
+
+
+class MessagesRequest(PromptFields, kw_only=True):
+    max_tokens: PosInt  # required, as in Anthropic's API
+    stop_sequences: list[str] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    metadata: Metadata | None = None
+    stream: bool = False
+    service_tier: Literal["auto", "standard_only"] | None = None  # one tier here
+
+
+class CountTokensRequest(PromptFields):
+    pass
+
+
+# ---- responses --------------------------------------------------------------------------
+
+
+class TextContent(msgspec.Struct, kw_only=True):
+    type: str = "text"
+    text: str
+
+
+class UsageBody(msgspec.Struct):
+    input_tokens: int
+    output_tokens: int
+
+
+class MessageBody(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "message"
+    role: str = "assistant"
+    model: str
+    content: list[TextContent]
+    stop_reason: str | None
+    stop_sequence: str | None
+    usage: UsageBody
+
+
+class CountTokensBody(msgspec.Struct):
+    input_tokens: int
+
+
+# Streaming events: each has a `type`, the same as its SSE event name.
+
+
+class MessageStart(msgspec.Struct, tag="message_start", tag_field="type"):
+    message: MessageBody
+
+
+class ContentBlockStart(msgspec.Struct, tag="content_block_start", tag_field="type"):
+    index: int
+    content_block: TextContent
+
+
+class Ping(msgspec.Struct, tag="ping", tag_field="type"):
+    pass
+
+
+class TextDelta(msgspec.Struct, tag="text_delta", tag_field="type"):
+    text: str
+
+
+class ContentBlockDelta(msgspec.Struct, tag="content_block_delta", tag_field="type"):
+    index: int
+    delta: TextDelta
+
+
+class ContentBlockStop(msgspec.Struct, tag="content_block_stop", tag_field="type"):
+    index: int
+
+
+class StopDelta(msgspec.Struct):
+    stop_reason: str | None
+    stop_sequence: str | None
+
+
+class DeltaUsage(msgspec.Struct):
+    output_tokens: int
+
+
+class MessageDelta(msgspec.Struct, tag="message_delta", tag_field="type"):
+    delta: StopDelta
+    usage: DeltaUsage
+
+
+class MessageStop(msgspec.Struct, tag="message_stop", tag_field="type"):
+    pass

@@ -1,0 +1,336 @@
+"""Anthropic Messages bodies -> canonical request and sampling; rejections; response bodies
+and the SSE event sequence. Pure: no processes."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from gateway.anthropic.schemas import CountTokensRequest, MessagesRequest
+from gateway.anthropic.translate import (
+    MessagesFormatter,
+    count_tokens_body,
+    messages_request,
+    prompt_request,
+    stop_reason,
+)
+from gateway.errors import GatewayError
+from gateway.openai.translate import decode_body
+from gateway.relay import Choice
+from shared.types import (
+    CanonicalRequest,
+    ErrorCode,
+    FinishReason,
+    Message,
+    RequestOutput,
+    SamplingParams,
+    Usage,
+)
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def enc(body: dict[str, Any]) -> bytes:
+    return json.dumps(body).encode()
+
+
+def create(**fields: Any) -> tuple[CanonicalRequest, SamplingParams]:
+    body = {"model": "m", "max_tokens": 8, "messages": USER, **fields}
+    return messages_request(decode_body(enc(body), MessagesRequest))
+
+
+def refused(**fields: Any) -> GatewayError:
+    with pytest.raises(GatewayError) as info:
+        create(**fields)
+    assert info.value.code == ErrorCode.INVALID_REQUEST
+    assert info.value.status == 400
+    return info.value
+
+
+# ---- requests ----------------------------------------------------------------------------
+
+
+def test_minimal_request() -> None:
+    canonical, sampling = create()
+    assert canonical == CanonicalRequest(messages=[Message("user", "hi")])
+    assert canonical.add_generation_prompt
+    assert sampling == SamplingParams(max_tokens=8, temperature=1.0, top_p=1.0, top_k=0)
+
+
+def test_sampling_fields() -> None:
+    _, sampling = create(temperature=0, top_p=0.5, top_k=40, stop_sequences=["\n\n", "END"])
+    assert sampling.temperature == 0.0
+    assert sampling.top_p == 0.5
+    assert sampling.top_k == 40
+    assert sampling.stop == ["\n\n", "END"]
+
+
+def test_accepted_fields_change_nothing() -> None:
+    plain = create()
+    assert (
+        create(
+            metadata={"user_id": "u-1"},
+            service_tier="standard_only",
+            stream=True,
+            tools=[],
+            tool_choice={"type": "auto"},
+            thinking={"type": "disabled"},
+        )
+        == plain
+    )
+    assert create(service_tier="auto") == plain
+
+
+def test_system_string_and_blocks() -> None:
+    canonical, _ = create(system="Be brief.")
+    assert canonical.messages == [Message("system", "Be brief."), Message("user", "hi")]
+    blocks = [
+        {"type": "text", "text": "Be "},
+        {"type": "text", "text": "brief.", "cache_control": {"type": "ephemeral"}},
+    ]
+    assert create(system=blocks) == create(system="Be brief.")
+    assert create(system="") == create()  # an empty system prompt is none
+
+
+def test_content_blocks_are_joined() -> None:
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Hello, "},
+                {"type": "text", "text": "world", "cache_control": {"type": "ephemeral"}},
+            ],
+        }
+    ]
+    canonical, _ = create(messages=messages)
+    assert canonical.messages == [Message("user", "Hello, world")]
+
+
+def test_multi_turn() -> None:
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": [{"type": "text", "text": "b", "citations": None}]},
+        {"role": "user", "content": "c"},
+    ]
+    canonical, _ = create(messages=messages)
+    assert [(m.role, m.content) for m in canonical.messages] == [
+        ("user", "a"),
+        ("assistant", "b"),
+        ("user", "c"),
+    ]
+    assert canonical.add_generation_prompt
+    assert canonical.chat_template_kwargs == {}
+
+
+def test_last_assistant_message_is_a_prefill() -> None:
+    messages = [*USER, {"role": "assistant", "content": "The answer is"}]
+    canonical, _ = create(messages=messages, system="S")
+    assert canonical.messages[-1] == Message("assistant", "The answer is")
+    assert canonical.messages[0] == Message("system", "S")
+    assert not canonical.add_generation_prompt
+    assert canonical.chat_template_kwargs == {"continue_final_message": True}
+
+
+def test_an_empty_last_assistant_message_is_no_prefill() -> None:
+    canonical, _ = create(messages=[*USER, {"role": "assistant", "content": ""}])
+    assert canonical == create()[0]
+
+
+def test_count_tokens_builds_the_same_prompt() -> None:
+    messages = [*USER, {"role": "assistant", "content": "Sure"}]
+    body = {"model": "m", "messages": messages, "system": [{"type": "text", "text": "S"}]}
+    counted = prompt_request(decode_body(enc(body), CountTokensRequest))
+    assert counted == create(messages=messages, system="S")[0]
+    assert json.loads(count_tokens_body(42)) == {"input_tokens": 42}
+
+
+@pytest.mark.parametrize(
+    ("block", "why"),
+    [
+        ({"type": "image", "source": {"type": "base64", "data": "x"}}, "image"),
+        ({"type": "document", "source": {}}, "document"),
+        ({"type": "tool_use", "id": "t", "name": "f", "input": {}}, "tool use"),
+        ({"type": "tool_result", "tool_use_id": "t", "content": "x"}, "tool use"),
+        ({"type": "thinking", "thinking": "hm", "signature": "s"}, "thinking"),
+        ({"type": "hologram"}, "only text"),
+    ],
+)
+def test_unserved_content_blocks_are_named(block: dict[str, Any], why: str) -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "look:"}, block]}]
+    error = refused(messages=messages)
+    assert error.param == "messages[0].content[1]"
+    assert "`messages[0].content[1]`" in error.message
+    assert why in error.message
+
+
+def test_bad_text_blocks_are_named() -> None:
+    bad = [{"role": "user", "content": [{"type": "text", "text": "a", "colour": "red"}]}]
+    error = refused(messages=bad)
+    assert error.param == "messages[0].content[0].colour"
+    error = refused(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}])
+    assert error.param == "messages[0].content[0].text"
+    assert "messages[0].content[0].text" in error.message
+    error = refused(messages=[{"role": "user", "content": [{"text": "no type"}]}])
+    assert error.param == "messages[0].content[0].type"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools"),
+        ({"tool_choice": {"type": "any"}}, "tool_choice"),
+        ({"tool_choice": {"type": "tool", "name": "f"}}, "tool_choice"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+        ({"thinking": {"type": "adaptive"}}, "thinking"),
+        ({"messages": []}, "messages"),
+        ({"max_tokens": "8"}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": 1.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"service_tier": "priority"}, "service_tier"),
+        ({"metadata": {"user_id": "u", "session": "s"}}, "metadata.session"),
+        ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+        ({"system": [{"type": "image", "source": {}}]}, "system"),
+    ],
+)
+def test_refusals_name_the_field(fields: dict[str, Any], param: str) -> None:
+    error = refused(**fields)
+    assert error.param is not None and error.param.startswith(param), error.param
+    if "tool" in param:
+        assert "tool use is not served yet" in error.message
+
+
+@pytest.mark.parametrize("field", ["speed", "container", "output_config", "n", "logprobs"])
+def test_unknown_fields_are_named(field: str) -> None:
+    error = refused(**{field: 1})
+    assert error.param == field
+    assert f"`{field}`" in error.message
+
+
+def test_max_tokens_is_required() -> None:
+    body = {"model": "m", "messages": USER}
+    with pytest.raises(GatewayError) as info:
+        decode_body(enc(body), MessagesRequest)
+    assert "max_tokens" in info.value.message
+
+
+def test_count_tokens_refuses_tools_and_generation_fields() -> None:
+    for extra in ({"tools": [{"name": "f"}]}, {"max_tokens": 5}):
+        body = {"model": "m", "messages": USER, **extra}
+        with pytest.raises(GatewayError) as info:
+            prompt_request(decode_body(enc(body), CountTokensRequest))
+        assert info.value.param == next(iter(extra))
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("reason", "stop", "expected"),
+    [
+        (FinishReason.STOP, None, ("end_turn", None)),
+        (FinishReason.STOP, "END", ("stop_sequence", "END")),
+        (FinishReason.LENGTH, None, ("max_tokens", None)),
+        (None, None, (None, None)),
+    ],
+)
+def test_stop_reason(
+    reason: FinishReason | None, stop: str | None, expected: tuple[str | None, str | None]
+) -> None:
+    assert stop_reason(reason, stop) == expected
+
+
+def test_response_body() -> None:
+    fmt = MessagesFormatter("chat-alias")
+    choice = Choice(0, text="Hello", finish_reason=FinishReason.STOP, stop="END")
+    body = json.loads(fmt.response([choice], Usage(11, 3)))
+    assert body == {
+        "id": fmt.id,
+        "type": "message",
+        "role": "assistant",
+        "model": "chat-alias",
+        "content": [{"type": "text", "text": "Hello"}],
+        "stop_reason": "stop_sequence",
+        "stop_sequence": "END",
+        "usage": {"input_tokens": 11, "output_tokens": 3},
+    }
+    assert fmt.id.startswith("msg_") and len(fmt.id) == 36
+    assert MessagesFormatter("m").id != fmt.id
+
+
+def parse_sse(data: bytes) -> list[tuple[str, dict[str, Any]]]:
+    events = []
+    for block in data.decode().split("\n\n"):
+        if not block:
+            continue
+        name_line, data_line = block.split("\n")
+        assert name_line.startswith("event: ") and data_line.startswith("data: ")
+        events.append((name_line[7:], json.loads(data_line[6:])))
+    return events
+
+
+def test_stream_event_sequence() -> None:
+    fmt = MessagesFormatter("m")
+    first = RequestOutput("r", "Hel", [1], usage=Usage(17, 1))
+    out = fmt.stream_start(first)
+    out += fmt.stream_delta(0, first)
+    out += fmt.stream_delta(0, RequestOutput("r", "", [2]))  # held back: nothing
+    out += fmt.stream_delta(0, RequestOutput("r", "lo", [3]))
+    last = RequestOutput("r", "", [4], FinishReason.LENGTH, Usage(17, 4))
+    out += fmt.stream_delta(0, last) + fmt.stream_finish(0, last) + fmt.stream_end(Usage(17, 4))
+    events = parse_sse(out)
+    assert [name for name, _ in events] == [
+        "message_start",
+        "content_block_start",
+        "ping",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert all(data["type"] == name for name, data in events)
+    start = events[0][1]["message"]
+    assert start == {
+        "id": fmt.id,
+        "type": "message",
+        "role": "assistant",
+        "model": "m",
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": 17, "output_tokens": 1},
+    }
+    assert events[1][1] == {
+        "type": "content_block_start",
+        "index": 0,
+        "content_block": {"type": "text", "text": ""},
+    }
+    assert [e[1]["delta"] for e in events[3:5]] == [
+        {"type": "text_delta", "text": "Hel"},
+        {"type": "text_delta", "text": "lo"},
+    ]
+    assert events[5][1] == {"type": "content_block_stop", "index": 0}
+    assert events[6][1] == {
+        "type": "message_delta",
+        "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+        "usage": {"output_tokens": 4},
+    }
+
+
+def test_stream_stop_sequence_and_error_event() -> None:
+    fmt = MessagesFormatter("m")
+    done = RequestOutput("r", "", [], FinishReason.STOP, Usage(5, 2), stop="\n\n")
+    (_, stop_event), (_, delta) = parse_sse(fmt.stream_finish(0, done))
+    assert stop_event["type"] == "content_block_stop"
+    assert delta["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "\n\n"}
+    error = GatewayError(ErrorCode.WORKER_DIED, "the worker died")
+    [(name, body)] = parse_sse(fmt.stream_error(error))
+    assert name == "error"
+    assert body["type"] == "error"
+    assert body["error"]["message"] == "the worker died"
+    assert body["error"]["type"] == "api_error"
