@@ -31,6 +31,8 @@ from shared.types import (
     RequestKind,
     RequestOutput,
     SamplingParams,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
 
@@ -61,13 +63,72 @@ STEP = StepOutputs(
     ],
 )
 
+# Completions' echo + logprobs with max_tokens 0 (lm-evaluation-harness's scoring request),
+# at batch priority: every field protocol 3 appended to SamplingParams set.
+ADD_ECHO = Add(
+    "req-3",
+    RequestKind.COMPLETION,
+    CanonicalRequest(prompt_token_ids=[0, 17, 42]),
+    SamplingParams(max_tokens=0, temperature=0.0, logprobs=True, top_logprobs=5, echo=True),
+    1,
+)
+# Every field protocol 3 appended to RequestOutput: an echo's prompt text and prompt
+# logprobs (the first has none), a sampled token's logprob with alternatives, a stop string.
+STEP_LOGPROBS = StepOutputs(
+    "w1",
+    18,
+    [
+        RequestOutput(
+            "req-3",
+            finish_reason=FinishReason.LENGTH,
+            usage=Usage(3),
+            prompt_logprobs=[
+                TokenLogprob(0, "ab"),
+                TokenLogprob(
+                    17, " c", -1.5, [TopLogprob(9, "x", -0.5), TopLogprob(17, " c", -1.5)]
+                ),
+            ],
+            prompt_text="ab c",
+        ),
+        RequestOutput(
+            "req-4",
+            text="d",
+            token_ids=[12],
+            finish_reason=FinishReason.STOP,
+            usage=Usage(4, 2),
+            logprobs=[TokenLogprob(12, "d", -0.25, [TopLogprob(12, "d", -0.25)])],
+            stop="\n\n",
+        ),
+    ],
+)
+
+# Protocol 2's bytes for ADD and STEP, before SamplingParams gained (logprobs, top_logprobs,
+# echo) and RequestOutput (logprobs, prompt_logprobs, prompt_text, stop).
+V2_ADD = (
+    "96a3616464a57265712d31a463686174959293a673797374656da942652062726965662ec093a4757365"
+    "72a24869a3626f62c0c0c3809f20cb3fe0000000000000cb3ff000000000000000cb0000000000000000"
+    "0791a20a0a9102c200cb3ff0000000000000cb0000000000000000cb00000000000000008105cbbff800"
+    "0000000000c200"
+)
+V2_STEP = (
+    "94a473746570a27731119296a57265712d31a368c3a99268cce9c0c0c096a57265712d32a090a5657272"
+    "6f729305010093a8696e7465726e616ca4626f6f6da178"
+)
+
 TO_WORKER = {
     "add": (
         ADD,
+        # as V2_ADD, SamplingParams a 18-array (dc0012, was 9f) ending c2 00 c2 (was c2)
         "96a3616464a57265712d31a463686174959293a673797374656da942652062726965662ec093a4757365"
-        "72a24869a3626f62c0c0c3809f20cb3fe0000000000000cb3ff000000000000000cb0000000000000000"
-        "0791a20a0a9102c200cb3ff0000000000000cb0000000000000000cb00000000000000008105cbbff800"
-        "0000000000c200",
+        "72a24869a3626f62c0c0c380dc001220cb3fe0000000000000cb3ff000000000000000cb000000000000"
+        "00000791a20a0a9102c200cb3ff0000000000000cb0000000000000000cb00000000000000008105cbbf"
+        "f8000000000000c2c200c200",
+    ),
+    "add_echo_logprobs": (
+        ADD_ECHO,
+        "96a3616464a57265712d33aa636f6d706c6574696f6e9590c09300112ac380dc001200cb000000000000"
+        "0000cb3ff000000000000000cb0000000000000000c09090c200cb3ff0000000000000cb000000000000"
+        "0000cb000000000000000080c2c305c301",
     ),
     "abort": (Abort(["req-1", "req-2"]), "92a561626f727492a57265712d31a57265712d32"),
     "control": (
@@ -88,8 +149,16 @@ FROM_WORKER = {
     ),
     "step": (
         STEP,
-        "94a473746570a27731119296a57265712d31a368c3a99268cce9c0c0c096a57265712d32a090a5657272"
-        "6f729305010093a8696e7465726e616ca4626f6f6da178",
+        # as V2_STEP, each RequestOutput a 10-array (9a, was 96) ending 90 90 c0 c0
+        "94a473746570a2773111929aa57265712d31a368c3a99268cce9c0c0c09090c0c09aa57265712d32a090"
+        "a56572726f729305010093a8696e7465726e616ca4626f6f6da1789090c0c0",
+    ),
+    "step_logprobs": (
+        STEP_LOGPROBS,
+        "94a473746570a2773112929aa57265712d33a090a66c656e67746893030000c090929400a26162c09094"
+        "11a22063cbbff8000000000000929309a178cbbfe00000000000009311a22063cbbff8000000000000a4"
+        "61622063c09aa57265712d34a164910ca473746f7093040200c091940ca164cbbfd00000000000009193"
+        "0ca164cbbfd000000000000090c0a20a0a",
     ),
     "heartbeat": (
         Heartbeat("w1", WorkerState.READY, 17, 1, 0, 1024, 2048, 512, 4096),
@@ -157,9 +226,59 @@ def test_gateway_frames_are_rejected_by_the_gateway_decoder(name: str) -> None:
         Codec().from_worker.decode(bytes.fromhex(TO_WORKER[name][1]))
 
 
+def test_round_trip_keeps_logprob_types() -> None:
+    codec = Codec()
+    add = codec.to_worker.decode(codec.encode(ADD_ECHO))
+    assert isinstance(add, Add)
+    assert add.kind is RequestKind.COMPLETION
+    assert add.request.prompt_token_ids == [0, 17, 42]
+    assert (add.sampling.logprobs, add.sampling.top_logprobs, add.sampling.echo) == (True, 5, True)
+    assert add.sampling.max_tokens == 0 and add.priority == 1
+    step = codec.from_worker.decode(codec.encode(STEP_LOGPROBS))
+    assert isinstance(step, StepOutputs)
+    scored, stopped = step.outputs
+    assert scored.prompt_text == "ab c"
+    first, second = scored.prompt_logprobs
+    assert first == TokenLogprob(0, "ab") and first.logprob is None and first.top == []
+    assert isinstance(second.top[0], TopLogprob)
+    assert [t.token_id for t in second.top] == [9, 17]
+    assert scored.logprobs == [] and scored.stop is None
+    assert stopped.stop == "\n\n"
+    assert stopped.logprobs == [TokenLogprob(12, "d", -0.25, [TopLogprob(12, "d", -0.25)])]
+    assert stopped.prompt_logprobs == [] and stopped.prompt_text is None
+
+
+def test_protocol_2_frames_decode_with_the_new_fields_defaulted() -> None:
+    """A protocol-2 peer's Add and StepOutputs (shorter arrays) still decode: append-only."""
+    codec = Codec()
+    add = codec.to_worker.decode(bytes.fromhex(V2_ADD))
+    assert add == ADD
+    assert isinstance(add, Add)
+    assert (add.sampling.logprobs, add.sampling.top_logprobs, add.sampling.echo) == (
+        False,
+        0,
+        False,
+    )
+    step = codec.from_worker.decode(bytes.fromhex(V2_STEP))
+    assert step == STEP
+    assert isinstance(step, StepOutputs)
+    for output in step.outputs:
+        assert output.logprobs == [] and output.prompt_logprobs == []
+        assert output.prompt_text is None and output.stop is None
+    # ... and the new bytes only append to the old ones' arrays
+    new = msgspec.msgpack.decode(codec.encode(ADD))
+    old = msgspec.msgpack.decode(bytes.fromhex(V2_ADD))
+    assert new[4][: len(old[4])] == old[4] and new[4][len(old[4]) :] == [False, 0, False]
+    new = msgspec.msgpack.decode(codec.encode(STEP))
+    old = msgspec.msgpack.decode(bytes.fromhex(V2_STEP))
+    for new_output, old_output in zip(new[3], old[3], strict=True):
+        assert new_output[: len(old_output)] == old_output
+        assert new_output[len(old_output) :] == [[], [], None, None]
+
+
 def test_protocol_version_is_an_int() -> None:
     assert type(PROTOCOL_VERSION) is int
-    assert PROTOCOL_VERSION >= 1
+    assert PROTOCOL_VERSION == 3  # bumped with the logprobs/echo fields (see V2_ADD)
     hello = Codec().from_worker.decode(Codec().encode(Hello("w", PROTOCOL_VERSION, 1, "m")))
     assert isinstance(hello, Hello)
     assert hello.protocol_version == PROTOCOL_VERSION

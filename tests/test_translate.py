@@ -1,4 +1,4 @@
-"""OpenAI bodies -> canonical request and sampling; rejections; response bodies."""
+"""OpenAI bodies -> canonical requests and sampling; rejections; response bodies and SSE."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gateway.errors import GatewayError
-from gateway.openai.schemas import ChatCompletionRequest, ChatDelta, CompletionRequest
+from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.openai.translate import (
     ChatFormatter,
     CompletionFormatter,
@@ -17,12 +17,16 @@ from gateway.openai.translate import (
     decode_body,
     error_body,
 )
+from gateway.relay import DONE, Choice
 from shared.types import (
     CanonicalRequest,
     ErrorCode,
     FinishReason,
     Message,
+    RequestOutput,
     SamplingParams,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
 
@@ -38,9 +42,15 @@ def chat(**fields: Any) -> tuple[CanonicalRequest, SamplingParams]:
     return chat_request(decode_body(enc(body), ChatCompletionRequest))
 
 
-def completion(**fields: Any) -> tuple[CanonicalRequest, SamplingParams]:
+def completions(**fields: Any) -> list[tuple[CanonicalRequest, SamplingParams]]:
     body = {"model": "m", "prompt": "Once", **fields}
     return completion_request(decode_body(enc(body), CompletionRequest))
+
+
+def completion(**fields: Any) -> tuple[CanonicalRequest, SamplingParams]:
+    """A single-prompt completion body: its one (canonical, sampling) pair."""
+    (job,) = completions(**fields)
+    return job
 
 
 def rejected(call: Any, *args: Any, **kwargs: Any) -> GatewayError:
@@ -50,6 +60,23 @@ def rejected(call: Any, *args: Any, **kwargs: Any) -> GatewayError:
     assert error.code is ErrorCode.INVALID_REQUEST
     assert error.status == 400
     return error
+
+
+def sse(data: bytes) -> list[Any]:
+    """Complete SSE events -> their JSON payloads ("[DONE]" stays a string)."""
+    assert data.endswith(b"\n\n"), data
+    events = []
+    for event in data.split(b"\n\n")[:-1]:
+        assert event.startswith(b"data: "), event
+        payload = event[len(b"data: ") :]
+        events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    return events
+
+
+def one(data: bytes) -> dict[str, Any]:
+    (event,) = sse(data)
+    assert isinstance(event, dict)
+    return event
 
 
 # ---- valid bodies --------------------------------------------------------------------------
@@ -65,7 +92,7 @@ def test_minimal_chat_body() -> None:
 def test_minimal_completion_body() -> None:
     request, sampling = completion()
     assert request == CanonicalRequest(prompt="Once")
-    assert sampling.max_tokens == 16  # the OpenAI completions default
+    assert sampling == SamplingParams(max_tokens=16)  # the OpenAI completions default
 
 
 def test_chat_sampling_fields_are_carried() -> None:
@@ -140,11 +167,60 @@ def test_chat_template_options() -> None:
     assert request.chat_template_kwargs == {"enable_thinking": False}
 
 
+def test_continue_final_message() -> None:
+    messages = [*USER, {"role": "assistant", "content": "Once upon"}]
+    request, _ = chat(messages=messages, continue_final_message=True, chat_template_kwargs={"x": 1})
+    assert request.messages[-1] == Message("assistant", "Once upon")
+    assert request.add_generation_prompt is False  # continuing, not starting a new turn
+    assert request.chat_template_kwargs == {"x": 1, "continue_final_message": True}
+    # off (the default): nothing is added
+    assert "continue_final_message" not in chat(messages=messages)[0].chat_template_kwargs
+    error = rejected(chat, continue_final_message=True)  # the last message is the user's
+    assert error.param == "continue_final_message"
+
+
+def test_chat_n_and_logprobs_are_served() -> None:
+    _, sampling = chat(n=3, seed=5)
+    assert sampling.seed == 5  # choice i gets seed + i when submitted (gateway/serve.py)
+    assert (sampling.logprobs, sampling.top_logprobs) == (False, 0)
+    assert chat(logprobs=True)[1].logprobs is True
+    assert chat(logprobs=True)[1].top_logprobs == 0
+    _, sampling = chat(logprobs=True, top_logprobs=20)
+    assert (sampling.logprobs, sampling.top_logprobs) == (True, 20)
+    _, sampling = chat(logprobs=False, top_logprobs=0)  # a neutral value
+    assert (sampling.logprobs, sampling.top_logprobs) == (False, 0)
+
+
 def test_completion_prompt_shapes() -> None:
     assert completion(prompt=["only one"])[0] == CanonicalRequest(prompt="only one")
     assert completion(prompt=[1, 2, 3])[0] == CanonicalRequest(prompt_token_ids=[1, 2, 3])
     assert completion(prompt=[[4, 5]])[0] == CanonicalRequest(prompt_token_ids=[4, 5])
     assert completion(max_tokens=3)[1].max_tokens == 3
+
+
+def test_completion_prompt_batches() -> None:
+    """A list of prompts is one job per prompt, in order, all with the same sampling."""
+    jobs = completions(prompt=["a", "b", "c"], max_tokens=4, n=2)
+    assert [request for request, _ in jobs] == [
+        CanonicalRequest(prompt="a"),
+        CanonicalRequest(prompt="b"),
+        CanonicalRequest(prompt="c"),
+    ]
+    assert {sampling.max_tokens for _, sampling in jobs} == {4}
+    jobs = completions(prompt=[[1, 2], [3]])
+    assert [request.prompt_token_ids for request, _ in jobs] == [[1, 2], [3]]
+
+
+def test_completion_echo_and_logprobs() -> None:
+    _, sampling = completion(echo=True, logprobs=1, max_tokens=0)
+    assert (sampling.echo, sampling.logprobs, sampling.top_logprobs) == (True, True, 1)
+    assert sampling.max_tokens == 0  # scoring only
+    _, sampling = completion(logprobs=0)  # the sampled token only, no alternatives
+    assert (sampling.logprobs, sampling.top_logprobs) == (True, 0)
+    _, sampling = completion(echo=True)
+    assert (sampling.echo, sampling.logprobs) == (True, False)
+    assert completion()[1].logprobs is False
+    assert completion(best_of=3, n=3)[1] == SamplingParams(max_tokens=16)
 
 
 # ---- rejections ------------------------------------------------------------------------------
@@ -163,6 +239,7 @@ def test_empty_body() -> None:
 
 SCHEMA_REJECTIONS = [
     ("max_tokens", "x"),
+    ("max_tokens", "8"),
     ("max_tokens", -1),
     ("max_tokens", 0),
     ("temperature", -1),
@@ -170,6 +247,10 @@ SCHEMA_REJECTIONS = [
     ("top_p", 0),
     ("messages", []),
     ("stop", ["s"] * 17),
+    ("n", 0),
+    ("top_logprobs", 21),
+    ("top_logprobs", -1),
+    ("logprobs", 1),
 ]
 
 
@@ -184,11 +265,22 @@ def test_schema_rejections_set_param(field: str, value: Any) -> None:
     assert rejected(chat, **{field: value}).param == field
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("logprobs", 21), ("logprobs", True), ("max_tokens", -1), ("echo", "yes"), ("n", 0)],
+)
+def test_completion_schema_rejections_set_param(field: str, value: Any) -> None:
+    assert rejected(completion, **{field: value}).param == field
+
+
 def test_unknown_field_is_named() -> None:
     error = rejected(chat, frequency_penalty=0, fancy_knob=1)
     assert "fancy_knob" in error.message
+    assert error.param == "fancy_knob"
     error = rejected(completion, messages=USER)  # a chat field on /v1/completions
     assert "messages" in error.message
+    error = rejected(chat, stream_options={"include_usage": True, "chunk_size": 4})
+    assert error.param == "stream_options.chunk_size"
 
 
 def test_unknown_role() -> None:
@@ -205,13 +297,24 @@ def test_missing_messages() -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
-        ({"top_logprobs": 2}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "required"}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"store": True}, "store"),
+        ({"metadata": {"k": "v"}}, "metadata"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        ({"reasoning_effort": "low"}, "reasoning_effort"),
+        ({"verbosity": "low"}, "verbosity"),
+        ({"web_search_options": {}}, "web_search_options"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"modalities": ["audio"]}, "modalities"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages[0].content",
@@ -224,29 +327,50 @@ def test_chat_unsupported(fields: dict[str, Any], param: str) -> None:
     assert param.split("[")[0] in error.message
 
 
+def test_reasoning_effort_points_at_chat_template_kwargs() -> None:
+    assert "enable_thinking" in rejected(chat, reasoning_effort="high").message
+
+
 def test_chat_allowed_neutral_values() -> None:
-    chat(n=1, logprobs=False, tool_choice="none", response_format={"type": "text"}, tools=[])
+    chat(
+        n=1,
+        logprobs=False,
+        tool_choice="none",
+        response_format={"type": "text"},
+        tools=[],
+        store=False,
+        modalities=["text"],
+        parallel_tool_calls=False,
+        service_tier="auto",
+        user="u",
+        safety_identifier="s",
+        prompt_cache_key="k",
+        stream_options={"include_usage": True, "include_obfuscation": False},
+    )
 
 
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"echo": True}, "echo"),
         ({"suffix": "tail"}, "suffix"),
         ({"best_of": 2}, "best_of"),
-        ({"logprobs": 1}, "logprobs"),
-        ({"logprobs": 0}, "logprobs"),
-        ({"prompt": ["a", "b"]}, "prompt"),
-        ({"prompt": [[1], [2]]}, "prompt"),
+        ({"best_of": 2, "n": 3}, "best_of"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": []}, "prompt"),
+        ({"prompt": [[]]}, "prompt"),
+        ({"prompt": ["a", ""]}, "prompt"),
         ({"prompt": [1, "a"]}, "prompt"),
-        ({"n": 3}, "n"),
+        ({"prompt": [[1], 2]}, "prompt"),
+        ({"prompt": [-1]}, "prompt[0]"),
+        ({"prompt": True}, "prompt"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 0, "echo": False}, "max_tokens"),
         ({"logit_bias": {"1.5": 1}}, "logit_bias"),
+        ({"store": True}, "store"),
     ],
 )
 def test_completion_unsupported(fields: dict[str, Any], param: str) -> None:
-    assert rejected(completion, **fields).param == param
+    assert rejected(completions, **fields).param == param
 
 
 def test_completion_neutral_values_are_accepted() -> None:
@@ -268,10 +392,22 @@ def test_error_body_shape() -> None:
 
 # ---- response bodies -------------------------------------------------------------------------
 
+TOP = [TopLogprob(7, "Hel", -0.25), TopLogprob(9, "Yo", -1.5)]
+HEL = TokenLogprob(7, "Hel", -0.25, TOP)
 
-def test_chat_formatter_bodies() -> None:
-    fmt = ChatFormatter("chat-model")
-    role = json.loads(fmt.role_chunk())
+
+def delta(text: str = "", tokens: list[int] | None = None, **fields: Any) -> RequestOutput:
+    return RequestOutput("r", text=text, token_ids=tokens or [], **fields)
+
+
+def done(reason: FinishReason = FinishReason.STOP, **fields: Any) -> RequestOutput:
+    return RequestOutput("r", finish_reason=reason, **fields)
+
+
+def test_chat_formatter_stream() -> None:
+    fmt = ChatFormatter("chat-model", include_usage=True)
+    first = delta("Hel", [7], usage=Usage(prompt_tokens=4, completion_tokens=1))
+    role = one(fmt.stream_start(first))
     assert role["object"] == "chat.completion.chunk"
     assert role["id"].startswith("chatcmpl-")
     assert role["model"] == "chat-model"
@@ -284,50 +420,188 @@ def test_chat_formatter_bodies() -> None:
             "logprobs": None,
         }
     ]
-    text = json.loads(fmt.text_chunk("Hel"))
-    assert text["choices"][0]["delta"] == {"content": "Hel"}
+    text = one(fmt.stream_delta(0, first))
+    assert text["choices"] == [
+        {"index": 0, "delta": {"content": "Hel"}, "finish_reason": None, "logprobs": None}
+    ]
     assert text["id"] == role["id"]
-    finish = json.loads(fmt.finish_chunk(FinishReason.LENGTH))
+    assert fmt.stream_delta(0, delta("", [8])) == b""  # text held back: nothing to send
+    finish = one(fmt.stream_finish(0, done(FinishReason.LENGTH)))
     assert finish["choices"][0]["delta"] == {}
     assert finish["choices"][0]["finish_reason"] == "length"
-    usage = json.loads(fmt.usage_chunk(Usage(prompt_tokens=4, completion_tokens=3)))
+    *usage_events, last = sse(fmt.stream_end(Usage(prompt_tokens=4, completion_tokens=3)))
+    assert last == "[DONE]"
+    (usage,) = usage_events
     assert usage["choices"] == []
     assert usage["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
-    full = json.loads(fmt.response("Hello", FinishReason.STOP, Usage(4, 2)))
+    assert ChatFormatter("m").stream_end(Usage(1, 1)) == DONE  # without include_usage
+
+
+def test_chat_formatter_stream_with_n_choices() -> None:
+    fmt = ChatFormatter("m", n=3)
+    roles = sse(fmt.stream_start(delta("x", [1])))
+    assert [e["choices"][0]["index"] for e in roles] == [0, 1, 2]
+    assert all(e["choices"][0]["delta"] == {"role": "assistant", "content": ""} for e in roles)
+    assert len({e["id"] for e in roles}) == 1
+    assert one(fmt.stream_delta(2, delta("z", [3])))["choices"][0]["index"] == 2
+    finish = one(fmt.stream_finish(1, done()))["choices"][0]
+    assert (finish["index"], finish["finish_reason"]) == (1, "stop")
+
+
+def test_chat_formatter_logprobs() -> None:
+    fmt = ChatFormatter("m", logprobs=True)
+    chunk = one(fmt.stream_delta(0, delta("Hel", [7], logprobs=[HEL])))
+    assert chunk["choices"][0]["logprobs"] == {
+        "content": [
+            {
+                "token": "Hel",
+                "logprob": -0.25,
+                "bytes": [72, 101, 108],
+                "top_logprobs": [
+                    {"token": "Hel", "logprob": -0.25, "bytes": [72, 101, 108]},
+                    {"token": "Yo", "logprob": -1.5, "bytes": [89, 111]},
+                ],
+            }
+        ],
+        "refusal": None,
+    }
+    # a token whose text is held back (half a UTF-8 character) still reports its logprob
+    held = TokenLogprob(200, "\ufffd", -3.0)
+    chunk = one(fmt.stream_delta(0, delta("", [200], logprobs=[held])))
+    assert chunk["choices"][0]["delta"] == {"content": ""}
+    entry = chunk["choices"][0]["logprobs"]["content"][0]
+    assert entry["top_logprobs"] == []
+    assert entry["bytes"] == list("\ufffd".encode())
+    # logprobs not asked for: none shown even if the worker sent some
+    plain = one(ChatFormatter("m").stream_delta(0, delta("Hel", [7], logprobs=[HEL])))
+    assert plain["choices"][0]["logprobs"] is None
+
+
+def test_chat_formatter_response() -> None:
+    fmt = ChatFormatter("m", n=2, logprobs=True)
+    a, b = Choice(0), Choice(1)
+    a.add(delta("Hel", [7], logprobs=[HEL]))
+    a.add(done(FinishReason.STOP, usage=Usage(4, 1)))
+    b.add(done(FinishReason.LENGTH, text="Yo", token_ids=[9], usage=Usage(4, 1)))
+    full = json.loads(fmt.response([a, b], Usage(prompt_tokens=4, completion_tokens=2)))
     assert full["object"] == "chat.completion"
-    assert full["choices"] == [
-        {
-            "index": 0,
-            "message": {"content": "Hello", "role": "assistant"},
-            "finish_reason": "stop",
-            "logprobs": None,
-        }
-    ]
+    assert full["id"].startswith("chatcmpl-")
+    assert [c["index"] for c in full["choices"]] == [0, 1]
+    assert full["choices"][0]["message"] == {"content": "Hel", "role": "assistant"}
+    assert full["choices"][0]["finish_reason"] == "stop"
+    assert full["choices"][0]["logprobs"]["content"][0]["logprob"] == -0.25
+    assert full["choices"][1]["message"]["content"] == "Yo"
+    assert full["choices"][1]["finish_reason"] == "length"
+    assert full["choices"][1]["logprobs"] == {"content": [], "refusal": None}
     assert full["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
-    # a chat chunk message needs a ChatDelta; an empty one carries no keys
-    assert json.loads(fmt.chunk(ChatDelta()))["choices"][0]["delta"] == {}
+    plain = json.loads(ChatFormatter("m").response([a], Usage(4, 1)))
+    assert plain["choices"][0]["logprobs"] is None
 
 
-def test_completion_formatter_bodies() -> None:
-    fmt = CompletionFormatter("base-model")
-    assert fmt.role_chunk() is None
-    text = json.loads(fmt.text_chunk("abc"))
+def test_formatters_stream_error() -> None:
+    error = GatewayError(ErrorCode.CANCELLED, "request r was cancelled")
+    for fmt in (ChatFormatter("m"), CompletionFormatter("m", [None])):
+        body, last = sse(fmt.stream_error(error))
+        assert last == "[DONE]"
+        assert body["error"]["code"] == "cancelled"
+        assert body["error"]["message"] == "request r was cancelled"
+
+
+def test_completion_formatter_stream() -> None:
+    fmt = CompletionFormatter("base-model", ["Once", "Once"], include_usage=True)
+    first = delta("abc", [1])
+    assert fmt.stream_start(first) == b""  # no role chunk in completions
+    text = one(fmt.stream_delta(1, first))
     assert text["object"] == "text_completion"
     assert text["id"].startswith("cmpl-")
     assert text["model"] == "base-model"
-    assert text["choices"] == [{"index": 0, "text": "abc", "finish_reason": None, "logprobs": None}]
-    finish = json.loads(fmt.finish_chunk(FinishReason.STOP))
+    assert text["choices"] == [{"index": 1, "text": "abc", "finish_reason": None, "logprobs": None}]
+    assert fmt.stream_delta(0, delta("", [2])) == b""
+    finish = one(fmt.stream_finish(0, done()))
     assert finish["choices"][0] == {
         "index": 0,
         "text": "",
         "finish_reason": "stop",
         "logprobs": None,
     }
-    usage = json.loads(fmt.usage_chunk(None))
+    usage, last = sse(fmt.stream_end(Usage()))
+    assert last == "[DONE]"
     assert usage["choices"] == []
     assert usage["usage"] == {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    full = json.loads(fmt.response("xyz", FinishReason.LENGTH, Usage(2, 3)))
-    assert full["choices"][0]["text"] == "xyz"
-    assert full["choices"][0]["finish_reason"] == "length"
-    assert full["usage"]["total_tokens"] == 5
-    assert full["id"] == text["id"]
+    assert CompletionFormatter("m", [None]).stream_end(Usage(1, 1)) == DONE
+
+
+def test_completion_formatter_response() -> None:
+    fmt = CompletionFormatter("base-model", ["a", "b"])
+    x, y = Choice(0), Choice(1)
+    x.add(done(FinishReason.LENGTH, text="xyz", token_ids=[5, 6, 7], usage=Usage(2, 3)))
+    y.add(done(FinishReason.STOP, text="", usage=Usage(2, 1)))
+    full = json.loads(fmt.response([x, y], Usage(4, 4)))
+    assert full["object"] == "text_completion"
+    assert full["choices"] == [
+        {"index": 0, "text": "xyz", "finish_reason": "length", "logprobs": None},
+        {"index": 1, "text": "", "finish_reason": "stop", "logprobs": None},
+    ]
+    assert full["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+
+
+PROMPT_LOGPROBS = [
+    TokenLogprob(1, "Once"),
+    TokenLogprob(2, " up", -2.0, [TopLogprob(3, " a", -1.0)]),
+]
+
+
+def test_completion_echo_with_logprobs_stream() -> None:
+    """lm-evaluation-harness's shape: the prompt's tokens first, the first logprob null,
+    text_offset running through prompt and completion."""
+    fmt = CompletionFormatter("m", ["Once up"], echo=True, logprobs=1)
+    on = TokenLogprob(4, "on", -0.5, [TopLogprob(4, "on", -0.5)])
+    first = delta("on", [4], logprobs=[on], prompt_text="Once up", prompt_logprobs=PROMPT_LOGPROBS)
+    choice = one(fmt.stream_delta(0, first))["choices"][0]
+    assert choice["text"] == "Once upon"
+    assert choice["logprobs"] == {
+        "tokens": ["Once", " up", "on"],
+        "token_logprobs": [None, -2.0, -0.5],
+        "top_logprobs": [None, {" a": -1.0}, {"on": -0.5}],
+        "text_offset": [0, 4, 7],
+    }
+    # later deltas: no prompt again, offsets continue
+    more = one(fmt.stream_delta(0, delta(" a", [3], logprobs=[TokenLogprob(3, " a", -0.1)])))
+    assert more["choices"][0]["text"] == " a"
+    assert more["choices"][0]["logprobs"]["text_offset"] == [9]
+    assert more["choices"][0]["logprobs"]["top_logprobs"] == [{}]
+
+
+def test_completion_echo_scoring_only_response() -> None:
+    """max_tokens 0: the prompt alone; token ids as the prompt: its decoded text."""
+    fmt = CompletionFormatter("m", [None, "given"], echo=True, logprobs=0)
+    scored = Choice(0)
+    scored.add(
+        done(
+            FinishReason.LENGTH,
+            usage=Usage(prompt_tokens=2),
+            prompt_text="Once up",
+            prompt_logprobs=PROMPT_LOGPROBS,
+        )
+    )
+    plain = Choice(1)
+    plain.add(done(FinishReason.LENGTH, prompt_text="decoded", usage=Usage(prompt_tokens=1)))
+    full = json.loads(fmt.response([scored, plain], Usage(prompt_tokens=3)))
+    first, second = full["choices"]
+    assert first["text"] == "Once up"  # decoded from the ids
+    assert first["finish_reason"] == "length"
+    assert first["logprobs"]["tokens"] == ["Once", " up"]
+    assert first["logprobs"]["token_logprobs"] == [None, -2.0]
+    assert first["logprobs"]["text_offset"] == [0, 4]
+    assert second["text"] == "given"  # the prompt as sent wins over its decoding
+    assert full["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+
+
+def test_completion_echo_without_logprobs() -> None:
+    fmt = CompletionFormatter("m", ["Hi"], echo=True)
+    first = delta(" there", [5], prompt_text="Hi", prompt_logprobs=[])
+    choice = one(fmt.stream_delta(0, first))["choices"][0]
+    assert choice == {"index": 0, "text": "Hi there", "finish_reason": None, "logprobs": None}
+    # no echo asked: the prompt is not repeated even if the worker sent it
+    fmt = CompletionFormatter("m", ["Hi"])
+    assert one(fmt.stream_delta(0, first))["choices"][0]["text"] == " there"

@@ -44,7 +44,7 @@ ROPE_THETA = 10000.0
 DTYPES = ("float32", "bfloat16", "float16")
 CORPUS_SEED = 20240611
 # Bump when the generator or DEMO_SPEC changes, so cached demo models are rebuilt.
-DEMO_VERSION = "v1"
+DEMO_VERSION = "v2"
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -55,7 +55,10 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}"
     "{{ '<|im_end|>\\n' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    # As Qwen3-style templates: a thinking switch, off (and invisible) unless passed.
+    "{% if enable_thinking is defined and enable_thinking %}{{ '<think>\\n' }}{% endif %}"
+    "{% endif %}"
 )
 
 MODEL_FILES = (
@@ -84,6 +87,8 @@ class TinyModelSpec:
     bigram: dict[int, int] | None = None
     seed: int = 0
     dtype: str = "float32"
+    # False: no chat template at all (a base model: completions only, chat is refused).
+    chat_template: bool = True
 
 
 DEFAULT_SPEC = TinyModelSpec()
@@ -268,7 +273,7 @@ def _check_vocab(tokenizer: Tokenizer, byte_fallback: bool) -> None:
 
 
 def _tokenizer_config(spec: TinyModelSpec) -> dict[str, Any]:
-    return {
+    config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": ENDOFTEXT,
         "eos_token": IM_END,
@@ -279,8 +284,10 @@ def _tokenizer_config(spec: TinyModelSpec) -> dict[str, Any]:
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": spec.max_position_embeddings,
-        "chat_template": CHAT_TEMPLATE,
     }
+    if spec.chat_template:
+        config["chat_template"] = CHAT_TEMPLATE
+    return config
 
 
 def _special_tokens_map() -> dict[str, Any]:
