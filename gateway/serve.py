@@ -51,6 +51,9 @@ class Served:
     n: int = 1
     stream: bool = False
     keep_alive: float | None = None
+    # max_tokens when the request gives none (completions: 16, as OpenAI), at most the
+    # server's cap; None: the worker's default (the rest of the context).
+    default_max_tokens: int | None = None
 
 
 class InFlight:
@@ -58,19 +61,29 @@ class InFlight:
 
     def __init__(self) -> None:
         self.requests: dict[str, tuple[RequestContext | None, list[RequestStream]]] = {}
+        # A client's own X-Request-Id names its request too: a non-streaming client learns
+        # the gateway's id only with the response, too late to cancel.
+        self.client_ids: dict[str, str] = {}
 
     def add(
         self, request_id: str, ctx: RequestContext | None, streams: list[RequestStream]
     ) -> None:
         self.requests[request_id] = (ctx, streams)
+        if ctx is not None and ctx.client_request_id:
+            self.client_ids[ctx.client_request_id] = request_id
 
     def remove(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+        entry = self.requests.pop(request_id, None)
+        ctx = entry[0] if entry else None
+        if ctx is not None and self.client_ids.get(ctx.client_request_id) == request_id:
+            del self.client_ids[ctx.client_request_id]
 
     def cancel(self, supervisor: Supervisor, request_id: str, by: RequestContext | None) -> int:
         """Abort a request's unfinished choices; they end with a `cancelled` error. Only its
         own key (or an admin key) may cancel it; anyone else sees it as unknown (404)."""
         entry = self.requests.get(request_id)
+        if entry is None and request_id in self.client_ids:
+            entry = self.requests.get(self.client_ids[request_id])
         owner = entry[0] if entry else None
         if entry is None or not _may_cancel(by, owner):
             raise GatewayError(
@@ -148,7 +161,11 @@ async def submit_all(
     groups: list[int] = []
     try:
         for job_index, job in enumerate(served.jobs):
-            sampling = capped(job.sampling, max_tokens_cap)
+            sampling = job.sampling
+            if sampling.max_tokens is None and served.default_max_tokens is not None:
+                default = min(served.default_max_tokens, max_tokens_cap or 2**31)
+                sampling = msgspec.structs.replace(sampling, max_tokens=default)
+            sampling = capped(sampling, max_tokens_cap)
             for j in range(served.n):
                 choice_sampling = sampling
                 if j and sampling.seed is not None:

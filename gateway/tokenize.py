@@ -23,6 +23,7 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, str | bool | int | float] | None = None
     return_token_strs: bool = False
 
@@ -73,10 +74,13 @@ async def tokenize(request: Request[Any, Any, Any], state: State) -> Response[by
                 ErrorCode.INVALID_REQUEST, "`messages` must not be empty", "messages"
             )
         kind = RequestKind.CHAT
+        kwargs = dict(body.chat_template_kwargs or {})
+        if body.continue_final_message:
+            kwargs["continue_final_message"] = True
         canonical = CanonicalRequest(
             messages=[_message(i, m) for i, m in enumerate(body.messages)],
-            add_generation_prompt=body.add_generation_prompt,
-            chat_template_kwargs=dict(body.chat_template_kwargs or {}),
+            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+            chat_template_kwargs=kwargs,
         )
     else:
         if not body.prompt:

@@ -111,8 +111,9 @@ class RequestError(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 class TopLogprob(msgspec.Struct, array_like=True, gc=False):
     token_id: int
-    token: str  # the token's text as the tokenizer decodes it alone
-    logprob: float
+    token: str  # the token's text as the tokenizer decodes it alone (U+FFFD for a partial
+    logprob: float  # UTF-8 character)
+    token_bytes: bytes = b""  # the token's own bytes (a byte token: that one byte)
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -123,6 +124,7 @@ class TokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     token: str
     logprob: float | None = None
     top: list[TopLogprob] = []
+    token_bytes: bytes = b""
 
 
 class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -269,12 +270,6 @@ def test_chat_logprobs_match_mlx_lm(
         assert all(close(t.logprob, v) for t, (_, v) in zip(top, want, strict=True))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="`bytes` comes from each token decoded alone (worker/engine.py token_text, "
-    "gateway/openai/translate.py _bytes): a token holding part of a UTF-8 character "
-    "decodes to U+FFFD, so its bytes are EF BF BD, not the token's own byte",
-)
 def test_chat_logprob_bytes_rebuild_split_characters(
     client: openai.OpenAI, gateway: GatewayProc, bytes_model: Path
 ) -> None:
@@ -301,6 +296,17 @@ def test_chat_logprob_bytes_rebuild_split_characters(
     content = r.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == 4
     assert b"".join(bytes(e.bytes or []) for e in content).decode() == "éé"
+    # The legacy shape: text offsets advance by the characters each token completes.
+    c = client.completions.create(
+        model="bytes",
+        prompt=prompt,
+        max_tokens=4,
+        temperature=0,
+        logprobs=1,
+    )
+    assert c.choices[0].text == "éé"
+    legacy = c.choices[0].logprobs
+    assert legacy is not None and legacy.text_offset == [0, 0, 1, 1]
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1])
@@ -658,6 +664,43 @@ def test_cancel_n_choices_stream_over_http(gateway: GatewayProc) -> None:
     finishes = [c["finish_reason"] for e in events[:-2] for c in json.loads(e)["choices"]]
     assert not any(finishes)  # neither choice finished: the error ended both
     assert_gone(gateway, request_id)
+
+
+def test_cancel_non_stream_by_client_request_id(
+    client: openai.OpenAI, gateway: GatewayProc
+) -> None:
+    """A non-streaming client learns x-request-id only with its answer: its own
+    X-Request-Id names the request too."""
+    import threading
+
+    own_id = f"client-{uuid.uuid4().hex[:8]}"
+    result: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            client.chat.completions.create(
+                model="chat",
+                messages=MESSAGES,
+                max_tokens=1800,
+                extra_body=LONG,
+                extra_headers={"X-Request-Id": own_id},
+            )
+        except openai.APIStatusError as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        r = cancel(gateway, own_id)
+        if r.status_code == 200:
+            break
+        time.sleep(0.05)
+    assert r.status_code == 200, r.text
+    thread.join(60)
+    error = result["error"]
+    assert error.status_code == 499
+    assert error.body["code"] == "cancelled"  # type: ignore[index]
 
 
 def test_cancel_unknown_request(gateway: GatewayProc) -> None:

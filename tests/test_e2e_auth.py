@@ -262,6 +262,14 @@ def test_request_limits(chat_model: Path) -> None:
         # No max_tokens: the cap applies.
         capped = _chat(gw, None, max_tokens=None)
         assert capped.status_code == 200 and capped.json()["usage"]["completion_tokens"] <= 8
+        # Completions default to 16 tokens, within the cap too.
+        completion = httpx.post(
+            f"{gw.base_url}/v1/completions",
+            json={"model": model["name"], "prompt": "Once", "ignore_eos": True},
+            timeout=30,
+        )
+        assert completion.status_code == 200, completion.text
+        assert completion.json()["usage"]["completion_tokens"] == 8
 
         long = [{"role": "user", "content": "word " * 60}]
         too_long = _chat(gw, None, messages=long)

@@ -96,7 +96,10 @@ STEP_LOGPROBS = StepOutputs(
             token_ids=[12],
             finish_reason=FinishReason.STOP,
             usage=Usage(4, 2),
-            logprobs=[TokenLogprob(12, "d", -0.25, [TopLogprob(12, "d", -0.25)])],
+            logprobs=[
+                TokenLogprob(12, "d", -0.25, [TopLogprob(12, "d", -0.25, b"d")], b"d"),
+                TokenLogprob(13, "\ufffd", -0.5, [], b"\xc3"),
+            ],
             stop="\n\n",
         ),
     ],
@@ -155,10 +158,11 @@ FROM_WORKER = {
     ),
     "step_logprobs": (
         STEP_LOGPROBS,
-        "94a473746570a2773112929aa57265712d33a090a66c656e67746893030000c090929400a26162c09094"
-        "11a22063cbbff8000000000000929309a178cbbfe00000000000009311a22063cbbff8000000000000a4"
-        "61622063c09aa57265712d34a164910ca473746f7093040200c091940ca164cbbfd00000000000009193"
-        "0ca164cbbfd000000000000090c0a20a0a",
+        "94a473746570a2773112929aa57265712d33a090a66c656e67746893030000c090929500a26162c090c4"
+        "009511a22063cbbff8000000000000929409a178cbbfe0000000000000c4009411a22063cbbff8000000"
+        "000000c400c400a461622063c09aa57265712d34a164910ca473746f7093040200c092950ca164cbbfd0"
+        "00000000000091940ca164cbbfd0000000000000c40164c40164950da3efbfbdcbbfe000000000000090"
+        "c401c390c0a20a0a",
     ),
     "heartbeat": (
         Heartbeat("w1", WorkerState.READY, 17, 1, 0, 1024, 2048, 512, 4096),
@@ -244,7 +248,10 @@ def test_round_trip_keeps_logprob_types() -> None:
     assert [t.token_id for t in second.top] == [9, 17]
     assert scored.logprobs == [] and scored.stop is None
     assert stopped.stop == "\n\n"
-    assert stopped.logprobs == [TokenLogprob(12, "d", -0.25, [TopLogprob(12, "d", -0.25)])]
+    assert stopped.logprobs[0] == TokenLogprob(
+        12, "d", -0.25, [TopLogprob(12, "d", -0.25, b"d")], b"d"
+    )
+    assert stopped.logprobs[1].token_bytes == b"\xc3"  # a byte token keeps its own byte
     assert stopped.prompt_logprobs == [] and stopped.prompt_text is None
 
 

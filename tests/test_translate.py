@@ -92,7 +92,7 @@ def test_minimal_chat_body() -> None:
 def test_minimal_completion_body() -> None:
     request, sampling = completion()
     assert request == CanonicalRequest(prompt="Once")
-    assert sampling == SamplingParams(max_tokens=16)  # the OpenAI completions default
+    assert sampling == SamplingParams()  # max_tokens: serve() applies 16 within the cap
 
 
 def test_chat_sampling_fields_are_carried() -> None:
@@ -220,7 +220,7 @@ def test_completion_echo_and_logprobs() -> None:
     _, sampling = completion(echo=True)
     assert (sampling.echo, sampling.logprobs) == (True, False)
     assert completion()[1].logprobs is False
-    assert completion(best_of=3, n=3)[1] == SamplingParams(max_tokens=16)
+    assert completion(best_of=3, n=3)[1] == SamplingParams()
 
 
 # ---- rejections ------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from worker.preprocess import PreparedRequest
 from worker.request import Request
 from worker.sampling import make_processors, make_sampler
 from worker.stop import StopStringMatcher
+from worker.tokens import TokenInfo
 
 
 class EngineCore:
@@ -48,7 +49,7 @@ class EngineCore:
         self.steps = 0
         self.batch_count = 0  # batch-priority requests in the generator
         self.logprob_count = 0  # requests that want logprobs: 0 keeps step() free of them
-        self._token_texts: dict[int, str] = {}
+        self.tokens = TokenInfo(tokenizer)
 
     @property
     def has_work(self) -> bool:
@@ -179,10 +180,10 @@ class EngineCore:
     # ---- log probabilities ------------------------------------------------------------
 
     def token_text(self, token: int) -> str:
-        text = self._token_texts.get(token)
-        if text is None:
-            text = self._token_texts[token] = self.tokenizer.decode([token])
-        return text
+        return self.tokens.text(token)
+
+    def _top(self, token: int, logprob: float) -> TopLogprob:
+        return TopLogprob(token, self.tokens.text(token), logprob, self.tokens.raw(token))
 
     def _logprobs(self, responses: list[Any]) -> dict[int, TokenLogprob]:
         """The sampled tokens' logprobs (mlx-lm's log-softmax of the processed logits, the
@@ -223,16 +224,25 @@ class EngineCore:
                 ranked = sorted(
                     zip(top_vals[i], top_ids[i], strict=True), key=lambda p: (-p[0], p[1])
                 )
-                alternatives = [TopLogprob(t, self.token_text(t), v) for v, t in ranked]
+                alternatives = [self._top(t, v) for v, t in ranked]
             entries.append(
-                TokenLogprob(token, self.token_text(token), chosen_vals[i], alternatives)
+                TokenLogprob(
+                    token,
+                    self.tokens.text(token),
+                    chosen_vals[i],
+                    alternatives,
+                    self.tokens.raw(token),
+                )
             )
         return entries
 
     def score(self, prompt: list[int], top: int) -> list[TokenLogprob]:
         """Each prompt token's logprob given the tokens before it (echo with logprobs), from
         a forward pass over the prompt in prefill-sized chunks; the first has none."""
-        entries = [TokenLogprob(prompt[0], self.token_text(prompt[0]))]
+        first = prompt[0]
+        entries = [
+            TokenLogprob(first, self.tokens.text(first), token_bytes=self.tokens.raw(first))
+        ]
         cache = make_prompt_cache(self.model)
         step = max(1, self.options.prefill_step_size)
         last = len(prompt) - 1  # positions 0..last-1 predict tokens 1..last

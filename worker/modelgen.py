@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shared.paths import cache_dir
+from worker.tokens import byte_to_unicode
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -105,16 +106,6 @@ DEMO_SPEC = TinyModelSpec(
 
 
 # --- vocabulary --------------------------------------------------------------------------------
-
-
-def byte_to_unicode() -> dict[int, str]:
-    """The GPT-2 byte-level alphabet: visible latin-1 bytes stand for themselves, the rest
-    are shifted to U+0100 and up, in byte order."""
-    visible = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table = {b: chr(b) for b in visible}
-    shifted = [b for b in range(256) if b not in table]
-    table.update({b: chr(0x100 + i) for i, b in enumerate(shifted)})
-    return table
 
 
 def is_printable_text(text: str) -> bool:

@@ -30,6 +30,8 @@ from gateway.serve import JSON, InFlight, Job, Served, serve
 from gateway.supervisor import Supervisor
 from shared.types import RequestKind
 
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
 
 @post("/chat/completions", status_code=200)
 async def chat_completions(
@@ -66,6 +68,7 @@ async def completions(request: Request[Any, Any, Any], state: State) -> Response
         n=body.n,
         stream=body.stream,
         keep_alive=keep_alive_of(body),
+        default_max_tokens=COMPLETION_MAX_TOKENS,
     )
     prompts = [job.request.prompt for job in jobs for _ in range(body.n)]
     fmt = CompletionFormatter(body.model, prompts, include_usage, body.echo, body.logprobs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import re
 import time
 import uuid
@@ -41,12 +42,14 @@ from shared.types import (
     RequestOutput,
     SamplingParams,
     TokenLogprob,
+    TopLogprob,
     Usage,
 )
 
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    499: "request_cancelled",
     403: "permission_error",
     404: "invalid_request_error",
     413: "invalid_request_error",
@@ -238,7 +241,7 @@ def completion_request(req: CompletionRequest) -> list[tuple[CanonicalRequest, S
         raise _unsupported("suffix", "fill-in-the-middle is not served")
     if req.best_of not in (None, req.n):
         raise _unsupported("best_of", "best_of must equal n (every choice is returned)")
-    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    max_tokens = req.max_tokens  # None: 16 (Served.default_max_tokens), within the cap
     if max_tokens == 0 and not req.echo:
         raise GatewayError(
             ErrorCode.INVALID_REQUEST, "max_tokens 0 is only allowed with echo", "max_tokens"
@@ -279,8 +282,13 @@ def error_body(error: GatewayError) -> ErrorBody:
     return ErrorBody(ErrorDetail(error.message, kind, error.param, error.code.value))
 
 
-def _bytes(token: str) -> list[int]:
-    return list(token.encode("utf-8", errors="replace"))
+def _bytes(entry: TokenLogprob | TopLogprob) -> list[int]:
+    """The token's own bytes (a byte token's one byte, not U+FFFD's three)."""
+    return list(entry.token_bytes or entry.token.encode("utf-8", errors="replace"))
+
+
+def _utf8_decoder() -> codecs.IncrementalDecoder:
+    return codecs.getincrementaldecoder("utf-8")("replace")
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> ChoiceLogprobs:
@@ -289,8 +297,8 @@ def chat_logprobs(entries: list[TokenLogprob]) -> ChoiceLogprobs:
             LogprobContent(
                 e.token,
                 e.logprob if e.logprob is not None else 0.0,
-                _bytes(e.token),
-                [TopLogprobBody(t.token, t.logprob, _bytes(t.token)) for t in e.top],
+                _bytes(e),
+                [TopLogprobBody(t.token, t.logprob, _bytes(t)) for t in e.top],
             )
             for e in entries
         ]
@@ -298,19 +306,18 @@ def chat_logprobs(entries: list[TokenLogprob]) -> ChoiceLogprobs:
 
 
 def completion_logprobs(
-    entries: list[TokenLogprob], offset: int, with_top: bool
+    entries: list[TokenLogprob], offset: int, decoder: codecs.IncrementalDecoder
 ) -> tuple[CompletionLogprobs, int]:
-    """The legacy shape; `offset` is where the first token's text starts in the choice's
-    text. Returns the offset after the last token."""
+    """The legacy shape. `offset` is where the first token's text starts in the choice's
+    text; each token advances it by the characters its bytes complete (`decoder` carries a
+    partial UTF-8 character over to the next token). Returns the offset after the last."""
     tokens, values, tops, offsets = [], [], [], []
     for e in entries:
         tokens.append(e.token)
         values.append(e.logprob)
-        tops.append(
-            {t.token: t.logprob for t in e.top} if with_top and e.logprob is not None else None
-        )
+        tops.append({t.token: t.logprob for t in e.top} if e.logprob is not None else None)
         offsets.append(offset)
-        offset += len(e.token)
+        offset += len(decoder.decode(e.token_bytes or e.token.encode()))
     return CompletionLogprobs(tokens, values, tops, offsets), offset
 
 
@@ -392,7 +399,11 @@ class CompletionFormatter:
         self.include_usage = include_usage
         self.echo = echo
         self.logprobs = logprobs
-        self.offsets = [0] * len(prompts)  # per choice: text emitted so far (text_offset)
+        # text_offset bookkeeping per choice: the echoed prompt's length, the characters the
+        # generated tokens made so far, and the decoder holding a partial character.
+        self.echo_len = [0] * len(prompts)
+        self.gen_chars = [0] * len(prompts)
+        self.decoders = [_utf8_decoder() for _ in prompts]
         self.created = int(time.time())
         self.encode = msgspec.json.Encoder().encode
 
@@ -411,10 +422,12 @@ class CompletionFormatter:
     ) -> CompletionLogprobs | None:
         if self.logprobs is None:
             return None
-        start = self.offsets[index]
-        prompt_part, _ = completion_logprobs(prompt_entries, start, True)
-        gen_start = start + len(text) if prompt_entries else start
-        gen_part, _ = completion_logprobs(entries, gen_start, True)
+        prompt_part, _ = completion_logprobs(prompt_entries, 0, _utf8_decoder())
+        if text:
+            self.echo_len[index] = len(text)
+        start = self.echo_len[index] + self.gen_chars[index]
+        gen_part, end = completion_logprobs(entries, start, self.decoders[index])
+        self.gen_chars[index] = end - self.echo_len[index]
         return CompletionLogprobs(
             prompt_part.tokens + gen_part.tokens,
             prompt_part.token_logprobs + gen_part.token_logprobs,
@@ -429,7 +442,6 @@ class CompletionFormatter:
         prompt, prompt_entries = self._echo(index, output)
         logprobs = self._logprobs(index, prompt, prompt_entries, output.logprobs)
         text = prompt + output.text
-        self.offsets[index] += len(text)
         if not text and (logprobs is None or not logprobs.tokens):
             return b""
         return self._chunk(CompletionChoice(index, text, None, logprobs))

@@ -1,0 +1,198 @@
+"""OpenAI Responses API bodies as msgspec Structs.
+
+The request forbids unknown fields, so a parameter this gateway does not implement is a 400
+naming it. Input items are decoded loosely (as JSON objects) and checked one by one in
+`translate`, so that an unsupported item or content part is a 400 naming `input[i]...`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+PosInt = Annotated[int, Meta(ge=1)]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+MetadataKey = Annotated[str, Meta(max_length=64)]
+MetadataValue = Annotated[str, Meta(max_length=512)]
+Metadata = Annotated[dict[MetadataKey, MetadataValue], Meta(max_length=16)]
+
+
+class _Body(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    pass
+
+
+# ---- requests ----------------------------------------------------------------------------
+
+
+class TextFormat(msgspec.Struct):
+    """`text.format`: only {"type": "text"} is served (other types carry more fields)."""
+
+    type: str
+
+
+class TextConfig(_Body):
+    format: TextFormat | None = None
+
+
+class StreamOptions(_Body):
+    include_obfuscation: bool | None = None  # accepted; no padding is ever added
+
+
+class ResponsesRequest(_Body):
+    model: str
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    max_output_tokens: PosInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    store: bool = True
+    background: bool = False
+    metadata: Metadata | None = None
+    user: str | None = None  # an end-user id: echoed
+    safety_identifier: str | None = None  # likewise
+    prompt_cache_key: str | None = None  # a caching hint: prefix reuse needs none
+    service_tier: Literal["auto", "default"] | None = None  # one tier here
+    previous_response_id: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    text: TextConfig | None = None
+    parallel_tool_calls: bool | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any | None = None
+    # Documented fields this gateway cannot honour (beyond their empty values): a 400 each.
+    reasoning: Any | None = None
+    include: list[str] | None = None
+    top_logprobs: Any | None = None
+    conversation: Any | None = None
+    prompt: Any | None = None
+
+
+class MessageItemIn(_Body):
+    """One input item of type "message" (EasyInputMessage, or an earlier output passed back)."""
+
+    role: str
+    content: str | list[dict[str, Any]]
+    type: Literal["message"] = "message"
+    id: str | None = None
+    status: str | None = None
+    phase: str | None = None  # an assistant message's label: accepted, not used
+
+
+class TextPartIn(_Body):
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None  # an earlier output passed back
+    logprobs: list[Any] | None = None
+
+
+# ---- items -------------------------------------------------------------------------------
+
+
+class InputText(msgspec.Struct, tag_field="type", tag="input_text"):
+    text: str
+
+
+class OutputText(msgspec.Struct, tag_field="type", tag="output_text"):
+    text: str
+    annotations: list[Any] = []
+
+
+TextPart = InputText | OutputText
+
+
+class MessageItem(msgspec.Struct, kw_only=True):
+    """A message of a conversation: an input item, or the assistant's output."""
+
+    id: str
+    type: str = "message"
+    status: str = "completed"  # in_progress | completed | incomplete
+    role: str
+    content: list[TextPart]
+
+
+# ---- the response object -------------------------------------------------------------------
+
+
+class ResponseError(msgspec.Struct):
+    code: str
+    message: str
+
+
+class IncompleteDetails(msgspec.Struct):
+    reason: str
+
+
+class InputTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(msgspec.Struct):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(msgspec.Struct):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class TextFormatOut(msgspec.Struct):
+    type: str = "text"
+
+
+class TextOut(msgspec.Struct):
+    format: TextFormatOut = msgspec.field(default_factory=TextFormatOut)
+
+
+class ResponseObject(msgspec.Struct, kw_only=True):
+    """OpenAI's Response; mutable: a background response evolves in the store."""
+
+    id: str
+    object: str = "response"
+    created_at: int
+    status: str  # queued | in_progress | completed | incomplete | failed | cancelled
+    background: bool = False
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
+    metadata: dict[str, str] = {}
+    model: str
+    output: list[MessageItem] = []
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    reasoning: None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str = "default"
+    store: bool = True
+    temperature: float = 1.0
+    text: TextOut = msgspec.field(default_factory=TextOut)
+    tool_choice: str = "auto"
+    tools: list[Any] = []
+    top_p: float = 1.0
+    truncation: str = "disabled"
+    usage: ResponseUsage | None = None
+    user: str | None = None
+    completed_at: int | None = None
+
+
+class DeletedResponse(msgspec.Struct):
+    id: str
+    object: str = "response.deleted"
+    deleted: bool = True
+
+
+class ItemList(msgspec.Struct):
+    data: list[MessageItem]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+    object: str = "list"
