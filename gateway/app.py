@@ -158,6 +158,7 @@ def create_app(config: Config) -> GatewayApp:
     keys = KeyStore(keys_path(config.server.keys_file))
     supervisor = Supervisor(config, run_dir)
     metrics = Metrics(supervisor)
+    limiter = KeyLimiter()
     finish_hooks: list[Callable[[RequestContext], None]] = [metrics.observe]
     if config.server.access_log:
         finish_hooks.append(access_hook())
@@ -169,6 +170,7 @@ def create_app(config: Config) -> GatewayApp:
             "started_at": time.time(),
             "key_store": keys,
             "inflight": InFlight(),  # requests in flight, for cancel by id
+            "limiter": limiter,  # per-key limits (the middleware's; background work too)
             # Called with each finished RequestContext (metrics, access log).
             "finish_hooks": finish_hooks,
         }
@@ -197,7 +199,7 @@ def create_app(config: Config) -> GatewayApp:
     asgi = GatewayMiddleware(
         litestar,
         keys,
-        KeyLimiter(),
+        limiter,
         finish_hooks,
         metrics_open=config.server.metrics_open,
     )

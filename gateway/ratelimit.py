@@ -83,9 +83,14 @@ class KeyLimiter:
                 retry_after=retry,
                 headers=headers,
             )
+        self.track(ctx, key)
+        return headers
+
+    def track(self, ctx: RequestContext, key: ApiKey) -> None:
+        """Count `ctx` in flight for `key` until it finishes, then charge its tokens (also
+        for work that outlives its HTTP request: a background response)."""
         self._in_flight[key.id] = self.in_flight(key.id) + 1
         ctx.on_finish.append(lambda c: self._done(c, key))
-        return headers
 
     def _done(self, ctx: RequestContext, key: ApiKey) -> None:
         left = self._in_flight.get(key.id, 1) - 1

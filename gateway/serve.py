@@ -209,7 +209,7 @@ async def serve(
             headers=SSE_HEADERS,
         )
     streams, groups = await submit_all(supervisor, served, ctx, server.max_tokens_cap)
-    relay = _relay(state, streams, groups, ctx, request_)
+    relay = relay_for(state, streams, groups, ctx, request_)
     if not served.stream:
         return Response(await relay.collect(fmt), media_type=JSON)
     first = await relay.first()
@@ -217,7 +217,7 @@ async def serve(
     return Stream(relay.sse(fmt, first), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-def _relay(
+def relay_for(
     state: State,
     streams: list[RequestStream],
     groups: list[int],
@@ -253,7 +253,7 @@ async def _load_then_relay(
                 yield f": loading model {model}\n\n".encode()
         try:
             streams, groups = task.result()
-            relay = _relay(state, streams, groups, ctx)
+            relay = relay_for(state, streams, groups, ctx)
             first = await relay.first()
         except GatewayError as exc:
             yield fmt.stream_error(exc)

@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 from litestar import Request, Response, Router, get, post
 from litestar.datastructures import State
+from litestar.params import FromPath
 from litestar.response import Stream
 
 from gateway.errors import GatewayError, error_response
@@ -105,7 +106,7 @@ async def list_models(state: State) -> Response[bytes]:
 
 @get("/models/{model_id:path}")
 async def get_model(
-    request: Request[Any, Any, Any], state: State, model_id: str
+    request: Request[Any, Any, Any], state: State, model_id: FromPath[str]
 ) -> Response[bytes]:
     name = model_id.lstrip("/")
     supervisor: Supervisor = state.supervisor
@@ -116,7 +117,7 @@ async def get_model(
 
 @post("/requests/{request_id:str}/cancel", status_code=200)
 async def cancel_request(
-    request: Request[Any, Any, Any], state: State, request_id: str
+    request: Request[Any, Any, Any], state: State, request_id: FromPath[str]
 ) -> Response[bytes]:
     """Abort a request in flight from another connection (its own key or an admin key)."""
     inflight: InFlight = state.inflight

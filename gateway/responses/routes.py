@@ -25,6 +25,7 @@ from gateway.errors import GatewayError, error_response
 from gateway.logs import log_body
 from gateway.middleware import authorize_model, context_of
 from gateway.openai.translate import decode_body
+from gateway.ratelimit import KeyLimiter
 from gateway.responses.schemas import (
     DeletedResponse,
     MessageItem,
@@ -42,7 +43,7 @@ from gateway.responses.translate import (
     new_response,
     sampling_of,
 )
-from gateway.serve import JSON, Job, Served, _relay, capped, serve, submit_all
+from gateway.serve import JSON, Job, Served, capped, relay_for, serve, submit_all
 from gateway.supervisor import Supervisor
 from shared.config import parse_duration
 from shared.types import ErrorCode, RequestKind
@@ -184,6 +185,9 @@ def _background_context(state: State, ctx: RequestContext | None) -> RequestCont
         client_request_id=ctx.client_request_id,
         model=ctx.model,
     )
+    limiter: KeyLimiter | None = state.get("limiter")
+    if limiter is not None and ctx.key is not None:
+        limiter.track(job, ctx.key)  # in flight until done, its tokens charged then
     job.on_finish.extend(state.get("finish_hooks", []))
     return job
 
@@ -200,7 +204,7 @@ async def _run_background(
         streams, groups = await submit_all(
             state.supervisor, served, ctx, state.config.server.max_tokens_cap
         )
-        relay = _relay(state, streams, groups, ctx)
+        relay = relay_for(state, streams, groups, ctx)
         first = await relay.first()
         async for _ in relay.sse(fmt, first):
             pass  # the formatter updates the stored response as it goes
