@@ -91,6 +91,7 @@ class Slot:
     idle_since: float | None = None
     replay: list[RequestStream] = field(default_factory=list)
     last_info: Ready | None = None  # the last Ready: capabilities and context stay known
+    peeked: list[str] | None = None  # capabilities its files promise, before its first Ready
 
     @property
     def name(self) -> str:

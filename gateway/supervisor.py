@@ -48,6 +48,7 @@ from gateway.stream import RequestStream
 from gateway.transport import Transport
 from shared.blas import worker_env
 from shared.config import Config, ModelConfig, parse_duration
+from shared.modelinfo import peek
 from shared.paths import RunDir
 from shared.protocol import (
     PROTOCOL_VERSION,
@@ -512,10 +513,19 @@ class Supervisor:
         return None if info is None else list(info.capabilities)
 
     def check_capabilities(self, slot: Slot, needs: list[str], info: Ready | None = None) -> None:
+        """A 400 before anything is sent (or loaded) when the model cannot serve `needs`:
+        from its last Ready, else from its files; unknown (a hub id not downloaded yet)
+        is checked again once its worker is Ready."""
         info = info or (slot.handle.info if slot.handle is not None else None) or slot.last_info
-        if info is None:
-            return  # not known before its first load: checked again once the worker is Ready
-        missing = [need for need in needs if need not in info.capabilities]
+        if info is not None:
+            capabilities: list[str] | None = list(info.capabilities)
+        else:
+            if slot.peeked is None:
+                slot.peeked = peek(slot.config)[1] or []
+            capabilities = slot.peeked or None
+        if capabilities is None:
+            return
+        missing = [need for need in needs if need not in capabilities]
         if missing:
             raise GatewayError(
                 ErrorCode.INVALID_REQUEST,

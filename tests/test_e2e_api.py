@@ -109,6 +109,8 @@ def extra(tmp_path_factory: pytest.TempPathFactory, chat_model: Path) -> Iterato
         {"name": "base", "source": str(base)},
         # a TOML dotted key: `[[models]] chat_template_kwargs = { enable_thinking = true }`
         {"name": "think", "source": str(chat_model), "chat_template_kwargs.enable_thinking": True},
+        # never loaded unless asked: its card and its capability check come from its files
+        {"name": "lazy-base", "source": str(base), "preload": False},
     ]
     with running_gateway(models, request_timeout_s=60.0) as gw:
         yield gw
@@ -494,6 +496,19 @@ def test_models_list_capabilities(client: openai.OpenAI, extra_client: openai.Op
     extra = {m.id: m.model_extra or {} for m in extra_client.models.list().data}
     assert extra["base"]["capabilities"] == ["completion", "logprobs", "echo", "tokenize"]
     assert extra["think"]["capabilities"] == FULL
+
+
+def test_an_unloaded_model_is_described_and_checked_from_its_files(
+    extra: GatewayProc, extra_client: openai.OpenAI
+) -> None:
+    card = extra_client.models.retrieve("lazy-base").model_extra or {}
+    assert card["state"] == "unloaded"
+    assert card["capabilities"] == ["completion", "logprobs", "echo", "tokenize"]
+    assert card["context_length"] == 2048  # the tiny model's max_position_embeddings
+    with pytest.raises(openai.BadRequestError) as info:
+        extra_client.chat.completions.create(model="lazy-base", messages=MESSAGES, max_tokens=2)
+    assert info.value.param == "messages" and "chat template" in info.value.message
+    assert extra.ps()["lazy-base"]["state"] == "unloaded"  # refused without loading it
 
 
 def test_model_without_chat_template(extra: GatewayProc, extra_client: openai.OpenAI) -> None:

@@ -240,9 +240,7 @@ class EngineCore:
         """Each prompt token's logprob given the tokens before it (echo with logprobs), from
         a forward pass over the prompt in prefill-sized chunks; the first has none."""
         first = prompt[0]
-        entries = [
-            TokenLogprob(first, self.tokens.text(first), token_bytes=self.tokens.raw(first))
-        ]
+        entries = [TokenLogprob(first, self.tokens.text(first), token_bytes=self.tokens.raw(first))]
         cache = make_prompt_cache(self.model)
         step = max(1, self.options.prefill_step_size)
         last = len(prompt) - 1  # positions 0..last-1 predict tokens 1..last

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from shared.config import ModelConfig
+from shared.modelinfo import context_length
 
-DEFAULT_CONTEXT = 4096
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.py"]
 
 
@@ -100,15 +99,4 @@ def load_model(config: ModelConfig, progress: Progress = _no_progress) -> Loaded
         model, tokenizer = load(str(path), trust_remote_code=config.trust_remote_code)[:2]
     except Exception as exc:
         raise LoadError(f"model {config.name!r}: mlx-lm could not load {path}: {exc}") from exc
-    return LoadedModel(model, tokenizer, path, _max_context(path, config), config.is_demo)
-
-
-def _max_context(path: Path, config: ModelConfig) -> int:
-    if config.engine.max_context:
-        return config.engine.max_context
-    model_config = json.loads((path / "config.json").read_text())
-    for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
-        value = model_config.get(key) or model_config.get("text_config", {}).get(key)
-        if isinstance(value, int) and value > 0:
-            return value
-    return DEFAULT_CONTEXT
+    return LoadedModel(model, tokenizer, path, context_length(path, config), config.is_demo)

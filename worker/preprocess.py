@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from shared.config import EngineOptions
+from shared.modelinfo import text_capabilities
 from shared.protocol import Add
 from shared.types import CanonicalRequest, ErrorCode, RequestError, RequestKind, SamplingParams
 
@@ -19,8 +20,7 @@ def has_chat_template(tokenizer: Any) -> bool:
 def capabilities(tokenizer: Any) -> list[str]:
     """What this text model serves (Ready.capabilities; the gateway checks requests against
     it): chat needs a chat template; the rest every mlx-lm model does."""
-    chat = ["chat"] if has_chat_template(tokenizer) else []
-    return [*chat, "completion", "logprobs", "echo", "tokenize"]
+    return text_capabilities(has_chat_template(tokenizer))
 
 
 class PreprocessError(Exception):

@@ -29,6 +29,7 @@ from gateway.openai.translate import (
 )
 from gateway.serve import JSON, InFlight, Job, Served, serve
 from gateway.supervisor import Supervisor
+from shared.modelinfo import peek
 from shared.types import RequestKind
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -80,7 +81,12 @@ def model_card(state: State, name: str) -> ModelCard:
     supervisor: Supervisor = state.supervisor
     model = supervisor.resolve(name)
     info = supervisor.worker_info(model.name) or supervisor.slots[model.name].last_info
-    context = info.capacity.max_context if info else model.engine.max_context
+    context: int | None
+    capabilities: list[str] | None
+    if info is not None:
+        context, capabilities = info.capacity.max_context, list(info.capabilities)
+    else:  # not loaded yet: what its files say (None for a hub id not downloaded)
+        context, capabilities = peek(model)
     return ModelCard(
         id=name,
         created=int(state.started_at),
@@ -92,7 +98,7 @@ def model_card(state: State, name: str) -> ModelCard:
         ),
         max_context=context,
         context_length=context,
-        capabilities=list(info.capabilities) if info else None,
+        capabilities=capabilities,
         kind=model.kind.value,
     )
 
