@@ -41,6 +41,7 @@ class RequestContext:
     path: str
     key: ApiKey | None = None  # None: no keys configured (open loopback gateway)
     client_request_id: str = ""
+    user: str = ""  # an end-user id the client sent (OpenAI user / safety_identifier, ...)
     started: float = field(default_factory=time.perf_counter)
     model: str = ""
     stream: bool = False

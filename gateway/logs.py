@@ -71,6 +71,8 @@ def access_hook() -> Callable[[RequestContext], None]:
         }
         if ctx.client_request_id:
             fields["client_request_id"] = ctx.client_request_id
+        if ctx.user:  # the request's end-user id (OpenAI's user / safety_identifier)
+            fields["user"] = ctx.user
         text = " ".join(f"{k}={'-' if v is None else v}" for k, v in fields.items())
         access.info(text, extra=fields)
 

@@ -54,6 +54,7 @@ class Served:
     # max_tokens when the request gives none (completions: 16, as OpenAI), at most the
     # server's cap; None: the worker's default (the rest of the context).
     default_max_tokens: int | None = None
+    user: str | None = None  # an end-user id the client sent, for the access log
 
 
 class InFlight:
@@ -169,7 +170,10 @@ async def submit_all(
             for j in range(served.n):
                 choice_sampling = sampling
                 if j and sampling.seed is not None:
-                    choice_sampling = msgspec.structs.replace(sampling, seed=sampling.seed + j)
+                    seed = sampling.seed + j
+                    if seed >= 2**64:  # wraps: MLX takes seeds modulo 2**64 anyway
+                        seed -= 2**64
+                    choice_sampling = msgspec.structs.replace(sampling, seed=seed)
                 index = len(streams)
                 rid = request_id if total == 1 or request_id is None else f"{request_id}-{index}"
                 stream = await supervisor.submit(
@@ -200,6 +204,8 @@ async def serve(
     authorize_model(ctx, served.model, lambda name: supervisor.resolve(name).name)
     if ctx is not None:
         ctx.stream = served.stream
+        if served.user:
+            ctx.user = served.user[:128]
     if served.stream and supervisor.must_load(served.model):
         # The model loads first: answer at once and keep the connection alive meanwhile.
         submit = submit_all(supervisor, served, ctx, server.max_tokens_cap)

@@ -65,7 +65,13 @@ from shared.protocol import (
     StepOutputs,
     WorkerDead,
 )
-from shared.types import CanonicalRequest, ErrorCode, RequestKind, SamplingParams
+from shared.types import (
+    CanonicalRequest,
+    ErrorCode,
+    RequestKind,
+    SamplingParams,
+    reserved_template_kwarg,
+)
 
 # Why a model lacks a capability a request needs, and the request field that asked for it.
 _MISSING = {
@@ -500,6 +506,14 @@ class Supervisor:
         model: ModelConfig, kind: RequestKind, request: CanonicalRequest
     ) -> CanonicalRequest:
         """The model's configured chat_template_kwargs, overridden key by key by the request's."""
+        reserved = reserved_template_kwarg(request.chat_template_kwargs)
+        if reserved is not None:
+            raise GatewayError(
+                ErrorCode.INVALID_REQUEST,
+                f"chat_template_kwargs.{reserved} is not a template variable (it is a parameter "
+                "of the templating call itself)",
+                f"chat_template_kwargs.{reserved}",
+            )
         if kind != RequestKind.CHAT or not model.chat_template_kwargs:
             return request
         merged = {**model.chat_template_kwargs, **request.chat_template_kwargs}
@@ -616,8 +630,14 @@ class Supervisor:
         assert stream.add is not None
         stream.worker_id = handle.worker_id
         handle.streams[stream.request_id] = stream
-        if self.transport.send(handle.worker_id, stream.add):
-            return True
+        try:
+            if self.transport.send(handle.worker_id, stream.add):
+                return True
+        except (OverflowError, TypeError, ValueError) as exc:  # unencodable: never leak it
+            handle.streams.pop(stream.request_id, None)
+            raise GatewayError(
+                ErrorCode.INVALID_REQUEST, f"a value in the request is out of range: {exc}"
+            ) from exc
         handle.streams.pop(stream.request_id, None)
         return False
 
@@ -824,7 +844,12 @@ class Supervisor:
         for stream in replay:
             if stream.finished:
                 continue
-            if not self._send_add(handle, stream):
+            try:
+                sent = self._send_add(handle, stream)
+            except GatewayError as exc:
+                stream.fail(exc.code, exc.message)
+                continue
+            if not sent:
                 stream.fail(ErrorCode.WORKER_UNAVAILABLE, f"model {slot.name!r} is unreachable")
         if replay:
             log.info("model %s: replayed %d request(s)", slot.name, len(replay))

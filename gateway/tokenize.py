@@ -37,7 +37,7 @@ class TokenizeResponse(msgspec.Struct, omit_defaults=True):
 
 class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
     model: str
-    tokens: list[Annotated[int, Meta(ge=0)]]
+    tokens: list[Annotated[int, Meta(ge=0, le=2**31 - 1)]]
 
 
 async def tokenize_prompt(

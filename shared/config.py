@@ -14,6 +14,8 @@ from typing import Literal
 
 import msgspec
 
+from shared.types import reserved_template_kwarg
+
 DEMO_SOURCE = "builtin:demo"
 # The resolved config, handed to the HTTP server's worker process (gateway.asgi:app).
 CONFIG_JSON_ENV = "MLX_GATEWAY_CONFIG_JSON"
@@ -257,6 +259,11 @@ def _validate(config: Config) -> None:
             raise ConfigError(f"model {model.name!r}: engine.max_waiting must not be negative")
         if model.ttl is not None:
             parse_duration(model.ttl, f"model {model.name!r}: ttl")
+        reserved = reserved_template_kwarg(model.chat_template_kwargs)
+        if reserved is not None:
+            raise ConfigError(
+                f"model {model.name!r}: chat_template_kwargs.{reserved} is not a template variable"
+            )
         if model.memory_gb is not None and model.memory_gb <= 0:
             raise ConfigError(f"model {model.name!r}: memory_gb must be positive")
     parse_duration(config.server.default_ttl, "server.default_ttl")

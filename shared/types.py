@@ -7,6 +7,7 @@ compatibility rule: fields are only ever appended, always with defaults.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 
 import msgspec
 
@@ -93,6 +94,32 @@ class CanonicalRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     prompt_token_ids: list[int] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, str | bool | int | float] = {}
+
+
+# apply_chat_template's own parameters: `chat_template_kwargs` may only set template
+# variables (continue_final_message is served as a request field of its own and passes).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+def reserved_template_kwarg(kwargs: Mapping[str, object]) -> str | None:
+    """The first key of `kwargs` that is not a template variable, or None."""
+    return next((key for key in kwargs if key in RESERVED_TEMPLATE_KWARGS), None)
 
 
 class Usage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -20,7 +20,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from tests.gateway_proc import GatewayProc, openai_client, running_gateway
-from worker.modelgen import TinyModelSpec, build_tiny_model, byte_token_id
+from worker.modelgen import IM_END_ID, TinyModelSpec, build_tiny_model, byte_token_id
 
 MESSAGES: Any = [{"role": "user", "content": "Tell me about the sea."}]
 PROMPT_TEXT = "The gateway starts one worker per model"
@@ -353,6 +353,53 @@ def test_echo_logprobs_in_lm_eval_harness_shape(
     assert lp.text_offset == offsets
     assert r.usage is not None
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), max_tokens)
+
+
+def test_echo_logprobs_keep_a_generated_end_of_sequence(
+    client: openai.OpenAI, gateway: GatewayProc, reference: Reference
+) -> None:
+    """lm-eval reads token_logprobs[ctxlen:-1] with max_tokens 1: the generated token must
+    be there even when it is EOS (which the text never shows)."""
+    prompt = tokenize(gateway, model="chat", prompt=PROMPT_TEXT)["tokens"]
+    r = client.completions.create(
+        model="chat",
+        prompt=[prompt],
+        echo=True,
+        logprobs=1,
+        max_tokens=1,
+        temperature=0,
+        logit_bias={str(IM_END_ID): 100},
+    )
+    (choice,) = r.choices
+    assert choice.finish_reason == "stop"
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert len(lp.tokens) == len(prompt) + 1
+    assert lp.token_logprobs[-1] is not None and lp.token_logprobs[-1] > -1.0
+    assert r.usage is not None and r.usage.completion_tokens == 1
+
+
+def test_template_call_parameters_are_not_template_variables(
+    client: openai.OpenAI, gateway: GatewayProc
+) -> None:
+    """chat_template_kwargs that would change the templating call itself (return_tensors,
+    tokenize, ...) are a 400 naming them; the worker never sees them."""
+    for key, value in (("return_tensors", "np"), ("tokenize", False), ("return_dict", True)):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(
+                model="chat",
+                messages=MESSAGES,
+                max_tokens=2,
+                extra_body={"chat_template_kwargs": {key: value}},
+            )
+        assert info.value.param == f"chat_template_kwargs.{key}"
+        r = post(
+            gateway,
+            "/tokenize",
+            {"model": "chat", "messages": MESSAGES, "chat_template_kwargs": {key: value}},
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == f"chat_template_kwargs.{key}"
+    assert gateway.ps()["chat"]["restarts"] == 0
 
 
 def test_echo_text_prompt_and_stream(client: openai.OpenAI) -> None:

@@ -134,4 +134,15 @@ def test_any_integer_seed_is_served(gateway: GatewayProc) -> None:
         body = {"model": "chat", "messages": OK_MESSAGES, "seed": seed, "max_tokens": 3}
         r = _post(gateway, "chat/completions", body)
         assert r.status_code == 200, r.text
+    # n > 1 adds the choice's index to a seed: the top of the range wraps, never overflows.
+    body = {"model": "chat", "messages": OK_MESSAGES, "seed": 2**64 - 1, "n": 2, "max_tokens": 2}
+    assert _post(gateway, "chat/completions", body).status_code == 200
+    # Beyond 64 bits (or a token id beyond 32): a 400 naming the field, never a 500.
+    for field, value in (("seed", 2**64), ("seed", -(2**63) - 1), ("max_tokens", 2**64)):
+        body = {"model": "chat", "messages": OK_MESSAGES, field: value}
+        error = _assert_openai_error(_post(gateway, "chat/completions", body), 400)
+        assert error["param"] == field
+    body = {"model": "chat", "messages": OK_MESSAGES, "logit_bias": {str(2**70): 1}}
+    assert _post(gateway, "chat/completions", body).status_code == 400
     assert gateway.ps()["chat"]["state"] == "ready"
+    assert gateway.ps()["chat"]["in_flight"] == 0

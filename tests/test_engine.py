@@ -477,15 +477,25 @@ def test_score_matches_mlx_lm(chat: Loaded, prompts: list[list[int]], step_size:
     assert [(e.token_id, e.logprob, e.top) for e in one] == [(prompt[0], None, [])]
 
 
-def test_echo_scoring_only_is_answered_at_add(chat: Loaded, prompts: list[list[int]]) -> None:
-    """echo + logprobs + max_tokens 0 (lm-evaluation-harness): one terminal output at once,
-    the prompt's text and logprobs; nothing enters the batch."""
+def test_echo_scoring_only_runs_chunk_by_chunk(chat: Loaded, prompts: list[list[int]]) -> None:
+    """echo + logprobs + max_tokens 0 (lm-evaluation-harness): the prompt is scored one
+    prefill-sized chunk per step (running streams keep moving meanwhile), then one terminal
+    output with the prompt's text and logprobs; nothing enters the batch."""
     prompt = prompts[0]
-    engine = chat.engine()
-    output = engine.add(
-        PreparedRequest("e", prompt, 0, SamplingParams(echo=True, logprobs=True, top_logprobs=1))
-    )
-    assert output is not None
+    engine = chat.engine(prefill_step_size=4)
+    engine.add(greedy("r", prompts[1], 200, ignore_eos=True))
+    while not any(o.request_id == "r" and o.token_ids for o in engine.step()):
+        pass  # its prompt is prefilled: it now gets a token per step
+    sampling = SamplingParams(echo=True, logprobs=True, top_logprobs=1)
+    assert engine.add(PreparedRequest("e", prompt, 0, sampling)) is None
+    assert engine.counts()[1] >= 1  # waiting while it is scored
+    chunks = -(-(len(prompt) - 1) // 4)
+    outputs: list[RequestOutput] = []
+    for _ in range(chunks):
+        step = engine.step()
+        assert any(o.request_id == "r" for o in step)  # the stream got a token every step
+        outputs += [o for o in step if o.request_id == "e"]
+    [output] = outputs
     assert output.finish_reason is FinishReason.LENGTH
     assert output.usage == Usage(prompt_tokens=len(prompt))
     assert output.token_ids == [] and output.text == "" and output.logprobs == []
@@ -494,11 +504,23 @@ def test_echo_scoring_only_is_answered_at_add(chat: Loaded, prompts: list[list[i
     assert [(e.token_id, e.logprob) for e in output.prompt_logprobs] == [
         (e.token_id, e.logprob) for e in want
     ]
+    assert "e" not in engine.request_ids()
+    engine.abort(["r"])
     assert not engine.has_work
-    # echo without logprobs: the text only
-    output = engine.add(PreparedRequest("t", prompt, 0, SamplingParams(echo=True)))
-    assert output is not None and output.prompt_text == chat.tokenizer.decode(prompt)
-    assert output.prompt_logprobs == []
+    # echo without logprobs: the text only, answered at add
+    done = engine.add(PreparedRequest("t", prompt, 0, SamplingParams(echo=True)))
+    assert done is not None and done.prompt_text == chat.tokenizer.decode(prompt)
+    assert done.prompt_logprobs == []
+
+
+def test_a_request_being_scored_can_be_aborted(chat: Loaded, prompts: list[list[int]]) -> None:
+    engine = chat.engine(prefill_step_size=2)
+    sampling = SamplingParams(echo=True, logprobs=True, max_tokens=3)
+    engine.add(PreparedRequest("e", prompts[0], 3, sampling))
+    engine.step()
+    [aborted] = engine.abort(["e"])
+    assert aborted.finish_reason is FinishReason.ABORT
+    assert not engine.has_work and engine.abort(["e"]) == []
 
 
 def test_echo_with_generation_sends_the_prompt_once(chat: Loaded, prompts: list[list[int]]) -> None:

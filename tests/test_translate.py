@@ -345,6 +345,7 @@ def test_chat_allowed_neutral_values() -> None:
         user="u",
         safety_identifier="s",
         prompt_cache_key="k",
+        stream=True,
         stream_options={"include_usage": True, "include_obfuscation": False},
     )
 
@@ -605,3 +606,19 @@ def test_completion_echo_without_logprobs() -> None:
     # no echo asked: the prompt is not repeated even if the worker sent it
     fmt = CompletionFormatter("m", ["Hi"])
     assert one(fmt.stream_delta(0, first))["choices"][0]["text"] == " there"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+        ({"stop": ""}, "stop"),
+        ({"stop": ["a", ""]}, "stop"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"logit_bias": {str(2**40): 1}}, "logit_bias"),
+    ],
+)
+def test_silently_meaningless_values_are_refused(fields: dict[str, Any], param: str) -> None:
+    assert rejected(chat, **fields).param == param
+    assert rejected(completion, **fields).param == param

@@ -278,7 +278,7 @@ class WorkerProc:
         if not self.held:
             return []
         opts = self.args.model.engine
-        free = len(self.held) if everything else opts.max_running - len(engine.requests)
+        free = len(self.held) if everything else opts.max_running - engine.active
         batch_room = max(1, int(opts.max_running * opts.batch_share)) - engine.batch_count
         admit: list[PreparedRequest] = []
         keep: list[PreparedRequest] = []
@@ -316,7 +316,7 @@ class WorkerProc:
         self.state = WorkerState.DRAINING
         if frame.mode == ShutdownMode.ABORT:
             self.draining_until = time.monotonic()
-            return self.engine.abort(list(self.engine.requests))
+            return self.engine.abort(self.engine.request_ids())
         self.draining_until = time.monotonic() + frame.timeout_s
         return []
 
@@ -324,7 +324,7 @@ class WorkerProc:
         if self.draining_until is None or self.engine is None:
             return False
         if self.engine.has_work and time.monotonic() >= self.draining_until:
-            outputs = self.engine.abort(list(self.engine.requests))
+            outputs = self.engine.abort(self.engine.request_ids())
             self._emit(outputs)
         return not self.engine.has_work
 
@@ -332,7 +332,7 @@ class WorkerProc:
         ids = [p.request_id for p in self.held]
         self.held = []
         if self.engine is not None:
-            ids += list(self.engine.requests)
+            ids += self.engine.request_ids()
         if not ids:
             return
         error = RequestError(ErrorCode.WORKER_DIED, f"the worker failed: {reason}")
@@ -421,6 +421,12 @@ class WorkerProc:
                 {"code": exc.error.code.value, "param": exc.error.param},
                 exc.error.message,
             )
+        try:
+            msgspec.msgpack.encode(result)
+        except (TypeError, ValueError, OverflowError) as exc:  # never let a reply kill a thread
+            return ControlReply(
+                self.worker_id, frame.call_id, False, error=f"{frame.method}: unencodable: {exc}"
+            )
         return ControlReply(self.worker_id, frame.call_id, True, result)
 
     # ---- output thread ----------------------------------------------------------------
@@ -465,7 +471,12 @@ class WorkerProc:
                 continue
             if frame is _STOP:
                 return
-            sock.send(codec.encode(frame))  # type: ignore[arg-type]
+            try:
+                data = codec.encode(frame)  # type: ignore[arg-type]
+            except (TypeError, ValueError, OverflowError):  # a bug: log it, keep beating
+                log.exception("cannot encode %s", type(frame).__name__)
+                continue
+            sock.send(data)
 
     def _heartbeat(self, process: psutil.Process) -> Heartbeat:
         running, waiting = self.engine.counts() if self.engine else (0, 0)

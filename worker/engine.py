@@ -8,6 +8,7 @@ prompt never freezes running streams.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, cast
 
 import mlx.core as mx
@@ -44,6 +45,9 @@ class EngineCore:
             prefill_step_size=options.prefill_step_size,
         )
         self.requests: dict[str, Request] = {}
+        # echo + logprobs: the prompt is scored first, one prefill-sized chunk per step()
+        # (so running streams keep moving), then the request joins the batch.
+        self.scoring: dict[str, Scoring] = {}
         self._by_uid: dict[int, Request] = {}
         self._eos_stops = StopSequences([[t] for t in sorted(self.eos_ids)])
         self.steps = 0
@@ -53,7 +57,15 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self.scoring)
+
+    @property
+    def active(self) -> int:
+        """Requests the engine holds: in the batch, or having their prompt scored first."""
+        return len(self.requests) + len(self.scoring)
+
+    def request_ids(self) -> list[str]:
+        return [*self.requests, *self.scoring]
 
     def probe(self, max_steps: int = 64) -> None:
         """Generate one greedy token through the real batch: Ready means this worked."""
@@ -85,16 +97,29 @@ class EngineCore:
     def counts(self) -> tuple[int, int]:
         """(running, waiting): waiting requests have not produced a token yet."""
         waiting = sum(1 for r in list(self.requests.values()) if r.completion_tokens == 0)
-        return len(self.requests) - waiting, waiting
+        return len(self.requests) - waiting, waiting + len(self.scoring)
 
     def add(self, prepared: PreparedRequest) -> RequestOutput | None:
-        """Into the batch; an echo request with max_tokens 0 (scoring only) is answered here."""
+        """Into the batch (an echo request with logprobs has its prompt scored first); an
+        echo request with max_tokens 0 that needs no scoring is answered here."""
         params = prepared.sampling
-        prompt_text = prompt_logprobs = None
-        if params.echo:
-            prompt_text = self.tokenizer.decode(prepared.prompt)
-            if params.logprobs:
-                prompt_logprobs = self.score(prepared.prompt, params.top_logprobs)
+        prompt_text = self.tokenizer.decode(prepared.prompt) if params.echo else None
+        if params.echo and params.logprobs:
+            first = prepared.prompt[0]
+            entry = TokenLogprob(first, self.tokens.text(first), token_bytes=self.tokens.raw(first))
+            self.scoring[prepared.request_id] = Scoring(
+                prepared, prompt_text or "", [entry], make_prompt_cache(self.model)
+            )
+            return None
+        return self._start(prepared, prompt_text, None)
+
+    def _start(
+        self,
+        prepared: PreparedRequest,
+        prompt_text: str | None,
+        prompt_logprobs: list[TokenLogprob] | None,
+    ) -> RequestOutput | None:
+        params = prepared.sampling
         if prepared.max_tokens == 0:
             return RequestOutput(
                 prepared.request_id,
@@ -127,6 +152,7 @@ class EngineCore:
             priority=prepared.priority,
             logprobs=params.logprobs,
             top_logprobs=params.top_logprobs,
+            stop_logprob=params.echo,
             prompt_text=prompt_text,
             prompt_logprobs=prompt_logprobs,
         )
@@ -138,18 +164,33 @@ class EngineCore:
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         """Remove requests from the batch (their KV goes with them); idempotent."""
+        outputs = [
+            RequestOutput(
+                job.prepared.request_id,
+                finish_reason=FinishReason.ABORT,
+                usage=Usage(prompt_tokens=len(job.prepared.prompt)),
+            )
+            for i in request_ids
+            if (job := self.scoring.pop(i, None)) is not None
+        ]
         found = [self.requests[i] for i in request_ids if i in self.requests]
         if not found:
-            return []
+            return outputs
         self.generator.remove([r.uid for r in found])
         for request in found:
             self._forget(request)
-        return [r.finish(FinishReason.ABORT) for r in found]
+        return outputs + [r.finish(FinishReason.ABORT) for r in found]
 
     def step(self) -> list[RequestOutput]:
-        _, responses = self.generator.next()
         self.steps += 1
         outputs: list[RequestOutput] = []
+        if self.scoring:
+            started = self._score_step()
+            if started is not None:
+                outputs.append(started)
+        if not self.requests:
+            return outputs
+        _, responses = self.generator.next()
         early: list[int] = []
         logprobs = self._logprobs(responses) if self.logprob_count else None
         for response in responses:
@@ -236,21 +277,54 @@ class EngineCore:
             )
         return entries
 
-    def score(self, prompt: list[int], top: int) -> list[TokenLogprob]:
-        """Each prompt token's logprob given the tokens before it (echo with logprobs), from
-        a forward pass over the prompt in prefill-sized chunks; the first has none."""
-        first = prompt[0]
-        entries = [TokenLogprob(first, self.tokens.text(first), token_bytes=self.tokens.raw(first))]
-        cache = make_prompt_cache(self.model)
-        step = max(1, self.options.prefill_step_size)
+    def _score_step(self) -> RequestOutput | None:
+        """One prefill-sized chunk of the oldest scoring job: each prompt token's logprob
+        given the tokens before it (the first has none). A finished job joins the batch,
+        or, with max_tokens 0, is answered."""
+        request_id, job = next(iter(self.scoring.items()))
+        prompt = job.prepared.prompt
         last = len(prompt) - 1  # positions 0..last-1 predict tokens 1..last
-        for start in range(0, last, step):
-            chunk = prompt[start : min(start + step, last)]
-            logits = self.model(mx.array(chunk)[None], cache=cache)[0].astype(mx.float32)
+        if job.position < last:
+            end = min(job.position + max(1, self.options.prefill_step_size), last)
+            chunk = prompt[job.position : end]
+            logits = self.model(mx.array(chunk)[None], cache=job.cache)[0].astype(mx.float32)
             rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            targets = prompt[start + 1 : start + 1 + len(chunk)]
-            entries += self._entries(rows, targets, top)
-        return entries
+            targets = prompt[job.position + 1 : end + 1]
+            job.entries += self._entries(rows, targets, job.prepared.sampling.top_logprobs)
+            job.position = end
+        if job.position < last:
+            return None
+        del self.scoring[request_id]
+        job.cache = None  # the batch prefills its own KV
+        return self._start(job.prepared, job.prompt_text, job.entries)
+
+    def score(self, prompt: list[int], top: int) -> list[TokenLogprob]:
+        """All of a prompt's logprobs at once (tests and tools; requests use scoring jobs,
+        a chunk per step)."""
+        first = prompt[0]
+        entry = TokenLogprob(first, self.tokens.text(first), token_bytes=self.tokens.raw(first))
+        sampling = SamplingParams(logprobs=True, top_logprobs=top, echo=True)
+        job = Scoring(
+            PreparedRequest("__score__", prompt, 0, sampling),
+            "",
+            [entry],
+            make_prompt_cache(self.model),
+        )
+        self.scoring = {"__score__": job, **self.scoring}
+        while "__score__" in self.scoring:
+            self._score_step()
+        return job.entries
+
+
+@dataclass(slots=True, eq=False)
+class Scoring:
+    """An echo + logprobs request whose prompt is being scored before it joins the batch."""
+
+    prepared: PreparedRequest
+    prompt_text: str
+    entries: list[TokenLogprob]
+    cache: Any
+    position: int = 0  # the next prompt position to run
 
 
 def _trim(entry: TokenLogprob, top: int) -> TokenLogprob:

@@ -10,7 +10,14 @@ import msgspec
 from shared.config import EngineOptions
 from shared.modelinfo import text_capabilities
 from shared.protocol import Add
-from shared.types import CanonicalRequest, ErrorCode, RequestError, RequestKind, SamplingParams
+from shared.types import (
+    CanonicalRequest,
+    ErrorCode,
+    RequestError,
+    RequestKind,
+    SamplingParams,
+    reserved_template_kwarg,
+)
 
 
 def has_chat_template(tokenizer: Any) -> bool:
@@ -105,6 +112,12 @@ class Preprocessor:
                     "messages",
                 )
             messages = [_message_dict(m.role, m.content, m.name) for m in request.messages]
+            reserved = reserved_template_kwarg(request.chat_template_kwargs)
+            if reserved is not None:
+                raise _invalid(
+                    f"chat_template_kwargs.{reserved} is not a template variable",
+                    f"chat_template_kwargs.{reserved}",
+                )
             try:
                 ids = self.tokenizer.apply_chat_template(
                     messages,
@@ -116,7 +129,15 @@ class Preprocessor:
                 raise _invalid(
                     f"the chat template rejected the messages: {exc}", "messages"
                 ) from exc
-            return list(ids)
+            if isinstance(ids, dict):  # transformers 5 may return a BatchEncoding
+                ids = ids.get("input_ids", ids)
+            tokens = list(ids) if isinstance(ids, list | tuple) else None
+            if tokens is None or not all(type(t) is int for t in tokens):
+                raise _invalid(
+                    "the chat template did not produce token ids (check chat_template_kwargs)",
+                    "chat_template_kwargs",
+                )
+            return tokens
         if request.prompt_token_ids is not None:
             bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
             if bad:

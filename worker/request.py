@@ -22,6 +22,7 @@ class Request:
     priority: int = 0
     logprobs: bool = False  # attach each token's TokenLogprob (the engine computes them)
     top_logprobs: int = 0
+    stop_logprob: bool = False  # report a stop token's logprob (echo requests)
     # echo: the prompt's text and logprobs, sent with the first delta and then dropped
     prompt_text: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
@@ -46,8 +47,11 @@ class Request:
     ) -> RequestOutput:
         """Feed one sampled token; return this step's delta (its text may be empty)."""
         self.completion_tokens += 1
-        if stop_token:  # EOS or a stop token id: counted, never shown (nor its logprob)
-            return self.finish(FinishReason.STOP, token, flush=True)
+        if stop_token:  # EOS or a stop token id: counted, never shown
+            # Its logprob goes out only for echo (scoring: lm-eval reads every generated
+            # token's); elsewhere the logprobs follow the text, which never shows it.
+            kept = logprob if self.stop_logprob else None
+            return self.finish(FinishReason.STOP, token, flush=True, logprob=kept)
         self.detokenizer.add_token(token)
         text, hit = self.stop.feed(self._segment())
         if hit:

@@ -33,7 +33,10 @@ async def create_message(request: Request[Any, Any, Any], state: State) -> Respo
     log_body(state.config.server.log_bodies, ctx, raw)
     body = decode_body(raw, MessagesRequest)
     canonical, sampling = messages_request(body)
-    served = Served(body.model, RequestKind.CHAT, [Job(canonical, sampling)], stream=body.stream)
+    user = body.metadata.user_id if body.metadata else None
+    served = Served(
+        body.model, RequestKind.CHAT, [Job(canonical, sampling)], stream=body.stream, user=user
+    )
     response = await serve(request, state, served, MessagesFormatter(body.model))
     if ctx is not None:  # Anthropic's SDKs read it as the response's _request_id
         response.headers["request-id"] = ctx.request_id

@@ -12,11 +12,11 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-PosInt = Annotated[int, Meta(ge=1)]
+PosInt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 # Anthropic documents temperature in [0, 1]; top_p 0 would turn the filter off here, not on.
 Temperature = Annotated[float, Meta(ge=0.0, le=1.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
-TopK = Annotated[int, Meta(ge=0)]
+TopK = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

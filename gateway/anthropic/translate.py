@@ -141,6 +141,12 @@ def prompt_request(req: PromptFields) -> CanonicalRequest:
     return CanonicalRequest(messages=messages)
 
 
+def _stop_sequences(stops: list[str] | None) -> list[str]:
+    if stops and any(not text for text in stops):
+        raise _invalid("stop_sequences must not contain an empty string", "stop_sequences")
+    return list(stops or [])
+
+
 def messages_request(req: MessagesRequest) -> tuple[CanonicalRequest, SamplingParams]:
     canonical = prompt_request(req)
     sampling = SamplingParams(
@@ -148,7 +154,7 @@ def messages_request(req: MessagesRequest) -> tuple[CanonicalRequest, SamplingPa
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=req.top_k or 0,
-        stop=list(req.stop_sequences or []),
+        stop=_stop_sequences(req.stop_sequences),
     )
     return canonical, sampling
 

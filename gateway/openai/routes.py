@@ -51,6 +51,7 @@ async def chat_completions(
         n=body.n,
         stream=body.stream,
         keep_alive=keep_alive_of(body),
+        user=body.user or body.safety_identifier,
     )
     fmt = ChatFormatter(body.model, body.n, include_usage, body.logprobs)
     return await serve(request, state, served, fmt)
@@ -71,6 +72,7 @@ async def completions(request: Request[Any, Any, Any], state: State) -> Response
         stream=body.stream,
         keep_alive=keep_alive_of(body),
         default_max_tokens=COMPLETION_MAX_TOKENS,
+        user=body.user or body.safety_identifier,
     )
     prompts = [job.request.prompt for job in jobs for _ in range(body.n)]
     fmt = CompletionFormatter(body.model, prompts, include_usage, body.echo, body.logprobs)

@@ -12,8 +12,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-NonNegInt = Annotated[int, Meta(ge=0)]
-PosInt = Annotated[int, Meta(ge=1)]
+# Integers are bounded: a value beyond what the wire (msgpack) carries is a 400, not a 500.
+INT32 = 2**31 - 1
+NonNegInt = Annotated[int, Meta(ge=0, le=INT32)]
+PosInt = Annotated[int, Meta(ge=1, le=INT32)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
@@ -53,19 +55,21 @@ class SamplingFields(_Body):
     max_tokens: PosInt | None = None
     temperature: Temperature | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=INT32)] | None = None
     min_p: Probability | None = None
     n: PosInt = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | StopList | None = None
+    # Any integer msgpack carries (int64 or uint64; checked in translate: msgspec bounds stop
+    # at int64); MLX keys take it modulo 2**64.
     seed: int | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
     logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
-    user: str | None = None  # an end-user id: logged with the request
-    safety_identifier: str | None = None  # likewise
+    user: str | None = None  # an end-user id: in the request's access-log line
+    safety_identifier: str | None = None  # likewise (user is logged when both come)
     prompt_cache_key: str | None = None  # a caching hint: prefix reuse needs none
     service_tier: Literal["auto", "default"] | None = None  # one tier here
     store: bool | None = None  # False only: nothing is kept for distillation

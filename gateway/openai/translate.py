@@ -95,16 +95,33 @@ def sampling_params(req: SamplingFields, max_tokens: int | None) -> SamplingPara
     bias: dict[int, float] = {}
     for key, value in (req.logit_bias or {}).items():
         try:
-            bias[int(key)] = value
+            token = int(key)
         except ValueError:
+            token = -1
+        if not 0 <= token < 2**31:
             raise GatewayError(
-                ErrorCode.INVALID_REQUEST, f"logit_bias key {key!r} is not a token id", "logit_bias"
-            ) from None
+                ErrorCode.INVALID_REQUEST,
+                f"logit_bias key {key!r} is not a token id of the vocabulary",
+                "logit_bias",
+            )
+        bias[token] = value
     if req.store:
         raise _unsupported("store", "responses are not stored for distillation")
     if req.metadata:
         raise _unsupported("metadata", "it is kept only with store, which is not served")
+    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
+        raise GatewayError(
+            ErrorCode.INVALID_REQUEST, "seed must fit in 64 bits (signed or unsigned)", "seed"
+        )
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if any(not text for text in stop):
+        raise GatewayError(ErrorCode.INVALID_REQUEST, "stop strings must not be empty", "stop")
+    if req.stream_options is not None and not req.stream:
+        raise GatewayError(
+            ErrorCode.INVALID_REQUEST,
+            "stream_options is only allowed with stream: true",
+            "stream_options",
+        )
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,

@@ -130,7 +130,13 @@ async def create_response(
     items = history + own
     sampling = capped(sampling_of(body), state.config.server.max_tokens_cap, "max_output_tokens")
     job = Job(canonical_of(body, history, own), sampling)
-    served = Served(body.model, RequestKind.CHAT, [job], stream=body.stream)
+    served = Served(
+        body.model,
+        RequestKind.CHAT,
+        [job],
+        stream=body.stream,
+        user=body.user or body.safety_identifier,
+    )
     owner = key.id if key else None
     if body.background:
         return _start_background(request, state, served, body, items, owner)
@@ -212,7 +218,10 @@ async def _run_background(
         if error is not None and error.code == ErrorCode.CANCELLED:  # by request id
             entry.response.status, entry.response.error = "cancelled", None
     except GatewayError as exc:
-        fmt.fail(_renamed(exc))
+        if exc.code == ErrorCode.CANCELLED:  # by request id, before its first token
+            fmt.cancel()
+        else:
+            fmt.fail(_renamed(exc))
     except asyncio.CancelledError:
         fmt.cancel()
         raise

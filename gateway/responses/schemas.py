@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-PosInt = Annotated[int, Meta(ge=1)]
+PosInt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 MetadataKey = Annotated[str, Meta(max_length=64)]

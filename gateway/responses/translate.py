@@ -69,11 +69,11 @@ def check_request(body: ResponsesRequest) -> None:
         raise unsupported("tools", "tool calling is not served yet")
     if body.tool_choice not in (None, "none", "auto"):
         raise unsupported("tool_choice", "tool calling is not served yet")
-    if body.reasoning is not None:
+    if _set(body.reasoning):
         raise unsupported("reasoning", "this gateway has no reasoning controls")
     if body.include:
         raise unsupported("include", "no extra output data is served")
-    if body.top_logprobs is not None:
+    if body.top_logprobs:
         raise unsupported("top_logprobs", "logprobs are not served on the Responses API yet")
     if body.truncation == "auto":
         raise unsupported("truncation", "'auto' is not served; only 'disabled'")
@@ -94,6 +94,13 @@ def check_request(body: ResponsesRequest) -> None:
         raise invalid("`input` is required", "input")
     if isinstance(body.input, list) and not body.input:
         raise invalid("`input` must not be empty", "input")
+
+
+def _set(value: Any) -> bool:
+    """Anything but an empty value (None, {}, a dict of Nones) asks for something."""
+    if isinstance(value, dict):
+        return any(v is not None for v in value.values())
+    return value is not None
 
 
 _PATH = re.compile(r"at `\$((?:\.[A-Za-z_]\w*|\[\d+\])*)`")
