@@ -42,7 +42,7 @@ def _chat(gw: GatewayProc, content: str, **extra: Any) -> httpx.Response:
 def test_json_access_log_and_request_id_in_worker_log(chat_model: Path) -> None:
     model = {"name": "chat", "source": str(chat_model), "engine": {"max_prompt_tokens": 60}}
     with running_gateway([model], log_format="json") as gw:
-        done = _chat(gw, SECRET_PROMPT, max_tokens=3)
+        done = _chat(gw, SECRET_PROMPT, max_tokens=3, user="end-user-7")
         assert done.status_code == 200
         rid = done.headers["x-request-id"]
         assert rid != "client-abc-1"  # the gateway names requests; the client's id is logged
@@ -61,6 +61,7 @@ def test_json_access_log_and_request_id_in_worker_log(chat_model: Path) -> None:
         assert line["status"] == 200 and line["model"] == "chat" and line["key"] == "-"
         assert line["completion_tokens"] == 3 and line["prompt_tokens"] > 0
         assert line["client_request_id"] == "client-abc-1"
+        assert line["user"] == "end-user-7"  # OpenAI's `user`: honoured by logging it
         assert line["duration_ms"] >= line["ttft_ms"] > 0
         assert {"time", "level", "message"} <= set(line)
 
