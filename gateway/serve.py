@@ -10,7 +10,7 @@ as a JSON body or an SSE stream.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,25 +57,36 @@ class Served:
     user: str | None = None  # an end-user id the client sent, for the access log
 
 
+@dataclass(slots=True, eq=False)
+class _Entry:
+    ctx: RequestContext | None
+    streams: list[RequestStream]
+    on_cancel: Callable[[], None] | None = None  # before its streams exist (a model loading)
+
+
 class InFlight:
     """Requests being served, by request id, for POST /v1/requests/{id}/cancel."""
 
     def __init__(self) -> None:
-        self.requests: dict[str, tuple[RequestContext | None, list[RequestStream]]] = {}
+        self.requests: dict[str, _Entry] = {}
         # A client's own X-Request-Id names its request too: a non-streaming client learns
         # the gateway's id only with the response, too late to cancel.
         self.client_ids: dict[str, str] = {}
 
     def add(
-        self, request_id: str, ctx: RequestContext | None, streams: list[RequestStream]
+        self,
+        request_id: str,
+        ctx: RequestContext | None,
+        streams: list[RequestStream],
+        on_cancel: Callable[[], None] | None = None,
     ) -> None:
-        self.requests[request_id] = (ctx, streams)
+        self.requests[request_id] = _Entry(ctx, streams, on_cancel)
         if ctx is not None and ctx.client_request_id:
             self.client_ids[ctx.client_request_id] = request_id
 
     def remove(self, request_id: str) -> None:
         entry = self.requests.pop(request_id, None)
-        ctx = entry[0] if entry else None
+        ctx = entry.ctx if entry else None
         if ctx is not None and self.client_ids.get(ctx.client_request_id) == request_id:
             del self.client_ids[ctx.client_request_id]
 
@@ -85,15 +96,17 @@ class InFlight:
         entry = self.requests.get(request_id)
         if entry is None and request_id in self.client_ids:
             entry = self.requests.get(self.client_ids[request_id])
-        owner = entry[0] if entry else None
-        if entry is None or not _may_cancel(by, owner):
+        if entry is None or not _may_cancel(by, entry.ctx):
             raise GatewayError(
                 ErrorCode.NOT_FOUND,
                 f"no request {request_id!r} is in flight",
                 "request_id",
             )
+        if not entry.streams and entry.on_cancel is not None:  # still waiting for its model
+            entry.on_cancel()
+            return 1
         cancelled = 0
-        for stream in entry[1]:
+        for stream in entry.streams:
             if not stream.finished:
                 supervisor.abort(stream)
                 stream.fail(ErrorCode.CANCELLED, f"request {request_id} was cancelled")
@@ -252,12 +265,25 @@ async def _load_then_relay(
     supervisor: Supervisor = state.supervisor
     task = asyncio.ensure_future(submit)
     handed_over = False
+    cancelled: list[bool] = []
+
+    def cancel() -> None:  # POST /v1/requests/{id}/cancel while the model loads
+        cancelled.append(True)
+        task.cancel()
+
+    if ctx is not None:
+        inflight: InFlight = state.inflight
+        inflight.add(ctx.request_id, ctx, [], cancel)
+        ctx.on_finish.append(lambda c: inflight.remove(c.request_id))
     try:
         while not task.done():
             await asyncio.wait({task}, timeout=KEEPALIVE_S)
             if not task.done():
                 yield f": loading model {model}\n\n".encode()
         try:
+            if cancelled:
+                request_id = ctx.request_id if ctx else ""
+                raise GatewayError(ErrorCode.CANCELLED, f"request {request_id} was cancelled")
             streams, groups = task.result()
             relay = relay_for(state, streams, groups, ctx)
             first = await relay.first()

@@ -131,7 +131,10 @@ async def test_32_concurrent_streams(gateway: GatewayProc) -> None:
         assert usage is not None and finish is not None
         return usage.completion_tokens, finish
 
-    results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(32))), 120)
+    # Closed here, on this test's loop: left to the garbage collector, its connections would
+    # be closed later on another test's loop (which then fails with "Event loop is closed").
+    async with aclient:
+        results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(32))), 120)
     assert results == [(24, "length")] * 32
 
 

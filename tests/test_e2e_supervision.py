@@ -103,6 +103,25 @@ def test_streaming_request_gets_keepalives_while_the_model_loads(jit_gateway: Ga
     assert lines.index(comments[-1]) < lines.index(data[0])
 
 
+def test_a_stream_waiting_for_its_model_can_be_cancelled(jit_gateway: GatewayProc) -> None:
+    """Cancel by id also works while the model is still loading (the 200 is already out)."""
+    if jit_gateway.ps()["slow"]["state"] != "unloaded":
+        jit_gateway.ctl("unload", "slow")
+    body = {"model": "slow", "messages": MESSAGES, "max_tokens": 4, "stream": True}
+    with httpx.stream(
+        "POST", f"{jit_gateway.base_url}/v1/chat/completions", json=body, timeout=60
+    ) as r:
+        assert r.status_code == 200
+        request_id = r.headers["x-request-id"]
+        cancel = httpx.post(f"{jit_gateway.base_url}/v1/requests/{request_id}/cancel", timeout=10)
+        assert cancel.status_code == 200, cancel.text
+        data = [x for x in r.iter_lines() if x.startswith("data:")]
+    assert data[-1] == "data: [DONE]"
+    assert json.loads(data[-2][len("data: ") :])["error"]["code"] == "cancelled"
+    # The load itself goes on for the requests that still want the model.
+    wait_for(lambda: jit_gateway.ps()["slow"]["state"] == "ready", what="the load to finish")
+
+
 def test_a_model_that_loads_but_cannot_generate_is_failed(jit_gateway: GatewayProc) -> None:
     r = _chat(jit_gateway, "broken")
     assert r.status_code == 503
