@@ -120,7 +120,10 @@ class Relay:
     async def _watch(self, receive: Callable[[], Awaitable[Any]]) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        self.close()
+        # Abort in the workers and end every stream; the reader (collect) wakes up with the
+        # terminal outputs and closes the relay itself.
+        self._timer.cancel()
+        self._abort_unfinished()
         for stream in self.streams:
             stream.fail(ErrorCode.CANCELLED, "the client disconnected")
 
@@ -178,11 +181,14 @@ class Relay:
         return index, output
 
     def close(self) -> None:
-        """Abort in the worker every choice that has not finished there."""
+        """The relay is done: abort in the worker every choice that has not finished there."""
         self._timer.cancel()
         for task in self._gets.values():
             task.cancel()
         self._gets.clear()
+        self._abort_unfinished()
+
+    def _abort_unfinished(self) -> None:
         for stream in self.streams:
             if not stream.finished:
                 self.supervisor.abort(stream)

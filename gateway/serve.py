@@ -250,6 +250,11 @@ def relay_for(
         inflight: InFlight = state.inflight
         inflight.add(ctx.request_id, ctx, streams)
         ctx.on_finish.append(lambda c: inflight.remove(c.request_id))
+        # When the HTTP exchange ends, however it ends, nothing of it may keep running: a
+        # streaming body's generator left suspended at a `yield` by a disconnect runs its
+        # `finally` only when it is garbage-collected, which a reference cycle can delay
+        # indefinitely (a generation left running in the worker, its slot held).
+        ctx.on_finish.append(lambda c: relay.close())
     return relay
 
 
@@ -264,17 +269,28 @@ async def _load_then_relay(
     failure to load is an error event (the status line has gone out)."""
     supervisor: Supervisor = state.supervisor
     task = asyncio.ensure_future(submit)
-    handed_over = False
+    handed_over: list[bool] = []
     cancelled: list[bool] = []
 
     def cancel() -> None:  # POST /v1/requests/{id}/cancel while the model loads
         cancelled.append(True)
         task.cancel()
 
+    def cleanup(_: object = None) -> None:
+        """Nothing outlives the response: the wait for the model, or streams not yet handed
+        to a relay (which then owns them). Also run when the exchange ends, since a
+        disconnect can leave this generator suspended at a `yield` until it is collected."""
+        if not task.done():
+            task.cancel()
+        elif not handed_over and not task.cancelled() and task.exception() is None:
+            for stream in task.result()[0]:
+                supervisor.abort(stream)
+
     if ctx is not None:
         inflight: InFlight = state.inflight
         inflight.add(ctx.request_id, ctx, [], cancel)
         ctx.on_finish.append(lambda c: inflight.remove(c.request_id))
+        ctx.on_finish.append(cleanup)
     try:
         while not task.done():
             await asyncio.wait({task}, timeout=KEEPALIVE_S)
@@ -286,16 +302,12 @@ async def _load_then_relay(
                 raise GatewayError(ErrorCode.CANCELLED, f"request {request_id} was cancelled")
             streams, groups = task.result()
             relay = relay_for(state, streams, groups, ctx)
+            handed_over.append(True)
             first = await relay.first()
         except GatewayError as exc:
             yield fmt.stream_error(exc)
             return
-        handed_over = True
         async for chunk in relay.sse(fmt, first):
             yield chunk
     finally:
-        if not task.done():
-            task.cancel()
-        elif not handed_over and not task.cancelled() and task.exception() is None:
-            for stream in task.result()[0]:
-                supervisor.abort(stream)
+        cleanup()

@@ -19,7 +19,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from tests.gateway_proc import GatewayProc, openai_client, running_gateway
+from tests.gateway_proc import GatewayProc, openai_client, running_gateway, wait_for
 from worker.modelgen import IM_END_ID, TinyModelSpec, build_tiny_model, byte_token_id
 
 MESSAGES: Any = [{"role": "user", "content": "Tell me about the sea."}]
@@ -763,6 +763,16 @@ def test_cancel_non_stream_by_client_request_id(
     error = result["error"]
     assert error.status_code == 499
     assert error.body["code"] == "cancelled"  # type: ignore[index]
+
+
+def test_a_non_streaming_client_that_leaves_frees_all_its_choices(gateway: GatewayProc) -> None:
+    body = {"model": "chat", "messages": MESSAGES, "max_tokens": 1800, "n": 2, **LONG}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{gateway.base_url}/v1/chat/completions", json=body, timeout=1.0)
+    wait_for(lambda: gateway.ps()["chat"]["in_flight"] == 0, what="both choices aborted")
+    again = {"model": "chat", "messages": MESSAGES, "n": 2, "max_tokens": 2}
+    r = post(gateway, "/v1/chat/completions", again)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
 
 
 def test_cancel_unknown_request(gateway: GatewayProc) -> None:
