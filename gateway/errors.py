@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 from litestar import Request, Response
 
@@ -64,6 +66,36 @@ _ANTHROPIC_TYPES = {
     503: "overloaded_error",
     504: "api_error",
 }
+
+
+_AT_PATH = re.compile(r" - at `\$((?:\.[A-Za-z_]\w*|\[\d+\])*)`")
+_UNKNOWN_FIELD = re.compile(r"unknown field `([^`]+)`")
+
+
+def _join(where: str, path: str) -> str:
+    """`where` (e.g. "messages[0].content[1]") extended by a msgspec path (".text", "[2]")."""
+    path = path if where else path.lstrip(".")
+    return where + path if where or path else ""
+
+
+def validation_error(exc: msgspec.ValidationError, where: str = "") -> GatewayError:
+    """A msgspec validation failure as a 400 naming the field: the body's own path, below
+    `where` when a part of a body is converted on its own. Every protocol uses this."""
+    text = str(exc)
+    at = _AT_PATH.search(text)
+    param = _join(where, at.group(1) if at else "") or None
+    unknown = _UNKNOWN_FIELD.search(text)
+    if unknown:
+        name = unknown.group(1)
+        param = f"{param}.{name}" if param else name
+        return GatewayError(
+            ErrorCode.INVALID_REQUEST,
+            f"unsupported parameter `{param}`: this gateway does not implement it",
+            param,
+        )
+    if where:  # msgspec's path is relative to the part: name the whole one
+        text = f"{_AT_PATH.sub('', text)} - at `{param}`"
+    return GatewayError(ErrorCode.INVALID_REQUEST, f"invalid request: {text}", param)
 
 
 def is_anthropic_path(path: str) -> bool:

@@ -519,13 +519,6 @@ class Supervisor:
         merged = {**model.chat_template_kwargs, **request.chat_template_kwargs}
         return msgspec.structs.replace(request, chat_template_kwargs=merged)
 
-    def capabilities_of(self, name: str) -> list[str] | None:
-        """What the model serves, once a worker of it has been Ready (None before)."""
-        slot = self._slot(name)
-        info = slot.handle.info if slot.handle is not None else None
-        info = info or slot.last_info
-        return None if info is None else list(info.capabilities)
-
     def check_capabilities(self, slot: Slot, needs: list[str], info: Ready | None = None) -> None:
         """A 400 before anything is sent (or loaded) when the model cannot serve `needs`:
         from its last Ready, else from its files; unknown (a hub id not downloaded yet)

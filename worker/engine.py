@@ -220,9 +220,6 @@ class EngineCore:
 
     # ---- log probabilities ------------------------------------------------------------
 
-    def token_text(self, token: int) -> str:
-        return self.tokens.text(token)
-
     def _top(self, token: int, logprob: float) -> TopLogprob:
         return TopLogprob(token, self.tokens.text(token), logprob, self.tokens.raw(token))
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import uuid
 from typing import Any
 
@@ -28,7 +27,7 @@ from gateway.anthropic.schemas import (
     TextDelta,
     UsageBody,
 )
-from gateway.errors import GatewayError, error_json
+from gateway.errors import GatewayError, error_json, validation_error
 from gateway.relay import Choice, sse_event
 from shared.types import (
     CanonicalRequest,
@@ -56,18 +55,9 @@ _BLOCKS_NOT_SERVED = {
     "container_upload": "containers are not served",
 }
 
-_UNKNOWN_FIELD = re.compile(r"unknown field `([^`]+)`(?: - at `\$\.?([^`]*)`)?")
-_AT_PATH = re.compile(r" - at `\$\.?([^`]*)`")
-
 
 def _invalid(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(ErrorCode.INVALID_REQUEST, message, param)
-
-
-def _join(where: str, path: str) -> str:
-    if not path:
-        return where
-    return where + path if path.startswith("[") else f"{where}.{path}"
 
 
 def _block_text(where: str, block: dict[str, Any]) -> str:
@@ -81,17 +71,7 @@ def _block_text(where: str, block: dict[str, Any]) -> str:
     try:
         return msgspec.convert(block, TextBlock).text
     except msgspec.ValidationError as exc:
-        unknown = _UNKNOWN_FIELD.search(str(exc))
-        if unknown:
-            field, parent = unknown.groups()
-            param = _join(_join(where, parent or ""), field)
-            raise _invalid(
-                f"unsupported parameter `{param}`: this gateway does not implement it", param
-            ) from exc
-        at = _AT_PATH.search(str(exc))
-        param = _join(where, at.group(1) if at else "")
-        detail = _AT_PATH.sub("", str(exc))
-        raise _invalid(f"invalid request: {detail} - at `{param}`", param) from exc
+        raise validation_error(exc, where) from exc
 
 
 def _content(index: int, message: MessageParam) -> str:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import codecs
-import re
 import time
 import uuid
 from typing import TypeVar
 
 import msgspec
 
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, validation_error
 from gateway.openai.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -65,8 +64,6 @@ def _unsupported(param: str, detail: str = "") -> GatewayError:
 
 
 T = TypeVar("T")
-_ERROR_PATH = re.compile(r"at `\$\.([A-Za-z_][\w.\[\]]*)`")
-_UNKNOWN_FIELD = re.compile(r"unknown field `([^`]+)`(?: - at `\$\.([^`]*)`)?")
 
 
 def decode_body(body: bytes, type_: type[T]) -> T:
@@ -75,18 +72,7 @@ def decode_body(body: bytes, type_: type[T]) -> T:
     try:
         return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as exc:
-        unknown = _UNKNOWN_FIELD.search(str(exc))
-        if unknown:
-            field, parent = unknown.groups()
-            param = f"{parent}.{field}" if parent else field
-            raise GatewayError(
-                ErrorCode.INVALID_REQUEST,
-                f"unsupported parameter `{param}`: this gateway does not implement it",
-                param,
-            ) from exc
-        match = _ERROR_PATH.search(str(exc))
-        param = match.group(1) if match else None
-        raise GatewayError(ErrorCode.INVALID_REQUEST, f"invalid request: {exc}", param) from exc
+        raise validation_error(exc) from exc
     except msgspec.DecodeError as exc:
         raise GatewayError(ErrorCode.INVALID_REQUEST, f"the body is not valid JSON: {exc}") from exc
 

@@ -7,7 +7,6 @@ system message first and are never carried to a chained response (as OpenAI docu
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from collections.abc import Callable
@@ -15,7 +14,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, validation_error
 from gateway.relay import Choice, sse_event
 from gateway.responses.schemas import (
     IncompleteDetails,
@@ -103,25 +102,12 @@ def _set(value: Any) -> bool:
     return value is not None
 
 
-_PATH = re.compile(r"at `\$((?:\.[A-Za-z_]\w*|\[\d+\])*)`")
-_UNKNOWN = re.compile(r"unknown field `([^`]+)`")
-
-
 def _convert(value: Any, type_: type[T], where: str) -> T:
     """msgspec.convert, with a failure as a 400 naming the path below `where`."""
     try:
         return msgspec.convert(value, type_)
     except msgspec.ValidationError as exc:
-        text = str(exc)
-        match = _PATH.search(text)
-        param = where + (match.group(1) if match else "")
-        unknown = _UNKNOWN.search(text)
-        if unknown:
-            param = f"{param}.{unknown.group(1)}"
-            raise invalid(
-                f"unsupported parameter `{param}`: this gateway does not implement it", param
-            ) from None
-        raise invalid(f"invalid `{param}`: {text}", param) from None
+        raise validation_error(exc, where) from None
 
 
 def input_items(body_input: str | list[dict[str, Any]]) -> list[MessageItem]:
