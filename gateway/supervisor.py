@@ -31,6 +31,8 @@ from typing import Any
 import msgspec
 import psutil
 
+from gateway.capabilities import check_capabilities, with_template_defaults
+from gateway.control import ControlCalls
 from gateway.errors import GatewayError
 from gateway.slots import (
     GiB,
@@ -48,13 +50,11 @@ from gateway.stream import RequestStream
 from gateway.transport import Transport
 from shared.blas import worker_env
 from shared.config import Config, ModelConfig, parse_duration
-from shared.modelinfo import peek
 from shared.paths import RunDir
 from shared.protocol import (
     PROTOCOL_VERSION,
     Abort,
     Add,
-    Control,
     ControlReply,
     FromWorker,
     Heartbeat,
@@ -70,23 +70,7 @@ from shared.types import (
     ErrorCode,
     RequestKind,
     SamplingParams,
-    reserved_template_kwarg,
 )
-
-# Why a model lacks a capability a request needs, and the request field that asked for it.
-_MISSING = {
-    "chat": "it has no chat template; send a prompt to /v1/completions instead",
-    "completion": "it does not serve text completions",
-    "logprobs": "it does not report log probabilities",
-    "echo": "it does not echo prompts",
-    "tokenize": "it does not expose its tokenizer",
-}
-MISSING_PARAM = {"chat": "messages", "logprobs": "logprobs", "echo": "echo"}
-
-
-def missing_reason(capability: str) -> str:
-    return _MISSING.get(capability, f"it lacks the {capability!r} capability")
-
 
 log = logging.getLogger("gateway.supervisor")
 
@@ -102,8 +86,7 @@ class Supervisor:
         self._serial = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
         self.draining = False  # shutting down: new requests get 503 shutting_down
-        self._calls: dict[int, tuple[str, asyncio.Future[ControlReply]]] = {}
-        self._call_seq = 0
+        self.calls = ControlCalls()  # control calls awaiting their workers' replies
         self._stopping: asyncio.Future[None] | None = None
         self.started_at = time.time()
         self.transport = Transport(run_dir.requests_ipc, run_dir.outputs_ipc)
@@ -473,9 +456,9 @@ class Supervisor:
         if keep_alive is not None:
             slot.keep_alive_s = keep_alive
         request_id = request_id or uuid.uuid4().hex
-        request = self.with_template_defaults(slot.config, kind, request)
+        request = with_template_defaults(slot.config, kind, request)
         if needs:
-            self.check_capabilities(slot, needs)
+            check_capabilities(slot, needs)
         if slot.restarting:  # queued: it runs on the new worker once that is Ready
             if len(slot.replay) >= self.server.max_queued:
                 raise self._queue_full(slot, len(slot.replay))
@@ -487,7 +470,7 @@ class Supervisor:
             return stream
         handle = await self._acquire(slot)
         if needs:
-            self.check_capabilities(slot, needs, handle.info)
+            check_capabilities(slot, needs, handle.info)
         capacity = handle.capacity
         assert capacity is not None
         queued = len(handle.streams) - capacity.max_running
@@ -501,45 +484,6 @@ class Supervisor:
         self._touch(slot)
         return stream
 
-    @staticmethod
-    def with_template_defaults(
-        model: ModelConfig, kind: RequestKind, request: CanonicalRequest
-    ) -> CanonicalRequest:
-        """The model's configured chat_template_kwargs, overridden key by key by the request's."""
-        reserved = reserved_template_kwarg(request.chat_template_kwargs)
-        if reserved is not None:
-            raise GatewayError(
-                ErrorCode.INVALID_REQUEST,
-                f"chat_template_kwargs.{reserved} is not a template variable (it is a parameter "
-                "of the templating call itself)",
-                f"chat_template_kwargs.{reserved}",
-            )
-        if kind != RequestKind.CHAT or not model.chat_template_kwargs:
-            return request
-        merged = {**model.chat_template_kwargs, **request.chat_template_kwargs}
-        return msgspec.structs.replace(request, chat_template_kwargs=merged)
-
-    def check_capabilities(self, slot: Slot, needs: list[str], info: Ready | None = None) -> None:
-        """A 400 before anything is sent (or loaded) when the model cannot serve `needs`:
-        from its last Ready, else from its files; unknown (a hub id not downloaded yet)
-        is checked again once its worker is Ready."""
-        info = info or (slot.handle.info if slot.handle is not None else None) or slot.last_info
-        if info is not None:
-            capabilities: list[str] | None = list(info.capabilities)
-        else:
-            if slot.peeked is None:
-                slot.peeked = peek(slot.config)[1] or []
-            capabilities = slot.peeked or None
-        if capabilities is None:
-            return
-        missing = [need for need in needs if need not in capabilities]
-        if missing:
-            raise GatewayError(
-                ErrorCode.INVALID_REQUEST,
-                f"model {slot.name!r} cannot serve this request: {missing_reason(missing[0])}",
-                MISSING_PARAM.get(missing[0]),
-            )
-
     async def call(
         self, name: str, method: str, args: dict[str, Any], timeout: float = 30.0
     ) -> dict[str, Any]:
@@ -550,31 +494,11 @@ class Supervisor:
             )
         slot = self._slot(name)
         handle = await self._acquire(slot)
-        self._call_seq += 1
-        call_id = self._call_seq
-        future: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = (handle.worker_id, future)
-        try:
-            if not self.transport.send(handle.worker_id, Control(call_id, method, args)):
-                raise GatewayError(ErrorCode.WORKER_UNAVAILABLE, f"model {name!r} is unreachable")
-            try:
-                reply = await asyncio.wait_for(asyncio.shield(future), timeout)
-            except TimeoutError:
-                raise GatewayError(
-                    ErrorCode.TIMEOUT, f"model {name!r} did not answer {method} in {timeout:g}s"
-                ) from None
-        finally:
-            self._calls.pop(call_id, None)
-        if not reply.ok:
-            code = reply.result.get("code", ErrorCode.INTERNAL.value)
-            raise GatewayError(ErrorCode(code), reply.error or method, reply.result.get("param"))
+        result = await self.calls.call(
+            self.transport, handle.worker_id, name, method, args, timeout
+        )
         self._touch(slot)
-        return reply.result
-
-    def _fail_calls(self, worker_id: str, message: str) -> None:
-        for wid, future in list(self._calls.values()):
-            if wid == worker_id and not future.done():
-                future.set_exception(GatewayError(ErrorCode.WORKER_DIED, message))
+        return result
 
     def _queue_full(self, slot: Slot, in_flight: int) -> GatewayError:
         return GatewayError(
@@ -732,9 +656,7 @@ class Supervisor:
             handle.error = frame.reason
             log.error("model %s: worker failed: %s", handle.config.name, frame.reason)
         elif isinstance(frame, ControlReply):
-            entry = self._calls.get(frame.call_id)
-            if entry is not None and not entry[1].done():
-                entry[1].set_result(frame)
+            self.calls.resolve(frame)
 
     @staticmethod
     def _note_step(handle: WorkerHandle, step: int, now: float) -> None:
@@ -752,7 +674,7 @@ class Supervisor:
         self._by_id.pop(handle.worker_id, None)
         handle.exited.set()
         self._save_pids()
-        self._fail_calls(handle.worker_id, f"the worker of model {name!r} exited")
+        self.calls.fail(handle.worker_id, f"the worker of model {name!r} exited")
         if slot is None:
             return
         if handle in slot.retiring:
@@ -785,7 +707,7 @@ class Supervisor:
         fresh = [s for s in handle.streams.values() if not s.received]
         handle.streams.clear()
         message = f"the worker of model {slot.name!r} died: {reason}"
-        self._fail_calls(handle.worker_id, message)
+        self.calls.fail(handle.worker_id, message)
         for stream in sent:
             stream.fail(ErrorCode.WORKER_DIED, message)
         slot.replay.extend(fresh)

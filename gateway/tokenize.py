@@ -9,6 +9,7 @@ from litestar import Request, Response, post
 from litestar.datastructures import State
 from msgspec import Meta
 
+from gateway.capabilities import check_capabilities, with_template_defaults
 from gateway.errors import GatewayError
 from gateway.middleware import authorize_model, context_of
 from gateway.openai.schemas import ChatMessage
@@ -53,10 +54,10 @@ async def tokenize_prompt(
     supervisor: Supervisor = state.supervisor
     authorize_model(context_of(request.scope), model, lambda n: supervisor.resolve(n).name)
     config = supervisor.resolve(model)
-    supervisor.check_capabilities(supervisor.slots[config.name], ["tokenize"])
+    check_capabilities(supervisor.slots[config.name], ["tokenize"])
     if kind == RequestKind.CHAT:
-        supervisor.check_capabilities(supervisor.slots[config.name], ["chat"])
-    canonical = supervisor.with_template_defaults(config, kind, canonical)
+        check_capabilities(supervisor.slots[config.name], ["chat"])
+    canonical = with_template_defaults(config, kind, canonical)
     args = {"kind": kind.value, "request": msgspec.to_builtins(canonical), "with_text": with_text}
     return await supervisor.call(model, "tokenize", args)
 
@@ -101,8 +102,6 @@ async def detokenize(request: Request[Any, Any, Any], state: State) -> Response[
     body = decode_body(await request.body(), DetokenizeRequest)
     supervisor: Supervisor = state.supervisor
     authorize_model(context_of(request.scope), body.model, lambda n: supervisor.resolve(n).name)
-    supervisor.check_capabilities(
-        supervisor.slots[supervisor.resolve(body.model).name], ["tokenize"]
-    )
+    check_capabilities(supervisor.slots[supervisor.resolve(body.model).name], ["tokenize"])
     result = await supervisor.call(body.model, "detokenize", {"tokens": body.tokens})
     return Response(msgspec.json.encode({"prompt": result["text"]}), media_type=JSON)
