@@ -100,22 +100,29 @@ def run_level(
 
 
 def run_inprocess(
-    args: Any, model: str, bank: Any, env: dict[str, str], work: Path, repeat: int
+    args: Any,
+    model: str,
+    bank: Any,
+    env: dict[str, str],
+    work: Path,
+    repeat: int,
+    levels: list[int],
 ) -> dict[str, Any]:
-    """One repeat of every level in a child process: {"levels": [summary, ...]}."""
+    """One repeat of `levels` in a child process: {"levels": [summary, ...]}."""
     spec = {
         "model": model,
         "max_tokens": args.max_tokens,
         "level_timeout": args.level_timeout,
         "warmup_prompt": bank.warmup,
         "levels": [
-            {"concurrency": c, "prompts_per_repeat": [bank.get(-1, c, repeat)]} for c in args.levels
+            {"concurrency": c, "prompts_per_repeat": [bank.get(-1, c, repeat)]} for c in levels
         ],
     }
-    spec_path = work / f"inprocess-spec-{repeat}.json"
-    out_path = work / f"inprocess-out-{repeat}.json"
+    tag = f"{repeat}-{'-'.join(map(str, levels))}"
+    spec_path = work / f"inprocess-spec-{tag}.json"
+    out_path = work / f"inprocess-out-{tag}.json"
     spec_path.write_text(json.dumps(spec))
-    budget = (args.level_timeout + 60) * len(args.levels) + 300
+    budget = (args.level_timeout + 60) * len(levels) + 300
     cmd = [sys.executable, "-m", "benchmarks._ceiling", str(spec_path), str(out_path)]
     print(f"[inprocess] {model} (LD_PRELOAD={env.get('LD_PRELOAD', '')})", file=sys.stderr)
     try:

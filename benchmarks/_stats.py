@@ -179,11 +179,25 @@ def record_to_dict(r: RequestRecord) -> dict[str, Any]:
     return d
 
 
+def level_ratio(level: dict[str, Any], base: dict[str, Any] | None) -> float | None:
+    """Throughput against the ceiling at one level: the median of the per-repeat ratios when
+    both have one run per repeat (each pair measured back to back when interleaved, so the
+    machine's drift between repeats cancels), else the ratio of the medians."""
+    if base is None or not base.get("output_tok_s") or level.get("output_tok_s") is None:
+        return None
+    runs, base_runs = level.get("runs") or [], base.get("runs") or []
+    pairs = [
+        run["output_tok_s"] / b["output_tok_s"]
+        for run, b in zip(runs, base_runs, strict=False)
+        if run.get("output_tok_s") and b.get("output_tok_s")
+    ]
+    if len(runs) == len(base_runs) and len(pairs) == len(runs) and pairs:
+        return float(statistics.median(pairs))
+    return float(level["output_tok_s"] / base["output_tok_s"])
+
+
 def table_rows(model_result: dict[str, Any]) -> list[dict[str, Any]]:
-    ceiling = {
-        lv["concurrency"]: lv.get("output_tok_s")
-        for lv in model_result.get("inprocess", {}).get("levels", [])
-    }
+    ceiling = {lv["concurrency"]: lv for lv in model_result.get("inprocess", {}).get("levels", [])}
     rows = []
     sources = []
     if "inprocess" in model_result:
@@ -192,10 +206,7 @@ def table_rows(model_result: dict[str, Any]) -> list[dict[str, Any]]:
     for name, res in sources:
         for lv in res.get("levels", []):
             row = dict(lv, target=name)
-            base = ceiling.get(lv["concurrency"])
-            row["ratio"] = (
-                lv["output_tok_s"] / base if base and lv.get("output_tok_s") is not None else None
-            )
+            row["ratio"] = level_ratio(lv, ceiling.get(lv["concurrency"]))
             lv["ratio_to_inprocess"] = None if row["ratio"] is None else round(row["ratio"], 4)
             rows.append(row)
     rows.sort(key=lambda r: (r["concurrency"], r["target"] != "inprocess"))

@@ -119,6 +119,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         '\'lp={"logprobs": true, "top_logprobs": 5}\'',
     )
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument(
+        "--no-interleave",
+        dest="interleave",
+        action="store_false",
+        help="run every level of one source before the next source (default: level by "
+        "level, all sources back to back, order reversed on odd repeats)",
+    )
     p.add_argument("--blas", default="auto", help="auto | off | path of a BLAS to LD_PRELOAD")
     p.add_argument("--level-timeout", type=float, default=300.0, help="seconds per level run")
     p.add_argument("--request-timeout", type=float, default=300.0)
@@ -178,8 +185,9 @@ async def measure_url(
     url: str,
     server: _launch.Server | None,
     repeat: int,
+    levels: list[int],
 ) -> dict[str, Any]:
-    """One repeat of every level against one URL: {"levels": [summary, ...], ...}."""
+    """One repeat of `levels` against one URL: {"levels": [summary, ...], ...}."""
     client = _client.make_client(max(args.levels), args.request_timeout)
     async with client:
         model_id = await _client.served_model(client, url, job.served_model)
@@ -194,7 +202,7 @@ async def measure_url(
             print(f"[{job.name}] warm-up failed: {warm.error}", file=sys.stderr)
             result["error"] = f"warm-up failed: {warm.error}"
             return result
-        for c in args.levels:
+        for c in levels:
             prompts = bank.get(job_index, c, repeat)
             cpu0, scpu0 = time.process_time(), server.cpu_seconds() if server else None
             sys0 = _cpu.snapshot()
@@ -277,9 +285,10 @@ def run_job(
     env: dict[str, str],
     log_dir: Path,
     repeat: int,
+    levels: list[int],
 ) -> dict[str, Any]:
     if job.url:
-        return _run_async(measure_url(args, job, job_index, bank, job.url, None, repeat))
+        return _run_async(measure_url(args, job, job_index, bank, job.url, None, repeat, levels))
     assert job.command is not None and model is not None
     fields = {
         "model": model,
@@ -302,7 +311,7 @@ def run_job(
     try:
         server.wait_ready(args.ready_timeout)
         print(f"[{job.name}] ready in {server.ready_s:.1f}s", file=sys.stderr, flush=True)
-        coro = measure_url(args, job, job_index, bank, server.url, server, repeat)
+        coro = measure_url(args, job, job_index, bank, server.url, server, repeat, levels)
         result = _run_async(coro)
         result["ready_s"] = round(server.ready_s or 0.0, 2)
     except RuntimeError as e:
@@ -396,16 +405,26 @@ def main(argv: list[str] | None = None) -> int:
         bank = _prompts.PromptBank(args, model or args.tokenizer)
         per_source: dict[str, list[dict[str, Any]]] = {}
         # Repeats are the outer loop, so that every source sees each stretch of machine
-        # noise (e.g. other processes on a shared box) about equally.
+        # noise (e.g. other processes on a shared box) about equally. Interleaved (the
+        # default), each level runs on every source back to back, in an order reversed on
+        # every other repeat: the ceiling and the servers compared at one level are measured
+        # within a minute or two of each other, so the drift of a shared machine over a run
+        # cancels out of their ratio instead of landing on one side of it.
+        sources: list[Job | None] = ([None] if inproc and model else []) + list(jobs)
+        plan = [[c] for c in args.levels] if args.interleave else [list(args.levels)]
         for r in range(args.repeats):
-            if inproc and model:
-                idle = _cpu.wait_idle(args.wait_idle, args.idle_threshold, "inprocess")
-                res = _ceiling.run_inprocess(args, model, bank, env, work, r)
-                per_source.setdefault("inprocess", []).append({**res, **idle})
-            for i, job in enumerate(jobs):
-                idle = _cpu.wait_idle(args.wait_idle, args.idle_threshold, job.name)
-                res = run_job(args, job, job_base + i, bank, model, env, log_dir, r)
-                per_source.setdefault(job.name, []).append({**res, **idle})
+            for levels in plan:
+                for source in sources if r % 2 == 0 or not args.interleave else sources[::-1]:
+                    if source is None:
+                        assert model is not None
+                        idle = _cpu.wait_idle(args.wait_idle, args.idle_threshold, "inprocess")
+                        res = _ceiling.run_inprocess(args, model, bank, env, work, r, levels)
+                        per_source.setdefault("inprocess", []).append({**res, **idle})
+                        continue
+                    i = jobs.index(source)
+                    idle = _cpu.wait_idle(args.wait_idle, args.idle_threshold, source.name)
+                    res = run_job(args, source, job_base + i, bank, model, env, log_dir, r, levels)
+                    per_source.setdefault(source.name, []).append({**res, **idle})
         job_base += len(jobs)
         mres: dict[str, Any] = {"targets": {}}
         if "inprocess" in per_source:
