@@ -89,7 +89,7 @@ def lengths(prompts: Sequence[str], count: Counter | None) -> list[int | None]:
 
 
 def n_requests(args: Any, c: int) -> int:
-    return args.requests if args.requests else max(4 * c, 16)
+    return args.requests if args.requests else max(4 * c, args.min_requests)
 
 
 class PromptBank:

@@ -106,7 +106,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--tokenizer", default=None, help="tokenizer dir for prompt calibration")
     p.add_argument("--concurrency", default="1,4,16,64")
-    p.add_argument("--requests", type=int, default=None, help="per level (default max(4c, 16))")
+    p.add_argument(
+        "--requests", type=int, default=None, help="per level (default max(4c, --min-requests))"
+    )
+    p.add_argument(
+        "--min-requests",
+        type=int,
+        default=32,
+        help="floor of the default requests per level: short low-concurrency levels are the "
+        "noisiest on a shared machine (default 32)",
+    )
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
@@ -432,12 +441,13 @@ def main(argv: list[str] | None = None) -> int:
         mres["targets"] = {name: merge_repeats(runs) for name, runs in per_source.items()}
         results["models"][label] = mres
         rows = table_rows(mres)
+        per_level = args.requests or f"max(4c,{args.min_requests})"
         print(f"\n## {label}\n")
         print(machine_header(info))
         print(
             f"- {args.prompt_tokens} prompt tokens (target), {args.max_tokens} output tokens, "
             f"ignore_eos={not args.no_ignore_eos}, repeats={args.repeats} (medians), "
-            f"requests/level={'max(4c,16)' if not args.requests else args.requests}\n"
+            f"requests/level={per_level}\n"
         )
         print(markdown_table(rows))
         for row in rows:
