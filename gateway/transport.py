@@ -46,8 +46,10 @@ class Transport:
         self.pull.bind(self.outputs_addr)
         self._on_frame = on_frame
         self._loop = asyncio.get_running_loop()
-        self._fd = self.pull.getsockopt(zmq.FD)
-        self._loop.add_reader(self._fd, self._drain)
+        fd = self.pull.getsockopt(zmq.FD)
+        assert isinstance(fd, int)
+        self._fd = fd
+        self._loop.add_reader(fd, self._drain)
         self._loop.call_soon(self._drain)  # frames queued before the reader was added
 
     def send(self, worker_id: str, frame: ToWorker) -> bool:
