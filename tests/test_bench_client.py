@@ -1,0 +1,61 @@
+"""The benchmark client's SSE reader: events split across socket reads, CRLF, comments."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+
+from benchmarks._client import _decode_event, _has_content, sse_data
+
+
+class _Protocol:
+    """Just enough of a transport protocol for aiohttp's StreamReader flow control."""
+
+    _reading_paused = False
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+
+async def _read(chunks: list[bytes]) -> list[list[bytes]]:
+    reader = aiohttp.StreamReader(_Protocol(), 2**16, loop=asyncio.get_running_loop())  # type: ignore[arg-type]
+
+    async def feed() -> None:
+        for chunk in chunks:
+            reader.feed_data(chunk)
+            await asyncio.sleep(0)  # one socket read per chunk
+        reader.feed_eof()
+
+    feeder = asyncio.create_task(feed())
+    out = [payloads async for _, payloads in sse_data(reader)]
+    await feeder
+    return out
+
+
+def test_events_split_across_reads_are_joined_and_crlf_is_accepted() -> None:
+    chunks = [
+        b'data: {"choices":[{"delta":{"content":"a"}}]}\n\ndata: {"choi',
+        b'ces":[{"delta":{"content":"b"}}]}\r\n\r\n: a comment\n\n',
+        b'data: {"choices":[],"usage":{"completion_tokens":2}}\n\ndata: [DONE]\n\n',
+    ]
+    reads = asyncio.run(_read(chunks))
+    assert reads == [
+        [b'{"choices":[{"delta":{"content":"a"}}]}'],
+        [b'{"choices":[{"delta":{"content":"b"}}]}'],
+        [b'{"choices":[],"usage":{"completion_tokens":2}}', b"[DONE]"],
+    ]
+
+
+def test_only_chunks_with_text_count_as_content() -> None:
+    def event(body: str) -> Any:
+        return _decode_event(body.encode())
+
+    assert _has_content(event('{"choices":[{"delta":{"content":"x"}}],"id":"c","object":"o"}'))
+    assert _has_content(event('{"choices":[{"delta":{"reasoning_content":"x"}}]}'))
+    assert not _has_content(event('{"choices":[{"delta":{"role":"assistant","content":""}}]}'))
+    assert not _has_content(event('{"choices":[{"delta":{},"finish_reason":"length"}]}'))
+    assert not _has_content(event('{"choices":null,"usage":{"prompt_tokens":1}}'))
+    assert event('{"error":{"message":"boom"}}').error == {"message": "boom"}
