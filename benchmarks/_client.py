@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -93,8 +93,13 @@ def _has_content(event: _Event) -> bool:
     return False
 
 
-async def sse_data(content: aiohttp.StreamReader) -> AsyncIterator[tuple[float, list[bytes]]]:
-    """(arrival time, the `data:` payloads of the complete SSE events in one socket read)."""
+class _Chunks(Protocol):
+    def iter_any(self) -> AsyncIterator[bytes]: ...
+
+
+async def sse_data(content: _Chunks) -> AsyncIterator[tuple[float, list[bytes]]]:
+    """(arrival time, the `data:` payloads of the complete SSE events in one socket read;
+    `content` is aiohttp's StreamReader)."""
     pending = b""
     async for chunk in content.iter_any():
         now = time.perf_counter()

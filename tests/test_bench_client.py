@@ -3,36 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
-
-import aiohttp
 
 from benchmarks._client import _decode_event, _has_content, sse_data
 
 
-class _Protocol:
-    """Just enough of a transport protocol for aiohttp's StreamReader flow control."""
+class _Reads:
+    """Stands for aiohttp's StreamReader: one `iter_any` item per socket read."""
 
-    _reading_paused = False
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
 
-    def pause_reading(self) -> None: ...
-
-    def resume_reading(self) -> None: ...
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        for chunk in self.chunks:
+            await asyncio.sleep(0)
+            yield chunk
 
 
 async def _read(chunks: list[bytes]) -> list[list[bytes]]:
-    reader = aiohttp.StreamReader(_Protocol(), 2**16, loop=asyncio.get_running_loop())  # type: ignore[arg-type]
-
-    async def feed() -> None:
-        for chunk in chunks:
-            reader.feed_data(chunk)
-            await asyncio.sleep(0)  # one socket read per chunk
-        reader.feed_eof()
-
-    feeder = asyncio.create_task(feed())
-    out = [payloads async for _, payloads in sse_data(reader)]
-    await feeder
-    return out
+    return [payloads async for _, payloads in sse_data(_Reads(chunks))]
 
 
 def test_events_split_across_reads_are_joined_and_crlf_is_accepted() -> None:
