@@ -103,7 +103,9 @@ async def sse_data(content: _Chunks) -> AsyncIterator[tuple[float, list[bytes]]]
     pending = b""
     async for chunk in content.iter_any():
         now = time.perf_counter()
-        pending += chunk.replace(b"\r\n", b"\n") if b"\r" in chunk else chunk
+        pending += chunk
+        if b"\r" in pending:  # CRLF framing, also when a read ends between \r and \n
+            pending = pending.replace(b"\r\n", b"\n")
         *events, pending = pending.split(b"\n\n")
         payloads = [
             line[5:].strip()

@@ -39,6 +39,11 @@ def test_events_split_across_reads_are_joined_and_crlf_is_accepted() -> None:
     ]
 
 
+def test_crlf_split_between_reads_still_ends_the_event() -> None:
+    reads = asyncio.run(_read([b"data: 1\r\n\r", b"\ndata: 2\r", b"\n\r\n"]))
+    assert reads == [[b"1"], [b"2"]]
+
+
 def test_only_chunks_with_text_count_as_content() -> None:
     def event(body: str) -> Any:
         return _decode_event(body.encode())
