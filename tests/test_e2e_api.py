@@ -15,6 +15,7 @@ import openai
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
+from openai.types import Completion
 
 from tests.gateway_proc import GatewayProc, openai_client, running_gateway
 from worker.modelgen import IM_END_ID, TinyModelSpec, build_tiny_model, byte_token_id
@@ -308,6 +309,22 @@ def test_chat_logprob_bytes_rebuild_split_characters(
     assert legacy is not None and legacy.text_offset == [0, 0, 1, 1]
 
 
+def loglikelihood(
+    client: openai.OpenAI, prompt: list[int], max_tokens: int, **extra: Any
+) -> Completion:
+    """lm-evaluation-harness's loglikelihood request: the prompt as one list of token ids,
+    echo, logprobs 1, greedy."""
+    return client.completions.create(
+        model="chat",
+        prompt=[prompt],
+        echo=True,
+        logprobs=1,
+        max_tokens=max_tokens,
+        temperature=0,
+        **extra,
+    )
+
+
 @pytest.mark.parametrize("max_tokens", [0, 1])
 def test_echo_logprobs_in_lm_eval_harness_shape(
     client: openai.OpenAI, gateway: GatewayProc, reference: Reference, max_tokens: int
@@ -315,15 +332,7 @@ def test_echo_logprobs_in_lm_eval_harness_shape(
     """lm-evaluation-harness's loglikelihood request: the prompt as one list of token ids,
     echo, logprobs 1, max_tokens 0 or 1, greedy."""
     prompt = tokenize(gateway, model="chat", prompt=PROMPT_TEXT)["tokens"]
-    r = client.completions.create(
-        model="chat",
-        prompt=[prompt],
-        echo=True,
-        logprobs=1,
-        max_tokens=max_tokens,
-        temperature=0,
-        extra_body={"ignore_eos": True},
-    )
+    r = loglikelihood(client, prompt, max_tokens, extra_body={"ignore_eos": True})
     (choice,) = r.choices
     assert choice.finish_reason == "length"
     lp = choice.logprobs
@@ -358,15 +367,7 @@ def test_echo_logprobs_keep_a_generated_end_of_sequence(
     """lm-eval reads token_logprobs[ctxlen:-1] with max_tokens 1: the generated token must
     be there even when it is EOS (which the text never shows)."""
     prompt = tokenize(gateway, model="chat", prompt=PROMPT_TEXT)["tokens"]
-    r = client.completions.create(
-        model="chat",
-        prompt=[prompt],
-        echo=True,
-        logprobs=1,
-        max_tokens=1,
-        temperature=0,
-        logit_bias={str(IM_END_ID): 100},
-    )
+    r = loglikelihood(client, prompt, 1, logit_bias={str(IM_END_ID): 100})
     (choice,) = r.choices
     assert choice.finish_reason == "stop"
     lp = choice.logprobs
