@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import os
 import signal
@@ -29,19 +28,18 @@ from collections.abc import Coroutine
 from typing import Any
 
 import msgspec
-import psutil
 
 from gateway.capabilities import check_capabilities, with_template_defaults
 from gateway.control import ControlCalls
 from gateway.errors import GatewayError
+from gateway.leftovers import reap_leftovers, save_pids
+from gateway.memory import MemoryBudget
 from gateway.slots import (
-    GiB,
     ModelState,
     Slot,
     WorkerHandle,
     consume,
     describe_exit,
-    estimate_bytes,
     remove_sockets,
     status_row,
     tail,
@@ -90,10 +88,7 @@ class Supervisor:
         self._stopping: asyncio.Future[None] | None = None
         self.started_at = time.time()
         self.transport = Transport(run_dir.requests_ipc, run_dir.outputs_ipc)
-        total = psutil.virtual_memory().total
-        budget_gb = self.server.memory_budget_gb
-        self.memory_total = total
-        self.memory_budget = int(budget_gb * GiB) if budget_gb else int(total * 0.75)
+        self.memory = MemoryBudget(self.server)
 
     @property
     def models(self) -> dict[str, ModelConfig]:
@@ -103,7 +98,7 @@ class Supervisor:
 
     async def start(self) -> None:
         self.run_dir.create()
-        self._reap_leftovers()
+        reap_leftovers(self.run_dir.workers_file)
         self.transport.bind(self._on_frame)
         self._spawn_task(self._watch_liveness())
         for slot in self.slots.values():
@@ -383,54 +378,10 @@ class Supervisor:
     # ---- memory budget --------------------------------------------------------------
 
     def memory_used(self, exclude: Slot | None = None) -> int:
-        used = 0
-        for slot in self.slots.values():
-            if slot is exclude:
-                continue
-            for handle in ([slot.handle] if slot.handle else []) + slot.retiring:
-                used += max(handle.memory_bytes(), estimate_bytes(slot.config))
-        return used
+        return self.memory.used(self.slots.values(), exclude)
 
     async def _make_room(self, slot: Slot, extra: int = 0) -> None:
-        """Evict idle models (least recently used first) until `slot` fits the budget;
-        then apply server.memory_policy."""
-        need = estimate_bytes(slot.config) + extra
-        deadline = time.monotonic() + self.server.memory_wait_s
-        while self.memory_used(exclude=slot) + need > self.memory_budget:
-            idle = [
-                s
-                for s in self.slots.values()
-                if s is not slot and s.handle is not None and s.in_flight() == 0 and s.is_evictable
-            ]
-            if idle:
-                victim = min(idle, key=lambda s: s.last_used)
-                log.info("model %s: evicted (idle) to make room for %s", victim.name, slot.name)
-                await self.unload(victim.name)
-                continue
-            policy = self.server.memory_policy
-            if policy == "preempt":
-                lower = [
-                    s
-                    for s in self.slots.values()
-                    if s is not slot
-                    and s.handle is not None
-                    and s.config.priority < slot.config.priority
-                ]
-                if lower:
-                    victim = min(lower, key=lambda s: (s.config.priority, s.last_used))
-                    log.warning("model %s: preempted for %s", victim.name, slot.name)
-                    await self.unload(victim.name, force=True)
-                    continue
-            used, budget = self.memory_used(exclude=slot), self.memory_budget
-            message = (
-                f"model {slot.name!r} needs {need / GiB:.1f} GiB; "
-                f"{used / GiB:.1f} of the {budget / GiB:.1f} GiB budget are in use by busy "
-                "models (server.memory_budget_gb)"
-            )
-            if policy == "wait" and time.monotonic() < deadline:
-                await asyncio.sleep(0.5)
-                continue
-            raise GatewayError(ErrorCode.WORKER_UNAVAILABLE, message, retry_after=10)
+        await self.memory.make_room(slot, self.slots, self.unload, extra)
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -802,23 +753,8 @@ class Supervisor:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    # ---- leftovers from a crashed gateway -------------------------------------------
-
     def _save_pids(self) -> None:
-        pids = [h.pid for h in self._by_id.values()]
-        self.run_dir.workers_file.write_text(json.dumps(pids))
-
-    def _reap_leftovers(self) -> None:
-        try:
-            pids = json.loads(self.run_dir.workers_file.read_text())
-        except (OSError, ValueError):
-            return
-        for pid in pids:
-            with contextlib.suppress(psutil.Error):
-                proc = psutil.Process(int(pid))
-                if "worker" in proc.cmdline() and proc.pid != os.getpid():
-                    log.warning("killing leftover worker pid %d", pid)
-                    proc.kill()
+        save_pids(self.run_dir.workers_file, (h.pid for h in self._by_id.values()))
 
     # ---- status -------------------------------------------------------------------------
 
@@ -833,8 +769,8 @@ class Supervisor:
             "version": version("mlx-gateway"),
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started_at, 1),
-            "memory_budget_bytes": self.memory_budget,
+            "memory_budget_bytes": self.memory.budget,
             "memory_used_bytes": self.memory_used(),
-            "memory_total_bytes": self.memory_total,
+            "memory_total_bytes": self.memory.total,
             "models": {name: slot.state.value for name, slot in self.slots.items()},
         }
