@@ -20,13 +20,20 @@ def save_pids(path: Path, pids: Iterable[int]) -> None:
 
 
 def reap_leftovers(path: Path) -> None:
+    """Kill the listed pids that are still worker processes. A missing or corrupt file is
+    nothing to reap: it must never stop a gateway from starting."""
     try:
         pids = json.loads(path.read_text())
     except (OSError, ValueError):
         return
+    if not isinstance(pids, list):
+        log.warning("ignoring %s: not a list of pids", path)
+        return
     for pid in pids:
-        with contextlib.suppress(psutil.Error, TypeError, ValueError):
-            proc = psutil.Process(int(pid))
+        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+            continue
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
             if "worker" in proc.cmdline() and proc.pid != os.getpid():
                 log.warning("killing leftover worker pid %d", pid)
                 proc.kill()
