@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
+from typing import Protocol
 
 import psutil
 
@@ -22,7 +23,13 @@ from shared.types import ErrorCode
 
 log = logging.getLogger("gateway.supervisor")
 
-Unload = Callable[..., Awaitable[bool]]  # Supervisor.unload(name, force=...)
+
+class Unload(Protocol):
+    """Supervisor.unload."""
+
+    async def __call__(
+        self, name: str, force: bool = False, timeout: float | None = None
+    ) -> bool: ...
 
 
 class MemoryBudget:
