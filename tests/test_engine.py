@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from pathlib import Path
 
@@ -126,6 +127,85 @@ def test_late_joiner_matches_mlx_lm(chat: Loaded, prompts: list[list[int]]) -> N
     assert not engine.has_work
 
 
+def first_token_steps(engine, burst: int, prompts: list[list[int]]) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """Add a burst at once; the engine step at which each request got its first token."""
+    for i in range(burst):  # one prompt: a prompt of a single token skips the prefill step
+        engine.add(greedy(f"r{i}", prompts[0], 6, ignore_eos=True))
+    first: dict[str, int] = {}
+    for step in range(1, 200):
+        for o in engine.step():
+            if o.token_ids and o.request_id not in first:
+                first[o.request_id] = step
+        if not engine.has_work:
+            break
+    assert not engine.has_work and len(first) == burst
+    return first
+
+
+def test_a_burst_gets_its_first_tokens_group_by_group(
+    chat: Loaded, prompts: list[list[int]]
+) -> None:
+    """Two groups: the first half's first tokens go out before the second half enters the
+    generator, and every request still gets exactly mlx-lm's greedy tokens."""
+    engine = chat.engine(max_running=16, prefill_batch_size=16, prefill_groups=2)
+    for i in range(8):
+        engine.add(greedy(f"r{i}", prompts[i % len(prompts)], 6, ignore_eos=True))
+    outputs: dict[str, list[RequestOutput]] = {}
+    first: dict[str, int] = {}
+    outside_at_first_tokens: set[str] = set()
+    for step in range(1, 200):
+        got = engine.step()
+        for o in got:
+            outputs.setdefault(o.request_id, []).append(o)
+        if not first and any(o.token_ids for o in got):
+            outside_at_first_tokens = {r.request_id for r in engine.requests.values() if r.uid < 0}
+        for o in got:
+            first.setdefault(o.request_id, step)
+        if not engine.has_work:
+            break
+    assert outside_at_first_tokens == {"r4", "r5", "r6", "r7"}
+    early, late = {first[f"r{i}"] for i in range(4)}, {first[f"r{i}"] for i in range(4, 8)}
+    assert max(early) < min(late)
+    for i in range(8):
+        prompt = prompts[i % len(prompts)]
+        assert token_ids(outputs[f"r{i}"]) == reference_greedy(chat.model, prompt, 6)
+
+
+def test_a_long_prompt_does_not_hold_back_later_requests(
+    chat: Loaded, prompts: list[list[int]]
+) -> None:
+    """A prompt that takes many prefill steps: a short request added behind it joins the
+    generator at the next step and gets its first token long before the long prompt's."""
+    engine = chat.engine(prefill_step_size=4)
+    long_prompt = prompts[2]
+    assert len(long_prompt) > 16
+    engine.add(greedy("long", long_prompt, 4, ignore_eos=True))
+    engine.step()
+    engine.add(greedy("short", [long_prompt[0], long_prompt[1]], 4, ignore_eos=True))
+    engine.step()
+    assert engine.requests["short"].uid >= 0  # in the generator, not staged
+    first: dict[str, int] = {}
+    for step in range(100):
+        for o in engine.step():
+            first.setdefault(o.request_id, step)
+        if not engine.has_work:
+            break
+    assert first["short"] < first["long"]
+
+
+def test_one_prefill_group_starts_a_burst_together(chat: Loaded, prompts: list[list[int]]) -> None:
+    together = first_token_steps(
+        chat.engine(max_running=16, prefill_groups=1, prefill_batch_size=16), 8, prompts
+    )
+    assert len(set(together.values())) == 1
+    # groups never go below MIN_GROUP requests: a burst of 4 is one group
+    small = first_token_steps(chat.engine(max_running=16, prefill_batch_size=16), 4, prompts)
+    assert len(set(small.values())) == 1
+    # prefill_batch_size still caps a group: 3 groups of at most 3
+    capped = first_token_steps(chat.engine(max_running=16, prefill_batch_size=3), 8, prompts)
+    assert sorted(collections.Counter(capped.values()).values()) == [2, 3, 3]
+
+
 def test_text_is_the_decoded_tokens(chat: Loaded, prompts: list[list[int]]) -> None:
     prompt = prompts[0]
     out = drive(chat.engine(), [greedy("a", prompt, 12, ignore_eos=True)])["a"]
@@ -138,7 +218,9 @@ def test_text_is_the_decoded_tokens(chat: Loaded, prompts: list[list[int]]) -> N
 
 def assert_gone(engine, request_id: str, uid: int) -> None:  # type: ignore[no-untyped-def]
     assert request_id not in engine.requests
-    assert engine.generator.extract_cache([uid]) == {}
+    assert all(s.request.request_id != request_id for s in engine.staged)
+    if uid >= 0:
+        assert engine.generator.extract_cache([uid]) == {}
 
 
 @pytest.mark.parametrize(
@@ -155,11 +237,15 @@ def test_abort_frees_the_request(
     assert len(long_prompt) > 8
     engine.add(greedy("victim", long_prompt, 50, ignore_eos=True))
     engine.add(greedy("other", prompts[1], 12, ignore_eos=True))
-    uid = engine.requests["victim"].uid
-    assert engine.generator.extract_cache([uid]) != {}
+    # staged until a step inserts its group into the generator
+    assert [s.request.request_id for s in engine.staged] == ["victim", "other"]
     seen = []
     for _ in range(steps_before):
         seen += engine.step()
+    uid = engine.requests["victim"].uid
+    assert (uid >= 0) is (steps_before > 0)
+    if uid >= 0:
+        assert engine.generator.extract_cache([uid]) != {}
     assert (engine.requests["victim"].completion_tokens > 0) is decoding
     aborted = engine.abort(["victim"])
     assert len(aborted) == 1

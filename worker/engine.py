@@ -4,10 +4,20 @@ No sockets here: the daemon feeds it PreparedRequests and aborts, and ships what
 returns. Requests join and leave the running batch between steps; BatchGenerator decodes the
 running batch first and then prefills at most `prefill_step_size` prompt tokens, so a long
 prompt never freezes running streams.
+
+New requests enter the generator a group at a time, and the next group only once every
+request of the previous one has its first token (a group with a prompt longer than one
+prefill step does not hold the next one back): BatchGenerator returns a step's tokens
+after that step's prefill, so a burst inserted at once holds every first token until the
+whole burst is prefilled. A burst is split in up to `prefill_groups` groups (at least
+MIN_GROUP and at most `prefill_batch_size` requests each): with two, half of a burst gets
+its first tokens after half of the prefill, and the groups stay within a few steps of each
+other, so the daemon's hold rule still starts the next wave together.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -30,6 +40,8 @@ from worker.sampling import make_processors, make_sampler
 from worker.stop import StopStringMatcher
 from worker.tokens import TokenInfo
 
+MIN_GROUP = 4  # smaller prefill groups cost more per prompt than their first tokens gain
+
 
 class EngineCore:
     def __init__(self, model: Any, tokenizer: Any, options: EngineOptions) -> None:
@@ -49,6 +61,11 @@ class EngineCore:
         # (so running streams keep moving), then the request joins the batch.
         self.scoring: dict[str, Scoring] = {}
         self._by_uid: dict[int, Request] = {}
+        self.max_group = max(1, min(options.prefill_batch_size, options.max_running))
+        self.group_size = 0  # of the burst being staged in; 0: none
+        # accepted, not yet in the generator (their Request.uid is -1)
+        self.staged: deque[Staged] = deque()
+        self._awaiting: set[int] = set()  # uids in the generator without a first token
         self._eos_stops = StopSequences([[t] for t in sorted(self.eos_ids)])
         self.steps = 0
         self.batch_count = 0  # batch-priority requests in the generator
@@ -134,16 +151,9 @@ class EngineCore:
             if stop_ids == self.eos_ids
             else StopSequences([[t] for t in sorted(stop_ids)])
         )
-        (uid,) = self.generator.insert(
-            [prepared.prompt],
-            max_tokens=[prepared.max_tokens],
-            samplers=[make_sampler(params, self.vocab_size)],
-            logits_processors=[make_processors(params, stop_ids)],
-            stop_sequences=[stops],
-        )
         request = Request(
             request_id=prepared.request_id,
-            uid=uid,
+            uid=-1,
             prompt_len=len(prepared.prompt),
             max_tokens=prepared.max_tokens,
             detokenizer=self.tokenizer.detokenizer,
@@ -159,8 +169,42 @@ class EngineCore:
         self.batch_count += prepared.priority > 0
         self.logprob_count += params.logprobs
         self.requests[request.request_id] = request
-        self._by_uid[uid] = request
+        self.staged.append(
+            Staged(
+                request,
+                prepared.prompt,
+                make_sampler(params, self.vocab_size),
+                make_processors(params, stop_ids),
+                stops,
+            )
+        )
         return None
+
+    def _insert_group(self) -> None:
+        """The next group of staged requests into the generator, once the previous group
+        has its first tokens."""
+        if not self.staged or self._awaiting:
+            return
+        if not self.group_size:
+            share = -(-len(self.staged) // max(1, self.options.prefill_groups))
+            self.group_size = min(self.max_group, max(MIN_GROUP, share))
+        group = [self.staged.popleft() for _ in range(min(self.group_size, len(self.staged)))]
+        if not self.staged:
+            self.group_size = 0
+        uids = self.generator.insert(
+            [s.prompt for s in group],
+            max_tokens=[s.request.max_tokens for s in group],
+            samplers=[s.sampler for s in group],
+            logits_processors=[s.processors for s in group],
+            stop_sequences=[s.stops for s in group],
+        )
+        for staged, uid in zip(group, uids, strict=True):
+            staged.request.uid = uid
+            self._by_uid[uid] = staged.request
+            # A prompt longer than a prefill step takes several steps: requests behind it
+            # join it in the generator's prompt batch rather than wait for all of it.
+            if len(staged.prompt) <= self.options.prefill_step_size:
+                self._awaiting.add(uid)
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         """Remove requests from the batch (their KV goes with them); idempotent."""
@@ -176,7 +220,13 @@ class EngineCore:
         found = [self.requests[i] for i in request_ids if i in self.requests]
         if not found:
             return outputs
-        self.generator.remove([r.uid for r in found])
+        if any(r.uid < 0 for r in found):
+            gone = {r.request_id for r in found}
+            self.staged = deque(s for s in self.staged if s.request.request_id not in gone)
+            self.group_size = self.group_size if self.staged else 0
+        inserted = [r.uid for r in found if r.uid >= 0]
+        if inserted:
+            self.generator.remove(inserted)
         for request in found:
             self._forget(request)
         return outputs + [r.finish(FinishReason.ABORT) for r in found]
@@ -188,9 +238,12 @@ class EngineCore:
             started = self._score_step()
             if started is not None:
                 outputs.append(started)
-        if not self.requests:
+        self._insert_group()
+        if not self._by_uid:
             return outputs
         _, responses = self.generator.next()
+        if self._awaiting:
+            self._awaiting.difference_update(r.uid for r in responses)
         early: list[int] = []
         logprobs = self._logprobs(responses) if self.logprob_count else None
         for response in responses:
@@ -217,6 +270,7 @@ class EngineCore:
             self.batch_count -= request.priority > 0
             self.logprob_count -= request.logprobs
         self._by_uid.pop(request.uid, None)
+        self._awaiting.discard(request.uid)
 
     # ---- log probabilities ------------------------------------------------------------
 
@@ -311,6 +365,17 @@ class EngineCore:
         while "__score__" in self.scoring:
             self._score_step()
         return job.entries
+
+
+@dataclass(slots=True, eq=False)
+class Staged:
+    """A request accepted by the engine, waiting for its group's turn in the generator."""
+
+    request: Request
+    prompt: list[int]
+    sampler: Any
+    processors: Any
+    stops: StopSequences
 
 
 @dataclass(slots=True, eq=False)
