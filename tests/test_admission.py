@@ -92,6 +92,37 @@ def test_a_lone_client_never_waits(make_proc: MakeProc) -> None:
     assert proc.inputs.qsize() == 1  # left for the next turn of the loop
 
 
+@pytest.mark.parametrize("signal", ["two_held", "incoming"])
+def test_a_new_burst_is_gathered_until_arrivals_stop(make_proc: MakeProc, signal: str) -> None:
+    """No client came back (a cold start, a level of a benchmark, a fan-out): a burst is
+    recognised by a second request already held or by more frames in the input thread's
+    hands, and gathered until arrivals stop for the gap, instead of prefilling its first
+    request alone and the rest a prefill later."""
+    proc = make_proc(admission_gap_ms=30)
+    proc.returning = 0
+    proc.held = [_request(0), _request(1)] if signal == "two_held" else [_request(1)]
+    proc.incoming = 1 if signal == "incoming" else 0
+    feeder = _feed(proc, [_request(i) for i in range(2, 6)], spacing_s=0.005)
+    started = time.monotonic()
+    proc._gather()
+    waited = time.monotonic() - started
+    feeder.join()
+    assert len(proc.held) == (6 if signal == "two_held" else 5)
+    assert 0.02 <= waited < 0.2  # arrivals ended, then one gap
+
+
+def test_a_lone_first_request_never_waits(make_proc: MakeProc) -> None:
+    proc = make_proc(admission_gap_ms=50)
+    proc.returning = 0
+    proc.held = [_request(0)]
+    feeder = _feed(proc, [_request(1)], spacing_s=0.005)
+    started = time.monotonic()
+    proc._gather()
+    assert time.monotonic() - started < 0.004
+    assert _held(proc) == ["r0"]
+    feeder.join()
+
+
 def test_gathering_stops_at_a_gap(make_proc: MakeProc) -> None:
     proc = make_proc(admission_gap_ms=10, admission_window_ms=500)
     proc.returning = 5
@@ -115,8 +146,8 @@ def test_gathering_is_bounded_by_the_window(make_proc: MakeProc) -> None:
     assert waited < 0.2
 
 
-def test_gathering_is_bounded_by_the_prefill_batch(make_proc: MakeProc) -> None:
-    proc = make_proc(prefill_batch_size=2)
+def test_gathering_is_bounded_by_the_batch(make_proc: MakeProc) -> None:
+    proc = make_proc(max_running=2, prefill_batch_size=2)
     proc.returning = 6
     proc.held = [_request(0)]
     feeder = _feed(proc, [_request(i) for i in range(1, 6)], spacing_s=0.002)

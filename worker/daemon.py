@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -47,6 +48,7 @@ from worker.preprocess import PreparedRequest, PreprocessError, Preprocessor, ca
 log = logging.getLogger("worker")
 
 HEARTBEAT_S = 1.0
+INPUT_BATCH = 256  # frames the input thread takes off its socket at once
 _STOP = object()
 
 
@@ -78,6 +80,9 @@ class WorkerProc:
         self.codec = Codec()  # the engine thread's
         self.returning = 0  # requests finished since the engine last admitted one
         self.held: list[PreparedRequest] = []  # received, not yet in the batch
+        # Add frames the input thread has received and not yet queued (it alone writes it):
+        # an idle engine woken by one request sees that more of the same burst are coming.
+        self.incoming = 0
         self.faults = Faults.for_model(args.model.name)
         self.stage, self.stage_progress = "starting", -1.0  # reported while loading
         self.crash_ids: set[str] = set()  # fault injection: die after their first token
@@ -249,13 +254,17 @@ class WorkerProc:
         return self.engine.ending_within(self.args.model.engine.admission_hold_steps)
 
     def _gather(self) -> list[RequestOutput]:
-        """Idle engine: wait for the rest of the burst of returning clients."""
+        """Idle engine: wait for the rest of a burst. Returning clients: until as many came
+        back as finished. A new burst (more requests already received, or in the input
+        thread's hands): until arrivals stop for `admission_gap_ms`."""
         opts = self.args.model.engine
-        expected = min(self.returning, opts.prefill_batch_size)
-        gap = opts.admission_gap_ms / 1000
         finished: list[RequestOutput] = []
-        if gap <= 0:
+        gap = opts.admission_gap_ms / 1000
+        burst = len(self.held) > 1 or self.incoming > 0
+        if gap <= 0 or not (burst or self.returning > 1):
             return finished
+        # the engine is idle: a whole batch may come
+        expected = min(self.returning, opts.max_running) if self.returning > 1 else opts.max_running
         deadline = time.monotonic() + opts.admission_window_ms / 1000
         while self.held and len(self.held) < expected:
             wait = min(gap, deadline - time.monotonic())
@@ -344,12 +353,17 @@ class WorkerProc:
     def _input_loop(self, preprocess: Preprocessor) -> None:
         codec = Codec()
         sock = self.channels.requests
+        pending: deque[bytes] = deque()
         while not self.stopping.is_set():
             try:
-                if not sock.poll(200):
-                    continue
-                raw = sock.recv()
-                frame = codec.to_worker.decode(raw)
+                if not pending:
+                    if not sock.poll(200):
+                        continue
+                    pending.append(sock.recv())
+                while sock.poll(0) and len(pending) < INPUT_BATCH:  # the rest of a burst
+                    pending.append(sock.recv())
+                self.incoming = len(pending)
+                frame = codec.to_worker.decode(pending.popleft())
             except msgspec.DecodeError:
                 log.exception("undecodable frame from the gateway")
                 continue
@@ -361,6 +375,11 @@ class WorkerProc:
                 self._send(self._control(frame, preprocess))
             else:
                 self.inputs.put(frame)
+            if not pending:
+                try:
+                    self.incoming = 1 if sock.poll(0) else 0  # more came while it worked
+                except Exception:  # socket closed at exit
+                    return
 
     def _accept(self, frame: Add, preprocess: Preprocessor) -> None:
         try:
