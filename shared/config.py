@@ -80,6 +80,10 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     prefill_groups: int = 2
     admission_gap_ms: float = 20.0
     admission_window_ms: float = 250.0
+    # An idle engine woken by one request, with no clients returning, waits this long for a
+    # second one before prefilling it alone: the first request of a burst would otherwise be
+    # prefilled by itself and stay a prefill ahead of the rest. 0: never waits.
+    admission_first_wait_ms: float = 5.0
     # Batch-priority requests (keys with priority = "batch") may fill at most this share of
     # max_running, so that an interactive request always finds a free place in the batch.
     batch_share: float = 0.75

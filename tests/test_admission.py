@@ -81,15 +81,28 @@ def test_a_burst_of_returning_clients_is_gathered(make_proc: MakeProc) -> None:
     assert time.monotonic() - started < 0.045
 
 
-def test_a_lone_client_never_waits(make_proc: MakeProc) -> None:
-    proc = make_proc()
+def test_a_lone_client_waits_only_the_first_wait(make_proc: MakeProc) -> None:
+    proc = make_proc(admission_first_wait_ms=5)
     proc.returning = 1
     proc.held = [_request(0)]
-    feeder = _feed(proc, [_request(1)], spacing_s=0.005)
+    feeder = _feed(proc, [_request(1)], spacing_s=0.040)
+    started = time.monotonic()
     proc._gather()
+    assert time.monotonic() - started < 0.030
     assert _held(proc) == ["r0"]
     feeder.join()
     assert proc.inputs.qsize() == 1  # left for the next turn of the loop
+
+
+def test_a_second_request_within_the_first_wait_starts_a_gathering(make_proc: MakeProc) -> None:
+    """The first request of a burst that reached the engine alone: the rest is gathered."""
+    proc = make_proc(admission_first_wait_ms=20, admission_gap_ms=30)
+    proc.returning = 0
+    proc.held = [_request(0)]
+    feeder = _feed(proc, [_request(i) for i in range(1, 6)], spacing_s=0.004)
+    proc._gather()
+    feeder.join()
+    assert _held(proc) == [f"r{i}" for i in range(6)]
 
 
 @pytest.mark.parametrize("signal", ["two_held", "incoming"])
@@ -111,8 +124,8 @@ def test_a_new_burst_is_gathered_until_arrivals_stop(make_proc: MakeProc, signal
     assert 0.02 <= waited < 0.2  # arrivals ended, then one gap
 
 
-def test_a_lone_first_request_never_waits(make_proc: MakeProc) -> None:
-    proc = make_proc(admission_gap_ms=50)
+def test_no_first_wait_when_it_is_off(make_proc: MakeProc) -> None:
+    proc = make_proc(admission_gap_ms=50, admission_first_wait_ms=0)
     proc.returning = 0
     proc.held = [_request(0)]
     feeder = _feed(proc, [_request(1)], spacing_s=0.005)

@@ -255,29 +255,41 @@ class WorkerProc:
 
     def _gather(self) -> list[RequestOutput]:
         """Idle engine: wait for the rest of a burst. Returning clients: until as many came
-        back as finished. A new burst (more requests already received, or in the input
-        thread's hands): until arrivals stop for `admission_gap_ms`."""
+        back as finished. Otherwise a lone request waits `admission_first_wait_ms` for a
+        second one; a burst (a second request, or more frames in the input thread's hands)
+        is gathered until arrivals stop for `admission_gap_ms`. Frames still in the input
+        thread's hands are always waited for (within the gap and the window)."""
         opts = self.args.model.engine
         finished: list[RequestOutput] = []
         gap = opts.admission_gap_ms / 1000
-        burst = len(self.held) > 1 or self.incoming > 0
-        if gap <= 0 or not (burst or self.returning > 1):
+        if gap <= 0:
             return finished
-        # the engine is idle: a whole batch may come
+        if self.returning <= 1 and len(self.held) == 1 and not self.incoming:
+            item = self._next_input(opts.admission_first_wait_ms / 1000)
+            if item is None:
+                return finished  # a lone client
+            finished += self._handle(item)
+            if not isinstance(item, PreparedRequest):
+                return finished
+        # the engine is idle: with no clients returning, a whole batch may come
         expected = min(self.returning, opts.max_running) if self.returning > 1 else opts.max_running
         deadline = time.monotonic() + opts.admission_window_ms / 1000
-        while self.held and len(self.held) < expected:
-            wait = min(gap, deadline - time.monotonic())
-            if wait <= 0:
-                break
-            try:
-                item = self.inputs.get(timeout=wait)
-            except queue.Empty:
+        while self.held and (len(self.held) < expected or self.incoming):
+            item = self._next_input(min(gap, deadline - time.monotonic()))
+            if item is None:
                 break
             finished += self._handle(item)
             if isinstance(item, Shutdown):
                 break
         return finished
+
+    def _next_input(self, wait: float) -> object | None:
+        if wait <= 0:
+            return None
+        try:
+            return self.inputs.get(timeout=wait)
+        except queue.Empty:
+            return None
 
     def _admit_held(self, everything: bool = False) -> list[RequestOutput]:
         """Move held requests into the batch while it has room: interactive ones first (FIFO

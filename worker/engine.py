@@ -186,7 +186,11 @@ class EngineCore:
         if not self.staged or self._awaiting:
             return
         if not self.group_size:
-            share = -(-len(self.staged) // max(1, self.options.prefill_groups))
+            # Only a burst that starts the batch is split: one arriving beside running
+            # requests is not a wave (splitting it again on every return would fragment a
+            # desynchronised batch into ever smaller groups).
+            groups = 1 if self._by_uid else max(1, self.options.prefill_groups)
+            share = -(-len(self.staged) // groups)
             self.group_size = min(self.max_group, max(MIN_GROUP, share))
         group = [self.staged.popleft() for _ in range(min(self.group_size, len(self.staged)))]
         if not self.staged:
