@@ -249,3 +249,61 @@ def test_the_hold_can_be_switched_off(make_proc: MakeProc, chat: Loaded) -> None
     proc._process_inputs()
     assert "new" in engine.requests
     engine.abort(list(engine.requests))
+
+
+def test_the_input_thread_publishes_the_frames_it_holds(tmp_path: Path) -> None:
+    """Real sockets: frames sent at once are taken off the socket together, `incoming`
+    counts the ones not yet queued while a request is being prepared, and drops to 0 once
+    all are queued."""
+    import zmq
+
+    from shared.protocol import Add, Codec
+    from shared.types import CanonicalRequest, RequestKind
+
+    addr = f"ipc://{tmp_path}/requests.sock"
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    router.bind(addr)
+    model = ModelConfig(name="m", source="unused", engine=EngineOptions())
+    proc = WorkerProc(WorkerArgs("w-in", addr, f"ipc://{tmp_path}/out.sock", model, False))
+    seen: list[int] = []
+
+    def preprocess(frame: Add) -> PreparedRequest:
+        seen.append(proc.incoming)
+        time.sleep(0.01)  # templating and tokenizing take time
+        return PreparedRequest(frame.request_id, [1, 2], 4, SamplingParams())
+
+    codec = Codec()
+    frames = [
+        codec.encode(
+            Add(f"r{i}", RequestKind.COMPLETION, CanonicalRequest(prompt="x"), SamplingParams())
+        )
+        for i in range(5)
+    ]
+    thread = threading.Thread(target=proc._input_loop, args=(preprocess,), daemon=True)
+    try:
+        for _ in range(200):  # until the DEALER is connected and routable
+            try:
+                router.send_multipart([b"w-in", frames[0]])
+                break
+            except zmq.ZMQError:
+                time.sleep(0.01)
+        for frame in frames[1:]:
+            router.send_multipart([b"w-in", frame])
+        time.sleep(0.1)  # all five are waiting on the worker's socket
+        thread.start()
+        got = [proc.inputs.get(timeout=5) for _ in range(5)]
+        assert [p.request_id for p in got] == [f"r{i}" for i in range(5)]  # type: ignore[attr-defined]
+        assert seen == [5, 4, 3, 2, 1]
+        for _ in range(100):
+            if proc.incoming == 0:
+                break
+            time.sleep(0.01)
+        assert proc.incoming == 0
+    finally:
+        proc.stopping.set()
+        thread.join(timeout=2)
+        proc.channels.close()
+        router.close(linger=0)
+        context.term()
