@@ -74,10 +74,9 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # engine gathers a burst of returning clients (arrivals < `admission_gap_ms` apart,
     # `admission_window_ms` at most). 0 turns each off.
     admission_hold_steps: int = 4
-    # A burst of new requests is prefilled in up to `prefill_groups` groups (each of at least
-    # 4 and at most `prefill_batch_size` requests); each group's first tokens go out before
-    # the next group is prefilled. 1 prefills a burst in groups of `prefill_batch_size`.
-    prefill_groups: int = 2
+    # A burst of new requests that starts an idle batch (at least 8) is prefilled in two
+    # halves; the first half's first tokens go out before the second half is prefilled.
+    split_burst_prefill: bool = True
     admission_gap_ms: float = 20.0
     admission_window_ms: float = 250.0
     # An idle engine woken by one request, with no clients returning, waits this long for a
@@ -253,7 +252,6 @@ def _validate(config: Config) -> None:
             "max_running": opts.max_running,
             "prefill_batch_size": opts.prefill_batch_size,
             "prefill_step_size": opts.prefill_step_size,
-            "prefill_groups": opts.prefill_groups,
             "max_context": opts.max_context or 1,
             "default_max_tokens": opts.default_max_tokens or 1,
         }

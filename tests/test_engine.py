@@ -35,6 +35,7 @@ from tests.engine_fixtures import (
     text,
     token_ids,
 )
+from worker.engine import EngineCore
 from worker.modelgen import IM_END_ID, IM_START_ID, TinyModelSpec, build_tiny_model, byte_token_id
 from worker.preprocess import PreparedRequest, PreprocessError, Preprocessor, capabilities
 
@@ -127,14 +128,14 @@ def test_late_joiner_matches_mlx_lm(chat: Loaded, prompts: list[list[int]]) -> N
     assert not engine.has_work
 
 
-def first_token_steps(engine, burst: int, prompts: list[list[int]]) -> dict[str, int]:  # type: ignore[no-untyped-def]
+def first_token_steps(engine: EngineCore, burst: int, prompts: list[list[int]]) -> dict[str, int]:
     """Add a burst at once; the engine step at which each request got its first token."""
     for i in range(burst):  # one prompt: a prompt of a single token skips the prefill step
         engine.add(greedy(f"r{i}", prompts[0], 6, ignore_eos=True))
     first: dict[str, int] = {}
     for step in range(1, 200):
         for o in engine.step():
-            if o.token_ids and o.request_id not in first:
+            if o.token_ids and o.request_id.startswith("r") and o.request_id not in first:
                 first[o.request_id] = step
         if not engine.has_work:
             break
@@ -147,7 +148,7 @@ def test_a_burst_gets_its_first_tokens_group_by_group(
 ) -> None:
     """Two groups: the first half's first tokens go out before the second half enters the
     generator, and every request still gets exactly mlx-lm's greedy tokens."""
-    engine = chat.engine(max_running=16, prefill_batch_size=16, prefill_groups=2)
+    engine = chat.engine(max_running=16, prefill_batch_size=16)
     for i in range(8):
         engine.add(greedy(f"r{i}", prompts[i % len(prompts)], 6, ignore_eos=True))
     outputs: dict[str, list[RequestOutput]] = {}
@@ -193,17 +194,26 @@ def test_a_long_prompt_does_not_hold_back_later_requests(
     assert first["short"] < first["long"]
 
 
-def test_one_prefill_group_starts_a_burst_together(chat: Loaded, prompts: list[list[int]]) -> None:
-    together = first_token_steps(
-        chat.engine(max_running=16, prefill_groups=1, prefill_batch_size=16), 8, prompts
-    )
-    assert len(set(together.values())) == 1
-    # groups never go below MIN_GROUP requests: a burst of 4 is one group
-    small = first_token_steps(chat.engine(max_running=16, prefill_batch_size=16), 4, prompts)
-    assert len(set(small.values())) == 1
-    # prefill_batch_size still caps a group: 3 groups of at most 3
-    capped = first_token_steps(chat.engine(max_running=16, prefill_batch_size=3), 8, prompts)
-    assert sorted(collections.Counter(capped.values()).values()) == [2, 3, 3]
+def test_what_is_split_and_what_is_not(chat: Loaded, prompts: list[list[int]]) -> None:
+    def groups(first: dict[str, int]) -> list[int]:
+        return [n for _, n in sorted(collections.Counter(first.values()).items())]
+
+    # switched off: the burst starts together
+    off = chat.engine(max_running=16, prefill_batch_size=16, split_burst_prefill=False)
+    assert groups(first_token_steps(off, 8, prompts)) == [8]
+    # halves are never below MIN_GROUP requests: a burst of 7 is one group
+    assert groups(first_token_steps(chat.engine(max_running=16), 7, prompts)) == [7]
+    # prefill_batch_size still caps a group
+    capped = chat.engine(max_running=16, prefill_batch_size=3)
+    assert groups(first_token_steps(capped, 8, prompts)) == [3, 3, 2]
+    # a burst that arrives beside running requests is not split
+    engine = chat.engine(max_running=32, prefill_batch_size=32)
+    engine.add(greedy("bg", prompts[0], 40, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine.requests["bg"].completion_tokens > 0
+    later = first_token_steps(engine, 10, prompts)
+    assert groups(later) == [10]
 
 
 def test_text_is_the_decoded_tokens(chat: Loaded, prompts: list[list[int]]) -> None:

@@ -9,10 +9,11 @@ New requests enter the generator a group at a time, and the next group only once
 request of the previous one has its first token (a group with a prompt longer than one
 prefill step does not hold the next one back): BatchGenerator returns a step's tokens
 after that step's prefill, so a burst inserted at once holds every first token until the
-whole burst is prefilled. A burst is split in up to `prefill_groups` groups (at least
-MIN_GROUP and at most `prefill_batch_size` requests each): with two, half of a burst gets
-its first tokens after half of the prefill, and the groups stay within a few steps of each
-other, so the daemon's hold rule still starts the next wave together.
+whole burst is prefilled. With `split_burst_prefill`, a burst that starts an idle batch goes
+in as two halves: the first half streams after half of the prefill, and the halves stay a
+few steps apart, within the daemon's hold rule, so the next wave still starts together.
+Only a burst that starts the batch is split: splitting every returning group again would
+fragment a batch into ever smaller groups, each paying its own prefill.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from worker.sampling import make_processors, make_sampler
 from worker.stop import StopStringMatcher
 from worker.tokens import TokenInfo
 
-MIN_GROUP = 4  # smaller prefill groups cost more per prompt than their first tokens gain
+MIN_GROUP = 4  # a half smaller than this costs more per prompt than its first tokens gain
 
 
 class EngineCore:
@@ -62,7 +63,6 @@ class EngineCore:
         self.scoring: dict[str, Scoring] = {}
         self._by_uid: dict[int, Request] = {}
         self.max_group = max(1, min(options.prefill_batch_size, options.max_running))
-        self.group_size = 0  # of the burst being staged in; 0: none
         # accepted, not yet in the generator (their Request.uid is -1)
         self.staged: deque[Staged] = deque()
         self._awaiting: set[int] = set()  # uids in the generator without a first token
@@ -185,16 +185,11 @@ class EngineCore:
         has its first tokens."""
         if not self.staged or self._awaiting:
             return
-        if not self.group_size:
-            # Only a burst that starts the batch is split: one arriving beside running
-            # requests is not a wave (splitting it again on every return would fragment a
-            # desynchronised batch into ever smaller groups).
-            groups = 1 if self._by_uid else max(1, self.options.prefill_groups)
-            share = -(-len(self.staged) // groups)
-            self.group_size = min(self.max_group, max(MIN_GROUP, share))
-        group = [self.staged.popleft() for _ in range(min(self.group_size, len(self.staged)))]
-        if not self.staged:
-            self.group_size = 0
+        size = self.max_group
+        burst = len(self.staged)
+        if self.options.split_burst_prefill and not self._by_uid and burst >= 2 * MIN_GROUP:
+            size = min(size, -(-burst // 2))
+        group = [self.staged.popleft() for _ in range(min(size, len(self.staged)))]
         uids = self.generator.insert(
             [s.prompt for s in group],
             max_tokens=[s.request.max_tokens for s in group],
@@ -227,7 +222,6 @@ class EngineCore:
         if any(r.uid < 0 for r in found):
             gone = {r.request_id for r in found}
             self.staged = deque(s for s in self.staged if s.request.request_id not in gone)
-            self.group_size = self.group_size if self.staged else 0
         inserted = [r.uid for r in found if r.uid >= 0]
         if inserted:
             self.generator.remove(inserted)
