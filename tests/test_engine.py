@@ -148,7 +148,7 @@ def test_a_burst_gets_its_first_tokens_group_by_group(
 ) -> None:
     """Two groups: the first half's first tokens go out before the second half enters the
     generator, and every request still gets exactly mlx-lm's greedy tokens."""
-    engine = chat.engine(max_running=16, prefill_batch_size=16)
+    engine = chat.engine(max_running=16, prefill_batch_size=16, split_burst_prefill=True)
     for i in range(8):
         engine.add(greedy(f"r{i}", prompts[i % len(prompts)], 6, ignore_eos=True))
     outputs: dict[str, list[RequestOutput]] = {}
@@ -202,12 +202,14 @@ def test_what_is_split_and_what_is_not(chat: Loaded, prompts: list[list[int]]) -
     off = chat.engine(max_running=16, prefill_batch_size=16, split_burst_prefill=False)
     assert groups(first_token_steps(off, 8, prompts)) == [8]
     # halves are never below MIN_GROUP requests: a burst of 7 is one group
-    assert groups(first_token_steps(chat.engine(max_running=16), 7, prompts)) == [7]
+    assert groups(
+        first_token_steps(chat.engine(max_running=16, split_burst_prefill=True), 7, prompts)
+    ) == [7]
     # prefill_batch_size still caps a group
     capped = chat.engine(max_running=16, prefill_batch_size=3)
     assert groups(first_token_steps(capped, 8, prompts)) == [3, 3, 2]
     # a burst that arrives beside running requests is not split
-    engine = chat.engine(max_running=32, prefill_batch_size=32)
+    engine = chat.engine(max_running=32, prefill_batch_size=32, split_burst_prefill=True)
     engine.add(greedy("bg", prompts[0], 40, ignore_eos=True))
     for _ in range(4):
         engine.step()
