@@ -136,6 +136,18 @@ def test_no_first_wait_when_it_is_off(make_proc: MakeProc) -> None:
     feeder.join()
 
 
+def test_a_burst_larger_than_the_last_one_is_gathered_whole(make_proc: MakeProc) -> None:
+    """Four clients came back, but sixteen requests arrive together (the next level of a
+    benchmark, a wider fan-out): arrivals within the first wait still belong to the burst."""
+    proc = make_proc(admission_first_wait_ms=10, admission_gap_ms=30)
+    proc.returning = 4
+    proc.held = [_request(0)]
+    feeder = _feed(proc, [_request(i) for i in range(1, 16)], spacing_s=0.002)
+    proc._gather()
+    feeder.join()
+    assert len(proc.held) == 16
+
+
 def test_gathering_stops_at_a_gap(make_proc: MakeProc) -> None:
     proc = make_proc(admission_gap_ms=10, admission_window_ms=500)
     proc.returning = 5

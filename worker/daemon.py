@@ -274,8 +274,12 @@ class WorkerProc:
         # the engine is idle: with no clients returning, a whole batch may come
         expected = min(self.returning, opts.max_running) if self.returning > 1 else opts.max_running
         deadline = time.monotonic() + opts.admission_window_ms / 1000
-        while self.held and (len(self.held) < expected or self.incoming):
-            item = self._next_input(min(gap, deadline - time.monotonic()))
+        first_wait = opts.admission_first_wait_ms / 1000
+        while self.held and len(self.held) < opts.max_running:
+            # Past the expected count, only what follows within the first wait belongs to
+            # the burst (a burst larger than the last one: the next level of a benchmark).
+            short = len(self.held) >= expected and not self.incoming
+            item = self._next_input(min(first_wait if short else gap, deadline - time.monotonic()))
             if item is None:
                 break
             finished += self._handle(item)
