@@ -264,6 +264,22 @@ def _validate(config: Config) -> None:
             raise ConfigError(f"model {model.name!r}: engine.max_prompt_tokens must be >= 1")
         if opts.max_waiting < 0:
             raise ConfigError(f"model {model.name!r}: engine.max_waiting must not be negative")
+        admission = {
+            "admission_hold_steps": opts.admission_hold_steps,
+            "admission_gap_ms": opts.admission_gap_ms,
+            "admission_window_ms": opts.admission_window_ms,
+            "admission_first_wait_ms": opts.admission_first_wait_ms,
+        }
+        for key, number in admission.items():
+            if not 0 <= number < float("inf"):
+                raise ConfigError(
+                    f"model {model.name!r}: engine.{key} must be a finite number >= 0"
+                )
+        if opts.admission_first_wait_ms > opts.admission_window_ms:
+            raise ConfigError(
+                f"model {model.name!r}: engine.admission_first_wait_ms must not exceed "
+                "engine.admission_window_ms"
+            )
         if model.ttl is not None:
             parse_duration(model.ttl, f"model {model.name!r}: ttl")
         reserved = reserved_template_kwarg(model.chat_template_kwargs)

@@ -155,11 +155,32 @@ def test_missing_file(tmp_path: Path) -> None:
     assert str(missing) in str(info.value)
 
 
-@pytest.mark.parametrize("option", ["max_running = 0", "prefill_step_size = 0", "max_waiting = -1"])
+@pytest.mark.parametrize(
+    "option",
+    [
+        "max_running = 0",
+        "prefill_step_size = 0",
+        "max_waiting = -1",
+        "admission_hold_steps = -1",
+        "admission_gap_ms = -5",
+        "admission_first_wait_ms = -1",
+        "admission_window_ms = nan",
+    ],
+)
 def test_non_positive_engine_options(tmp_path: Path, option: str) -> None:
     text = f'[[models]]\nname = "a"\nsource = "x"\n[models.engine]\n{option}\n'
-    with pytest.raises(ConfigError, match=r"at least 1|must not be negative"):
+    with pytest.raises(ConfigError, match=r"at least 1|must not be negative|finite number >= 0"):
         load_config(write(tmp_path, text))
+
+
+def test_a_first_wait_longer_than_the_window_is_rejected(tmp_path: Path) -> None:
+    engine = "admission_first_wait_ms = 300\nadmission_window_ms = 250\n"
+    text = f'[[models]]\nname = "a"\nsource = "x"\n[models.engine]\n{engine}'
+    with pytest.raises(ConfigError, match="admission_first_wait_ms must not exceed"):
+        load_config(write(tmp_path, text))
+    wrong_type = '[[models]]\nname = "a"\nsource = "x"\n[models.engine]\nsplit_burst_prefill = 1\n'
+    with pytest.raises(ConfigError, match="split_burst_prefill"):
+        load_config(write(tmp_path, wrong_type))
 
 
 def test_zero_prefill_batch_size_is_rejected(tmp_path: Path) -> None:
