@@ -26,6 +26,20 @@ class Loaded:
         return EngineCore(self.model, self.tokenizer, EngineOptions(**options))
 
 
+# Prompts of several shapes (one of a single token, one long) for engine tests.
+PROMPT_TEXTS = [
+    "The gateway starts one worker",
+    "Hello",
+    "A request arrives, the prompt is tokenized, and tokens stream back as they are made.",
+    "def add(a, b):\n\treturn a + b",
+    "Prices: $3.99, 15% off",
+    "Lists work too:\n- first item",
+    "On Monday, 3 June 2024 at 09:45, the queue held 17 requests",
+    "x",
+    "Email: team@example.com; path: /var/cache/models/demo-llama",
+]
+
+
 def load(path: Path) -> Loaded:
     result = mlx_load(str(path))
     return Loaded(path, result[0], result[1])

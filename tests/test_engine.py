@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from shared.types import (
     Usage,
 )
 from tests.engine_fixtures import (
+    PROMPT_TEXTS,
     Loaded,
     drive,
     finish,
@@ -35,7 +35,6 @@ from tests.engine_fixtures import (
     text,
     token_ids,
 )
-from worker.engine import EngineCore
 from worker.modelgen import IM_END_ID, IM_START_ID, TinyModelSpec, build_tiny_model, byte_token_id
 from worker.preprocess import PreparedRequest, PreprocessError, Preprocessor, capabilities
 
@@ -54,18 +53,7 @@ def chat(chat_model: Path) -> Loaded:
 @pytest.fixture(scope="module")
 def prompts(chat: Loaded) -> list[list[int]]:
     encode = chat.tokenizer.encode
-    texts = [
-        "The gateway starts one worker",
-        "Hello",
-        "A request arrives, the prompt is tokenized, and tokens stream back as they are made.",
-        "def add(a, b):\n\treturn a + b",
-        "Prices: $3.99, 15% off",
-        "Lists work too:\n- first item",
-        "On Monday, 3 June 2024 at 09:45, the queue held 17 requests",
-        "x",
-        "Email: team@example.com; path: /var/cache/models/demo-llama",
-    ]
-    return [encode(t) for t in texts]
+    return [encode(t) for t in PROMPT_TEXTS]
 
 
 # ---- greedy equality with mlx-lm ------------------------------------------------------------
@@ -126,96 +114,6 @@ def test_late_joiner_matches_mlx_lm(chat: Loaded, prompts: list[list[int]]) -> N
     late = drive(engine, [greedy("late", prompts[0], 16, ignore_eos=True)])["late"]
     assert token_ids(late) == reference_greedy(chat.model, prompts[0], 16)
     assert not engine.has_work
-
-
-def first_token_steps(engine: EngineCore, burst: int, prompts: list[list[int]]) -> dict[str, int]:
-    """Add a burst at once; the engine step at which each request got its first token."""
-    for i in range(burst):  # one prompt: a prompt of a single token skips the prefill step
-        engine.add(greedy(f"r{i}", prompts[0], 6, ignore_eos=True))
-    first: dict[str, int] = {}
-    for step in range(1, 200):
-        for o in engine.step():
-            if o.token_ids and o.request_id.startswith("r") and o.request_id not in first:
-                first[o.request_id] = step
-        if not engine.has_work:
-            break
-    assert not engine.has_work and len(first) == burst
-    return first
-
-
-def test_a_burst_gets_its_first_tokens_group_by_group(
-    chat: Loaded, prompts: list[list[int]]
-) -> None:
-    """Two groups: the first half's first tokens go out before the second half enters the
-    generator, and every request still gets exactly mlx-lm's greedy tokens."""
-    engine = chat.engine(max_running=16, prefill_batch_size=16, split_burst_prefill=True)
-    for i in range(8):
-        engine.add(greedy(f"r{i}", prompts[i % len(prompts)], 6, ignore_eos=True))
-    outputs: dict[str, list[RequestOutput]] = {}
-    first: dict[str, int] = {}
-    outside_at_first_tokens: set[str] = set()
-    for step in range(1, 200):
-        got = engine.step()
-        for o in got:
-            outputs.setdefault(o.request_id, []).append(o)
-        if not first and any(o.token_ids for o in got):
-            outside_at_first_tokens = {r.request_id for r in engine.requests.values() if r.uid < 0}
-        for o in got:
-            first.setdefault(o.request_id, step)
-        if not engine.has_work:
-            break
-    assert outside_at_first_tokens == {"r4", "r5", "r6", "r7"}
-    early, late = {first[f"r{i}"] for i in range(4)}, {first[f"r{i}"] for i in range(4, 8)}
-    assert max(early) < min(late)
-    for i in range(8):
-        prompt = prompts[i % len(prompts)]
-        assert token_ids(outputs[f"r{i}"]) == reference_greedy(chat.model, prompt, 6)
-
-
-def test_a_long_prompt_does_not_hold_back_later_requests(
-    chat: Loaded, prompts: list[list[int]]
-) -> None:
-    """A prompt that takes many prefill steps: a short request added behind it joins the
-    generator at the next step and gets its first token long before the long prompt's."""
-    engine = chat.engine(prefill_step_size=4)
-    long_prompt = prompts[2]
-    assert len(long_prompt) > 16
-    engine.add(greedy("long", long_prompt, 4, ignore_eos=True))
-    engine.step()
-    engine.add(greedy("short", [long_prompt[0], long_prompt[1]], 4, ignore_eos=True))
-    engine.step()
-    assert engine.requests["short"].uid >= 0  # in the generator, not staged
-    first: dict[str, int] = {}
-    for step in range(100):
-        for o in engine.step():
-            first.setdefault(o.request_id, step)
-        if not engine.has_work:
-            break
-    assert first["short"] < first["long"]
-
-
-def test_what_is_split_and_what_is_not(chat: Loaded, prompts: list[list[int]]) -> None:
-    def groups(first: dict[str, int]) -> list[int]:
-        return [n for _, n in sorted(collections.Counter(first.values()).items())]
-
-    # switched off: the burst starts together
-    off = chat.engine(max_running=16, prefill_batch_size=16, split_burst_prefill=False)
-    assert groups(first_token_steps(off, 8, prompts)) == [8]
-    # halves are never below MIN_GROUP requests: a burst of 7 is one group
-    assert groups(
-        first_token_steps(chat.engine(max_running=16, split_burst_prefill=True), 7, prompts)
-    ) == [7]
-    # prefill_batch_size still caps a group
-    capped = chat.engine(max_running=16, prefill_batch_size=3)
-    assert groups(first_token_steps(capped, 8, prompts)) == [3, 3, 2]
-    # a burst that arrives beside running requests is not split
-    engine = chat.engine(max_running=32, prefill_batch_size=32, split_burst_prefill=True)
-    engine.add(greedy("bg", prompts[0], 40, ignore_eos=True))
-    for _ in range(4):
-        engine.step()
-    assert engine.requests["bg"].completion_tokens > 0
-    later = first_token_steps(engine, 10, prompts)
-    assert groups(later) == [10]
 
 
 def test_text_is_the_decoded_tokens(chat: Loaded, prompts: list[list[int]]) -> None:
