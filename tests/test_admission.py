@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,127 +69,85 @@ def _held(proc: WorkerProc) -> list[str]:
     return [p.request_id for p in proc.held]
 
 
-def test_a_burst_of_returning_clients_is_gathered(make_proc: MakeProc) -> None:
-    proc = make_proc()
-    proc.returning = 4  # four requests finished since the last admission
-    proc.held = [_request(0)]
-    feeder = _feed(proc, [_request(i) for i in range(1, 4)], spacing_s=0.005)
+@dataclass(frozen=True)
+class Gathering:
+    """An idle engine woken with `held` requests: `arriving` more come `spacing_s` apart."""
+
+    returning: int  # requests finished since the last admission
+    held: int
+    arriving: int
+    spacing_s: float
+    gathered: tuple[int, int]  # bounds on the requests held after the gathering
+    waited: tuple[float, float] = (0.0, 0.2)  # bounds on its duration, seconds
+    incoming: int = 0  # frames in the input thread's hands
+    engine: dict[str, Any] = field(default_factory=dict)
+
+
+GATHERINGS = {
+    # four came back: it stops as soon as they are all there, not at the end of the window
+    "returning-clients": Gathering(4, 1, 3, 0.005, (4, 4), (0.0, 0.045)),
+    # a lone client waits the first wait only; the late arrival is left for the next turn
+    "lone-client": Gathering(
+        1, 1, 1, 0.040, (1, 1), (0.0, 0.030), engine={"admission_first_wait_ms": 5}
+    ),
+    "first-wait-off": Gathering(
+        0,
+        1,
+        1,
+        0.005,
+        (1, 1),
+        (0.0, 0.004),
+        engine={"admission_gap_ms": 50, "admission_first_wait_ms": 0},
+    ),
+    # the first of a burst reached the engine alone: a second within the first wait starts
+    # a gathering of the rest
+    "second-within-first-wait": Gathering(
+        0, 1, 5, 0.004, (6, 6), engine={"admission_first_wait_ms": 20, "admission_gap_ms": 30}
+    ),
+    # no client came back (a cold start, a fan-out): a burst is recognised by a second
+    # request already held or by frames in the input thread's hands, and gathered until
+    # arrivals stop for the gap
+    "new-burst-two-held": Gathering(
+        0, 2, 4, 0.005, (6, 6), (0.02, 0.2), engine={"admission_gap_ms": 30}
+    ),
+    "new-burst-incoming": Gathering(
+        0, 1, 4, 0.005, (5, 5), (0.02, 0.2), incoming=1, engine={"admission_gap_ms": 30}
+    ),
+    # four came back but sixteen arrive (the next level of a benchmark): arrivals within the
+    # first wait still belong to the burst
+    "wider-burst": Gathering(
+        4, 1, 15, 0.002, (16, 16), engine={"admission_first_wait_ms": 10, "admission_gap_ms": 30}
+    ),
+    "stops-at-a-gap": Gathering(
+        5, 1, 2, 0.060, (1, 1), engine={"admission_gap_ms": 10, "admission_window_ms": 500}
+    ),
+    "bounded-by-the-window": Gathering(
+        8, 1, 7, 0.015, (2, 7), engine={"admission_gap_ms": 30, "admission_window_ms": 40}
+    ),
+    "bounded-by-the-batch": Gathering(
+        6, 1, 5, 0.002, (2, 2), engine={"max_running": 2, "prefill_batch_size": 2}
+    ),
+    "off-with-a-zero-gap": Gathering(4, 1, 1, 0.002, (1, 1), engine={"admission_gap_ms": 0}),
+}
+
+
+@pytest.mark.parametrize("case", GATHERINGS.values(), ids=GATHERINGS.keys())
+def test_gathering(make_proc: MakeProc, case: Gathering) -> None:
+    proc = make_proc(**case.engine)
+    proc.returning = case.returning
+    proc.held = [_request(i) for i in range(case.held)]
+    proc.incoming = case.incoming
+    total = case.held + case.arriving
+    feeder = _feed(proc, [_request(i) for i in range(case.held, total)], case.spacing_s)
     started = time.monotonic()
     assert proc._gather() == []
-    feeder.join()
-    assert _held(proc) == ["r0", "r1", "r2", "r3"]
-    # It stopped as soon as the four were back, not at the end of the window.
-    assert time.monotonic() - started < 0.045
-
-
-def test_a_lone_client_waits_only_the_first_wait(make_proc: MakeProc) -> None:
-    proc = make_proc(admission_first_wait_ms=5)
-    proc.returning = 1
-    proc.held = [_request(0)]
-    feeder = _feed(proc, [_request(1)], spacing_s=0.040)
-    started = time.monotonic()
-    proc._gather()
-    assert time.monotonic() - started < 0.030
-    assert _held(proc) == ["r0"]
-    feeder.join()
-    assert proc.inputs.qsize() == 1  # left for the next turn of the loop
-
-
-def test_a_second_request_within_the_first_wait_starts_a_gathering(make_proc: MakeProc) -> None:
-    """The first request of a burst that reached the engine alone: the rest is gathered."""
-    proc = make_proc(admission_first_wait_ms=20, admission_gap_ms=30)
-    proc.returning = 0
-    proc.held = [_request(0)]
-    feeder = _feed(proc, [_request(i) for i in range(1, 6)], spacing_s=0.004)
-    proc._gather()
-    feeder.join()
-    assert _held(proc) == [f"r{i}" for i in range(6)]
-
-
-@pytest.mark.parametrize("signal", ["two_held", "incoming"])
-def test_a_new_burst_is_gathered_until_arrivals_stop(make_proc: MakeProc, signal: str) -> None:
-    """No client came back (a cold start, a level of a benchmark, a fan-out): a burst is
-    recognised by a second request already held or by more frames in the input thread's
-    hands, and gathered until arrivals stop for the gap, instead of prefilling its first
-    request alone and the rest a prefill later."""
-    proc = make_proc(admission_gap_ms=30)
-    proc.returning = 0
-    proc.held = [_request(0), _request(1)] if signal == "two_held" else [_request(1)]
-    proc.incoming = 1 if signal == "incoming" else 0
-    feeder = _feed(proc, [_request(i) for i in range(2, 6)], spacing_s=0.005)
-    started = time.monotonic()
-    proc._gather()
     waited = time.monotonic() - started
     feeder.join()
-    assert len(proc.held) == (6 if signal == "two_held" else 5)
-    assert 0.02 <= waited < 0.2  # arrivals ended, then one gap
-
-
-def test_no_first_wait_when_it_is_off(make_proc: MakeProc) -> None:
-    proc = make_proc(admission_gap_ms=50, admission_first_wait_ms=0)
-    proc.returning = 0
-    proc.held = [_request(0)]
-    feeder = _feed(proc, [_request(1)], spacing_s=0.005)
-    started = time.monotonic()
-    proc._gather()
-    assert time.monotonic() - started < 0.004
-    assert _held(proc) == ["r0"]
-    feeder.join()
-
-
-def test_a_burst_larger_than_the_last_one_is_gathered_whole(make_proc: MakeProc) -> None:
-    """Four clients came back, but sixteen requests arrive together (the next level of a
-    benchmark, a wider fan-out): arrivals within the first wait still belong to the burst."""
-    proc = make_proc(admission_first_wait_ms=10, admission_gap_ms=30)
-    proc.returning = 4
-    proc.held = [_request(0)]
-    feeder = _feed(proc, [_request(i) for i in range(1, 16)], spacing_s=0.002)
-    proc._gather()
-    feeder.join()
-    assert len(proc.held) == 16
-
-
-def test_gathering_stops_at_a_gap(make_proc: MakeProc) -> None:
-    proc = make_proc(admission_gap_ms=10, admission_window_ms=500)
-    proc.returning = 5
-    proc.held = [_request(0)]
-    feeder = _feed(proc, [_request(1), _request(2)], spacing_s=0.060)
-    proc._gather()
-    assert _held(proc) == ["r0"]  # r1 came 60 ms later: past the gap
-    feeder.join()
-
-
-def test_gathering_is_bounded_by_the_window(make_proc: MakeProc) -> None:
-    proc = make_proc(admission_gap_ms=30, admission_window_ms=40)
-    proc.returning = 8
-    proc.held = [_request(0)]
-    feeder = _feed(proc, [_request(i) for i in range(1, 8)], spacing_s=0.015)
-    started = time.monotonic()
-    proc._gather()
-    waited = time.monotonic() - started
-    feeder.join()
-    assert 1 < len(proc.held) < 8
-    assert waited < 0.2
-
-
-def test_gathering_is_bounded_by_the_batch(make_proc: MakeProc) -> None:
-    proc = make_proc(max_running=2, prefill_batch_size=2)
-    proc.returning = 6
-    proc.held = [_request(0)]
-    feeder = _feed(proc, [_request(i) for i in range(1, 6)], spacing_s=0.002)
-    proc._gather()
-    feeder.join()
-    assert _held(proc) == ["r0", "r1"]
-
-
-def test_disabled_by_a_zero_gap(make_proc: MakeProc) -> None:
-    proc = make_proc(admission_gap_ms=0)
-    proc.returning = 4
-    proc.held = [_request(0)]
-    feeder = _feed(proc, [_request(1)], spacing_s=0.002)
-    proc._gather()
-    assert _held(proc) == ["r0"]
-    feeder.join()
+    gathered = len(proc.held)
+    assert case.gathered[0] <= gathered <= case.gathered[1]
+    assert _held(proc) == [f"r{i}" for i in range(gathered)]  # in arrival order
+    assert proc.inputs.qsize() == total - gathered  # the rest waits for the next turn
+    assert case.waited[0] <= waited < case.waited[1]
 
 
 def test_an_aborted_held_request_ends_with_usage(make_proc: MakeProc, chat: Loaded) -> None:
