@@ -96,7 +96,7 @@ GATHERINGS = {
         1,
         0.005,
         (1, 1),
-        (0.0, 0.004),
+        (0.0, 0.025),
         engine={"admission_gap_ms": 50, "admission_first_wait_ms": 0},
     ),
     # the first of a burst reached the engine alone: a second within the first wait starts
