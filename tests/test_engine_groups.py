@@ -118,3 +118,21 @@ def test_what_is_split_and_what_is_not(chat: Loaded, prompts: list[list[int]]) -
     assert engine.requests["bg"].completion_tokens > 0
     later = first_token_steps(engine, 10, prompts)
     assert groups(later) == [10]
+
+
+def test_a_request_the_generator_would_refuse_is_refused_at_add(
+    chat: Loaded, prompts: list[list[int]]
+) -> None:
+    """Insertion is deferred to a group; a request mlx-lm's insert would reject (an empty
+    prompt) must fail alone when added, not take its whole group down at the next step."""
+    engine = chat.engine()
+    engine.add(greedy("ok", prompts[0], 3, ignore_eos=True))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add(greedy("empty", [], 3))
+    assert [s.request.request_id for s in engine.staged] == ["ok"]
+    assert "empty" not in engine.requests
+    for _ in range(20):
+        engine.step()
+        if not engine.has_work:
+            break
+    assert not engine.has_work

@@ -145,6 +145,8 @@ class EngineCore:
                 prompt_logprobs=prompt_logprobs or [],
                 prompt_text=prompt_text,
             )
+        if not prepared.prompt:  # refused here, alone: the generator would fail a group
+            raise ValueError("the prompt is empty")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         stops = (
             self._eos_stops
