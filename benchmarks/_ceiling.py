@@ -163,15 +163,18 @@ def main(spec_path: str, out_path: str) -> int:
             prompts = [encode(t) for t in texts]
             cpu0, sys0 = time.process_time(), _cpu.snapshot()
             records, wall = run_level(model, prompts, c, max_tokens, timeout, step)
-            system = _cpu.busy_pct(sys0, _cpu.snapshot())
+            sys1 = _cpu.snapshot()
+            system = _cpu.busy_pct(sys0, sys1)
             summary = summarize_level(records, wall, c, max_tokens)
             own = round(100 * (time.process_time() - cpu0) / wall, 1)
-            summary.update(server_cpu_pct=own, system_cpu_pct=system)
+            summary.update(
+                server_cpu_pct=own, system_cpu_pct=system, steal_pct=_cpu.steal_pct(sys0, sys1)
+            )
             if system is not None:
                 summary["other_cpu_pct"] = round(system - own, 1)
             runs.append(summary)
             print(
-                f"[inprocess] c={c} tok/s={summary['output_tok_s']} "
+                f"[inprocess] c={c} tok/s={summary['output_tok_s']} steal={summary['steal_pct']}% "
                 f"fail={summary['failures']}/{summary['requests']}",
                 file=sys.stderr,
                 flush=True,

@@ -8,24 +8,46 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import NamedTuple
 
 
-def snapshot() -> tuple[int, int] | None:
-    """(busy, total) jiffies over all CPUs, or None where /proc/stat is missing."""
+class Sample(NamedTuple):
+    """Jiffies over all CPUs since boot."""
+
+    busy: int  # this machine's processes and kernel
+    steal: int  # a virtual machine's: its vCPUs wanted to run and the host ran others
+    total: int
+
+
+def snapshot() -> Sample | None:
+    """The machine's CPU counters, or None where /proc/stat is missing."""
     try:
         with open("/proc/stat", encoding="ascii") as f:
             fields = [int(x) for x in f.readline().split()[1:9]]
     except (OSError, ValueError):
         return None
     idle = fields[3] + fields[4]  # idle + iowait
+    steal = fields[7]
     total = sum(fields)
-    return total - idle, total
+    return Sample(total - idle - steal, steal, total)
 
 
-def busy_pct(a: tuple[int, int] | None, b: tuple[int, int] | None) -> float | None:
-    if a is None or b is None or b[1] <= a[1]:
+def _pct(a: Sample | None, b: Sample | None, field: str) -> float | None:
+    if a is None or b is None or b.total <= a.total:
         return None
-    return round(100.0 * (os.cpu_count() or 1) * (b[0] - a[0]) / (b[1] - a[1]), 1)
+    used = getattr(b, field) - getattr(a, field)
+    return round(100.0 * (os.cpu_count() or 1) * used / (b.total - a.total), 1)
+
+
+def busy_pct(a: Sample | None, b: Sample | None) -> float | None:
+    """CPU this machine's processes used between two samples."""
+    return _pct(a, b, "busy")
+
+
+def steal_pct(a: Sample | None, b: Sample | None) -> float | None:
+    """CPU the host withheld between two samples (a VM's steal time): the measured code ran
+    slower for it, whatever the code. Runs with very different steal are not comparable."""
+    return _pct(a, b, "steal")
 
 
 def wait_idle(max_wait: float, threshold: float, label: str) -> dict[str, float | None]:

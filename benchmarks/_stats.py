@@ -121,6 +121,7 @@ MEDIAN_KEYS = (
     "server_cpu_pct",
     "system_cpu_pct",
     "other_cpu_pct",
+    "steal_pct",
     "server_rss_mb",
 )
 
@@ -273,9 +274,9 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     """rows: dicts with 'target' plus a combined level summary and optional 'ratio'."""
     head = (
         "| target | conc | out tok/s | vs in-process | TTFT p50/p95 ms | ITL p50/p95 ms "
-        "| chunk gap p50/p95 ms | tok/chunk | prompt tok | fail/req | bg CPU % |"
+        "| chunk gap p50/p95 ms | tok/chunk | prompt tok | fail/req | bg CPU % | steal % |"
     )
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         ratio = r.get("ratio")
         ptok = (
@@ -286,7 +287,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         )
         cells = (
             "| {t} | {c} | {tps} | {ratio} | {ttft} | {itl} | {gap} | {tpc} | {ptok} "
-            "| {f}/{n} | {bg} |"
+            "| {f}/{n} | {bg} | {steal} |"
         )
         lines.append(
             cells.format(
@@ -302,6 +303,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                 f=r["failures"],
                 n=r["requests"],
                 bg=_fmt(r.get("other_cpu_pct"), 0),
+                steal=_fmt(r.get("steal_pct"), 0),
             )
         )
     return "\n".join(lines)

@@ -226,10 +226,15 @@ async def measure_url(
                 args.level_timeout,
                 extra_body(args, job.name),
             )
-            system = _cpu.busy_pct(sys0, _cpu.snapshot())
+            sys1 = _cpu.snapshot()
+            system = _cpu.busy_pct(sys0, sys1)
             summary = summarize_level(records, wall, c, args.max_tokens)
             client_pct = round(100 * (time.process_time() - cpu0) / wall, 1)
-            summary.update(client_cpu_pct=client_pct, system_cpu_pct=system)
+            summary.update(
+                client_cpu_pct=client_pct,
+                system_cpu_pct=system,
+                steal_pct=_cpu.steal_pct(sys0, sys1),
+            )
             if server and scpu0 is not None:
                 scpu1 = server.cpu_seconds()
                 if scpu1 is not None:
@@ -245,6 +250,7 @@ async def measure_url(
             print(
                 f"[{job.name}] c={c} rep={repeat} tok/s={summary['output_tok_s']} "
                 f"ttft_p50={summary['ttft_p50_ms']}ms itl_p50={summary['itl_p50_ms']}ms "
+                f"steal={summary['steal_pct']}% "
                 f"fail={summary['failures']}/{summary['requests']} {summary['errors']}",
                 file=sys.stderr,
                 flush=True,
