@@ -278,3 +278,78 @@ def test_the_input_thread_publishes_the_frames_it_holds(tmp_path: Path) -> None:
         proc.channels.close()
         router.close(linger=0)
         context.term()
+
+
+@dataclass(frozen=True)
+class Beside:
+    """A busy engine (one request running): a request arrives; `returning` finished since
+    the last admission."""
+
+    returning: int
+    received_ago: float  # when the input thread last took frames, seconds ago
+    admitted: bool
+    incoming: int = 0
+    held_for: float = 0.0  # how long the request has been held, seconds
+    engine: dict[str, Any] = field(default_factory=dict)
+
+
+BESIDES = {
+    # three came back, one arrived just now: it waits for the other two
+    "more-coming": Beside(3, 0.0, admitted=False),
+    "frames-in-the-input-threads-hands": Beside(3, 1.0, admitted=False, incoming=1),
+    "arrivals-stopped": Beside(3, 1.0, admitted=True),
+    "no-burst": Beside(1, 0.0, admitted=True),
+    "no-room-for-more": Beside(3, 0.0, admitted=True, engine={"max_running": 2}),
+    "window-passed": Beside(3, 0.0, admitted=True, held_for=2.0),
+    "off-with-a-zero-gap": Beside(3, 0.0, admitted=True, engine={"admission_gap_ms": 0}),
+}
+
+
+@pytest.mark.parametrize("case", BESIDES.values(), ids=BESIDES.keys())
+def test_a_busy_engine_holds_a_partly_arrived_burst(
+    make_proc: MakeProc, chat: Loaded, case: Beside
+) -> None:
+    proc = make_proc(**({"admission_gap_ms": 200, "admission_window_ms": 1000} | case.engine))
+    engine = proc.engine
+    assert engine is not None
+    prompt = chat.tokenizer.encode("The gateway starts one worker")
+    engine.add(greedy("running", prompt, 40, ignore_eos=True))
+    _step_until(proc, lambda: engine.requests["running"].completion_tokens >= 2)
+    proc.returning, proc.incoming = case.returning, case.incoming
+    proc.last_received = time.monotonic() - case.received_ago
+    proc.inputs.put(greedy("new", prompt, 4, ignore_eos=True))
+    proc._process_inputs()
+    if case.held_for:
+        proc.held_since -= case.held_for
+        proc._process_inputs()
+    assert ("new" in engine.requests) is case.admitted
+    assert _held(proc) == ([] if case.admitted else ["new"])
+    engine.abort(list(engine.requests))
+
+
+def test_a_burst_beside_a_running_batch_is_admitted_whole(
+    make_proc: MakeProc, chat: Loaded
+) -> None:
+    """Three clients came back while another request runs: the first arrival is held while
+    the batch keeps stepping, and all three enter the batch together."""
+    proc = make_proc(admission_gap_ms=200, admission_window_ms=2000)
+    engine = proc.engine
+    assert engine is not None
+    prompt = chat.tokenizer.encode("The gateway starts one worker")
+    engine.add(greedy("running", prompt, 60, ignore_eos=True))
+    _step_until(proc, lambda: engine.requests["running"].completion_tokens >= 2)
+    proc.returning = 3
+    proc.last_received = time.monotonic()
+    proc.inputs.put(greedy("new0", prompt, 4, ignore_eos=True))
+    proc._process_inputs()
+    before = engine.requests["running"].completion_tokens
+    proc._step()
+    assert engine.requests["running"].completion_tokens == before + 1  # not stalled
+    assert _held(proc) == ["new0"] and "new0" not in engine.requests
+    proc.last_received = time.monotonic()
+    for i in (1, 2):
+        proc.inputs.put(greedy(f"new{i}", prompt, 4, ignore_eos=True))
+    proc._process_inputs()
+    assert proc.held == [] and {"new0", "new1", "new2"} <= set(engine.requests)
+    assert proc.returning == 0
+    engine.abort(list(engine.requests))

@@ -80,9 +80,11 @@ class WorkerProc:
         self.codec = Codec()  # the engine thread's
         self.returning = 0  # requests finished since the engine last admitted one
         self.held: list[PreparedRequest] = []  # received, not yet in the batch
+        self.held_since = 0.0  # when the oldest held request was taken
         # Add frames the input thread has received and not yet queued (it alone writes it):
         # an idle engine woken by one request sees that more of the same burst are coming.
         self.incoming = 0
+        self.last_received = 0.0  # when the input thread last took frames off its socket
         self.faults = Faults.for_model(args.model.name)
         self.stage, self.stage_progress = "starting", -1.0  # reported while loading
         self.crash_ids: set[str] = set()  # fault injection: die after their first token
@@ -197,7 +199,10 @@ class WorkerProc:
     #   close to its max_tokens) finishes first, and its successors start together;
     # - an idle engine woken by a request, when several requests finished since it last
     #   admitted one, gathers arrivals less than `admission_gap_ms` apart until as many
-    #   came back (`admission_window_ms` at most). A lone client never waits.
+    #   came back (`admission_window_ms` at most). A lone client waits at most
+    #   `admission_first_wait_ms` for a second one;
+    # - a busy engine holds a partly arrived burst of returning clients the same way while
+    #   its batch keeps stepping, so that the burst is prefilled once, not in pieces.
 
     def _process_inputs(self) -> None:
         engine = self.engine
@@ -205,7 +210,7 @@ class WorkerProc:
         finished: list[RequestOutput] = []
         for item in self._take(block=not engine.has_work and not self.held):
             finished += self._handle(item)
-        if self.held and not (engine.has_work and self._batch_ending()):
+        if self.held and not (engine.has_work and (self._batch_ending() or self._arriving())):
             if not engine.has_work:
                 finished += self._gather()
             finished += self._admit_held()
@@ -228,6 +233,8 @@ class WorkerProc:
     def _handle(self, item: object) -> list[RequestOutput]:
         assert self.engine is not None
         if isinstance(item, PreparedRequest):
+            if not self.held:
+                self.held_since = time.monotonic()
             self.held.append(item)
             return []
         if isinstance(item, Abort):
@@ -252,6 +259,22 @@ class WorkerProc:
     def _batch_ending(self) -> bool:
         assert self.engine is not None
         return self.engine.ending_within(self.args.model.engine.admission_hold_steps)
+
+    def _arriving(self) -> bool:
+        """A busy engine and a burst of returning clients partly arrived: hold it (the batch
+        steps meanwhile) while fewer have arrived than came back and could fit, arrivals
+        are still coming (frames in the input thread's hands, or the last less than
+        `admission_gap_ms` ago), and the oldest has waited less than `admission_window_ms`.
+        Admitted piecemeal, a burst would be prefilled in pieces, one prefill each."""
+        assert self.engine is not None
+        opts = self.args.model.engine
+        expected = min(self.returning, opts.max_running - self.engine.active)
+        if opts.admission_gap_ms <= 0 or len(self.held) >= expected:
+            return False
+        now = time.monotonic()
+        if now - self.held_since >= opts.admission_window_ms / 1000:
+            return False
+        return bool(self.incoming) or now - self.last_received < opts.admission_gap_ms / 1000
 
     def _gather(self) -> list[RequestOutput]:
         """Idle engine: wait for the rest of a burst. Returning clients: until as many came
@@ -379,6 +402,7 @@ class WorkerProc:
                 while sock.poll(0) and len(pending) < INPUT_BATCH:  # the rest of a burst
                     pending.append(sock.recv())
                 self.incoming = len(pending)
+                self.last_received = time.monotonic()
                 frame = codec.to_worker.decode(pending.popleft())
             except msgspec.DecodeError:
                 log.exception("undecodable frame from the gateway")
