@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 
 from shared.config import EngineOptions, ModelConfig
 from shared.protocol import Abort, Shutdown, ShutdownMode
@@ -51,6 +52,8 @@ def make_proc(tmp_path: Path, chat: Loaded) -> Iterator[MakeProc]:
 
     yield make
     for proc in made:
+        for sock in (proc.channels.steps, proc.channels.outputs):
+            sock.setsockopt(zmq.LINGER, 0)  # frames emitted to nobody: do not wait for them
         proc.channels.close()
 
 
@@ -226,8 +229,6 @@ def test_the_input_thread_publishes_the_frames_it_holds(tmp_path: Path) -> None:
     """Real sockets: frames sent at once are taken off the socket together, `incoming`
     counts the ones not yet queued while a request is being prepared, and drops to 0 once
     all are queued."""
-    import zmq
-
     from shared.protocol import Add, Codec
     from shared.types import CanonicalRequest, RequestKind
 
