@@ -74,9 +74,10 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # engine gathers a burst of returning clients (arrivals < `admission_gap_ms` apart,
     # `admission_window_ms` at most). 0 turns each off.
     admission_hold_steps: int = 4
-    # A burst of new requests that starts an idle batch (at least 8) is prefilled in two
-    # halves; the first half's first tokens go out before the second half is prefilled.
-    split_burst_prefill: bool = True
+    # A burst of new requests that starts an idle batch is prefilled in this many groups
+    # (of at least 4 requests), one after another: the first group's first tokens go out
+    # before the next group is prefilled. 1: the whole burst at once.
+    burst_prefill_groups: int = 2
     admission_gap_ms: float = 20.0
     admission_window_ms: float = 250.0
     # An idle engine woken by one request, with no clients returning, waits this long for a
@@ -254,6 +255,7 @@ def _validate(config: Config) -> None:
             "prefill_step_size": opts.prefill_step_size,
             "max_context": opts.max_context or 1,
             "default_max_tokens": opts.default_max_tokens or 1,
+            "burst_prefill_groups": opts.burst_prefill_groups,
         }
         for key, value in positive.items():
             if value < 1:

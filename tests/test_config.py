@@ -165,6 +165,7 @@ def test_missing_file(tmp_path: Path) -> None:
         "admission_gap_ms = -5",
         "admission_first_wait_ms = -1",
         "admission_window_ms = nan",
+        "burst_prefill_groups = 0",
     ],
 )
 def test_non_positive_engine_options(tmp_path: Path, option: str) -> None:
@@ -178,8 +179,10 @@ def test_a_first_wait_longer_than_the_window_is_rejected(tmp_path: Path) -> None
     text = f'[[models]]\nname = "a"\nsource = "x"\n[models.engine]\n{engine}'
     with pytest.raises(ConfigError, match="admission_first_wait_ms must not exceed"):
         load_config(write(tmp_path, text))
-    wrong_type = '[[models]]\nname = "a"\nsource = "x"\n[models.engine]\nsplit_burst_prefill = 1\n'
-    with pytest.raises(ConfigError, match="split_burst_prefill"):
+    wrong_type = (
+        '[[models]]\nname = "a"\nsource = "x"\n[models.engine]\nburst_prefill_groups = true\n'
+    )
+    with pytest.raises(ConfigError, match="burst_prefill_groups"):
         load_config(write(tmp_path, wrong_type))
 
 

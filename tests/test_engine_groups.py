@@ -1,5 +1,5 @@
 """EngineCore admission into mlx-lm's BatchGenerator: requests go in a group at a time, and a
-burst that starts an idle batch is prefilled in two halves (real tiny MLX model)."""
+burst that starts an idle batch is prefilled in groups (real tiny MLX model)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def test_a_burst_gets_its_first_tokens_group_by_group(
 ) -> None:
     """Two groups: the first half's first tokens go out before the second half enters the
     generator, and every request still gets exactly mlx-lm's greedy tokens."""
-    engine = chat.engine(max_running=16, prefill_batch_size=16, split_burst_prefill=True)
+    engine = chat.engine(max_running=16, prefill_batch_size=16, burst_prefill_groups=2)
     for i in range(8):
         engine.add(greedy(f"r{i}", prompts[i % len(prompts)], 6, ignore_eos=True))
     outputs: dict[str, list[RequestOutput]] = {}
@@ -101,17 +101,19 @@ def test_what_is_split_and_what_is_not(chat: Loaded, prompts: list[list[int]]) -
         return [n for _, n in sorted(collections.Counter(first.values()).items())]
 
     # switched off: the burst starts together
-    off = chat.engine(max_running=16, prefill_batch_size=16, split_burst_prefill=False)
+    off = chat.engine(max_running=16, prefill_batch_size=16, burst_prefill_groups=1)
     assert groups(first_token_steps(off, 8, prompts)) == [8]
-    # halves are never below MIN_GROUP requests: a burst of 7 is one group
-    assert groups(
-        first_token_steps(chat.engine(max_running=16, split_burst_prefill=True), 7, prompts)
-    ) == [7]
+    # groups are never below MIN_GROUP requests: a burst of 7 is one group, 10 in three
+    # groups is 4 + 4 + 2, 13 is 5 + 5 + 3
+    assert groups(first_token_steps(chat.engine(max_running=16), 7, prompts)) == [7]
+    three = {"max_running": 16, "prefill_batch_size": 16, "burst_prefill_groups": 3}
+    assert groups(first_token_steps(chat.engine(**three), 10, prompts)) == [4, 4, 2]
+    assert groups(first_token_steps(chat.engine(**three), 13, prompts)) == [5, 5, 3]
     # prefill_batch_size still caps a group
     capped = chat.engine(max_running=16, prefill_batch_size=3)
     assert groups(first_token_steps(capped, 8, prompts)) == [3, 3, 2]
     # a burst that arrives beside running requests is not split
-    engine = chat.engine(max_running=32, prefill_batch_size=32, split_burst_prefill=True)
+    engine = chat.engine(max_running=32, prefill_batch_size=32, burst_prefill_groups=3)
     engine.add(greedy("bg", prompts[0], 40, ignore_eos=True))
     for _ in range(4):
         engine.step()

@@ -9,11 +9,12 @@ New requests enter the generator a group at a time, and the next group only once
 request of the previous one has its first token (a group with a prompt longer than one
 prefill step does not hold the next one back): BatchGenerator returns a step's tokens
 after that step's prefill, so a burst inserted at once holds every first token until the
-whole burst is prefilled. With `split_burst_prefill`, a burst that starts an idle batch goes
-in as two halves: the first half streams after half of the prefill, and the halves stay a
-few steps apart, within the daemon's hold rule, so the next wave still starts together.
-Only a burst that starts the batch is split: splitting every returning group again would
-fragment a batch into ever smaller groups, each paying its own prefill.
+whole burst is prefilled. A burst that starts an idle batch goes in as
+`burst_prefill_groups` groups (two by default): the first group streams after its share of
+the prefill. Only a burst that starts the batch is split: splitting every returning group
+again would fragment a batch into ever smaller groups, each paying its own prefill and KV
+merge. A returning group arriving beside the running ones goes in whole (the daemon holds a
+partly arrived one together).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from worker.sampling import make_processors, make_sampler
 from worker.stop import StopStringMatcher
 from worker.tokens import TokenInfo
 
-MIN_GROUP = 4  # a half smaller than this costs more per prompt than its first tokens gain
+MIN_GROUP = 4  # a group smaller than this costs more per prompt than its first tokens gain
 
 
 class EngineCore:
@@ -66,6 +67,8 @@ class EngineCore:
         # accepted, not yet in the generator (their Request.uid is -1)
         self.staged: deque[Staged] = deque()
         self._awaiting: set[int] = set()  # uids in the generator without a first token
+        # a burst being split into groups: the group size, and how many are left to insert
+        self._split_size = self._split_left = 0
         self._eos_stops = StopSequences([[t] for t in sorted(self.eos_ids)])
         self.steps = 0
         self.batch_count = 0  # batch-priority requests in the generator
@@ -189,9 +192,14 @@ class EngineCore:
             return
         size = self.max_group
         burst = len(self.staged)
-        if self.options.split_burst_prefill and not self._by_uid and burst >= 2 * MIN_GROUP:
-            size = min(size, -(-burst // 2))
+        groups = self.options.burst_prefill_groups
+        if groups > 1 and not self._by_uid and burst >= 2 * MIN_GROUP:
+            self._split_size = max(MIN_GROUP, -(-burst // groups))
+            self._split_left = burst
+        if self._split_left > 0:
+            size = min(size, self._split_size)
         group = [self.staged.popleft() for _ in range(min(size, len(self.staged)))]
+        self._split_left = self._split_left - len(group) if self.staged else 0
         uids = self.generator.insert(
             [s.prompt for s in group],
             max_tokens=[s.request.max_tokens for s in group],
