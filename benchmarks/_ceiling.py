@@ -114,8 +114,16 @@ def run_inprocess(
         "max_tokens": args.max_tokens,
         "level_timeout": args.level_timeout,
         "warmup_prompt": bank.warmup,
+        "max_steal": args.max_steal,
+        # the first set, then fresh prompts for each measurement again under steal
         "levels": [
-            {"concurrency": c, "prompts_per_repeat": [bank.get(-1, c, repeat)]} for c in levels
+            {
+                "concurrency": c,
+                "prompts_per_attempt": [
+                    bank.get(-1, c, repeat, attempt) for attempt in range(args.steal_retries + 1)
+                ],
+            }
+            for c in levels
         ],
     }
     tag = f"{repeat}-{'-'.join(map(str, levels))}"
@@ -155,31 +163,40 @@ def main(spec_path: str, out_path: str) -> int:
     # Warm-up: one short sequence, as the HTTP targets get one warm-up request.
     run_level(model, [encode(spec["warmup_prompt"])], 1, 8, timeout, step)
 
+    def measure(c: int, texts: list[str]) -> dict[str, Any]:
+        prompts = [encode(t) for t in texts]
+        cpu0, sys0 = time.process_time(), _cpu.snapshot()
+        records, wall = run_level(model, prompts, c, max_tokens, timeout, step)
+        sys1 = _cpu.snapshot()
+        system = _cpu.busy_pct(sys0, sys1)
+        summary = summarize_level(records, wall, c, max_tokens)
+        own = round(100 * (time.process_time() - cpu0) / wall, 1)
+        summary.update(
+            server_cpu_pct=own, system_cpu_pct=system, steal_pct=_cpu.steal_pct(sys0, sys1)
+        )
+        if system is not None:
+            summary["other_cpu_pct"] = round(system - own, 1)
+        print(
+            f"[inprocess] c={c} tok/s={summary['output_tok_s']} steal={summary['steal_pct']}% "
+            f"fail={summary['failures']}/{summary['requests']}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return summary
+
     levels: list[dict[str, Any]] = []
     for level in spec["levels"]:
         c = int(level["concurrency"])
-        runs = []
-        for texts in level["prompts_per_repeat"]:
-            prompts = [encode(t) for t in texts]
-            cpu0, sys0 = time.process_time(), _cpu.snapshot()
-            records, wall = run_level(model, prompts, c, max_tokens, timeout, step)
-            sys1 = _cpu.snapshot()
-            system = _cpu.busy_pct(sys0, sys1)
-            summary = summarize_level(records, wall, c, max_tokens)
-            own = round(100 * (time.process_time() - cpu0) / wall, 1)
-            summary.update(
-                server_cpu_pct=own, system_cpu_pct=system, steal_pct=_cpu.steal_pct(sys0, sys1)
-            )
-            if system is not None:
-                summary["other_cpu_pct"] = round(system - own, 1)
-            runs.append(summary)
-            print(
-                f"[inprocess] c={c} tok/s={summary['output_tok_s']} steal={summary['steal_pct']}% "
-                f"fail={summary['failures']}/{summary['requests']}",
-                file=sys.stderr,
-                flush=True,
-            )
-        levels.append({"concurrency": c, "runs": runs})
+        attempts = level["prompts_per_attempt"]
+        dropped: list[dict[str, Any]] = []
+        for attempt, texts in enumerate(attempts):
+            summary = measure(c, texts)
+            if attempt == len(attempts) - 1 or not _cpu.contended(summary, spec["max_steal"]):
+                break
+            dropped.append(_cpu.discarded(summary))
+            print(f"[inprocess] c={c}: steal over the limit, measured again", file=sys.stderr)
+        summary["discarded"] = dropped
+        levels.append({"concurrency": c, "runs": [summary]})
     out = {
         "model": spec["model"],
         "levels": levels,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 class Sample(NamedTuple):
@@ -48,6 +48,18 @@ def steal_pct(a: Sample | None, b: Sample | None) -> float | None:
     """CPU the host withheld between two samples (a VM's steal time): the measured code ran
     slower for it, whatever the code. Runs with very different steal are not comparable."""
     return _pct(a, b, "steal")
+
+
+def contended(summary: dict[str, Any], max_steal: float | None) -> bool:
+    """A level measured while the host withheld more than `max_steal` % of a core."""
+    steal = summary.get("steal_pct")
+    return max_steal is not None and steal is not None and steal > max_steal
+
+
+def discarded(summary: dict[str, Any]) -> dict[str, Any]:
+    """What is kept of a level measured again for steal."""
+    keys = ("output_tok_s", "ttft_p50_ms", "itl_p50_ms", "steal_pct", "failures")
+    return {k: summary.get(k) for k in keys}
 
 
 def wait_idle(max_wait: float, threshold: float, label: str) -> dict[str, float | None]:

@@ -103,7 +103,9 @@ class PromptBank:
             self.count, _ = chat_token_counter(tokenizer_dir)
         self.warmup = make_prompt(0, f"{self.nonce}w", args.prompt_tokens, self.count)
 
-    def get(self, job_index: int, c: int, repeat: int) -> list[str]:
-        tag = f"{self.nonce}j{job_index}c{c}r{repeat}"
+    def get(self, job_index: int, c: int, repeat: int, attempt: int = 0) -> list[str]:
+        """A level's prompts; each attempt (a level measured again) gets fresh ones, so
+        that no server's prompt cache sees them twice."""
+        tag = f"{self.nonce}j{job_index}c{c}r{repeat}" + (f"a{attempt}" if attempt else "")
         n = n_requests(self.args, c)
         return make_prompts(0, n, tag, self.args.prompt_tokens, self.count)

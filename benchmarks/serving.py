@@ -152,6 +152,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="nice value of the load-generator thread (Linux; 0 = same priority as servers)",
     )
     p.add_argument("--idle-threshold", type=float, default=30.0, help="idle: < this CPU %%")
+    p.add_argument(
+        "--max-steal",
+        type=float,
+        default=15.0,
+        help="a level measured while a virtual machine's host withheld more than this CPU "
+        "(steal time, %% of one core) is measured again with fresh prompts",
+    )
+    p.add_argument(
+        "--steal-retries",
+        type=int,
+        default=2,
+        help="how many times a level is measured again for steal (0: never)",
+    )
     p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: temp)")
     p.add_argument("--out", type=Path, default=None, help="JSON results file")
     p.add_argument("--raw", action="store_true", help="include per-request records in JSON")
@@ -161,6 +174,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--concurrency: integers in 1..512")
     if args.repeats < 1 or args.repeats > 20:
         p.error("--repeats: 1..20")
+    if not 0 <= args.steal_retries <= 10:
+        p.error("--steal-retries: 0..10")
     launching = args.launch is not None or bool(args.launch_cmd)
     if launching and not args.model:
         p.error("--launch/--launch-cmd need --model")
@@ -211,8 +226,8 @@ async def measure_url(
             print(f"[{job.name}] warm-up failed: {warm.error}", file=sys.stderr)
             result["error"] = f"warm-up failed: {warm.error}"
             return result
-        for c in levels:
-            prompts = bank.get(job_index, c, repeat)
+
+        async def measure(c: int, prompts: list[str]) -> dict[str, Any]:
             cpu0, scpu0 = time.process_time(), server.cpu_seconds() if server else None
             sys0 = _cpu.snapshot()
             records, wall = await _client.run_level(
@@ -246,7 +261,6 @@ async def measure_url(
                 summary["server_rss_mb"] = server.rss_mb()
             if args.raw:
                 summary["raw"] = [record_to_dict(x) for x in records]
-            result["levels"].append(summary)
             print(
                 f"[{job.name}] c={c} rep={repeat} tok/s={summary['output_tok_s']} "
                 f"ttft_p50={summary['ttft_p50_ms']}ms itl_p50={summary['itl_p50_ms']}ms "
@@ -255,6 +269,18 @@ async def measure_url(
                 file=sys.stderr,
                 flush=True,
             )
+            return summary
+
+        for c in levels:
+            dropped: list[dict[str, Any]] = []
+            for attempt in range(args.steal_retries + 1):
+                summary = await measure(c, bank.get(job_index, c, repeat, attempt))
+                if attempt == args.steal_retries or not _cpu.contended(summary, args.max_steal):
+                    break
+                dropped.append(_cpu.discarded(summary))
+                print(f"[{job.name}] c={c}: steal over the limit, measured again", file=sys.stderr)
+            summary["discarded"] = dropped
+            result["levels"].append(summary)
             if server and server.proc.poll() is not None:
                 result["server_exit"] = server.proc.returncode
                 print(f"[{job.name}] server exited ({server.proc.returncode})", file=sys.stderr)

@@ -1,0 +1,68 @@
+"""The serving benchmark on a shared virtual machine: the host's steal time is recorded per
+level, and a level measured while the host withheld CPU is measured again, with fresh
+prompts (no prompt cache may see them twice). Runs the real benchmark against the session
+gateway and the in-process ceiling on the tiny chat model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import _cpu
+from benchmarks._prompts import PromptBank
+from tests.gateway_proc import GatewayProc
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_steal_is_apart_from_busy_time() -> None:
+    cores = os.cpu_count() or 1
+    a, b = _cpu.Sample(busy=100, steal=10, total=1000), _cpu.Sample(300, 60, 2000)
+    assert _cpu.busy_pct(a, b) == round(100 * cores * 200 / 1000, 1)
+    assert _cpu.steal_pct(a, b) == round(100 * cores * 50 / 1000, 1)
+    assert _cpu.steal_pct(b, a) is None and _cpu.steal_pct(None, b) is None
+    assert _cpu.contended({"steal_pct": 20.0}, 15.0)
+    assert not _cpu.contended({"steal_pct": 15.0}, 15.0)
+    assert not _cpu.contended({"steal_pct": None}, 15.0)
+    assert not _cpu.contended({"steal_pct": 90.0}, None)
+
+
+def test_each_attempt_gets_its_own_prompts() -> None:
+    args = argparse.Namespace(prompt_tokens=32, requests=2, min_requests=2)
+    bank = PromptBank(args, None)
+    first, again = bank.get(0, 1, 0), bank.get(0, 1, 0, attempt=1)
+    assert len(first) == len(again) == 2
+    assert not set(first) & set(again)
+    assert bank.get(0, 1, 0) == first
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="steal time is read from /proc/stat")
+def test_a_level_under_steal_is_measured_again(
+    gateway: GatewayProc, chat_model: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable, "-m", "benchmarks.serving",
+        "--inprocess", str(chat_model),
+        "--target", f"gw={gateway.base_url}", "--served-model", "gw=chat",
+        "--concurrency", "1", "--requests", "1", "--max-tokens", "4", "--prompt-tokens", "32",
+        "--wait-idle", "0", "--blas", "off",
+        "--max-steal", "-1", "--steal-retries", "1",  # every level counts as contended
+        "--out", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.count("steal over the limit, measured again") == 2
+    results = json.loads(out.read_text())
+    (model,) = results["models"].values()
+    for source in (model["inprocess"], model["targets"]["gw"]):
+        (level,) = source["levels"]
+        (run,) = level["runs"]
+        assert run["failures"] == 0 and run["steal_pct"] is not None
+        assert [d["steal_pct"] is not None for d in run["discarded"]] == [True]
