@@ -103,12 +103,12 @@ def test_what_is_split_and_what_is_not(chat: Loaded, prompts: list[list[int]]) -
     # switched off: the burst starts together
     off = chat.engine(max_running=16, prefill_batch_size=16, burst_prefill_groups=1)
     assert groups(first_token_steps(off, 8, prompts)) == [8]
-    # groups are never below MIN_GROUP requests: a burst of 7 is one group, 10 in three
-    # groups is 4 + 4 + 2, 13 is 5 + 5 + 3
+    # balanced groups, never below MIN_GROUP requests: a burst of 7 is one group; in three
+    # groups, 10 is 5 + 5 and 13 is 5 + 4 + 4
     assert groups(first_token_steps(chat.engine(max_running=16), 7, prompts)) == [7]
     three = {"max_running": 16, "prefill_batch_size": 16, "burst_prefill_groups": 3}
-    assert groups(first_token_steps(chat.engine(**three), 10, prompts)) == [4, 4, 2]
-    assert groups(first_token_steps(chat.engine(**three), 13, prompts)) == [5, 5, 3]
+    assert groups(first_token_steps(chat.engine(**three), 10, prompts)) == [5, 5]
+    assert groups(first_token_steps(chat.engine(**three), 13, prompts)) == [5, 4, 4]
     # prefill_batch_size still caps a group
     capped = chat.engine(max_running=16, prefill_batch_size=3)
     assert groups(first_token_steps(capped, 8, prompts)) == [3, 3, 2]
@@ -138,3 +138,17 @@ def test_a_request_the_generator_would_refuse_is_refused_at_add(
         if not engine.has_work:
             break
     assert not engine.has_work
+
+
+def test_an_aborted_split_leaves_no_split_behind(chat: Loaded, prompts: list[list[int]]) -> None:
+    """A burst being split whose remaining requests are all aborted: a group that later
+    arrives beside the running first group goes in whole."""
+    engine = chat.engine(max_running=32, prefill_batch_size=32, burst_prefill_groups=3)
+    for i in range(16):
+        engine.add(greedy(f"a{i}", prompts[0], 40, ignore_eos=True))
+    engine.step()  # the first 6 go in
+    assert len(engine.staged) == 10
+    engine.abort([f"a{i}" for i in range(6, 16)])
+    assert not engine.staged
+    later = first_token_steps(engine, 12, prompts)
+    assert sorted(collections.Counter(later.values()).values()) == [12]

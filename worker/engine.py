@@ -67,8 +67,8 @@ class EngineCore:
         # accepted, not yet in the generator (their Request.uid is -1)
         self.staged: deque[Staged] = deque()
         self._awaiting: set[int] = set()  # uids in the generator without a first token
-        # a burst being split into groups: the group size, and how many are left to insert
-        self._split_size = self._split_left = 0
+        # a burst being split into groups: how many of its requests and groups are left
+        self._split_left = self._split_groups = 0
         self._eos_stops = StopSequences([[t] for t in sorted(self.eos_ids)])
         self.steps = 0
         self.batch_count = 0  # batch-priority requests in the generator
@@ -192,14 +192,16 @@ class EngineCore:
             return
         size = self.max_group
         burst = len(self.staged)
-        groups = self.options.burst_prefill_groups
-        if groups > 1 and not self._by_uid and burst >= 2 * MIN_GROUP:
-            self._split_size = max(MIN_GROUP, -(-burst // groups))
+        if not self._by_uid and burst >= 2 * MIN_GROUP:
+            # balanced groups of at least MIN_GROUP: 13 in three is 5 + 4 + 4, 10 is 5 + 5
+            self._split_groups = min(self.options.burst_prefill_groups, burst // MIN_GROUP)
             self._split_left = burst
-        if self._split_left > 0:
-            size = min(size, self._split_size)
+        self._split_left = min(self._split_left, burst)  # fewer, if some were aborted
+        if self._split_groups > 1 and self._split_left > 0:
+            size = min(size, -(-self._split_left // self._split_groups))
         group = [self.staged.popleft() for _ in range(min(size, len(self.staged)))]
-        self._split_left = self._split_left - len(group) if self.staged else 0
+        self._split_left -= len(group)
+        self._split_groups -= 1
         uids = self.generator.insert(
             [s.prompt for s in group],
             max_tokens=[s.request.max_tokens for s in group],
@@ -232,6 +234,8 @@ class EngineCore:
         if any(r.uid < 0 for r in found):
             gone = {r.request_id for r in found}
             self.staged = deque(s for s in self.staged if s.request.request_id not in gone)
+            if not self.staged:  # no burst left to split
+                self._split_left = self._split_groups = 0
         inserted = [r.uid for r in found if r.uid >= 0]
         if inserted:
             self.generator.remove(inserted)
