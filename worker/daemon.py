@@ -339,6 +339,7 @@ class WorkerProc:
         self.held = keep
         if admit:
             self.returning = 0
+            self.held_since = time.monotonic()  # for what is left: parked, not a burst
         return [failed for p in admit if (failed := self._add(p)) is not None]
 
     def _add(self, prepared: PreparedRequest) -> RequestOutput | None:
@@ -431,6 +432,7 @@ class WorkerProc:
             if self.faults.crash_on or self.faults.stall_on:
                 self._mark_faults(frame)
             self.inputs.put(prepared)
+            self.last_received = time.monotonic()  # preparing it took time: the gap starts here
             log.debug(
                 "request %s accepted (%d prompt tokens, priority %d)",
                 frame.request_id,
