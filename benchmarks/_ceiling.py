@@ -130,7 +130,7 @@ def run_inprocess(
     spec_path = work / f"inprocess-spec-{tag}.json"
     out_path = work / f"inprocess-out-{tag}.json"
     spec_path.write_text(json.dumps(spec))
-    budget = (args.level_timeout + 60) * len(levels) + 300
+    budget = (args.level_timeout + 60) * len(levels) * (args.steal_retries + 1) + 300
     cmd = [sys.executable, "-m", "benchmarks._ceiling", str(spec_path), str(out_path)]
     print(f"[inprocess] {model} (LD_PRELOAD={env.get('LD_PRELOAD', '')})", file=sys.stderr)
     try:
@@ -188,15 +188,13 @@ def main(spec_path: str, out_path: str) -> int:
     for level in spec["levels"]:
         c = int(level["concurrency"])
         attempts = level["prompts_per_attempt"]
-        dropped: list[dict[str, Any]] = []
+        tried: list[dict[str, Any]] = []
         for attempt, texts in enumerate(attempts):
-            summary = measure(c, texts)
-            if attempt == len(attempts) - 1 or not _cpu.contended(summary, spec["max_steal"]):
+            tried.append(measure(c, texts))
+            if attempt == len(attempts) - 1 or not _cpu.contended(tried[-1], spec["max_steal"]):
                 break
-            dropped.append(_cpu.discarded(summary))
             print(f"[inprocess] c={c}: steal over the limit, measured again", file=sys.stderr)
-        summary["discarded"] = dropped
-        levels.append({"concurrency": c, "runs": [summary]})
+        levels.append({"concurrency": c, "runs": [_cpu.least_stolen(tried, spec["max_steal"])]})
     out = {
         "model": spec["model"],
         "levels": levels,

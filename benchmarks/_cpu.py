@@ -62,6 +62,15 @@ def discarded(summary: dict[str, Any]) -> dict[str, Any]:
     return {k: summary.get(k) for k in keys}
 
 
+def least_stolen(tried: list[dict[str, Any]], max_steal: float | None) -> dict[str, Any]:
+    """Of a level's attempts, the one measured at the least steal; the others are kept
+    under its `discarded`, and `contended` says whether even it was over the limit."""
+    best = min(tried, key=lambda s: s.get("steal_pct") or 0.0)
+    best["discarded"] = [discarded(s) for s in tried if s is not best]
+    best["contended"] = contended(best, max_steal)
+    return best
+
+
 def wait_idle(max_wait: float, threshold: float, label: str) -> dict[str, float | None]:
     """Wait (bounded by ``max_wait`` seconds) until the machine's CPU use over a 1 s window
     is below ``threshold`` % of one core; returns what was seen."""

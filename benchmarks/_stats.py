@@ -134,6 +134,8 @@ def combine_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out[key] = round(statistics.median(vals), 3) if vals else None
     for key in ("requests", "failures", "completion_tokens"):
         out[key] = sum(r[key] for r in runs)
+    out["discarded"] = [d for r in runs for d in r.get("discarded", [])]
+    out["contended"] = sum(bool(r.get("contended")) for r in runs)
     for key in ("errors", "error_samples"):
         merged: dict[str, int] = {}
         for r in runs:

@@ -272,15 +272,17 @@ async def measure_url(
             return summary
 
         for c in levels:
-            dropped: list[dict[str, Any]] = []
+            tried: list[dict[str, Any]] = []
             for attempt in range(args.steal_retries + 1):
-                summary = await measure(c, bank.get(job_index, c, repeat, attempt))
-                if attempt == args.steal_retries or not _cpu.contended(summary, args.max_steal):
+                tried.append(await measure(c, bank.get(job_index, c, repeat, attempt)))
+                if (
+                    attempt == args.steal_retries
+                    or not _cpu.contended(tried[-1], args.max_steal)
+                    or (server and server.proc.poll() is not None)
+                ):
                     break
-                dropped.append(_cpu.discarded(summary))
                 print(f"[{job.name}] c={c}: steal over the limit, measured again", file=sys.stderr)
-            summary["discarded"] = dropped
-            result["levels"].append(summary)
+            result["levels"].append(_cpu.least_stolen(tried, args.max_steal))
             if server and server.proc.poll() is not None:
                 result["server_exit"] = server.proc.returncode
                 print(f"[{job.name}] server exited ({server.proc.returncode})", file=sys.stderr)

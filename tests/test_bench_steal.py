@@ -31,6 +31,9 @@ def test_steal_is_apart_from_busy_time() -> None:
     assert not _cpu.contended({"steal_pct": 15.0}, 15.0)
     assert not _cpu.contended({"steal_pct": None}, 15.0)
     assert not _cpu.contended({"steal_pct": 90.0}, None)
+    kept = _cpu.least_stolen([{"steal_pct": 30.0}, {"steal_pct": 20.0}, {"steal_pct": 25.0}], 15.0)
+    assert kept["steal_pct"] == 20.0 and kept["contended"] is True
+    assert [d["steal_pct"] for d in kept["discarded"]] == [30.0, 25.0]
 
 
 def test_each_attempt_gets_its_own_prompts() -> None:
@@ -51,7 +54,7 @@ def test_a_level_under_steal_is_measured_again(
         sys.executable, "-m", "benchmarks.serving",
         "--inprocess", str(chat_model),
         "--target", f"gw={gateway.base_url}", "--served-model", "gw=chat",
-        "--concurrency", "1", "--requests", "1", "--max-tokens", "4", "--prompt-tokens", "32",
+        "--concurrency", "1", "--requests", "2", "--max-tokens", "32", "--prompt-tokens", "32",
         "--wait-idle", "0", "--blas", "off",
         "--max-steal", "-1", "--steal-retries", "1",  # every level counts as contended
         "--out", str(out),
@@ -66,3 +69,4 @@ def test_a_level_under_steal_is_measured_again(
         (run,) = level["runs"]
         assert run["failures"] == 0 and run["steal_pct"] is not None
         assert [d["steal_pct"] is not None for d in run["discarded"]] == [True]
+        assert run["contended"] is True  # even the kept attempt was over a limit of -1
