@@ -200,8 +200,8 @@ class EngineCore:
         if self._split_groups > 1 and self._split_left > 0:
             size = min(size, -(-self._split_left // self._split_groups))
         group = [self.staged.popleft() for _ in range(min(size, len(self.staged)))]
-        self._split_left -= len(group)
-        self._split_groups -= 1
+        self._split_left = max(0, self._split_left - len(group))
+        self._split_groups = max(0, self._split_groups - 1)
         uids = self.generator.insert(
             [s.prompt for s in group],
             max_tokens=[s.request.max_tokens for s in group],
