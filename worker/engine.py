@@ -36,6 +36,7 @@ from shared.types import (
     TopLogprob,
     Usage,
 )
+from worker.batching import attach
 from worker.preprocess import PreparedRequest
 from worker.request import Request
 from worker.sampling import make_processors, make_sampler
@@ -58,6 +59,10 @@ class EngineCore:
             prefill_batch_size=min(options.prefill_batch_size, options.max_running),
             prefill_step_size=options.prefill_step_size,
         )
+        # The running batch skips the vocabulary log-softmax while no request in the engine
+        # reads it (worker/batching.py); these requests need it.
+        self._lean = attach(self.generator)
+        self._normalized: set[str] = set()
         self.requests: dict[str, Request] = {}
         # echo + logprobs: the prompt is scored first, one prefill-sized chunk per step()
         # (so running streams keep moving), then the request joins the batch.
@@ -173,6 +178,8 @@ class EngineCore:
         )
         self.batch_count += prepared.priority > 0
         self.logprob_count += params.logprobs
+        if params.logprobs or 0 < params.top_p < 1:  # top-p exponentiates its input
+            self._normalized.add(request.request_id)
         self.requests[request.request_id] = request
         self.staged.append(
             Staged(
@@ -253,6 +260,8 @@ class EngineCore:
         self._insert_group()
         if not self._by_uid:
             return outputs
+        if self._lean is not None:
+            self._lean.normalize = bool(self._normalized)
         _, responses = self.generator.next()
         if self._awaiting:
             self._awaiting.difference_update(r.uid for r in responses)
@@ -281,6 +290,7 @@ class EngineCore:
         if self.requests.pop(request.request_id, None) is not None:
             self.batch_count -= request.priority > 0
             self.logprob_count -= request.logprobs
+            self._normalized.discard(request.request_id)
         self._by_uid.pop(request.uid, None)
         self._awaiting.discard(request.uid)
 
