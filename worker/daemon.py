@@ -410,19 +410,29 @@ class WorkerProc:
                 continue
             except Exception:  # socket closed at exit
                 return
+            item: object | None = frame
             if isinstance(frame, Add):
-                self._accept(frame, preprocess)
+                item = self._accept(frame, preprocess)
             elif isinstance(frame, Control):
                 self._send(self._control(frame, preprocess))
+                item = None
+            # Frames still in this thread's hands, published before the item is queued: the
+            # engine, woken by it, must not count it as one more still coming.
+            if pending:
+                self.incoming = len(pending)
             else:
-                self.inputs.put(frame)
-            if not pending:
                 try:
                     self.incoming = 1 if sock.poll(0) else 0  # more came while it worked
                 except Exception:  # socket closed at exit
                     return
+            if item is not None:
+                if isinstance(item, PreparedRequest):
+                    self.last_received = time.monotonic()  # preparing took time: gap from here
+                self.inputs.put(item)
 
-    def _accept(self, frame: Add, preprocess: Preprocessor) -> None:
+    def _accept(self, frame: Add, preprocess: Preprocessor) -> PreparedRequest | None:
+        """The request, prepared for the engine; None when it was refused (the error went
+        back to the gateway)."""
         try:
             if self.state == WorkerState.DRAINING:
                 raise PreprocessError(
@@ -431,8 +441,6 @@ class WorkerProc:
             prepared = preprocess(frame)
             if self.faults.crash_on or self.faults.stall_on:
                 self._mark_faults(frame)
-            self.inputs.put(prepared)
-            self.last_received = time.monotonic()  # preparing it took time: the gap starts here
             log.debug(
                 "request %s accepted (%d prompt tokens, priority %d)",
                 frame.request_id,
@@ -440,6 +448,7 @@ class WorkerProc:
                 prepared.priority,
                 extra={"request_id": frame.request_id},
             )
+            return prepared
         except PreprocessError as exc:
             log.info(
                 "request %s rejected: %s",
@@ -449,6 +458,7 @@ class WorkerProc:
             )
             out = RequestOutput(frame.request_id, finish_reason=FinishReason.ERROR, error=exc.error)
             self._send(StepOutputs(self.worker_id, -1, [out]))
+            return None
 
     def _mark_faults(self, frame: Add) -> None:
         text = msgspec.json.encode(frame.request).decode()
