@@ -7,6 +7,7 @@ conftest's tiny chat model.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -227,8 +228,9 @@ def test_the_hold_can_be_switched_off(make_proc: MakeProc, chat: Loaded) -> None
 
 def test_the_input_thread_publishes_the_frames_it_holds(tmp_path: Path) -> None:
     """Real sockets: frames sent at once are taken off the socket together, `incoming`
-    counts the ones not yet queued while a request is being prepared, and drops to 0 once
-    all are queued."""
+    counts the ones not yet queued while a request is being prepared, and when a request is
+    queued it counts only those behind it: the engine, woken by the last one, must not wait
+    for one more (it did, for `admission_gap_ms`, when the count was lowered after the put)."""
     from shared.protocol import Add, Codec
     from shared.types import CanonicalRequest, RequestKind
 
@@ -240,6 +242,14 @@ def test_the_input_thread_publishes_the_frames_it_holds(tmp_path: Path) -> None:
     model = ModelConfig(name="m", source="unused", engine=EngineOptions())
     proc = WorkerProc(WorkerArgs("w-in", addr, f"ipc://{tmp_path}/out.sock", model, False))
     seen: list[int] = []
+    at_put: list[int] = []
+
+    class Recording(queue.Queue[object]):
+        def put(self, item: object, block: bool = True, timeout: float | None = None) -> None:
+            at_put.append(proc.incoming)
+            super().put(item, block, timeout)
+
+    proc.inputs = Recording()
 
     def preprocess(frame: Add) -> PreparedRequest:
         seen.append(proc.incoming)
@@ -268,6 +278,7 @@ def test_the_input_thread_publishes_the_frames_it_holds(tmp_path: Path) -> None:
         got = [proc.inputs.get(timeout=5) for _ in range(5)]
         assert [p.request_id for p in got] == [f"r{i}" for i in range(5)]  # type: ignore[attr-defined]
         assert seen == [5, 4, 3, 2, 1]
+        assert at_put == [4, 3, 2, 1, 0]
         for _ in range(100):
             if proc.incoming == 0:
                 break
