@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine_fixtures import PROMPT_TEXTS, Loaded, load
 from tests.gateway_proc import GatewayProc, running_gateway
 from worker.modelgen import TinyModelSpec, build_tiny_model, byte_token_id
 
@@ -37,6 +38,18 @@ def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def chat_model(model_root: Path) -> Path:
     return build_tiny_model(model_root / "chat", CHAT_SPEC)
+
+
+@pytest.fixture(scope="session")
+def chat(chat_model: Path) -> Loaded:
+    """CHAT_SPEC's model loaded in this process, for in-process engine tests."""
+    return load(chat_model)
+
+
+@pytest.fixture(scope="session")
+def prompts(chat: Loaded) -> list[list[int]]:
+    """PROMPT_TEXTS tokenized by the chat model: prompts of several shapes."""
+    return [chat.tokenizer.encode(t) for t in PROMPT_TEXTS]
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ import zmq
 from shared.config import EngineOptions, ModelConfig
 from shared.protocol import Abort, Shutdown, ShutdownMode
 from shared.types import FinishReason, SamplingParams, Usage
-from tests.engine_fixtures import Loaded, greedy, load
+from tests.engine_fixtures import Loaded, greedy
 from worker.daemon import WorkerArgs, WorkerProc
 from worker.engine import EngineCore
 from worker.preprocess import PreparedRequest
@@ -31,11 +31,6 @@ MakeProc = Callable[..., WorkerProc]
 
 def _request(i: int) -> PreparedRequest:
     return PreparedRequest(f"r{i}", [1, 2, 3], 4, SamplingParams())
-
-
-@pytest.fixture(scope="module")
-def chat(chat_model: Path) -> Loaded:
-    return load(chat_model)
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import mlx.core as mx
 import msgspec
@@ -24,7 +23,6 @@ from shared.types import (
     Usage,
 )
 from tests.engine_fixtures import (
-    PROMPT_TEXTS,
     Loaded,
     drive,
     finish,
@@ -42,18 +40,6 @@ EOS = IM_END_ID
 EOS_BIAS = {EOS: 100.0}
 # A byte-level vocabulary: bigram chains over raw byte tokens.
 BYTES_SPEC = TinyModelSpec(hidden_size=64, num_layers=1, vocab_size=400, byte_fallback=True)
-
-
-@pytest.fixture(scope="module")
-def chat(chat_model: Path) -> Loaded:
-    """conftest's CHAT_SPEC model: hidden 64, 2 layers, vocab 512, logit_scale 8."""
-    return load(chat_model)
-
-
-@pytest.fixture(scope="module")
-def prompts(chat: Loaded) -> list[list[int]]:
-    encode = chat.tokenizer.encode
-    return [encode(t) for t in PROMPT_TEXTS]
 
 
 # ---- greedy equality with mlx-lm ------------------------------------------------------------

@@ -4,30 +4,17 @@ burst that starts an idle batch is prefilled in groups (real tiny MLX model)."""
 from __future__ import annotations
 
 import collections
-from pathlib import Path
 
 import pytest
 
 from shared.types import RequestOutput
 from tests.engine_fixtures import (
-    PROMPT_TEXTS,
     Loaded,
     greedy,
-    load,
     reference_greedy,
     token_ids,
 )
 from worker.engine import EngineCore
-
-
-@pytest.fixture(scope="module")
-def chat(chat_model: Path) -> Loaded:
-    return load(chat_model)
-
-
-@pytest.fixture(scope="module")
-def prompts(chat: Loaded) -> list[list[int]]:
-    return [chat.tokenizer.encode(t) for t in PROMPT_TEXTS]
 
 
 def first_token_steps(engine: EngineCore, burst: int, prompts: list[list[int]]) -> dict[str, int]:

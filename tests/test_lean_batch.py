@@ -6,28 +6,17 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
 from mlx_lm.generate import BatchGenerator
 
 from shared.types import RequestOutput
-from tests.engine_fixtures import PROMPT_TEXTS, Loaded, greedy, load, prepared, token_ids
+from tests.engine_fixtures import Loaded, greedy, prepared, token_ids
 from worker import batching
 from worker.batching import LeanGenerationBatch
 from worker.engine import EngineCore
 from worker.preprocess import PreparedRequest
-
-
-@pytest.fixture(scope="module")
-def chat(chat_model: Path) -> Loaded:
-    return load(chat_model)
-
-
-@pytest.fixture(scope="module")
-def prompts(chat: Loaded) -> list[list[int]]:
-    return [chat.tokenizer.encode(t) for t in PROMPT_TEXTS]
 
 
 @pytest.fixture
