@@ -15,9 +15,11 @@ Apple GPUs it is cheaper but still a full pass over batch x vocabulary.
 
 `LeanGenerationBatch` keeps the upstream step and adds a flag: with `normalize` False its
 step is the same forward, logits processors, sampling and pipelined evaluation, on the raw
-processed logits. The engine sets the flag before every step from the requests in the
-batch. Rows that join the batch take their first token from their own, upstream-stepped
-batch, so they are normalized whatever the flag says.
+processed logits, and the per-row logits it hands on stay unevaluated (no one reads them;
+the upstream step evaluates one slice per row on every step). The engine sets the flag
+before every step from the requests in the batch. Rows that join the batch take their
+first token from their own, upstream-stepped batch, so they are normalized whatever the
+flag says.
 
 This leans on GenerationBatch's internal state (mlx-lm 0.32, pinned below 0.33):
 `attach` checks that state is there and leaves the generator on the upstream step if not,
@@ -86,9 +88,13 @@ class LeanGenerationBatch(GenerationBatch):
         else:
             sampled = mx.concatenate([s(logits[i : i + 1]) for i, s in enumerate(samplers)], axis=0)
         b._next_tokens = sampled
-        b._next_logprobs = list(logits)  # unnormalized: read by no one in this mode
-        mx.async_eval(b._next_tokens, b._next_logprobs, contexts)
-        mx.eval(previous, previous_rows)
+        # Unnormalized rows, read by no one in this mode, are left lazy: only the tokens are
+        # evaluated. One evaluated slice per row made the 16-row step 4-7 % slower on the
+        # CPU test machine (docs/benchmarks.md). A row that is read after all (the first
+        # upstream step after a lean one evaluates its current rows) is computed then.
+        b._next_logprobs = list(logits)
+        mx.async_eval(b._next_tokens, contexts)
+        mx.eval(previous)
         tokens: list[int] = previous.tolist()
         for history, token in zip(b.tokens, tokens, strict=False):
             history.append(token)
