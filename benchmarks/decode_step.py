@@ -82,13 +82,27 @@ def measure(
     }
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 1 <= value <= 100_000:
+        raise argparse.ArgumentTypeError(f"must be between 1 and 100000: {value}")
+    return value
+
+
+def _levels(text: str) -> list[int]:
+    return [_positive(part) for part in text.split(",")]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_step", description=__doc__)
     parser.add_argument("--model", required=True, help="model dir")
-    parser.add_argument("--concurrency", default="1,4,16,64")
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--blocks", type=int, default=16, help="blocks per step kind")
-    parser.add_argument("--steps", type=int, default=20, help="decode steps per block")
+    parser.add_argument("--concurrency", type=_levels, default=[1, 4, 16, 64])
+    parser.add_argument("--prompt-tokens", type=_positive, default=128)
+    parser.add_argument("--blocks", type=_positive, default=16, help="blocks per step kind")
+    parser.add_argument("--steps", type=_positive, default=20, help="decode steps per block")
     parser.add_argument("--out", help="JSON with every block's time")
     args = parser.parse_args(argv)
 
@@ -100,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     print("| conc | upstream ms/step | lean ms/step | lean / upstream (paired median) |")
     print("|---|---|---|---|")
-    for c in (int(x) for x in args.concurrency.split(",")):
+    for c in args.concurrency:
         r = measure(model, vocab, c, args.prompt_tokens, args.blocks, args.steps)
         results.append(r)
         print(
