@@ -90,6 +90,9 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # Prompt tokens after templating; default: server.max_prompt_tokens (then no limit but
     # the context length).
     max_prompt_tokens: int | None = None
+    # On MLX's CPU device (Linux), swap the model's RMSNorm and RoPE modules for ones that
+    # compute the same values with fewer, fused ops (worker/cpu_ops.py). No effect on GPUs.
+    fused_cpu_ops: bool = True
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

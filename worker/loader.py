@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,6 +11,8 @@ from typing import Any
 
 from shared.config import ModelConfig
 from shared.modelinfo import context_length
+
+log = logging.getLogger(__name__)
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.py"]
 
@@ -99,4 +103,16 @@ def load_model(config: ModelConfig, progress: Progress = _no_progress) -> Loaded
         model, tokenizer = load(str(path), trust_remote_code=config.trust_remote_code)[:2]
     except Exception as exc:
         raise LoadError(f"model {config.name!r}: mlx-lm could not load {path}: {exc}") from exc
+    if config.engine.fused_cpu_ops:
+        from worker.cpu_ops import fuse_for_cpu
+
+        progress("compiling CPU kernels", -1.0)
+        started = time.monotonic()
+        swapped = fuse_for_cpu(model)
+        if swapped:
+            log.info(
+                "fused CPU kernels for %d RMSNorm/RoPE modules (%.1fs)",
+                swapped,
+                time.monotonic() - started,
+            )
     return LoadedModel(model, tokenizer, path, context_length(path, config), config.is_demo)

@@ -1,0 +1,209 @@
+"""Fused stand-ins for the MLX fast ops that MLX's CPU backend builds out of small ops.
+
+On Apple GPUs and CUDA, `mx.fast.rms_norm` and `mx.fast.rope` are one kernel each. MLX's
+CPU backend (0.32) has no kernel for them: each call builds the op's fallback graph instead,
+about 12 nodes for an RMSNorm and 31 for a RoPE with one position offset per row (what
+mlx-lm's BatchKVCache passes). Every node is a task handed to MLX's CPU stream thread, and
+on a small model those hand-offs, not the arithmetic, are most of a decode step: a 6-layer
+Llama step at batch 4 is about 850 nodes, 370 of them RoPE and 140 RMSNorm.
+
+`fuse_cpu_ops(model)` swaps the model's `nn.RMSNorm` and `nn.RoPE` modules (exactly those
+classes, not look-alikes with other formulas) for subclasses that compute the same fallback
+formula, in the same order, with its elementwise part compiled (`mx.compile`) into one
+fused kernel: about 4 nodes an RMSNorm and 7 a RoPE. The weights stay the same arrays, so
+the parameter tree does not change. The worker applies it only when the model runs on the
+CPU device, and falls back to the model as loaded if MLX cannot compile there.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map_with_path
+
+log = logging.getLogger(__name__)
+
+
+@partial(mx.compile, shapeless=True)
+def _rms_scale(
+    x: mx.array, sum_of_squares: mx.array, weight: mx.array, inv_dims: mx.array, eps: mx.array
+) -> mx.array:
+    out_type = mx.result_type(x, weight)
+    mean_square = sum_of_squares * inv_dims  # as mx.mean computes it
+    return (x.astype(mx.float32) * mx.rsqrt(mean_square + eps)).astype(out_type) * weight.astype(
+        out_type
+    )
+
+
+class FusedRMSNorm(nn.RMSNorm):
+    """`nn.RMSNorm` computed as MLX's fallback does, its elementwise part in one kernel."""
+
+    def __init__(self, dims: int, eps: float = 1e-5) -> None:
+        super().__init__(dims, eps=eps)
+        # Inputs, not constants of the kernel: one compiled kernel serves every model.
+        self._inv_dims = mx.array(1.0 / dims, mx.float32)
+        self._eps = mx.array(eps, mx.float32)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        sum_of_squares = mx.sum(mx.square(x.astype(mx.float32)), axis=-1, keepdims=True)
+        return _rms_scale(x, sum_of_squares, self["weight"], self._inv_dims, self._eps)
+
+
+@partial(mx.compile, shapeless=True)
+def _angles(steps: mx.array, offset: mx.array, scale: mx.array, freqs: mx.array) -> mx.array:
+    return (steps + offset) * scale * freqs
+
+
+@partial(mx.compile, shapeless=True)
+def _rotate(
+    x: mx.array, partner: mx.array, cos: mx.array, sin: mx.array, sign: mx.array
+) -> mx.array:
+    return x * cos + partner * (sin * sign.astype(sin.dtype))
+
+
+class FusedRoPE(nn.RoPE):
+    """`nn.RoPE` computed as MLX's fallback does, in two fused kernels.
+
+    The fallback rotates each pair (x1, x2) of features as (x1 cos - x2 sin, x1 sin + x2 cos),
+    pairing the two halves of the rotated features (or neighbours, if `traditional`). Here
+    every feature is written as `x cos + partner (sign sin)`, with `partner` the other member
+    of its pair and `sign` -1 for the first member: the same products and sums, in the same
+    order, over one array, so one fused kernel does the whole rotation. The angles, their
+    cosines and sines cover positions and features only, not heads, as in the fallback.
+    """
+
+    def __init__(self, dims: int, traditional: bool, base: float, scale: float) -> None:
+        super().__init__(dims, traditional=traditional, base=base, scale=scale)
+        half = dims // 2
+        inv_freqs = mx.exp(
+            mx.arange(0, -half, -1, dtype=mx.float32) * mx.array(math.log(base) / half, mx.float32)
+        )
+        minus, plus = mx.full((half,), -1.0), mx.full((half,), 1.0)
+        if traditional:  # features (2i, 2i + 1) share frequency i
+            self._freqs = mx.repeat(inv_freqs, 2)
+            self._sign = mx.stack([minus, plus], axis=-1).reshape(dims)
+        else:  # features i and half + i share frequency i
+            self._freqs = mx.concatenate([inv_freqs, inv_freqs])
+            self._sign = mx.concatenate([minus, plus])
+        self._scale = mx.array(scale, mx.float32)
+        mx.eval(self._freqs, self._sign)
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        if x.ndim < 3:
+            return mx.fast.rope(  # MLX's own error
+                x,
+                self.dims,
+                traditional=self.traditional,
+                base=self.base,
+                scale=self.scale,
+                offset=offset,
+            )
+        dims, half, steps = self.dims, self.dims // 2, x.shape[-2]
+        ids = mx.array(offset, mx.int32) if isinstance(offset, int) else offset
+        if ids.ndim == 1 and ids.size > 1:
+            ids = ids.reshape((ids.size, *(1,) * (x.ndim - 1)))
+        elif ids.ndim:
+            ids = ids.reshape(())
+        theta = _angles(mx.arange(steps, dtype=mx.float32)[:, None], ids, self._scale, self._freqs)
+        cos, sin = mx.cos(theta).astype(x.dtype), mx.sin(theta).astype(x.dtype)
+        rotated = x[..., :dims] if dims < x.shape[-1] else x
+        if self.traditional:
+            pairs = rotated.reshape((*x.shape[:-1], half, 2))
+            partner = pairs[..., ::-1].reshape(rotated.shape)
+        else:
+            partner = mx.concatenate([rotated[..., half:], rotated[..., :half]], axis=-1)
+        out = _rotate(rotated, partner, cos, sin, self._sign)
+        if dims < x.shape[-1]:
+            out = mx.concatenate([out, x[..., dims:]], axis=-1)
+        return out
+
+
+def _swap(path: str, module: Any) -> Any:
+    if type(module) is nn.RMSNorm:
+        fused = FusedRMSNorm(module.weight.shape[0], eps=module.eps)
+        fused.weight = module.weight
+        return fused
+    if type(module) is nn.RoPE:
+        return FusedRoPE(module.dims, module.traditional, module.base, module.scale)
+    return module
+
+
+def fuse_cpu_ops(model: nn.Module) -> int:
+    """Swap the model's RMSNorm and RoPE modules for the fused ones; returns how many."""
+    before = model.leaf_modules()
+    after = tree_map_with_path(_swap, before, is_leaf=nn.Module.is_module)
+    model.update_modules(after)
+    return sum(isinstance(m, (FusedRMSNorm, FusedRoPE)) for _, m in model.named_modules())
+
+
+def warm_up(model: nn.Module) -> None:
+    """Run the shapes a batch uses through the model once: one prompt, then two prompts of
+    different lengths side by side (per-row offsets), each for two decode steps.
+
+    MLX compiles a fused kernel for each layout it meets (with the system's C++ compiler,
+    cached on disk under the temporary directory), a few seconds on a fresh machine; this
+    moves that wait from the first requests to the model's load.
+    """
+    from mlx_lm.generate import BatchGenerator
+
+    for prompts in ([[1, 2, 3]], [[1, 2, 3], [4, 5]]):
+        gen = BatchGenerator(model, max_tokens=2, completion_batch_size=2, prefill_batch_size=2)
+        try:
+            gen.insert(prompts, max_tokens=[2] * len(prompts))
+            for _ in range(8):  # prefill, first tokens, two decode steps; then idle
+                gen.next()
+        finally:
+            gen.close()
+
+
+@contextmanager
+def _compile_lock() -> Iterator[None]:
+    """One warm-up at a time on this machine: MLX writes a compiled kernel's library where
+    another process may already be loading it, and workers often start together."""
+    path = Path(tempfile.gettempdir()) / f"mlx-gateway-{os.getuid()}-compile.lock"
+    try:
+        lock = open(path, "a")  # noqa: SIM115 (held across the yield)
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def fuse_for_cpu(model: nn.Module, attempts: int = 3) -> int:
+    """On the CPU device: swap in the fused modules and warm them up; returns how many
+    modules were swapped (0 on any other device, or if the kernels cannot be built here,
+    and then the model is left as loaded)."""
+    if mx.default_device() != mx.cpu:
+        return 0
+    original = model.leaf_modules()
+    swapped = fuse_cpu_ops(model)
+    if not swapped:
+        return 0
+    with _compile_lock():
+        for attempt in range(1, attempts + 1):
+            try:
+                warm_up(model)
+                return swapped
+            except Exception as exc:  # a library half-written by another user's process
+                log.warning("fused CPU kernels: warm-up attempt %d failed: %s", attempt, exc)
+                time.sleep(0.5 * attempt)
+    model.update_modules(original)
+    log.warning("fused CPU kernels unavailable: the model runs on MLX's own ops")
+    return 0
