@@ -9,6 +9,10 @@ through the same context lengths and a drifting machine slows both alike. Per le
 median ms per step of each, and the median over blocks of the paired ratio lean / upstream
 (below 1: the lean step is faster).
 
+With `--fused`, the lean generator runs on a second copy of the model with the worker's
+fused CPU ops swapped in (worker/cpu_ops.py, as the worker loads a model on MLX's CPU
+device): the ratio is then the worker's whole decode step against mlx-lm's.
+
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \\
         python -m benchmarks.decode_step --model /tmp/bench-llama
 """
@@ -58,13 +62,22 @@ def _block(gen: Any, steps: int) -> float:
 
 
 def measure(
-    model: Any, vocab: int, c: int, prompt_tokens: int, blocks: int, steps: int
+    model: Any,
+    vocab: int,
+    c: int,
+    prompt_tokens: int,
+    blocks: int,
+    steps: int,
+    lean_model: Any = None,
 ) -> dict[str, Any]:
     import mlx.core as mx
 
     rnd = random.Random(c)
     prompts = [[rnd.randrange(vocab) for _ in range(prompt_tokens)] for _ in range(c)]
-    gens = {"upstream": _generator(model, prompts, False), "lean": _generator(model, prompts, True)}
+    gens = {
+        "upstream": _generator(model, prompts, False),
+        "lean": _generator(lean_model if lean_model is not None else model, prompts, True),
+    }
     times: dict[str, list[float]] = {name: [] for name in gens}
     for i in range(blocks):
         for name in sorted(gens, reverse=bool(i % 2)):
@@ -103,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=_positive, default=128)
     parser.add_argument("--blocks", type=_positive, default=16, help="blocks per step kind")
     parser.add_argument("--steps", type=_positive, default=20, help="decode steps per block")
+    parser.add_argument(
+        "--fused", action="store_true", help="the lean step on a model with the fused CPU ops"
+    )
     parser.add_argument("--out", help="JSON with every block's time")
     args = parser.parse_args(argv)
 
@@ -111,11 +127,19 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load(args.model)
     model, tokenizer = loaded[0], loaded[1]
     vocab = len(tokenizer)
+    lean_model = None
+    if args.fused:
+        from worker.cpu_ops import fuse_for_cpu
+
+        lean_model = load(args.model)[0]
+        if not fuse_for_cpu(lean_model):
+            raise SystemExit("no fused CPU ops for this model or device")
     results = []
     print("| conc | upstream ms/step | lean ms/step | lean / upstream (paired median) |")
     print("|---|---|---|---|")
     for c in args.concurrency:
-        r = measure(model, vocab, c, args.prompt_tokens, args.blocks, args.steps)
+        r = measure(model, vocab, c, args.prompt_tokens, args.blocks, args.steps, lean_model)
+        r["fused"] = args.fused
         results.append(r)
         print(
             f"| {c} | {r['upstream_ms']:.2f} | {r['lean_ms']:.2f} | {r['lean_vs_upstream']:.3f} |",
@@ -123,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"argv": sys.argv, "levels": results}, f, indent=1)
+            json.dump({"argv": sys.argv, "fused": args.fused, "levels": results}, f, indent=1)
     return 0
 
 

@@ -11,11 +11,15 @@ import pytest
 from benchmarks import decode_step
 
 
-def test_both_steps_are_measured_per_level(chat_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_both_steps_are_measured_per_level(chat_model: Path, tmp_path: Path, fused: bool) -> None:
     out = tmp_path / "steps.json"
     argv = ["--model", str(chat_model), "--concurrency", "1,3", "--prompt-tokens", "8"]
-    assert decode_step.main([*argv, "--blocks", "2", "--steps", "3", "--out", str(out)]) == 0
-    levels = json.loads(out.read_text())["levels"]
+    argv += ["--blocks", "2", "--steps", "3", "--out", str(out)] + (["--fused"] if fused else [])
+    assert decode_step.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["fused"] is fused
+    levels = report["levels"]
     assert [lv["concurrency"] for lv in levels] == [1, 3]
     for lv in levels:
         assert [len(lv["blocks"][k]) for k in ("upstream", "lean")] == [2, 2]

@@ -126,3 +126,26 @@ def test_loader_swaps_on_cpu_unless_turned_off(chat_model: Path) -> None:
     kinds = {type(m) for _, m in off.model.named_modules()}
     assert nn.RMSNorm in kinds and nn.RoPE in kinds
     assert FusedRMSNorm not in kinds and FusedRoPE not in kinds
+
+
+def test_a_failed_warm_up_leaves_the_model_as_loaded(
+    chat_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from worker import cpu_ops
+
+    calls = []
+
+    def broken(model: Any) -> None:
+        calls.append(1)
+        raise RuntimeError("[Compile::eval_cpu] Failed to compile function")
+
+    monkeypatch.setattr(cpu_ops, "warm_up", broken)
+    monkeypatch.setattr(cpu_ops.time, "sleep", lambda s: None)
+    model = mlx_load(str(chat_model))[0]
+    assert cpu_ops.fuse_for_cpu(model) == 0
+    assert len(calls) == 3
+    kinds = {type(m) for _, m in model.named_modules()}
+    assert nn.RMSNorm in kinds and nn.RoPE in kinds
+    assert FusedRMSNorm not in kinds and FusedRoPE not in kinds
+    prompt = mx.array([[1, 2, 3]])
+    assert model(prompt).shape[:2] == (1, 3)
