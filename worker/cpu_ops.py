@@ -37,18 +37,19 @@ log = logging.getLogger(__name__)
 
 
 @partial(mx.compile, shapeless=True)
-def _rms_scale(
-    x: mx.array, sum_of_squares: mx.array, weight: mx.array, inv_dims: mx.array, eps: mx.array
-) -> mx.array:
+def _inv_rms(sum_of_squares: mx.array, inv_dims: mx.array, eps: mx.array) -> mx.array:
+    return mx.rsqrt(sum_of_squares * inv_dims + eps)  # the mean as mx.mean computes it
+
+
+@partial(mx.compile, shapeless=True)
+def _scale(x: mx.array, inv_rms: mx.array, weight: mx.array) -> mx.array:
     out_type = mx.result_type(x, weight)
-    mean_square = sum_of_squares * inv_dims  # as mx.mean computes it
-    return (x.astype(mx.float32) * mx.rsqrt(mean_square + eps)).astype(out_type) * weight.astype(
-        out_type
-    )
+    return (x.astype(mx.float32) * inv_rms).astype(out_type) * weight.astype(out_type)
 
 
 class FusedRMSNorm(nn.RMSNorm):
-    """`nn.RMSNorm` computed as MLX's fallback does, its elementwise part in one kernel."""
+    """`nn.RMSNorm` computed as MLX's fallback does: the sum of squares, one small kernel for
+    each row's inverse RMS (once a row, not once an element), one for the scaling."""
 
     def __init__(self, dims: int, eps: float = 1e-5) -> None:
         super().__init__(dims, eps=eps)
@@ -58,47 +59,42 @@ class FusedRMSNorm(nn.RMSNorm):
 
     def __call__(self, x: mx.array) -> mx.array:
         sum_of_squares = mx.sum(mx.square(x.astype(mx.float32)), axis=-1, keepdims=True)
-        return _rms_scale(x, sum_of_squares, self["weight"], self._inv_dims, self._eps)
+        return _scale(x, _inv_rms(sum_of_squares, self._inv_dims, self._eps), self["weight"])
 
 
 @partial(mx.compile, shapeless=True)
-def _angles(steps: mx.array, offset: mx.array, scale: mx.array, freqs: mx.array) -> mx.array:
-    return (steps + offset) * scale * freqs
+def _angles(steps: mx.array, offset: mx.array, scale: mx.array, inv_freqs: mx.array) -> mx.array:
+    return (steps + offset) * scale * inv_freqs
 
 
 @partial(mx.compile, shapeless=True)
-def _rotate(
-    x: mx.array, partner: mx.array, cos: mx.array, sin: mx.array, sign: mx.array
-) -> mx.array:
-    return x * cos + partner * (sin * sign.astype(sin.dtype))
+def _first(x1: mx.array, x2: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    return x1 * cos - x2 * sin
+
+
+@partial(mx.compile, shapeless=True)
+def _second(x1: mx.array, x2: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    return x1 * sin + x2 * cos
 
 
 class FusedRoPE(nn.RoPE):
-    """`nn.RoPE` computed as MLX's fallback does, in two fused kernels.
+    """`nn.RoPE` computed as MLX's fallback does, with its elementwise chains fused.
 
-    The fallback rotates each pair (x1, x2) of features as (x1 cos - x2 sin, x1 sin + x2 cos),
-    pairing the two halves of the rotated features (or neighbours, if `traditional`). Here
-    every feature is written as `x cos + partner (sign sin)`, with `partner` the other member
-    of its pair and `sign` -1 for the first member: the same products and sums, in the same
-    order, over one array, so one fused kernel does the whole rotation. The angles, their
-    cosines and sines cover positions and features only, not heads, as in the fallback.
+    The fallback rotates each pair (x1, x2) of features, the two halves of the rotated
+    features (or neighbours, if `traditional`), into (x1 cos - x2 sin, x1 sin + x2 cos),
+    with the angles, cosines and sines over positions and half the features only (not
+    heads). Here the same: one kernel for the angles, MLX's cos and sin, one kernel for
+    each half of the output, and one concatenation.
     """
 
     def __init__(self, dims: int, traditional: bool, base: float, scale: float) -> None:
         super().__init__(dims, traditional=traditional, base=base, scale=scale)
         half = dims // 2
-        inv_freqs = mx.exp(
+        self._inv_freqs = mx.exp(
             mx.arange(0, -half, -1, dtype=mx.float32) * mx.array(math.log(base) / half, mx.float32)
         )
-        minus, plus = mx.full((half,), -1.0), mx.full((half,), 1.0)
-        if traditional:  # features (2i, 2i + 1) share frequency i
-            self._freqs = mx.repeat(inv_freqs, 2)
-            self._sign = mx.stack([minus, plus], axis=-1).reshape(dims)
-        else:  # features i and half + i share frequency i
-            self._freqs = mx.concatenate([inv_freqs, inv_freqs])
-            self._sign = mx.concatenate([minus, plus])
         self._scale = mx.array(scale, mx.float32)
-        mx.eval(self._freqs, self._sign)
+        mx.eval(self._inv_freqs)
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         if x.ndim < 3:
@@ -116,18 +112,22 @@ class FusedRoPE(nn.RoPE):
             ids = ids.reshape((ids.size, *(1,) * (x.ndim - 1)))
         elif ids.ndim:
             ids = ids.reshape(())
-        theta = _angles(mx.arange(steps, dtype=mx.float32)[:, None], ids, self._scale, self._freqs)
+        theta = _angles(
+            mx.arange(steps, dtype=mx.float32)[:, None], ids, self._scale, self._inv_freqs
+        )
         cos, sin = mx.cos(theta).astype(x.dtype), mx.sin(theta).astype(x.dtype)
-        rotated = x[..., :dims] if dims < x.shape[-1] else x
         if self.traditional:
-            pairs = rotated.reshape((*x.shape[:-1], half, 2))
-            partner = pairs[..., ::-1].reshape(rotated.shape)
+            x1, x2 = x[..., 0:dims:2], x[..., 1:dims:2]
         else:
-            partner = mx.concatenate([rotated[..., half:], rotated[..., :half]], axis=-1)
-        out = _rotate(rotated, partner, cos, sin, self._sign)
+            x1, x2 = x[..., :half], x[..., half:dims]
+        a, b = _first(x1, x2, cos, sin), _second(x1, x2, cos, sin)
+        if self.traditional:
+            parts = [mx.stack([a, b], axis=-1).reshape((*x.shape[:-1], dims))]
+        else:
+            parts = [a, b]
         if dims < x.shape[-1]:
-            out = mx.concatenate([out, x[..., dims:]], axis=-1)
-        return out
+            parts.append(x[..., dims:])
+        return mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
 
 
 def _swap(path: str, module: Any) -> Any:
