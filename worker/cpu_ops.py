@@ -9,10 +9,13 @@ Llama step at batch 4 is about 850 nodes, 370 of them RoPE and 140 RMSNorm.
 
 `fuse_cpu_ops(model)` swaps the model's `nn.RMSNorm` and `nn.RoPE` modules (exactly those
 classes, not look-alikes with other formulas) for subclasses that compute the same fallback
-formula, in the same order, with its elementwise part compiled (`mx.compile`) into one
-fused kernel: about 4 nodes an RMSNorm and 7 a RoPE. The weights stay the same arrays, so
-the parameter tree does not change. The worker applies it only when the model runs on the
-CPU device, and falls back to the model as loaded if MLX cannot compile there.
+formula, in the same order, with its elementwise chains compiled (`mx.compile`) into fused
+kernels: 4 nodes an RMSNorm and 11 a RoPE, and the same values to the bit. Whatever is
+computed once a row or once a position in the fallback (a row's inverse RMS, the RoPE
+angles and their cosines and sines) stays so, so a long prefill costs what it did. The
+weights stay the same arrays, so the parameter tree does not change. The worker applies it
+only when the model runs on the CPU device (`fuse_for_cpu`), and leaves the model as
+loaded if MLX cannot build the kernels there.
 """
 
 from __future__ import annotations
