@@ -291,3 +291,11 @@ priority = 2
 def test_bad_lifecycle_settings_are_named(tmp_path: Path, text: str, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         load_config(write(tmp_path, text))
+
+
+def test_fused_cpu_ops_takes_a_bool_only(tmp_path: Path) -> None:
+    head = '[[models]]\nname = "a"\nsource = "x"\n[models.engine]\n'
+    off = load_config(write(tmp_path, head + "fused_cpu_ops = false\n"))
+    assert off.models[0].engine.fused_cpu_ops is False
+    with pytest.raises(ConfigError, match="fused_cpu_ops"):
+        load_config(write(tmp_path, head + 'fused_cpu_ops = "yes"\n'))

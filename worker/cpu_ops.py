@@ -2,10 +2,10 @@
 
 On Apple GPUs and CUDA, `mx.fast.rms_norm` and `mx.fast.rope` are one kernel each. MLX's
 CPU backend (0.32) has no kernel for them: each call builds the op's fallback graph instead,
-about 12 nodes for an RMSNorm and 31 for a RoPE with one position offset per row (what
-mlx-lm's BatchKVCache passes). Every node is a task handed to MLX's CPU stream thread, and
-on a small model those hand-offs, not the arithmetic, are most of a decode step: a 6-layer
-Llama step at batch 4 is about 850 nodes, 370 of them RoPE and 140 RMSNorm.
+13 nodes for an RMSNorm and 30 for a RoPE with one position offset per row (what mlx-lm's
+BatchKVCache passes). Every node is a task handed to MLX's CPU stream thread, and on a
+small model those hand-offs, not the arithmetic, are most of a decode step: a 6-layer Llama
+step at batch 4 is 846 nodes, 372 of them RoPE and 144 RMSNorm.
 
 `fuse_cpu_ops(model)` swaps the model's `nn.RMSNorm` and `nn.RoPE` modules (exactly those
 classes, not look-alikes with other formulas) for subclasses that compute the same fallback
@@ -144,7 +144,8 @@ def _swap(path: str, module: Any) -> Any:
 
 
 def fuse_cpu_ops(model: nn.Module) -> int:
-    """Swap the model's RMSNorm and RoPE modules for the fused ones; returns how many."""
+    """Swap the model's RMSNorm and RoPE modules for the fused ones; returns how many fused
+    modules the model now has (a second call swaps nothing more)."""
     before = model.leaf_modules()
     after = tree_map_with_path(_swap, before, is_leaf=nn.Module.is_module)
     model.update_modules(after)
