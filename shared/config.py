@@ -74,9 +74,9 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # engine gathers a burst of returning clients (arrivals < `admission_gap_ms` apart,
     # `admission_window_ms` at most). 0 turns each off.
     admission_hold_steps: int = 4
-    # A burst of new requests that starts an idle batch is prefilled in this many groups
-    # (of at least 4 requests), one after another: the first group's first tokens go out
-    # before the next group is prefilled. 1: the whole burst at once.
+    # A burst of 8 or more new requests, larger than the running batch, is prefilled in
+    # this many groups (of at least 4 requests), one after another: the first group's first
+    # tokens go out before the next group is prefilled. 1: the whole burst at once.
     burst_prefill_groups: int = 2
     admission_gap_ms: float = 20.0
     admission_window_ms: float = 250.0

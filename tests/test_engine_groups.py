@@ -99,14 +99,22 @@ def test_what_is_split_and_what_is_not(chat: Loaded, prompts: list[list[int]]) -
     # prefill_batch_size still caps a group
     capped = chat.engine(max_running=16, prefill_batch_size=3)
     assert groups(first_token_steps(capped, 8, prompts)) == [3, 3, 2]
-    # a burst that arrives beside running requests is not split
+    # a returning group, no larger than the requests running beside it, is not split
     engine = chat.engine(max_running=32, prefill_batch_size=32, burst_prefill_groups=3)
-    engine.add(greedy("bg", prompts[0], 40, ignore_eos=True))
+    for i in range(10):
+        engine.add(greedy(f"bg{i}", prompts[0], 40, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    assert all(engine.requests[f"bg{i}"].completion_tokens > 0 for i in range(10))
+    assert groups(first_token_steps(engine, 10, prompts)) == [10]
+    # the rest of a wave whose first request went in alone is larger than the running
+    # batch: it is split as if it had started the batch
+    engine = chat.engine(max_running=32, prefill_batch_size=32, burst_prefill_groups=3)
+    engine.add(greedy("first", prompts[0], 40, ignore_eos=True))
     for _ in range(4):
         engine.step()
-    assert engine.requests["bg"].completion_tokens > 0
-    later = first_token_steps(engine, 10, prompts)
-    assert groups(later) == [10]
+    assert engine.requests["first"].completion_tokens > 0
+    assert groups(first_token_steps(engine, 13, prompts)) == [5, 4, 4]
 
 
 def test_a_request_the_generator_would_refuse_is_refused_at_add(
@@ -128,8 +136,8 @@ def test_a_request_the_generator_would_refuse_is_refused_at_add(
 
 
 def test_an_aborted_split_leaves_no_split_behind(chat: Loaded, prompts: list[list[int]]) -> None:
-    """A burst being split whose remaining requests are all aborted: a group that later
-    arrives beside the running first group goes in whole."""
+    """A burst being split whose remaining requests are all aborted: a burst that arrives
+    later is split on its own count (12 in three groups of 4), not on the aborted one's."""
     engine = chat.engine(max_running=32, prefill_batch_size=32, burst_prefill_groups=3)
     for i in range(16):
         engine.add(greedy(f"a{i}", prompts[0], 40, ignore_eos=True))
@@ -138,4 +146,4 @@ def test_an_aborted_split_leaves_no_split_behind(chat: Loaded, prompts: list[lis
     engine.abort([f"a{i}" for i in range(6, 16)])
     assert not engine.staged
     later = first_token_steps(engine, 12, prompts)
-    assert sorted(collections.Counter(later.values()).values()) == [12]
+    assert [n for _, n in sorted(collections.Counter(later.values()).items())] == [4, 4, 4]

@@ -11,10 +11,12 @@ prefill step does not hold the next one back): BatchGenerator returns a step's t
 after that step's prefill, so a burst inserted at once holds every first token until the
 whole burst is prefilled. A burst that starts an idle batch goes in as
 `burst_prefill_groups` groups (two by default): the first group streams after its share of
-the prefill. Only a burst that starts the batch is split: splitting every returning group
-again would fragment a batch into ever smaller groups, each paying its own prefill and KV
-merge. A returning group arriving beside the running ones goes in whole (the daemon holds a
-partly arrived one together).
+the prefill. Only a burst larger than the running batch is split: one that starts an idle
+batch, or the rest of a wave whose first request was admitted alone (its clients connected a
+few milliseconds late). Splitting every returning group again would fragment a batch into
+ever smaller groups, each paying its own prefill and KV merge: a returning group, no larger
+than the requests running beside it, goes in whole (the daemon holds a partly arrived one
+together).
 """
 
 from __future__ import annotations
@@ -199,7 +201,7 @@ class EngineCore:
             return
         size = self.max_group
         burst = len(self.staged)
-        if not self._by_uid and burst >= 2 * MIN_GROUP:
+        if not self._split_left and burst >= 2 * MIN_GROUP and burst > len(self._by_uid):
             # balanced groups of at least MIN_GROUP: 13 in three is 5 + 4 + 4, 10 is 5 + 5
             self._split_groups = min(self.options.burst_prefill_groups, burst // MIN_GROUP)
             self._split_left = burst
