@@ -69,21 +69,24 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     prefill_step_size: int = 512
     max_context: int | None = None
     default_max_tokens: int | None = None
-    # Admission of new requests (worker/daemon.py): a batch ending within
-    # `admission_hold_steps` steps finishes before its successors start together; an idle
-    # engine gathers a burst of returning clients (arrivals < `admission_gap_ms` apart,
-    # `admission_window_ms` at most). 0 turns each off.
     admission_hold_steps: int = 4
-    # A burst of 8 or more new requests, larger than the running batch, is prefilled in
-    # this many groups (of at least 4 requests), one after another: the first group's first
-    # tokens go out before the next group is prefilled. 1: the whole burst at once.
     burst_prefill_groups: int = 2
     admission_gap_ms: float = 20.0
     admission_window_ms: float = 250.0
-    # An idle engine woken by one request, with no clients returning, waits this long for a
-    # second one before prefilling it alone: the first request of a burst would otherwise be
-    # prefilled by itself and stay a prefill ahead of the rest. 0: never waits.
     admission_first_wait_ms: float = 5.0
+    # Prompt tokens the scheduler hands to prefill in one engine step (new tokens: a cached
+    # prefix is not counted). A burst larger than this starts over several steps, the first
+    # requests streaming while the rest prefill; one prompt longer than it goes in alone.
+    max_prefill_tokens: int = 8192
+    # Memory for running requests' KV cache, in GiB: a request is admitted while the KV of
+    # every running request at its full length (prompt + max_tokens) fits. Default: what
+    # the device has left after the weights and the prefix cache, less a tenth.
+    kv_memory_gb: float | None = None
+    # Reuse of earlier requests' KV: a prompt that shares a prefix with one seen before
+    # prefills only the rest. Bounded in bytes (least recently used out first) and counted
+    # in the gateway's memory budget.
+    prefix_cache: bool = True
+    prefix_cache_gb: float = 2.0
     # Batch-priority requests (keys with priority = "batch") may fill at most this share of
     # max_running, so that an interactive request always finds a free place in the batch.
     batch_share: float = 0.75
@@ -258,7 +261,7 @@ def _validate(config: Config) -> None:
             "prefill_step_size": opts.prefill_step_size,
             "max_context": opts.max_context or 1,
             "default_max_tokens": opts.default_max_tokens or 1,
-            "burst_prefill_groups": opts.burst_prefill_groups,
+            "max_prefill_tokens": opts.max_prefill_tokens,
         }
         for key, value in positive.items():
             if value < 1:
@@ -269,22 +272,12 @@ def _validate(config: Config) -> None:
             raise ConfigError(f"model {model.name!r}: engine.max_prompt_tokens must be >= 1")
         if opts.max_waiting < 0:
             raise ConfigError(f"model {model.name!r}: engine.max_waiting must not be negative")
-        admission = {
-            "admission_hold_steps": opts.admission_hold_steps,
-            "admission_gap_ms": opts.admission_gap_ms,
-            "admission_window_ms": opts.admission_window_ms,
-            "admission_first_wait_ms": opts.admission_first_wait_ms,
-        }
-        for key, number in admission.items():
-            if not 0 <= number < float("inf"):
-                raise ConfigError(
-                    f"model {model.name!r}: engine.{key} must be a finite number >= 0"
-                )
-        if opts.admission_first_wait_ms > opts.admission_window_ms:
+        if opts.prefix_cache_gb < 0 or not math.isfinite(opts.prefix_cache_gb):
             raise ConfigError(
-                f"model {model.name!r}: engine.admission_first_wait_ms must not exceed "
-                "engine.admission_window_ms"
+                f"model {model.name!r}: engine.prefix_cache_gb must be a finite number >= 0"
             )
+        if opts.kv_memory_gb is not None and not 0 < opts.kv_memory_gb < float("inf"):
+            raise ConfigError(f"model {model.name!r}: engine.kv_memory_gb must be positive")
         if model.ttl is not None:
             parse_duration(model.ttl, f"model {model.name!r}: ttl")
         reserved = reserved_template_kwarg(model.chat_template_kwargs)

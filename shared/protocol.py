@@ -88,12 +88,27 @@ class Ready(_Frame, tag="ready"):
     versions: dict[str, str] = {}
     capabilities: list[str] = []
     load_time_s: float = 0.0
+    device: str = ""  # MLX's device: "gpu" (Metal or CUDA) or "cpu"
+    device_memory_bytes: int = 0  # what that device can hold (GPU memory, or host RAM on CPU)
+    prefix_cache_bytes: int = 0  # the prefix cache's bound (0: off)
 
 
 class StepOutputs(_Frame, tag="step"):
     worker_id: str
     step: int
     outputs: list[RequestOutput]
+
+
+class PrefixCacheStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The worker's prefix cache, cumulative since the worker started."""
+
+    entries: int = 0
+    nbytes: int = 0  # held now
+    capacity_bytes: int = 0
+    lookups: int = 0  # requests that looked for a cached prefix
+    hits: int = 0  # of those, requests that reused one
+    hit_tokens: int = 0  # prompt tokens not prefilled thanks to the cache
+    evictions: int = 0
 
 
 class Heartbeat(_Frame, tag="hb"):
@@ -108,6 +123,7 @@ class Heartbeat(_Frame, tag="hb"):
     peak_bytes: int = 0  # MLX: high-water mark of active memory
     stage: str = ""  # while loading: "downloading", "loading weights", "probing"
     progress: float = -1.0  # of that stage, 0..1; -1 when unknown
+    prefix_cache: PrefixCacheStats | None = None
 
 
 class ControlReply(_Frame, tag="ctlr"):

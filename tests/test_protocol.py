@@ -14,6 +14,7 @@ from shared.protocol import (
     Control,
     ControlReply,
     Heartbeat,
+    PrefixCacheStats,
     Hello,
     Ready,
     Shutdown,
@@ -147,8 +148,23 @@ FROM_WORKER = {
     "hello": (Hello("w1", 1, 4242, "demo"), "95a568656c6c6fa2773101cd1092a464656d6f"),
     "ready": (
         Ready("w1", Capacity(64, 256, 2048), {"mlx": "0.32.4"}, ["chat"], 1.25),
-        "96a57265616479a277319340cd0100cd080081a36d6c78a6302e33322e3491a463686174cb3ff40000"
-        "00000000",
+        # 99 (was 96): device, device_memory_bytes and prefix_cache_bytes appended
+        "99a57265616479a277319340cd0100cd080081a36d6c78a6302e33322e3491a463686174cb3ff40000"
+        "00000000a00000",
+    ),
+    "ready_device": (
+        Ready(
+            "w1",
+            Capacity(64, 256, 2048),
+            {"mlx": "0.32.4"},
+            ["chat"],
+            1.25,
+            "gpu",
+            1 << 34,
+            1 << 31,
+        ),
+        "99a57265616479a277319340cd0100cd080081a36d6c78a6302e33322e3491a463686174cb3ff40000"
+        "00000000a3677075cf0000000400000000ce80000000",
     ),
     "step": (
         STEP,
@@ -166,7 +182,24 @@ FROM_WORKER = {
     ),
     "heartbeat": (
         Heartbeat("w1", WorkerState.READY, 17, 1, 0, 1024, 2048, 512, 4096),
-        "9ca26862a27731a57265616479110100cd0400cd0800cd0200cd1000a0cbbff0000000000000",
+        # 9d (was 9c): prefix_cache appended (nil when absent)
+        "9da26862a27731a57265616479110100cd0400cd0800cd0200cd1000a0cbbff0000000000000c0",
+    ),
+    "heartbeat_prefix_cache": (
+        Heartbeat(
+            "w1",
+            WorkerState.READY,
+            17,
+            1,
+            0,
+            1024,
+            2048,
+            512,
+            4096,
+            prefix_cache=PrefixCacheStats(2, 4096, 8192, 5, 3, 300, 1),
+        ),
+        "9da26862a27731a57265616479110100cd0400cd0800cd0200cd1000a0cbbff0000000000000"
+        "9702cd1000cd20000503cd012c01",
     ),
     "control_reply": (ControlReply("w1", 3, True, {"n": 1}), "96a463746c72a2773103c381a16e01c0"),
     "worker_dead": (
