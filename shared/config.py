@@ -69,11 +69,6 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     prefill_step_size: int = 512
     max_context: int | None = None
     default_max_tokens: int | None = None
-    admission_hold_steps: int = 4
-    burst_prefill_groups: int = 2
-    admission_gap_ms: float = 20.0
-    admission_window_ms: float = 250.0
-    admission_first_wait_ms: float = 5.0
     # Prompt tokens the scheduler hands to prefill in one engine step (new tokens: a cached
     # prefix is not counted). A burst larger than this starts over several steps, the first
     # requests streaming while the rest prefill; one prompt longer than it goes in alone.

@@ -12,7 +12,8 @@ from mlx_lm.generate import generate_step
 
 from shared.config import EngineOptions
 from shared.types import FinishReason, RequestOutput, SamplingParams
-from worker.engine import EngineCore
+from worker.backends.mlx_lm import MlxLmBackend
+from worker.engine.core import EngineCore
 from worker.preprocess import PreparedRequest
 
 
@@ -22,8 +23,9 @@ class Loaded:
     model: Any
     tokenizer: Any
 
-    def engine(self, **options: Any) -> EngineCore:
-        return EngineCore(self.model, self.tokenizer, EngineOptions(**options))
+    def engine(self, kv_budget_bytes: int | None = None, **options: Any) -> EngineCore:
+        opts = EngineOptions(**options)
+        return EngineCore(MlxLmBackend(self.model, self.tokenizer, opts), opts, kv_budget_bytes)
 
 
 # Prompts of several shapes (one of a single token, one long) for engine tests.

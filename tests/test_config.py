@@ -161,29 +161,35 @@ def test_missing_file(tmp_path: Path) -> None:
         "max_running = 0",
         "prefill_step_size = 0",
         "max_waiting = -1",
-        "admission_hold_steps = -1",
-        "admission_gap_ms = -5",
-        "admission_first_wait_ms = -1",
-        "admission_window_ms = nan",
-        "burst_prefill_groups = 0",
+        "max_prefill_tokens = 0",
+        "prefix_cache_gb = -1",
+        "prefix_cache_gb = nan",
+        "kv_memory_gb = 0",
+        "kv_memory_gb = inf",
     ],
 )
-def test_non_positive_engine_options(tmp_path: Path, option: str) -> None:
+def test_bad_engine_options(tmp_path: Path, option: str) -> None:
     text = f'[[models]]\nname = "a"\nsource = "x"\n[models.engine]\n{option}\n'
-    with pytest.raises(ConfigError, match=r"at least 1|must not be negative|finite number >= 0"):
+    key = option.split(" =")[0]
+    with pytest.raises(
+        ConfigError,
+        match=rf"engine\.{key} (must be at least 1|must not be "
+        r"negative|must be a finite number >= 0|must be positive)",
+    ):
         load_config(write(tmp_path, text))
 
 
-def test_a_first_wait_longer_than_the_window_is_rejected(tmp_path: Path) -> None:
-    engine = "admission_first_wait_ms = 300\nadmission_window_ms = 250\n"
-    text = f'[[models]]\nname = "a"\nsource = "x"\n[models.engine]\n{engine}'
-    with pytest.raises(ConfigError, match="admission_first_wait_ms must not exceed"):
+@pytest.mark.parametrize("option", ["prefix_cache = 1", "prefix_cache_gb = true"])
+def test_engine_options_of_the_wrong_type(tmp_path: Path, option: str) -> None:
+    text = f'[[models]]\nname = "a"\nsource = "x"\n[models.engine]\n{option}\n'
+    with pytest.raises(ConfigError, match=option.split(" =")[0]):
         load_config(write(tmp_path, text))
-    wrong_type = (
-        '[[models]]\nname = "a"\nsource = "x"\n[models.engine]\nburst_prefill_groups = true\n'
-    )
-    with pytest.raises(ConfigError, match="burst_prefill_groups"):
-        load_config(write(tmp_path, wrong_type))
+
+
+def test_the_old_admission_settings_are_named_in_the_error(tmp_path: Path) -> None:
+    text = '[[models]]\nname = "a"\nsource = "x"\n[models.engine]\nadmission_gap_ms = 20\n'
+    with pytest.raises(ConfigError, match="admission_gap_ms"):
+        load_config(write(tmp_path, text))
 
 
 def test_zero_prefill_batch_size_is_rejected(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from mlx_lm import load as mlx_load
 from mlx_lm.generate import BatchGenerator
 
 from shared.config import EngineOptions, ModelConfig
-from worker.cpu_ops import FusedRMSNorm, FusedRoPE, fuse_cpu_ops
+from worker.backends.cpu_ops import FusedRMSNorm, FusedRoPE, fuse_cpu_ops
 from worker.loader import load_model
 
 DTYPES = [mx.float32, mx.bfloat16, mx.float16]
@@ -131,7 +131,7 @@ def test_loader_swaps_on_cpu_unless_turned_off(chat_model: Path) -> None:
 def test_a_failed_warm_up_leaves_the_model_as_loaded(
     chat_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from worker import cpu_ops
+    from worker.backends import cpu_ops
 
     calls = []
 

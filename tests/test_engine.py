@@ -33,6 +33,7 @@ from tests.engine_fixtures import (
     text,
     token_ids,
 )
+from worker.engine.request import RequestStatus
 from worker.modelgen import IM_END_ID, IM_START_ID, TinyModelSpec, build_tiny_model, byte_token_id
 from worker.preprocess import PreparedRequest, PreprocessError, Preprocessor, capabilities
 
@@ -112,11 +113,11 @@ def test_text_is_the_decoded_tokens(chat: Loaded, prompts: list[list[int]]) -> N
 # ---- abort --------------------------------------------------------------------------------
 
 
-def assert_gone(engine, request_id: str, uid: int) -> None:  # type: ignore[no-untyped-def]
+def assert_gone(engine, request_id: str, uid: int | None) -> None:  # type: ignore[no-untyped-def]
     assert request_id not in engine.requests
-    assert all(s.request.request_id != request_id for s in engine.staged)
-    if uid >= 0:
-        assert engine.generator.extract_cache([uid]) == {}
+    assert request_id not in engine.scheduler
+    if uid is not None:
+        assert engine.backend.generator.extract_cache([uid]) == {}
 
 
 @pytest.mark.parametrize(
@@ -133,15 +134,16 @@ def test_abort_frees_the_request(
     assert len(long_prompt) > 8
     engine.add(greedy("victim", long_prompt, 50, ignore_eos=True))
     engine.add(greedy("other", prompts[1], 12, ignore_eos=True))
-    # staged until a step inserts its group into the generator
-    assert [s.request.request_id for s in engine.staged] == ["victim", "other"]
+    # waiting until a step starts them
+    assert [r.request_id for r in engine.scheduler.queues[False]] == ["victim", "other"]
+    assert engine.requests["victim"].status is RequestStatus.WAITING
     seen = []
     for _ in range(steps_before):
         seen += engine.step()
     uid = engine.requests["victim"].uid
-    assert (uid >= 0) is (steps_before > 0)
-    if uid >= 0:
-        assert engine.generator.extract_cache([uid]) != {}
+    assert (uid is not None) is (steps_before > 0)
+    if uid is not None:
+        assert engine.backend.generator.extract_cache([uid]) != {}
     assert (engine.requests["victim"].completion_tokens > 0) is decoding
     aborted = engine.abort(["victim"])
     assert len(aborted) == 1
@@ -412,7 +414,6 @@ def test_logprobs_in_a_mixed_batch(chat: Loaded, prompts: list[list[int]]) -> No
         for got, want in zip(entries, alone[k], strict=True):
             assert got.logprob == pytest.approx(want.logprob, abs=LOGPROB_TOL)
             assert len(got.top) == top
-    assert engine.logprob_count == 0  # nothing left asking: step() skips the work again
 
 
 def test_logprobs_are_before_temperature_and_after_bias(

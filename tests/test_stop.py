@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.stop import StopStringMatcher
+from worker.engine.stop import StopStringMatcher
 
 
 def run(matcher: StopStringMatcher, chunks: list[str]) -> tuple[list[str], bool]:

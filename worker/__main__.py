@@ -10,7 +10,7 @@ import sys
 import msgspec
 
 from shared.config import ModelConfig
-from worker.daemon import WorkerArgs, WorkerProc
+from worker.proc import WorkerArgs, WorkerProc
 
 
 def main(argv: list[str] | None = None) -> int:

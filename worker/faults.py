@@ -1,16 +1,16 @@
 """Fault injection for tests of supervision (crash, wedge, slow or broken load).
 
 Real workers, real models: a test gateway passes `MLX_GATEWAY_FAULTS`, a JSON object keyed by
-model name (or "*"), and the worker misbehaves on cue. Unset in production: every hook is a
-no-op then.
+model name (or "*"), and the worker misbehaves on cue. Unset in production: nothing here
+touches the engine's hot path then (`FaultyEngine.wrap` hands back the engine itself).
 
 Keys (all optional):
 - `load_delay_s`: sleep this long while loading (a slow load: JIT waits, keep-alives).
 - `probe_error`: make the Ready probe fail with this message (loads but cannot generate).
-- `crash_on`: when a prompt contains this text, the process dies (os._exit(17)) right after
-  emitting that request's first token, or before any token with `crash_before_token`.
-- `stall_on`: when a prompt contains this text, the engine thread stops stepping (sleeps)
-  while heartbeats go on: a wedge with the process alive.
+- `crash_on`: when a request contains this text, the process dies (os._exit(17)) right after
+  that request's first token went out, or before any token with `crash_before_token`.
+- `stall_on`: when a request contains this text, the engine thread stops stepping (sleeps)
+  once it is added, while heartbeats go on: a wedge with the process alive.
 - `crash_after_ready_s`: die this long after Ready, every time (a crash loop).
 """
 
@@ -20,7 +20,17 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+
+import msgspec
+
+from shared.protocol import Add
+
+if TYPE_CHECKING:
+    from shared.types import RequestOutput
+    from worker.engine.core import EngineCore
+    from worker.preprocess import PreparedRequest
 
 FAULTS_ENV = "MLX_GATEWAY_FAULTS"
 
@@ -33,6 +43,9 @@ class Faults:
     crash_before_token: bool = False
     stall_on: str | None = None
     crash_after_ready_s: float | None = None
+    # requests marked on arrival (input thread), acted on by FaultyEngine (engine thread)
+    crash_ids: set[str] = field(default_factory=set)
+    stall_ids: set[str] = field(default_factory=set)
 
     @classmethod
     def for_model(cls, name: str) -> Faults:
@@ -43,10 +56,24 @@ class Faults:
         entry = table.get(name, table.get("*", {}))
         return cls(**entry)
 
-    def matches(self, marker: str | None, prompt_text: str) -> bool:
-        return bool(marker) and marker in prompt_text  # type: ignore[operator]
+    @property
+    def on_requests(self) -> bool:
+        return bool(self.crash_on or self.stall_on)
 
-    def stall(self) -> None:
+    def on_accept(self, frame: Add) -> None:
+        """Input thread: mark a request whose text holds a marker."""
+        if not self.on_requests:
+            return
+        text = msgspec.json.encode(frame.request).decode()
+        if self.crash_on and self.crash_on in text:
+            if self.crash_before_token:
+                self.die()
+            self.crash_ids.add(frame.request_id)
+        if self.stall_on and self.stall_on in text:
+            self.stall_ids.add(frame.request_id)
+
+    @staticmethod
+    def stall() -> None:
         while True:  # heartbeats continue on their own thread
             time.sleep(3600)
 
@@ -54,3 +81,38 @@ class Faults:
     def die() -> None:
         print("fault injection: exiting with status 17", file=sys.stderr, flush=True)
         os._exit(17)
+
+
+class FaultyEngine:
+    """The engine with request faults on cue: it stalls when a marked request is added, and
+    dies at the step after a marked request's first delta (the worker sent it meanwhile)."""
+
+    def __init__(self, engine: EngineCore, faults: Faults) -> None:
+        self._engine = engine
+        self._faults = faults
+        self._dying = False
+
+    @classmethod
+    def wrap(cls, engine: EngineCore, faults: Faults) -> EngineCore:
+        return cast("EngineCore", cls(engine, faults)) if faults.on_requests else engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    @property
+    def has_work(self) -> bool:
+        return self._dying or self._engine.has_work
+
+    def add(self, prepared: PreparedRequest) -> RequestOutput | None:
+        output = self._engine.add(prepared)
+        if prepared.request_id in self._faults.stall_ids:
+            self._faults.stall()
+        return output
+
+    def step(self) -> list[RequestOutput]:
+        if self._dying:
+            time.sleep(0.2)  # let the frame leave: the client must have seen a token
+            self._faults.die()
+        outputs = self._engine.step()
+        self._dying = any(o.request_id in self._faults.crash_ids for o in outputs)
+        return outputs

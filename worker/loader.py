@@ -95,16 +95,16 @@ def _download(config: ModelConfig, progress: Progress) -> Path:
 
 
 def load_model(config: ModelConfig, progress: Progress = _no_progress) -> LoadedModel:
-    from mlx_lm import load
+    from worker.backends.mlx_lm import load
 
     path = resolve_source(config, progress)
     progress("loading weights", -1.0)
     try:
-        model, tokenizer = load(str(path), trust_remote_code=config.trust_remote_code)[:2]
+        model, tokenizer = load(str(path), trust_remote_code=config.trust_remote_code)
     except Exception as exc:
         raise LoadError(f"model {config.name!r}: mlx-lm could not load {path}: {exc}") from exc
     if config.engine.fused_cpu_ops:
-        from worker.cpu_ops import fuse_for_cpu
+        from worker.backends.cpu_ops import fuse_for_cpu
 
         progress("compiling CPU kernels", -1.0)
         started = time.monotonic()

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shared.paths import cache_dir
-from worker.tokens import byte_to_unicode
+from worker.engine.tokens import byte_to_unicode
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -325,12 +325,9 @@ def _model_config(spec: TinyModelSpec, vocab_size: int) -> dict[str, Any]:
 
 def _param_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Names and shapes of mlx_lm's llama parameters; the model's own arrays stay lazy."""
-    from mlx.utils import tree_flatten
-    from mlx_lm.models.llama import Model, ModelArgs
+    from worker.backends.mlx_lm import parameter_shapes
 
-    model = Model(ModelArgs.from_dict(config))
-    params: dict[str, Any] = dict(tree_flatten(model.parameters()))
-    return {name: tuple(p.shape) for name, p in params.items()}
+    return parameter_shapes(config)
 
 
 def _init_param(name: str, shape: tuple[int, ...], key: mx.array, spec: TinyModelSpec) -> mx.array:

@@ -13,7 +13,6 @@ import queue
 import threading
 import time
 import traceback
-from collections import deque
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -38,17 +37,18 @@ from shared.protocol import (
     WorkerDead,
     WorkerState,
 )
-from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput, Usage
+from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput
+from worker.backends.mlx_lm import MlxLmBackend
 from worker.channels import WorkerChannels
-from worker.engine import EngineCore
-from worker.faults import Faults
+from worker.engine.core import EngineCore
+from worker.faults import Faults, FaultyEngine
 from worker.loader import LoadedModel, load_model
+from worker.memory import device_memory, kv_budget
 from worker.preprocess import PreparedRequest, PreprocessError, Preprocessor, capabilities
 
 log = logging.getLogger("worker")
 
 HEARTBEAT_S = 1.0
-INPUT_BATCH = 256  # frames the input thread takes off its socket at once
 _STOP = object()
 
 
@@ -78,17 +78,9 @@ class WorkerProc:
         self.outputs_thread = threading.Thread(target=self._output_loop, name="output", daemon=True)
         self.inputs_thread: threading.Thread | None = None
         self.codec = Codec()  # the engine thread's
-        self.returning = 0  # requests finished since the engine last admitted one
-        self.held: list[PreparedRequest] = []  # received, not yet in the batch
-        self.held_since = 0.0  # when the oldest held request was taken
-        # Add frames the input thread has received and not yet queued (it alone writes it):
-        # an idle engine woken by one request sees that more of the same burst are coming.
-        self.incoming = 0
-        self.last_received = 0.0  # when the input thread last took frames off its socket
+        self.idle = True  # the engine had no work after its last step
         self.faults = Faults.for_model(args.model.name)
         self.stage, self.stage_progress = "starting", -1.0  # reported while loading
-        self.crash_ids: set[str] = set()  # fault injection: die after their first token
-        self.stall_ids: set[str] = set()  # fault injection: stop stepping once added
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -104,7 +96,7 @@ class WorkerProc:
                 time.sleep(self.faults.load_delay_s)
             log.info("loading model %s from %s", self.args.model.name, self.args.model.source)
             loaded = load_model(self.args.model, self._progress)
-            self.engine = EngineCore(loaded.model, loaded.tokenizer, self.args.model.engine)
+            self.engine = self._engine(loaded)
             self._probe()
             preprocess = Preprocessor(loaded.tokenizer, self.args.model.engine, loaded.max_context)
             self.inputs_thread = threading.Thread(
@@ -139,6 +131,19 @@ class WorkerProc:
         if not any(t is not None and t.is_alive() for t in threads):
             self.channels.close()  # the output socket lingers so the last frames leave
 
+    def _engine(self, loaded: LoadedModel) -> EngineCore:
+        opts = self.args.model.engine
+        backend = MlxLmBackend(loaded.model, loaded.tokenizer, opts)
+        budget = kv_budget(opts)
+        engine = EngineCore(backend, opts, budget)
+        if budget is not None:
+            log.info(
+                "KV budget %.1f GiB (%d bytes a token)",
+                budget / 2**30,
+                engine.scheduler.config.kv_bytes_per_token,
+            )
+        return FaultyEngine.wrap(engine, self.faults)
+
     def _watch_parent(self) -> None:
         """macOS has no PDEATHSIG: notice re-parenting and exit with the gateway."""
         while not self.stopping.wait(HEARTBEAT_S):
@@ -165,12 +170,17 @@ class WorkerProc:
         from importlib.metadata import version
 
         opts = self.args.model.engine
+        assert self.engine is not None
+        cache = self.engine.prefix_cache
         return Ready(
             self.worker_id,
             Capacity(opts.max_running, opts.max_waiting, loaded.max_context),
             versions={"mlx": version("mlx"), "mlx_lm": version("mlx-lm")},
             capabilities=capabilities(loaded.tokenizer) + (["demo"] if loaded.is_demo else []),
             load_time_s=load_time,
+            device=self.engine.backend.device,
+            device_memory_bytes=device_memory(),
+            prefix_cache_bytes=cache.capacity if cache is not None else 0,
         )
 
     # ---- engine loop (main thread) --------------------------------------------------
@@ -180,42 +190,26 @@ class WorkerProc:
             self._process_inputs()
             self._step()
 
-    def _step(self) -> None:
-        assert self.engine is not None
-        if self.engine.has_work:
-            outputs = self.engine.step()
-            if outputs:
-                self._emit(outputs)
-                self.returning += sum(1 for o in outputs if o.finish_reason is not None)
-
-    # ---- admission ------------------------------------------------------------------
-    #
-    # New requests are held, then admitted into the BatchGenerator together. A closed loop
-    # of clients (a benchmark, an eval harness, agents fanning out) sends its next requests
-    # as its previous ones finish, spread over milliseconds of HTTP and preprocessing.
-    # Admitting each at once would prefill the first alone and put it a step ahead of the
-    # others for good: a desynchronised batch that prefills several times per wave. So:
-    # - a batch that will end within `admission_hold_steps` steps (every request is that
-    #   close to its max_tokens) finishes first, and its successors start together;
-    # - an idle engine woken by a request, when several requests finished since it last
-    #   admitted one, gathers arrivals less than `admission_gap_ms` apart until as many
-    #   came back (`admission_window_ms` at most). A lone client waits at most
-    #   `admission_first_wait_ms` for a second one;
-    # - a busy engine holds a partly arrived burst of returning clients the same way while
-    #   its batch keeps stepping, so that the burst is prefilled once, not in pieces.
-
     def _process_inputs(self) -> None:
+        """Whatever arrived, into the engine; an idle engine blocks here (no CPU spin)."""
+        assert self.engine is not None
+        outputs: list[RequestOutput] = []
+        for item in self._take(block=not self.engine.has_work):
+            outputs += self._handle(item)
+        if outputs:
+            self._emit(outputs)
+
+    def _step(self) -> None:
         engine = self.engine
         assert engine is not None
-        finished: list[RequestOutput] = []
-        for item in self._take(block=not engine.has_work and not self.held):
-            finished += self._handle(item)
-        if self.held and not (engine.has_work and (self._batch_ending() or self._arriving())):
-            if not engine.has_work:
-                finished += self._gather()
-            finished += self._admit_held()
-        if finished:
-            self._emit(finished)
+        if engine.has_work:
+            self.idle = False
+            outputs = engine.step()
+            if outputs:
+                self._emit(outputs)
+        elif not self.idle:
+            self.idle = True
+            engine.backend.release_memory()
 
     def _take(self, block: bool) -> list[object]:
         items: list[object] = []
@@ -233,123 +227,19 @@ class WorkerProc:
     def _handle(self, item: object) -> list[RequestOutput]:
         assert self.engine is not None
         if isinstance(item, PreparedRequest):
-            if not self.held:
-                self.held_since = time.monotonic()
-            self.held.append(item)
-            return []
+            failed = self._add(item)
+            return [failed] if failed is not None else []
         if isinstance(item, Abort):
-            ids = set(item.request_ids)
-            dropped = [p for p in self.held if p.request_id in ids]
-            if dropped:
-                self.held = [p for p in self.held if p.request_id not in ids]
-            outputs = [
-                RequestOutput(
-                    p.request_id,
-                    finish_reason=FinishReason.ABORT,
-                    usage=Usage(prompt_tokens=len(p.prompt), completion_tokens=0),
-                )
-                for p in dropped
-            ]
-            return outputs + self.engine.abort(item.request_ids)
+            return self.engine.abort(item.request_ids)
         if isinstance(item, Shutdown):
-            outputs = self._admit_held(everything=True)  # a drain or abort covers them too
-            return outputs + self._shutdown(item)
+            return self._shutdown(item)
         return []
-
-    def _batch_ending(self) -> bool:
-        assert self.engine is not None
-        return self.engine.ending_within(self.args.model.engine.admission_hold_steps)
-
-    def _arriving(self) -> bool:
-        """A busy engine and a burst of returning clients partly arrived: hold it (the batch
-        steps meanwhile) while fewer have arrived than came back and could fit, arrivals
-        are still coming (frames in the input thread's hands, or the last less than
-        `admission_gap_ms` ago), and the oldest has waited less than `admission_window_ms`.
-        Admitted piecemeal, a burst would be prefilled in pieces, one prefill each."""
-        assert self.engine is not None
-        opts = self.args.model.engine
-        expected = min(self.returning, opts.max_running - self.engine.active)
-        if opts.admission_gap_ms <= 0 or len(self.held) >= expected:
-            return False
-        now = time.monotonic()
-        if now - self.held_since >= opts.admission_window_ms / 1000:
-            return False
-        return bool(self.incoming) or now - self.last_received < opts.admission_gap_ms / 1000
-
-    def _gather(self) -> list[RequestOutput]:
-        """Idle engine: wait for the rest of a burst. Returning clients: until as many came
-        back as finished. Otherwise a lone request waits `admission_first_wait_ms` for a
-        second one; a burst (a second request, or more frames in the input thread's hands)
-        is gathered until arrivals stop for `admission_gap_ms`. Frames still in the input
-        thread's hands are always waited for (within the gap and the window)."""
-        opts = self.args.model.engine
-        finished: list[RequestOutput] = []
-        gap = opts.admission_gap_ms / 1000
-        if gap <= 0:
-            return finished
-        if self.returning <= 1 and len(self.held) == 1 and not self.incoming:
-            item = self._next_input(opts.admission_first_wait_ms / 1000)
-            if item is None:
-                return finished  # a lone client
-            finished += self._handle(item)
-            if not isinstance(item, PreparedRequest):
-                return finished
-        # the engine is idle: with no clients returning, a whole batch may come
-        expected = min(self.returning, opts.max_running) if self.returning > 1 else opts.max_running
-        deadline = time.monotonic() + opts.admission_window_ms / 1000
-        first_wait = opts.admission_first_wait_ms / 1000
-        while self.held and len(self.held) < opts.max_running:
-            # Past the expected count, only what follows within the first wait belongs to
-            # the burst (a burst larger than the last one: the next level of a benchmark).
-            short = len(self.held) >= expected and not self.incoming
-            item = self._next_input(min(first_wait if short else gap, deadline - time.monotonic()))
-            if item is None:
-                break
-            finished += self._handle(item)
-            if isinstance(item, Shutdown):
-                break
-        return finished
-
-    def _next_input(self, wait: float) -> object | None:
-        if wait <= 0:
-            return None
-        try:
-            return self.inputs.get(timeout=wait)
-        except queue.Empty:
-            return None
-
-    def _admit_held(self, everything: bool = False) -> list[RequestOutput]:
-        """Move held requests into the batch while it has room: interactive ones first (FIFO
-        within a class), batch ones up to `batch_share` of `max_running`."""
-        engine = self.engine
-        assert engine is not None
-        if not self.held:
-            return []
-        opts = self.args.model.engine
-        free = len(self.held) if everything else opts.max_running - engine.active
-        batch_room = max(1, int(opts.max_running * opts.batch_share)) - engine.batch_count
-        admit: list[PreparedRequest] = []
-        keep: list[PreparedRequest] = []
-        for prepared in sorted(self.held, key=lambda p: p.priority):
-            if len(admit) < free and (everything or prepared.priority == 0 or batch_room > 0):
-                admit.append(prepared)
-                batch_room -= prepared.priority > 0
-            else:
-                keep.append(prepared)
-        self.held = keep
-        if admit:
-            self.returning = 0
-            self.held_since = time.monotonic()  # for what is left: parked, not a burst
-        return [failed for p in admit if (failed := self._add(p)) is not None]
 
     def _add(self, prepared: PreparedRequest) -> RequestOutput | None:
         """A request the engine refuses fails alone; the worker keeps serving."""
         assert self.engine is not None
         try:
-            output = self.engine.add(prepared)
-            if prepared.request_id in self.stall_ids:
-                self.faults.stall()
-            return output
+            return self.engine.add(prepared)
         except Exception as exc:  # one bad request must never take the worker down
             log.warning(
                 "request %s refused by the engine: %s",
@@ -378,10 +268,7 @@ class WorkerProc:
         return not self.engine.has_work
 
     def _fail_all(self, reason: str) -> None:
-        ids = [p.request_id for p in self.held]
-        self.held = []
-        if self.engine is not None:
-            ids += self.engine.request_ids()
+        ids = self.engine.request_ids() if self.engine is not None else []
         if not ids:
             return
         error = RequestError(ErrorCode.WORKER_DIED, f"the worker failed: {reason}")
@@ -393,18 +280,11 @@ class WorkerProc:
     def _input_loop(self, preprocess: Preprocessor) -> None:
         codec = Codec()
         sock = self.channels.requests
-        pending: deque[bytes] = deque()
         while not self.stopping.is_set():
             try:
-                if not pending:
-                    if not sock.poll(200):
-                        continue
-                    pending.append(sock.recv())
-                while sock.poll(0) and len(pending) < INPUT_BATCH:  # the rest of a burst
-                    pending.append(sock.recv())
-                self.incoming = len(pending)
-                self.last_received = time.monotonic()
-                frame = codec.to_worker.decode(pending.popleft())
+                if not sock.poll(200):
+                    continue
+                frame = codec.to_worker.decode(sock.recv())
             except msgspec.DecodeError:
                 log.exception("undecodable frame from the gateway")
                 continue
@@ -416,18 +296,7 @@ class WorkerProc:
             elif isinstance(frame, Control):
                 self._send(self._control(frame, preprocess))
                 item = None
-            # Frames still in this thread's hands, published before the item is queued: the
-            # engine, woken by it, must not count it as one more still coming.
-            if pending:
-                self.incoming = len(pending)
-            else:
-                try:
-                    self.incoming = 1 if sock.poll(0) else 0  # more came while it worked
-                except Exception:  # socket closed at exit
-                    return
             if item is not None:
-                if isinstance(item, PreparedRequest):
-                    self.last_received = time.monotonic()  # preparing took time: gap from here
                 self.inputs.put(item)
 
     def _accept(self, frame: Add, preprocess: Preprocessor) -> PreparedRequest | None:
@@ -439,8 +308,7 @@ class WorkerProc:
                     RequestError(ErrorCode.SHUTTING_DOWN, "the model is being unloaded")
                 )
             prepared = preprocess(frame)
-            if self.faults.crash_on or self.faults.stall_on:
-                self._mark_faults(frame)
+            self.faults.on_accept(frame)
             log.debug(
                 "request %s accepted (%d prompt tokens, priority %d)",
                 frame.request_id,
@@ -460,21 +328,11 @@ class WorkerProc:
             self._send(StepOutputs(self.worker_id, -1, [out]))
             return None
 
-    def _mark_faults(self, frame: Add) -> None:
-        text = msgspec.json.encode(frame.request).decode()
-        if self.faults.matches(self.faults.crash_on, text):
-            if self.faults.crash_before_token:
-                Faults.die()
-            self.crash_ids.add(frame.request_id)
-        if self.faults.matches(self.faults.stall_on, text):
-            self.stall_ids.add(frame.request_id)
-
     def _control(self, frame: Control, preprocess: Preprocessor) -> ControlReply:
         """Calls answered on the input thread, beside the engine loop (never inside it)."""
         try:
             if frame.method == "stats" and self.engine is not None:
                 running, waiting = self.engine.counts()
-                waiting += len(self.held)
                 result = {"running": running, "waiting": waiting, "steps": self.engine.steps}
             elif frame.method == "tokenize":
                 result = preprocess.tokenize_call(frame.args)
@@ -519,9 +377,6 @@ class WorkerProc:
                         tokens,
                         extra={"request_id": o.request_id},
                     )
-        if self.crash_ids and any(o.request_id in self.crash_ids for o in outputs):
-            time.sleep(0.2)  # let the frame leave: the client must have seen a token
-            Faults.die()
 
     def _send(self, frame: object) -> None:
         self.outbox.put(frame)
@@ -550,9 +405,9 @@ class WorkerProc:
             sock.send(data)
 
     def _heartbeat(self, process: psutil.Process) -> Heartbeat:
-        running, waiting = self.engine.counts() if self.engine else (0, 0)
-        waiting += len(self.held)
-        steps = self.engine.steps if self.engine else 0
+        engine = self.engine
+        running, waiting = engine.counts() if engine else (0, 0)
+        steps = engine.steps if engine else 0
         return Heartbeat(
             self.worker_id,
             self.state,
@@ -565,4 +420,5 @@ class WorkerProc:
             mx.get_peak_memory(),
             "" if self.state == WorkerState.READY else self.stage,
             self.stage_progress,
+            engine.prefix_stats() if engine else None,
         )

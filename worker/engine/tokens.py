@@ -24,19 +24,11 @@ class TokenInfo:
     token, or a byte-level BPE piece) decodes alone to U+FFFD, but its bytes are its own:
     joined, the bytes of a run of tokens are exactly the text they make."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
-
+    def __init__(self, tokenizer: Any, kind: str) -> None:
+        """kind: "bpe" (byte-level BPE), "spm" (SentencePiece) or "text" (decode alone)."""
         self.tokenizer = tokenizer
-        detokenizer = tokenizer.detokenizer
-        self._tokenmap: list[Any] | None = getattr(detokenizer, "tokenmap", None)
-        self._kind = (
-            "bpe"
-            if isinstance(detokenizer, BPEStreamingDetokenizer)
-            else "spm"
-            if isinstance(detokenizer, SPMStreamingDetokenizer)
-            else "text"
-        )
+        self._tokenmap: list[Any] | None = getattr(tokenizer.detokenizer, "tokenmap", None)
+        self._kind = kind
         self._texts: dict[int, str] = {}
         self._bytes: dict[int, bytes] = {}
 

@@ -1,0 +1,1 @@
+"""The only modules that import the MLX model libraries (mlx-lm, ...)."""

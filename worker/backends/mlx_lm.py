@@ -1,0 +1,206 @@
+"""The engine's backend on mlx-lm: loading, continuous batching through BatchGenerator's
+public API (insert with caches, next, remove with caches), prompt scoring, and the KV cache
+operations the prefix cache needs.
+
+Only the parts of mlx-lm's API that 0.32 and its main branch share are used: stop tokens and
+stop sequences are decided by the engine (tokens come back to it every step anyway), so the
+generator is built without any; a finished row's cache comes from `remove(...,
+return_prompt_caches=True)` or from the response that ends it at max_tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm import load as mlx_lm_load
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
+
+from shared.config import EngineOptions
+from shared.types import SamplingParams
+from worker.backends.sampling import make_processors, make_sampler
+
+
+def load(path: str, trust_remote_code: bool = False) -> tuple[Any, Any]:
+    model, tokenizer = mlx_lm_load(path, trust_remote_code=trust_remote_code)[:2]
+    return model, tokenizer
+
+
+def parameter_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of mlx-lm's Llama parameters for a config (its arrays stay lazy)."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    model = Model(ModelArgs.from_dict(config))
+    params: dict[str, Any] = dict(tree_flatten(model.parameters()))
+    return {name: tuple(p.shape) for name, p in params.items()}
+
+
+@dataclass(slots=True)
+class Insertion:
+    """One sequence into the batch: the prompt tokens to prefill, after `prefix` tokens
+    whose KV `cache` already holds (None: no cached prefix)."""
+
+    prompt: list[int]
+    prefix: list[int]
+    cache: Any
+    max_tokens: int
+    sampling: SamplingParams
+    stop_ids: frozenset[int]
+
+
+@dataclass(slots=True)
+class Sampled:
+    """One row's token from a step; `ended` when it reached its max_tokens there, with its
+    cache and the tokens that cache holds (`cache` None unless asked for)."""
+
+    uid: int
+    token: int
+    logits: mx.array  # the row the token was drawn from (for logprobs)
+    ended: bool
+    cache: Any = None
+    tokens: list[int] | None = None
+
+
+class MlxLmBackend:
+    def __init__(self, model: Any, tokenizer: Any, options: EngineOptions) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_ids = frozenset(tokenizer.eos_token_ids)
+        self.vocab_size = len(tokenizer)
+        self.prefill_batch_size = max(1, min(options.prefill_batch_size, options.max_running))
+        self.prefill_step_size = options.prefill_step_size
+        self.generator = BatchGenerator(
+            model,
+            completion_batch_size=options.max_running,
+            prefill_batch_size=self.prefill_batch_size,
+            prefill_step_size=options.prefill_step_size,
+        )
+        self.uids: set[int] = set()  # in the generator
+
+    @property
+    def detokenizer_kind(self) -> str:
+        detokenizer = self.tokenizer.detokenizer
+        if isinstance(detokenizer, BPEStreamingDetokenizer):
+            return "bpe"
+        if isinstance(detokenizer, SPMStreamingDetokenizer):
+            return "spm"
+        return "text"
+
+    @property
+    def device(self) -> str:
+        return "cpu" if mx.default_device() == mx.cpu else "gpu"
+
+    # ---- the batch ----------------------------------------------------------------------
+
+    def insert(self, items: list[Insertion]) -> list[int]:
+        uids: list[int] = self.generator.insert(
+            [i.prompt for i in items],
+            max_tokens=[i.max_tokens for i in items],
+            caches=[i.cache if i.cache is not None else self.new_cache() for i in items],
+            all_tokens=[list(i.prefix) for i in items],
+            samplers=[make_sampler(i.sampling, self.vocab_size) for i in items],
+            logits_processors=[make_processors(i.sampling, i.stop_ids) for i in items],
+        )
+        self.uids.update(uids)
+        return uids
+
+    def step(self, keep_caches: bool) -> list[Sampled]:
+        """One generator step: decode the running rows, prefill a chunk of the new ones.
+        A row that reached its max_tokens has left the generator."""
+        _, responses = self.generator.next()
+        sampled = []
+        for r in responses:
+            ended = r.finish_reason is not None
+            if ended:
+                self.uids.discard(r.uid)
+            keep = ended and keep_caches
+            sampled.append(
+                Sampled(
+                    r.uid,
+                    r.token,
+                    r.logprobs,
+                    ended,
+                    r.prompt_cache if keep else None,
+                    r.all_tokens if keep else None,
+                )
+            )
+        return sampled
+
+    def remove(
+        self, uids: list[int], keep_caches: bool = False
+    ) -> dict[int, tuple[Any, list[int]]]:
+        """Take rows out of the batch (their KV goes with them); with `keep_caches`, each
+        row's cache and the tokens it holds."""
+        present = [u for u in uids if u in self.uids]
+        if not present:
+            return {}
+        self.uids.difference_update(present)
+        caches = self.generator.remove(present, return_prompt_caches=keep_caches)
+        return dict(caches) if keep_caches else {}
+
+    @property
+    def active(self) -> bool:
+        return bool(self.uids)
+
+    # ---- KV caches ----------------------------------------------------------------------
+
+    def new_cache(self) -> list[Any]:
+        return make_prompt_cache(self.model)
+
+    def nbytes(self, cache: list[Any]) -> int:
+        return sum(c.nbytes for c in cache)
+
+    def trimmable(self, cache: list[Any]) -> bool:
+        return can_trim_prompt_cache(cache)
+
+    def prefix(self, cache: list[Any], length: int, tokens: int) -> list[Any]:
+        # MLX arrays are values: the copy shares their buffers, and trimming only moves the
+        # copy's offsets. The generator merges caches into new batch arrays on insert, so
+        # the stored cache is never written.
+        copied = copy.deepcopy(cache)
+        if tokens > length:
+            trim_prompt_cache(copied, tokens - length)
+        return copied
+
+    def compact(self, cache: list[Any]) -> list[Any]:
+        """Evaluate a cache taken out of the batch, so that it holds its own buffers and not
+        the graph of the batch's (which would keep the batch's arrays alive)."""
+        mx.eval([c.state for c in cache])
+        return cache
+
+    def kv_bytes_per_token(self) -> int:
+        """The KV one position takes, measured on a one-token forward pass."""
+        cache = self.new_cache()
+        self.model(mx.array([[0]]), cache=cache)
+        mx.eval([c.state for c in cache])
+        sizes = [c.size() for c in cache if hasattr(c, "size")]
+        positions = max([s for s in sizes if s] or [1])
+        # KVCache allocates a step of positions at once: per position, what it allocated
+        allocated = max(
+            (
+                c.keys.shape[2]
+                for c in cache
+                if getattr(c, "keys", None) is not None and hasattr(c.keys, "shape")
+            ),
+            default=positions,
+        )
+        return max(1, self.nbytes(cache) // max(positions, allocated))
+
+    # ---- prompt scoring (echo + logprobs) ------------------------------------------------
+
+    def forward_logprobs(self, tokens: list[int], cache: list[Any]) -> mx.array:
+        """(len(tokens), vocab) float32 log probabilities after each token, `cache` extended."""
+        logits = self.model(mx.array(tokens)[None], cache=cache)[0].astype(mx.float32)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def release_memory(self) -> None:
+        """Idle: hand MLX's cached buffers back to the system."""
+        mx.clear_cache()
+
+    def close(self) -> None:
+        self.generator.close()

@@ -1,0 +1,286 @@
+"""EngineCore: add, abort, step. No sockets: the worker process feeds it and ships what
+step() returns.
+
+A step reads as a recipe: score a chunk of an echo prompt (if any), let the scheduler pick
+the waiting requests that start now, start them (each with the longest cached prefix of its
+prompt), run one backend step (decode the batch, prefill a chunk of the new rows), and turn
+the sampled tokens into deltas. Finished rows leave their KV to the prefix cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from shared.config import EngineOptions
+from shared.protocol import PrefixCacheStats
+from shared.types import FinishReason, RequestOutput, SamplingParams, TokenLogprob
+from worker.backends.mlx_lm import Insertion, MlxLmBackend, Sampled
+from worker.engine.output import OutputProcessor
+from worker.engine.prefix_cache import PrefixCache
+from worker.engine.request import Request, RequestStatus
+from worker.engine.scheduler import Scheduler, SchedulerConfig
+from worker.engine.stop import StopStringMatcher
+from worker.preprocess import PreparedRequest
+
+GiB = 1 << 30
+
+
+class EngineCore:
+    def __init__(
+        self,
+        backend: MlxLmBackend,
+        options: EngineOptions,
+        kv_budget_bytes: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.backend = backend
+        self.options = options
+        self.output = OutputProcessor(backend.tokenizer, backend.detokenizer_kind)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_running=options.max_running,
+                max_prefill_requests=backend.prefill_batch_size,
+                max_prefill_tokens=options.max_prefill_tokens,
+                batch_share=options.batch_share,
+                kv_budget_bytes=kv_budget_bytes,
+                kv_bytes_per_token=backend.kv_bytes_per_token() if kv_budget_bytes else 0,
+            ),
+            clock,
+        )
+        capacity = int(options.prefix_cache_gb * GiB) if options.prefix_cache else 0
+        self.prefix_cache = PrefixCache(capacity, backend) if capacity > 0 else None
+        self.requests: dict[str, Request] = {}  # every request the engine holds
+        self.by_uid: dict[int, Request] = {}  # those in the backend's batch
+        self.scoring: dict[str, Scoring] = {}  # echo + logprobs: prompts being scored
+        self.steps = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def active(self) -> int:
+        return len(self.requests)
+
+    def request_ids(self) -> list[str]:
+        return list(self.requests)
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting): waiting requests have not produced a token yet."""
+        running = sum(1 for r in list(self.requests.values()) if r.status is RequestStatus.RUNNING)
+        return running, len(self.requests) - running
+
+    def prefix_stats(self) -> PrefixCacheStats | None:
+        return self.prefix_cache.stats() if self.prefix_cache is not None else None
+
+    # ---- add / abort ------------------------------------------------------------------
+
+    def add(self, prepared: PreparedRequest) -> RequestOutput | None:
+        """Queue a request (an echo request with logprobs has its prompt scored first); an
+        echo request with max_tokens 0 that needs no scoring is answered here."""
+        params = prepared.sampling
+        if not prepared.prompt:
+            raise ValueError("the prompt is empty")
+        if prepared.request_id in self.requests:
+            raise ValueError(f"request {prepared.request_id} is already running")
+        stop_ids = set(params.stop_token_ids) | (
+            set() if params.ignore_eos else self.backend.eos_ids
+        )
+        request = Request(
+            prepared.request_id,
+            prepared.prompt,
+            prepared.max_tokens,
+            params,
+            prepared.priority,
+            stop_ids=frozenset(stop_ids),
+            stop=StopStringMatcher(params.stop, params.include_stop_str_in_output),
+            prompt_text=self.backend.tokenizer.decode(prepared.prompt) if params.echo else None,
+        )
+        self.output.start(request)
+        if params.echo and params.logprobs:
+            request.status = RequestStatus.SCORING
+            first = self.output.first_prompt_entry(prepared.prompt[0])
+            self.scoring[request.request_id] = Scoring(request, [first], self.backend.new_cache())
+            self.requests[request.request_id] = request
+            return None
+        return self._queue(request)
+
+    def _queue(self, request: Request) -> RequestOutput | None:
+        if request.max_tokens == 0:
+            return self.output.finish(request, FinishReason.LENGTH)
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+        return None
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Remove requests wherever they are (their KV goes with them); idempotent."""
+        found = [r for i in request_ids if (r := self.requests.get(i)) is not None]
+        if not found:
+            return []
+        self.scheduler.remove_waiting({r.request_id for r in found})
+        in_batch = [r for r in found if r.status.in_batch and r.uid is not None]
+        if in_batch:
+            # a request that made tokens leaves its KV for reuse (a client retrying)
+            kept = self.backend.remove(
+                [r.uid for r in in_batch if r.uid is not None],
+                keep_caches=self.prefix_cache is not None
+                and all(r.status is RequestStatus.RUNNING for r in in_batch),
+            )
+            self._store(kept.values())
+        outputs = []
+        for request in found:
+            self.scoring.pop(request.request_id, None)
+            self._forget(request)
+            outputs.append(self.output.finish(request, FinishReason.ABORT))
+        return outputs
+
+    # ---- step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        self.steps += 1
+        outputs = self._score_step() if self.scoring else []
+        self._start(self.scheduler.schedule(self._new_tokens))
+        if self.backend.active:
+            sampled = self.backend.step(keep_caches=self.prefix_cache is not None)
+            outputs += self._process(sampled)
+        return outputs
+
+    def _new_tokens(self, request: Request) -> int:
+        cached = self.prefix_cache.match(request.prompt)[1] if self.prefix_cache else 0
+        return len(request.prompt) - cached
+
+    def _start(self, admitted: list[Request]) -> None:
+        if not admitted:
+            return
+        items = []
+        for request in admitted:
+            hit = self.prefix_cache.lookup(request.prompt) if self.prefix_cache else None
+            cached = hit.length if hit is not None else 0
+            request.cached_tokens = cached
+            items.append(
+                Insertion(
+                    request.prompt[cached:],
+                    request.prompt[:cached],
+                    hit.cache if hit is not None else None,
+                    request.max_tokens,
+                    request.sampling,
+                    request.stop_ids,
+                )
+            )
+        for request, uid in zip(admitted, self.backend.insert(items), strict=True):
+            request.uid = uid
+            request.status = RequestStatus.PREFILLING
+            self.by_uid[uid] = request
+
+    def _process(self, sampled: list[Sampled]) -> list[RequestOutput]:
+        rows = [(r, s.token, s.logits) for s in sampled if (r := self.by_uid.get(s.uid))]
+        logprobs = (
+            self.output.sampled_logprobs(rows) if any(r.wants_logprobs for r, _, _ in rows) else {}
+        )
+        outputs: list[RequestOutput] = []
+        early: list[int] = []  # finished here, still in the backend's batch
+        for s in sampled:
+            request = self.by_uid.get(s.uid)
+            if request is None:
+                continue
+            output = self.output.on_token(request, s.token, logprobs.get(request.request_id))
+            if request.status is not RequestStatus.FINISHED and s.ended:  # the backend's limit
+                last = self.output.finish(request, FinishReason.LENGTH, flush=True)
+                output.text += last.text
+                output.finish_reason, output.usage = last.finish_reason, last.usage
+            outputs.append(output)
+            if request.status is RequestStatus.FINISHED:
+                if s.ended:
+                    if s.cache is not None and s.tokens is not None:
+                        self._store([(s.cache, s.tokens)])
+                elif request.uid is not None:
+                    early.append(request.uid)
+                self._forget(request)
+        if early:
+            self._store(
+                self.backend.remove(early, keep_caches=self.prefix_cache is not None).values()
+            )
+        return outputs
+
+    def _store(self, caches: Any) -> None:
+        if self.prefix_cache is None:
+            return
+        for cache, tokens in caches:
+            self.prefix_cache.insert(list(tokens), self.backend.compact(cache))
+
+    def _forget(self, request: Request) -> None:
+        self.requests.pop(request.request_id, None)
+        if request.uid is not None:
+            self.by_uid.pop(request.uid, None)
+        self.scheduler.finish(request.request_id)
+
+    # ---- prompt scoring (echo + logprobs) ------------------------------------------------
+
+    def _score_step(self) -> list[RequestOutput]:
+        """One prefill-sized chunk of the oldest scoring job: each prompt token's logprob
+        given the tokens before it (the first has none). A finished job is queued for
+        generation, or, with max_tokens 0, answered."""
+        request_id, job = next(iter(self.scoring.items()))
+        request = job.request
+        prompt = request.prompt
+        last = len(prompt) - 1  # positions 0..last-1 predict tokens 1..last
+        if job.position < last:
+            end = min(job.position + max(1, self.options.prefill_step_size), last)
+            rows = self.backend.forward_logprobs(prompt[job.position : end], job.cache)
+            targets = prompt[job.position + 1 : end + 1]
+            job.entries += self.output.entries(rows, targets, request.sampling.top_logprobs)
+            job.position = end
+        if job.position < last:
+            return []
+        del self.scoring[request_id]
+        del self.requests[request_id]
+        request.prompt_logprobs = job.entries
+        request.status = RequestStatus.WAITING
+        answered = self._queue(request)
+        return [answered] if answered is not None else []
+
+    def score(self, prompt: list[int], top: int) -> list[TokenLogprob]:
+        """All of a prompt's logprobs at once (tests and tools; requests score a chunk per
+        step)."""
+        request = Request("__score__", prompt, 0, SamplingParams(logprobs=True, top_logprobs=top))
+        job = Scoring(
+            request, [self.output.first_prompt_entry(prompt[0])], self.backend.new_cache()
+        )
+        cache = job.cache
+        if len(prompt) > 1:
+            rows = self.backend.forward_logprobs(prompt[:-1], cache)
+            job.entries += self.output.entries(rows, prompt[1:], top)
+        return job.entries
+
+    def probe(self, max_steps: int = 64) -> None:
+        """Generate one greedy token through the real batch: Ready means this worked."""
+        request_id = "__probe__"
+        prompt = list(self.backend.tokenizer.encode("Hi")) or [0]
+        sampling = SamplingParams(temperature=0.0, ignore_eos=True)
+        self.add(PreparedRequest(request_id, prompt, 1, sampling))
+        for _ in range(max_steps):
+            for output in self.step():
+                if output.request_id != request_id or output.finish_reason is None:
+                    continue
+                if output.error is not None:
+                    raise RuntimeError(f"the probe failed: {output.error.message}")
+                if output.usage is None or output.usage.completion_tokens != 1:
+                    raise RuntimeError("the probe finished without generating a token")
+                if self.prefix_cache is not None:
+                    self.prefix_cache.clear()  # the probe's KV is no one's prefix
+                return
+        self.abort([request_id])
+        raise RuntimeError(f"the probe generated no token within {max_steps} engine steps")
+
+
+@dataclass(slots=True, eq=False)
+class Scoring:
+    """An echo + logprobs request whose prompt is being scored before it is queued."""
+
+    request: Request
+    entries: list[TokenLogprob]
+    cache: Any
+    position: int = 0  # the next prompt position to run

@@ -1,0 +1,167 @@
+"""The one place that turns sampled tokens into deltas: detokenizing, stop strings, stop
+tokens, max_tokens, log probabilities and usage."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import mlx.core as mx
+
+from shared.types import FinishReason, RequestOutput, TokenLogprob, TopLogprob, Usage
+from worker.engine.request import Request, RequestStatus
+from worker.engine.tokens import TokenInfo
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, detokenizer_kind: str) -> None:
+        self.tokenizer = tokenizer
+        self.tokens = TokenInfo(tokenizer, detokenizer_kind)
+
+    def start(self, request: Request) -> None:
+        """Give a request its own streaming detokenizer."""
+        request.detokenizer = self.tokenizer.detokenizer  # a fresh copy on each access
+        request.decode = self.tokenizer.decode
+
+    def on_token(
+        self, request: Request, token: int, logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
+        """Feed one sampled token; return this step's delta (its text may be empty).
+        A terminal delta marks the request finished."""
+        request.completion_tokens += 1
+        request.status = RequestStatus.RUNNING
+        if token in request.stop_ids:  # EOS or a stop token id: counted, never shown
+            # Its logprob goes out only for echo (scoring: lm-eval reads every generated
+            # token's); elsewhere the logprobs follow the text, which never shows it.
+            kept = logprob if request.sampling.echo else None
+            return self.finish(request, FinishReason.STOP, token, flush=True, logprob=kept)
+        request.detokenizer.add_token(token)
+        text, hit = request.stop.feed(self._segment(request))
+        if hit:
+            return self.finish(request, FinishReason.STOP, token, text, logprob=logprob)
+        if request.completion_tokens >= request.max_tokens:
+            return self.finish(
+                request, FinishReason.LENGTH, token, text, flush=True, logprob=logprob
+            )
+        output = RequestOutput(request.request_id, text=text, token_ids=[token])
+        if request.completion_tokens == 1:  # the prompt's size, for protocols that say it first
+            output.usage = _usage(request)
+        if logprob is not None:
+            output.logprobs = [logprob]
+        _attach_prompt(request, output)
+        return output
+
+    def finish(
+        self,
+        request: Request,
+        reason: FinishReason,
+        token: int | None = None,
+        text: str = "",
+        flush: bool = False,
+        logprob: TokenLogprob | None = None,
+    ) -> RequestOutput:
+        """The terminal delta; `flush` releases text held back for UTF-8 or stop matching."""
+        request.status = RequestStatus.FINISHED
+        if flush and request.detokenizer is not None:
+            request.detokenizer.finalize()
+            tail, hit = request.stop.feed(self._segment(request))
+            text += tail if hit else tail + request.stop.flush()
+        output = RequestOutput(
+            request.request_id,
+            text=text,
+            token_ids=[] if token is None else [token],
+            finish_reason=reason,
+            usage=_usage(request),
+            stop=request.stop.matched if reason == FinishReason.STOP else None,
+        )
+        if logprob is not None:
+            output.logprobs = [logprob]
+        _attach_prompt(request, output)
+        return output
+
+    def _segment(self, request: Request) -> str:
+        """Newly readable text. mlx-lm's streaming detokenizers trim the first segment's
+        leading space; the API returns exactly tokenizer.decode(tokens), so restore it once."""
+        text: str = request.detokenizer.last_segment
+        if text and not request.started:
+            request.started = True
+            assert request.decode is not None
+            full = request.decode(request.detokenizer.tokens)
+            lead = full[: len(full) - len(full.lstrip())]
+            if lead and not text.startswith(lead) and full.startswith(lead + text):
+                text = lead + text
+        return text
+
+    # ---- log probabilities ------------------------------------------------------------
+
+    def first_prompt_entry(self, token: int) -> TokenLogprob:
+        """A prompt's first token: nothing predicts it, so it has no logprob."""
+        return TokenLogprob(token, self.tokens.text(token), token_bytes=self.tokens.raw(token))
+
+    def entries(self, rows: mx.array, tokens: list[int], top: int) -> list[TokenLogprob]:
+        """rows: (n, vocab) log probabilities; tokens: the token at each row; each entry with
+        the `top` most likely alternatives, best first."""
+        chosen = mx.take_along_axis(rows, mx.array(tokens)[:, None], axis=-1)[:, 0]
+        top = min(top, rows.shape[-1])
+        top_ids: list[list[int]] = []
+        top_vals: list[list[float]] = []
+        if top:
+            idx = mx.argpartition(-rows, kth=top - 1, axis=-1)[:, :top]
+            vals = mx.take_along_axis(rows, idx, axis=-1)
+            mx.eval(chosen, idx, vals)
+            top_ids, top_vals = cast(Any, idx.tolist()), cast(Any, vals.tolist())
+        chosen_vals: list[float] = cast(Any, chosen.tolist())
+        entries = []
+        for i, token in enumerate(tokens):
+            alternatives: list[TopLogprob] = []
+            if top:
+                ranked = sorted(
+                    zip(top_vals[i], top_ids[i], strict=True), key=lambda p: (-p[0], p[1])
+                )
+                alternatives = [
+                    TopLogprob(t, self.tokens.text(t), v, self.tokens.raw(t)) for v, t in ranked
+                ]
+            entries.append(
+                TokenLogprob(
+                    token,
+                    self.tokens.text(token),
+                    chosen_vals[i],
+                    alternatives,
+                    self.tokens.raw(token),
+                )
+            )
+        return entries
+
+    def sampled_logprobs(
+        self, sampled: list[tuple[Request, int, mx.array]]
+    ) -> dict[str, TokenLogprob]:
+        """The sampled tokens' logprobs for the requests that asked, in one batched
+        computation. Each row is the distribution the token was drawn from (after logits
+        processors, before temperature), as the backend hands it on, normalized here."""
+        want = [(r, t, row) for r, t, row in sampled if r.wants_logprobs]
+        if not want:
+            return {}
+        logits = mx.stack([row for _, _, row in want]).astype(mx.float32)
+        rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        top = max(r.sampling.top_logprobs for r, _, _ in want)
+        entries = self.entries(rows, [t for _, t, _ in want], top)
+        result = {}
+        for (request, _, _), entry in zip(want, entries, strict=True):
+            if len(entry.top) > request.sampling.top_logprobs:
+                entry.top = entry.top[: request.sampling.top_logprobs]
+            result[request.request_id] = entry
+        return result
+
+
+def _usage(request: Request) -> Usage:
+    return Usage(
+        prompt_tokens=len(request.prompt),
+        completion_tokens=request.completion_tokens,
+        cached_tokens=request.cached_tokens,
+    )
+
+
+def _attach_prompt(request: Request, output: RequestOutput) -> None:
+    if request.prompt_text is not None:
+        output.prompt_text = request.prompt_text
+        output.prompt_logprobs = request.prompt_logprobs or []
+        request.prompt_text = request.prompt_logprobs = None

@@ -1,0 +1,50 @@
+"""A request inside the engine: what it asks for, where it is, and its output state."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.types import SamplingParams, TokenLogprob
+from worker.engine.stop import StopStringMatcher
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # accepted, in the scheduler's queue
+    SCORING = "scoring"  # echo + logprobs: its prompt is scored before it is scheduled
+    PREFILLING = "prefilling"  # in the backend's batch, no token yet
+    RUNNING = "running"  # in the batch, generating
+    FINISHED = "finished"
+
+    @property
+    def in_batch(self) -> bool:
+        return self in (RequestStatus.PREFILLING, RequestStatus.RUNNING)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    priority: int = 0
+    arrival: float = 0.0  # the scheduler's clock when it was queued
+    status: RequestStatus = RequestStatus.WAITING
+    uid: int | None = None  # the backend's id while in its batch
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    completion_tokens: int = 0
+    stop_ids: frozenset[int] = frozenset()  # tokens that end it (EOS unless ignored, stop ids)
+    # output state (engine/output.py)
+    detokenizer: Any = None  # the tokenizer's streaming detokenizer, one per request
+    decode: Callable[[list[int]], str] | None = None
+    stop: StopStringMatcher = field(default_factory=lambda: StopStringMatcher([]))
+    started: bool = False  # the first text segment went out
+    # echo: the prompt's text and logprobs, sent with the first delta and then dropped
+    prompt_text: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.sampling.logprobs
