@@ -1,0 +1,147 @@
+"""The engine with its prefix cache, in one process on a real tiny model: what is reused,
+what is reported, and that reuse never changes a greedy token."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from shared.types import FinishReason, RequestOutput
+from tests.engine_fixtures import Loaded, drive, finish, greedy, text, token_ids
+from worker.engine.core import EngineCore
+
+SYSTEM = (
+    "You are a careful assistant for the operators of a small cluster. Answer briefly, "
+    "cite the log lines you rely on, and never invent a host name that is not in them."
+)
+QUESTIONS = [
+    "Which worker restarted last night?",
+    "And how long was it down?",
+    "Was any request lost while it was down?",
+    "Summarise that in one line.",
+]
+
+
+def chat_prompt(chat: Loaded, messages: list[dict[str, str]]) -> list[int]:
+    ids = chat.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids)
+
+
+def converse(chat: Loaded, engine: EngineCore, turns: int = 4) -> list[list[RequestOutput]]:
+    """A conversation: each turn re-sends the history with the previous answers as text."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    deltas = []
+    for i, question in enumerate(QUESTIONS[:turns]):
+        messages.append({"role": "user", "content": question})
+        out = drive(engine, [greedy(f"turn{i}", chat_prompt(chat, messages), 12)])[f"turn{i}"]
+        deltas.append(out)
+        messages.append({"role": "assistant", "content": text(out)})
+    return deltas
+
+
+def final_usage(deltas: list[RequestOutput]) -> Any:
+    assert deltas[-1].usage is not None
+    return deltas[-1].usage
+
+
+def test_the_same_prompt_twice_reuses_it(chat: Loaded) -> None:
+    engine = chat.engine()
+    prompt = chat_prompt(
+        chat, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
+    )
+    first = drive(engine, [greedy("a", prompt, 10, ignore_eos=True)])["a"]
+    second = drive(engine, [greedy("b", prompt, 10, ignore_eos=True)])["b"]
+    assert final_usage(first).cached_tokens == 0
+    assert final_usage(second).cached_tokens == len(prompt) - 1
+    assert second[0].usage is not None and second[0].usage.cached_tokens == len(prompt) - 1
+    assert token_ids(second) == token_ids(first)
+    stats = engine.prefix_stats()
+    assert stats is not None and stats.hits == 1 and stats.hit_tokens == len(prompt) - 1
+
+
+def test_each_turn_reuses_the_previous_one_and_the_tokens_do_not_change(chat: Loaded) -> None:
+    cached = converse(chat, chat.engine())
+    plain = converse(chat, chat.engine(prefix_cache=False))
+    for turn, (with_cache, without) in enumerate(zip(cached, plain, strict=True)):
+        assert token_ids(with_cache) == token_ids(without), f"turn {turn}"
+        assert final_usage(without).cached_tokens == 0
+    for turn in range(1, len(cached)):
+        # at least the previous turn's whole prompt came from the cache
+        previous_prompt = final_usage(cached[turn - 1]).prompt_tokens
+        assert final_usage(cached[turn]).cached_tokens >= previous_prompt, f"turn {turn}"
+
+
+def test_requests_with_different_cached_lengths_in_one_batch(chat: Loaded) -> None:
+    """Rows whose cached prefixes differ in length are merged into one batch (left padding)
+    and prefill prompts of different lengths (right padding): same tokens as without."""
+    base = [{"role": "system", "content": SYSTEM}]
+    prompts = [chat_prompt(chat, [*base, {"role": "user", "content": q}]) for q in QUESTIONS]
+    results = {}
+    for use_cache in (True, False):
+        engine = chat.engine(prefix_cache=use_cache)
+        drive(engine, [greedy("warm", prompts[0], 6, ignore_eos=True)])
+        drive(engine, [greedy("warm2", prompts[1] + prompts[1][-5:], 6, ignore_eos=True)])
+        batch = [greedy(f"q{i}", p, 8, ignore_eos=True) for i, p in enumerate(prompts)]
+        results[use_cache] = drive(engine, batch)
+        if use_cache:
+            cached = [final_usage(results[True][f"q{i}"]).cached_tokens for i in range(4)]
+            assert cached[0] == len(prompts[0]) - 1 and cached[1] == len(prompts[1]) - 1
+            assert cached[2] > 0 and len(set(cached)) > 1
+    for i in range(4):
+        assert token_ids(results[True][f"q{i}"]) == token_ids(results[False][f"q{i}"])
+
+
+def test_a_cache_that_does_not_fit_is_evicted_not_grown(chat: Loaded) -> None:
+    probe = chat.engine()
+    prompt = chat_prompt(chat, [{"role": "user", "content": QUESTIONS[0]}])
+    drive(probe, [greedy("p", prompt, 8, ignore_eos=True)])
+    stats = probe.prefix_stats()
+    assert stats is not None and stats.entries == 1
+    one_entry = stats.nbytes
+    engine = chat.engine(prefix_cache_gb=2.5 * one_entry / 2**30)  # room for two
+    for i, question in enumerate(QUESTIONS):
+        p = chat_prompt(chat, [{"role": "user", "content": f"{i} {question}"}])
+        drive(engine, [greedy(f"r{i}", p, 8, ignore_eos=True)])
+        stats = engine.prefix_stats()
+        assert stats is not None and stats.nbytes <= stats.capacity_bytes
+    assert stats.entries == 2 and stats.evictions == 2
+
+
+def test_finished_early_and_aborted_requests_leave_their_kv(chat: Loaded) -> None:
+    engine = chat.engine()
+    prompt = chat_prompt(
+        chat, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "go"}]
+    )
+    full = text(
+        drive(chat.engine(prefix_cache=False), [greedy("x", prompt, 12, ignore_eos=True)])["x"]
+    )
+    stop = full[4:7]
+    out = drive(engine, [greedy("stopped", prompt, 12, ignore_eos=True, stop=[stop])])["stopped"]
+    assert finish(out) is FinishReason.STOP and len(token_ids(out)) < 12
+    stats = engine.prefix_stats()
+    assert stats is not None and stats.entries == 1
+
+    engine = chat.engine()
+    engine.add(greedy("left", prompt, 50, ignore_eos=True))
+    while not any(o.request_id == "left" and o.token_ids for o in engine.step()):
+        pass
+    engine.abort(["left"])
+    again = drive(engine, [greedy("again", prompt, 4, ignore_eos=True)])["again"]
+    assert final_usage(again).cached_tokens == len(prompt) - 1
+
+
+def test_off_means_off(chat: Loaded) -> None:
+    engine = chat.engine(prefix_cache=False)
+    prompt = chat_prompt(
+        chat, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
+    )
+    drive(engine, [greedy("a", prompt, 4)])
+    again = drive(engine, [greedy("b", prompt, 4)])["b"]
+    assert final_usage(again).cached_tokens == 0
+    assert engine.prefix_stats() is None and engine.prefix_cache is None
+
+
+@pytest.mark.parametrize("gb", [0.0])
+def test_a_zero_bound_is_off(chat: Loaded, gb: float) -> None:
+    assert chat.engine(prefix_cache_gb=gb).prefix_cache is None

@@ -1,0 +1,156 @@
+"""The prefix cache alone, over fake caches: which entry a prompt reuses, how much of it,
+and what is evicted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from worker.engine.prefix_cache import KEY_TOKENS, MAX_ENTRIES, PrefixCache
+
+HEAD = list(range(1000, 1000 + KEY_TOKENS))  # a shared start, long enough to be indexed
+
+
+@dataclass
+class FakeCache:
+    """Holds `length` positions at `per_token` bytes each."""
+
+    length: int
+    trimmable: bool = True
+    per_token: int = 1
+    copies: int = 0
+
+
+class FakeOps:
+    def nbytes(self, cache: FakeCache) -> int:
+        return cache.length * cache.per_token
+
+    def trimmable(self, cache: FakeCache) -> bool:
+        return cache.trimmable
+
+    def prefix(self, cache: FakeCache, length: int, tokens: int) -> FakeCache:
+        assert cache.trimmable or length == tokens, "an untrimmable cache was cut"
+        cache.copies += 1
+        return FakeCache(length, cache.trimmable, cache.per_token)
+
+
+def seq(*tail: int) -> list[int]:
+    return HEAD + list(tail)
+
+
+def store(cache: PrefixCache, tokens: list[int], trimmable: bool = True) -> FakeCache:
+    entry = FakeCache(len(tokens), trimmable)
+    assert cache.insert(tokens, entry)
+    return entry
+
+
+def test_the_same_prompt_again_reuses_all_but_its_last_token() -> None:
+    cache = PrefixCache(10_000, FakeOps())
+    prompt = seq(1, 2, 3)
+    store(cache, prompt + [7, 8])  # the prompt and the tokens it generated
+    hit = cache.lookup(prompt)
+    assert hit is not None and hit.length == len(prompt) - 1
+    assert hit.cache.length == len(prompt) - 1
+    assert (cache.lookups, cache.hits, cache.hit_tokens) == (1, 1, len(prompt) - 1)
+
+
+def test_the_next_turn_reuses_the_whole_previous_one() -> None:
+    cache = PrefixCache(10_000, FakeOps())
+    turn1 = seq(1, 2, 3, 50, 51)  # prompt + answer
+    store(cache, turn1)
+    turn2 = turn1 + [60, 61, 62]  # the answer re-sent, a new user message
+    hit = cache.lookup(turn2)
+    assert hit is not None and hit.length == len(turn1)
+
+
+def test_the_longest_common_prefix_not_only_an_extension() -> None:
+    cache = PrefixCache(10_000, FakeOps())
+    store(cache, seq(1, 2, 3, 4, 5, 6))
+    store(cache, seq(1, 2, 9, 9))
+    # the template rendered token 5 differently: everything before it is reused
+    hit = cache.lookup(seq(1, 2, 3, 4, 99, 6, 7))
+    assert hit is not None and hit.length == KEY_TOKENS + 4
+
+
+def test_untrimmable_caches_serve_exact_extensions_only() -> None:
+    cache = PrefixCache(10_000, FakeOps())
+    store(cache, seq(1, 2, 3), trimmable=False)
+    assert cache.lookup(seq(1, 2, 4, 5)) is None  # diverges inside the entry
+    assert cache.lookup(seq(1, 2, 3)) is None  # would leave no token to prefill
+    hit = cache.lookup(seq(1, 2, 3, 4))
+    assert hit is not None and hit.length == KEY_TOKENS + 3
+    assert (cache.lookups, cache.hits) == (3, 1)
+
+
+def test_a_miss_and_a_short_shared_start() -> None:
+    cache = PrefixCache(10_000, FakeOps())
+    store(cache, seq(1, 2, 3))
+    assert cache.lookup([5] * 40) is None
+    assert cache.lookup(HEAD[:8] + [0] * 40) is None  # fewer than KEY_TOKENS in common
+    assert cache.lookup(HEAD[:5]) is None  # too short to be indexed at all
+    assert cache.hits == 0 and cache.lookups == 3
+
+
+def test_eviction_by_bytes_least_recently_used_first() -> None:
+    cache = PrefixCache(3 * (KEY_TOKENS + 4), FakeOps())
+    a, b, c = ([n, *HEAD, 0, 0, 0] for n in (1, 2, 3))  # nothing in common
+    for tokens in (a, b, c):
+        store(cache, tokens)
+    assert cache.nbytes == cache.capacity
+    assert cache.lookup(a + [5]) is not None  # a is now the most recently used
+    store(cache, [4, *HEAD, 0, 0, 0])  # one must go: b, the least recently used
+    assert cache.lookup(b + [5]) is None
+    assert cache.lookup(a + [5]) is not None and cache.lookup(c + [5]) is not None
+    assert cache.evictions == 1 and len(cache) == 3
+    assert cache.nbytes <= cache.capacity
+
+
+def test_an_entry_larger_than_the_bound_is_not_kept() -> None:
+    cache = PrefixCache(KEY_TOKENS + 2, FakeOps())
+    small = store(cache, seq(1))
+    assert not cache.insert(seq(1, 2, 3, 4), FakeCache(KEY_TOKENS + 4))
+    assert cache.nbytes == small.length and len(cache) == 1
+
+
+def test_a_longer_entry_replaces_the_prefixes_it_covers() -> None:
+    cache = PrefixCache(10_000, FakeOps())
+    store(cache, seq(1, 2))
+    store(cache, seq(1, 2, 3, 4))  # covers seq(1, 2) by trimming
+    assert len(cache) == 1 and cache.nbytes == KEY_TOKENS + 4
+    store(cache, seq(1, 2, 3, 4))  # the same tokens again: one entry
+    assert len(cache) == 1
+
+
+def test_an_untrimmable_entry_keeps_the_shorter_ones() -> None:
+    cache = PrefixCache(10_000, FakeOps())
+    store(cache, seq(1, 2), trimmable=False)
+    store(cache, seq(1, 2, 3, 4), trimmable=False)
+    assert len(cache) == 2
+    hit = cache.lookup(seq(1, 2, 7, 7))  # extends the shorter one only
+    assert hit is not None and hit.length == KEY_TOKENS + 2
+
+
+def test_the_stored_cache_is_never_handed_out_itself() -> None:
+    cache = PrefixCache(10_000, FakeOps())
+    entry = store(cache, seq(1, 2, 3))
+    first, second = cache.lookup(seq(1, 2, 3, 4)), cache.lookup(seq(1, 2, 3, 5))
+    assert first is not None and second is not None
+    assert first.cache is not entry and second.cache is not first.cache
+    assert entry.copies == 2 and entry.length == KEY_TOKENS + 3
+
+
+def test_the_entry_count_is_bounded() -> None:
+    cache = PrefixCache(10**9, FakeOps())
+    for i in range(MAX_ENTRIES + 5):
+        store(cache, [i, *HEAD, 1])
+    assert len(cache) == MAX_ENTRIES and cache.evictions == 5
+
+
+def test_stats_and_clear() -> None:
+    cache = PrefixCache(10_000, FakeOps())
+    store(cache, seq(1, 2, 3))
+    cache.lookup(seq(1, 2, 3, 4))
+    stats = cache.stats()
+    assert (stats.entries, stats.nbytes, stats.capacity_bytes) == (1, KEY_TOKENS + 3, 10_000)
+    assert (stats.lookups, stats.hits, stats.hit_tokens) == (1, 1, KEY_TOKENS + 3)
+    cache.clear()
+    assert len(cache) == 0 and cache.nbytes == 0 and cache.lookup(seq(1, 2, 3, 4)) is None
