@@ -46,7 +46,7 @@ def store(cache: PrefixCache, tokens: list[int], trimmable: bool = True) -> Fake
 def test_the_same_prompt_again_reuses_all_but_its_last_token() -> None:
     cache = PrefixCache(10_000, FakeOps())
     prompt = seq(1, 2, 3)
-    store(cache, prompt + [7, 8])  # the prompt and the tokens it generated
+    store(cache, [*prompt, 7, 8])  # the prompt and the tokens it generated
     hit = cache.lookup(prompt)
     assert hit is not None and hit.length == len(prompt) - 1
     assert hit.cache.length == len(prompt) - 1
@@ -96,10 +96,10 @@ def test_eviction_by_bytes_least_recently_used_first() -> None:
     for tokens in (a, b, c):
         store(cache, tokens)
     assert cache.nbytes == cache.capacity
-    assert cache.lookup(a + [5]) is not None  # a is now the most recently used
+    assert cache.lookup([*a, 5]) is not None  # a is now the most recently used
     store(cache, [4, *HEAD, 0, 0, 0])  # one must go: b, the least recently used
-    assert cache.lookup(b + [5]) is None
-    assert cache.lookup(a + [5]) is not None and cache.lookup(c + [5]) is not None
+    assert cache.lookup([*b, 5]) is None
+    assert cache.lookup([*a, 5]) is not None and cache.lookup([*c, 5]) is not None
     assert cache.evictions == 1 and len(cache) == 3
     assert cache.nbytes <= cache.capacity
 
