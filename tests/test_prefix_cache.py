@@ -57,7 +57,7 @@ def test_the_next_turn_reuses_the_whole_previous_one() -> None:
     cache = PrefixCache(10_000, FakeOps())
     turn1 = seq(1, 2, 3, 50, 51)  # prompt + answer
     store(cache, turn1)
-    turn2 = turn1 + [60, 61, 62]  # the answer re-sent, a new user message
+    turn2 = [*turn1, 60, 61, 62]  # the answer re-sent, a new user message
     hit = cache.lookup(turn2)
     assert hit is not None and hit.length == len(turn1)
 
