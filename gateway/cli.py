@@ -231,6 +231,20 @@ def _call(
     return data
 
 
+def _prefix_cache(stats: dict[str, int] | None) -> str:
+    """1.2/2.0 GiB 63% hit: held of its bound, and the share of lookups that reused a prefix."""
+    if not stats:
+        return "-"
+    held, bound = stats.get("nbytes", 0), stats.get("capacity_bytes", 0)
+    unit, scale = ("GiB", 2**30) if max(held, bound) >= 2**30 else ("MiB", 2**20)
+    size = "/".join(f"{n / scale:.1f}" for n in ((held, bound) if bound else (held,)))
+    size += f" {unit}"
+    lookups = stats.get("lookups", 0)
+    if not lookups:
+        return size
+    return f"{size} {100 * stats.get('hits', 0) / lookups:.0f}% hit"
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
     header = (
         "MODEL",
@@ -243,6 +257,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
         "RESTARTS",
         "UPTIME",
         "TTL LEFT",
+        "PREFIX CACHE",
     )
     lines = [header]
     for r in rows:
@@ -264,10 +279,14 @@ def _table(rows: list[dict[str, Any]]) -> str:
                 str(r.get("restarts", 0)),
                 _duration(r.get("uptime_s")),
                 ttl,
+                _prefix_cache(r.get("prefix_cache")),
             )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) for line in lines]
+    out = [
+        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+        for line in lines
+    ]
     for r in rows:
         if r.get("error"):
             out.append(f"{r['model']}: {r['error']}")

@@ -70,6 +70,12 @@ class Metrics:
         self.completion_tokens = Counter(
             "mlxgw_completion_tokens", "Generated tokens", ["model", "key"], registry=r
         )
+        self.cached_tokens = Counter(
+            "mlxgw_cached_prompt_tokens",
+            "Prompt tokens of finished requests read from the worker's prefix cache",
+            ["model", "key"],
+            registry=r,
+        )
         r.register(WorkerCollector(supervisor))
 
     def observe(self, ctx: RequestContext) -> None:
@@ -87,6 +93,8 @@ class Metrics:
             self.prompt_tokens.labels(model, key).inc(ctx.prompt_tokens)
         if ctx.completion_tokens:
             self.completion_tokens.labels(model, key).inc(ctx.completion_tokens)
+        if ctx.cached_tokens:
+            self.cached_tokens.labels(model, key).inc(ctx.cached_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -132,6 +140,36 @@ class WorkerCollector(Collector):
             if handle is not None and handle.info is not None:
                 load.add_metric([name], handle.info.load_time_s)
         yield from (state, running, waiting, in_flight, rss, active, cache, peak, load, restarts)
+        yield from self.prefix_cache()
+
+    def prefix_cache(self) -> Iterator[Metric]:
+        """The current worker's prefix cache, as its last heartbeat reported it. The worker
+        counts lookups, hits and evictions from its start: counters that a new worker (a
+        restart, a reload) resets, which Prometheus' rate() and increase() expect."""
+
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"mlxgw_prefix_cache_{name}", doc, labels=["model"])
+
+        def counter(name: str, doc: str) -> CounterMetricFamily:
+            return CounterMetricFamily(f"mlxgw_prefix_cache_{name}", doc, labels=["model"])
+
+        # Each family and the PrefixCacheStats field it shows.
+        families: list[tuple[GaugeMetricFamily | CounterMetricFamily, str]] = [
+            (gauge("bytes", "KV cache bytes the prefix cache holds"), "nbytes"),
+            (gauge("capacity_bytes", "The prefix cache's bound"), "capacity_bytes"),
+            (gauge("entries", "Cached prefixes held"), "entries"),
+            (counter("lookups", "Requests that looked for a cached prefix"), "lookups"),
+            (counter("hits", "Requests that reused a cached prefix"), "hits"),
+            (counter("hit_tokens", "Prompt tokens served from the cache"), "hit_tokens"),
+            (counter("evictions", "Cached prefixes evicted"), "evictions"),
+        ]
+        for name, slot in self.supervisor.slots.items():
+            hb = slot.handle.heartbeat if slot.handle is not None else None
+            stats = hb.prefix_cache if hb is not None else None
+            if stats is not None:
+                for family, field in families:
+                    family.add_metric([name], getattr(stats, field))
+        yield from (family for family, _ in families)
 
 
 def model_ready(slot: Slot) -> bool:

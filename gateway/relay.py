@@ -66,16 +66,17 @@ class Formatter(Protocol):
 
 
 def total_usage(usages: list[Usage | None], groups: list[int]) -> Usage:
-    """Prompt tokens once per prompt (choices of one prompt share it), completions summed."""
-    prompt: dict[int, int] = {}
-    completion = cached = 0
+    """Prompt tokens once per prompt (choices of one prompt share it), completions summed.
+    A prompt's cached tokens come from the same choice as its count, so they never exceed it."""
+    prompts: dict[int, Usage] = {}
+    completion = 0
     for usage, group in zip(usages, groups, strict=True):
         if usage is None:
             continue
-        prompt.setdefault(group, usage.prompt_tokens)
+        prompts.setdefault(group, usage)
         completion += usage.completion_tokens
-        cached += usage.cached_tokens
-    return Usage(sum(prompt.values()), completion, cached)
+    prompt = sum(u.prompt_tokens for u in prompts.values())
+    return Usage(prompt, completion, sum(u.cached_tokens for u in prompts.values()))
 
 
 class Relay:

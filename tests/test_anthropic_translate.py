@@ -77,6 +77,7 @@ def test_accepted_fields_change_nothing() -> None:
             tools=[],
             tool_choice={"type": "auto"},
             thinking={"type": "disabled"},
+            cache_control={"type": "ephemeral"},
         )
         == plain
     )
@@ -140,7 +141,9 @@ def test_an_empty_last_assistant_message_is_no_prefill() -> None:
 
 def test_count_tokens_builds_the_same_prompt() -> None:
     messages = [*USER, {"role": "assistant", "content": "Sure"}]
-    body = {"model": "m", "messages": messages, "system": [{"type": "text", "text": "S"}]}
+    system = [{"type": "text", "text": "S", "cache_control": {"type": "ephemeral"}}]
+    cache_control = {"type": "ephemeral", "ttl": "1h"}  # automatic caching: ignored
+    body = {"model": "m", "messages": messages, "system": system, "cache_control": cache_control}
     counted = prompt_request(decode_body(enc(body), CountTokensRequest))
     assert counted == create(messages=messages, system="S")[0]
     assert json.loads(count_tokens_body(42)) == {"input_tokens": 42}
@@ -247,7 +250,7 @@ def test_stop_reason(
 def test_response_body() -> None:
     fmt = MessagesFormatter("chat-alias")
     choice = Choice(0, text="Hello", finish_reason=FinishReason.STOP, stop="END")
-    body = json.loads(fmt.response([choice], Usage(11, 3)))
+    body = json.loads(fmt.response([choice], Usage(11, 3, cached_tokens=8)))
     assert body == {
         "id": fmt.id,
         "type": "message",
@@ -256,7 +259,13 @@ def test_response_body() -> None:
         "content": [{"type": "text", "text": "Hello"}],
         "stop_reason": "stop_sequence",
         "stop_sequence": "END",
-        "usage": {"input_tokens": 11, "output_tokens": 3},
+        # Anthropic's split: input_tokens leaves out what was read from the cache
+        "usage": {
+            "input_tokens": 3,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 8,
+            "output_tokens": 3,
+        },
     }
     assert fmt.id.startswith("msg_") and len(fmt.id) == 36
     assert MessagesFormatter("m").id != fmt.id
@@ -275,12 +284,12 @@ def parse_sse(data: bytes) -> list[tuple[str, dict[str, Any]]]:
 
 def test_stream_event_sequence() -> None:
     fmt = MessagesFormatter("m")
-    first = RequestOutput("r", "Hel", [1], usage=Usage(17, 1))
+    first = RequestOutput("r", "Hel", [1], usage=Usage(17, 1, cached_tokens=12))
     out = fmt.stream_start(first)
     out += fmt.stream_delta(0, first)
     out += fmt.stream_delta(0, RequestOutput("r", "", [2]))  # held back: nothing
     out += fmt.stream_delta(0, RequestOutput("r", "lo", [3]))
-    last = RequestOutput("r", "", [4], FinishReason.LENGTH, Usage(17, 4))
+    last = RequestOutput("r", "", [4], FinishReason.LENGTH, Usage(17, 4, cached_tokens=12))
     out += fmt.stream_delta(0, last) + fmt.stream_finish(0, last) + fmt.stream_end(Usage(17, 4))
     events = parse_sse(out)
     assert [name for name, _ in events] == [
@@ -303,7 +312,12 @@ def test_stream_event_sequence() -> None:
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
-        "usage": {"input_tokens": 17, "output_tokens": 1},
+        "usage": {
+            "input_tokens": 5,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 12,
+            "output_tokens": 1,
+        },
     }
     assert events[1][1] == {
         "type": "content_block_start",
@@ -318,7 +332,12 @@ def test_stream_event_sequence() -> None:
     assert events[6][1] == {
         "type": "message_delta",
         "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
-        "usage": {"output_tokens": 4},
+        "usage": {
+            "output_tokens": 4,
+            "input_tokens": 5,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 12,
+        },
     }
 
 
@@ -334,3 +353,25 @@ def test_stream_stop_sequence_and_error_event() -> None:
     assert body["type"] == "error"
     assert body["error"]["message"] == "the worker died"
     assert body["error"]["type"] == "api_error"
+
+
+def test_usage_parses_in_the_anthropic_sdk() -> None:
+    """The SDK's models read the split; a stream's snapshot keeps it through message_delta."""
+    from anthropic.types import Message as SdkMessage
+    from anthropic.types import MessageDeltaUsage
+
+    fmt = MessagesFormatter("m")
+    choice = Choice(0, text="x", finish_reason=FinishReason.STOP)
+    usage = SdkMessage.model_validate(json.loads(fmt.response([choice], Usage(9, 1, 9)))).usage
+    assert (usage.input_tokens, usage.cache_read_input_tokens) == (0, 9)
+    assert usage.cache_creation_input_tokens == 0
+    done = RequestOutput("r", "", [], FinishReason.STOP, Usage(9, 1, 4))
+    delta = parse_sse(fmt.stream_finish(0, done))[1][1]
+    parsed = MessageDeltaUsage.model_validate(delta["usage"])
+    assert (parsed.input_tokens, parsed.cache_read_input_tokens) == (5, 4)
+
+
+def test_a_finish_without_usage_sends_no_input_split() -> None:
+    done = RequestOutput("r", "", [], FinishReason.STOP)
+    delta = parse_sse(MessagesFormatter("m").stream_finish(0, done))[1][1]
+    assert delta["usage"] == {"output_tokens": 0}

@@ -49,6 +49,12 @@ def text_of(message: anthropic.types.Message) -> str:
     return block.text
 
 
+def prompt_of(usage: anthropic.types.Usage | anthropic.types.MessageDeltaUsage) -> int:
+    """The whole prompt: Anthropic's input_tokens leaves out what the prefix cache served."""
+    parts = (usage.input_tokens, usage.cache_read_input_tokens, usage.cache_creation_input_tokens)
+    return sum(part or 0 for part in parts)
+
+
 def count(claude: anthropic.Anthropic, **fields: Any) -> int:
     return claude.messages.count_tokens(**{"model": "chat", **fields}).input_tokens
 
@@ -63,7 +69,9 @@ def test_non_stream_and_stream_agree(claude: anthropic.Anthropic) -> None:
     assert [block.type for block in r.content] == ["text"]
     assert r.stop_reason in ("max_tokens", "end_turn")
     assert r.stop_sequence is None
-    assert r.usage.input_tokens > 5
+    assert prompt_of(r.usage) > 5
+    assert r.usage.cache_read_input_tokens is not None and r.usage.cache_read_input_tokens >= 0
+    assert r.usage.cache_creation_input_tokens == 0
     assert 1 <= r.usage.output_tokens <= 12
     assert r._request_id  # the request-id header
     text = text_of(r)
@@ -81,9 +89,10 @@ def test_non_stream_and_stream_agree(claude: anthropic.Anthropic) -> None:
     )
     assert streamed == text
     start = next(e for e in events if e.type == "message_start")
-    assert start.message.usage.input_tokens == r.usage.input_tokens
+    assert prompt_of(start.message.usage) == prompt_of(r.usage)  # the cache may differ
     delta = next(e for e in events if e.type == "message_delta")
     assert delta.usage.output_tokens == r.usage.output_tokens
+    assert prompt_of(delta.usage) == prompt_of(r.usage)
     assert delta.delta.stop_reason == r.stop_reason
 
 
@@ -113,7 +122,10 @@ def test_raw_event_sequence(gateway: GatewayProc, claude: anthropic.Anthropic) -
     assert message["id"].startswith("msg_") and message["model"] == "chat"
     assert message["type"] == "message" and message["role"] == "assistant"
     assert message["content"] == [] and message["stop_reason"] is None
-    assert message["usage"]["input_tokens"] == count(claude, messages=MESSAGES)
+    usage = message["usage"]
+    assert usage["cache_creation_input_tokens"] == 0
+    prompt = count(claude, messages=MESSAGES)
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == prompt
     assert message["usage"]["output_tokens"] in (0, 1)
     assert events[1][1]["index"] == 0
     assert events[1][1]["content_block"] == {"type": "text", "text": ""}
@@ -136,7 +148,7 @@ def test_stream_helper_yields_the_final_message(claude: anthropic.Anthropic) -> 
     assert text_of(final) == text
     r = claude.messages.create(model="chat", messages=MESSAGES, max_tokens=8, extra_body=GREEDY)
     assert text_of(r) == text
-    assert final.usage.input_tokens == r.usage.input_tokens
+    assert prompt_of(final.usage) == prompt_of(r.usage)
     assert final.usage.output_tokens == r.usage.output_tokens
     assert final.stop_reason == r.stop_reason
 
@@ -226,6 +238,7 @@ def test_accepted_fields_and_headers(gateway: GatewayProc) -> None:
         service_tier="standard_only",
         tools=[],
         thinking={"type": "disabled"},
+        cache_control={"type": "ephemeral"},  # automatic caching's request-level breakpoint
         extra_body={"top_p": 0.9, "top_k": 20, "temperature": 0.5},
     )
     assert r.model == "chat-alias" and r.usage.output_tokens >= 1

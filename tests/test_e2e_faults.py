@@ -107,6 +107,7 @@ def test_load_and_unload_with_gatewayctl(fault_gateway: GatewayProc) -> None:
 
     table = fault_gateway.ctl("ps").stdout
     assert "lazy" in table and "ready" in table and "MEMORY" in table
+    assert "PREFIX CACHE" in table
 
     out = fault_gateway.ctl("unload", "lazy").stdout
     assert "unloaded" in out
@@ -129,6 +130,7 @@ def test_ps_json_fields(fault_gateway: GatewayProc) -> None:
     row = next(r for r in rows if r["model"] == "bystander")
     for key in ("model", "state", "pid", "rss_bytes", "running", "waiting", "uptime_s"):
         assert key in row
+    assert "prefix_cache" in row  # null until the worker reports its prefix cache
 
 
 def test_idle_worker_uses_no_cpu(fault_gateway: GatewayProc) -> None:

@@ -29,6 +29,9 @@ def test_chat_non_stream(client: openai.OpenAI) -> None:
     assert r.usage.prompt_tokens > 5
     assert 1 <= r.usage.completion_tokens <= 12
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    details = r.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens is not None
+    assert 0 <= details.cached_tokens <= r.usage.prompt_tokens
 
 
 def test_chat_alias_routes_to_model(client: openai.OpenAI) -> None:
@@ -54,6 +57,9 @@ def test_chat_stream_with_usage(client: openai.OpenAI) -> None:
     assert chunks[-1].choices == []
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens == 16
+    details = usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens is not None
+    assert 0 <= details.cached_tokens <= usage.prompt_tokens
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text  # printable vocabulary: a random model still says something visible
 
@@ -97,6 +103,8 @@ def test_completions_non_stream_and_stream(client: openai.OpenAI) -> None:
 def test_completion_prompt_token_ids(client: openai.OpenAI) -> None:
     r = client.completions.create(model="chat", prompt=[5, 6, 7, 8], max_tokens=4)
     assert r.usage is not None and r.usage.prompt_tokens == 4
+    assert r.usage.prompt_tokens_details is not None
+    assert 0 <= (r.usage.prompt_tokens_details.cached_tokens or 0) <= 4
 
 
 def test_two_models_two_workers(client: openai.OpenAI, gateway: GatewayProc) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import httpx
 import openai
@@ -12,7 +14,12 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.context import RequestContext
+from gateway.metrics import Metrics
+from gateway.slots import Slot
+from gateway.supervisor import Supervisor
 from tests.gateway_proc import GatewayProc, openai_client, running_gateway, wait_for
+from tests.slot_fakes import STATS, heartbeat, ready_slot
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me about the sea."}]
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -24,15 +31,19 @@ def gw(chat_model: Path) -> Iterator[GatewayProc]:
         yield gw
 
 
+def parse(text: str) -> Samples:
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
 def scrape(gw: GatewayProc) -> Samples:
     r = httpx.get(f"{gw.base_url}/metrics", timeout=10)
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain")
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(r.text)
-        for s in family.samples
-    }
+    return parse(r.text)
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
@@ -68,6 +79,11 @@ def test_request_metrics_move_by_the_right_amounts(gw: GatewayProc) -> None:
     assert moved("mlxgw_completion_tokens_total", model="chat", key="-") == completion
     prompt = plain.usage.prompt_tokens + streamed.prompt_tokens
     assert moved("mlxgw_prompt_tokens_total", model="chat", key="-") == prompt
+    cached = sum(
+        (u.prompt_tokens_details.cached_tokens or 0) if u.prompt_tokens_details else 0
+        for u in (plain.usage, streamed)
+    )
+    assert moved("mlxgw_cached_prompt_tokens_total", model="chat", key="-") == cached
     assert moved("mlxgw_time_to_first_token_seconds_count", model="chat") == 2
     assert moved("mlxgw_inter_token_latency_seconds_count", model="chat") == 2
     assert moved("mlxgw_request_duration_seconds_count", model="chat", stream="true") == 1
@@ -113,3 +129,49 @@ def test_not_ready_when_the_only_model_failed(chat_model: Path) -> None:
         assert httpx.get(f"{gw.base_url}/health", timeout=10).status_code == 200
     finally:
         gw.stop()
+
+
+# ---- units: fake heartbeats, no model -----------------------------------------------------
+
+
+def metrics_of(*slots: Slot) -> Metrics:
+    supervisor = SimpleNamespace(slots={slot.name: slot for slot in slots})
+    return Metrics(cast(Supervisor, supervisor))
+
+
+def test_prefix_cache_figures_come_from_the_last_heartbeat() -> None:
+    metrics = metrics_of(ready_slot("chat", heartbeat(STATS)), ready_slot("plain", heartbeat()))
+    text = metrics.render().decode()
+    samples = parse(text)
+    assert value(samples, "mlxgw_prefix_cache_bytes", model="chat") == STATS.nbytes
+    assert value(samples, "mlxgw_prefix_cache_capacity_bytes", model="chat") == 2 * 2**30
+    assert value(samples, "mlxgw_prefix_cache_entries", model="chat") == 12
+    # The worker's running totals are counters (reset by a new worker), not gauges.
+    assert "# TYPE mlxgw_prefix_cache_lookups_total counter" in text
+    assert "# TYPE mlxgw_prefix_cache_bytes gauge" in text
+    assert value(samples, "mlxgw_prefix_cache_lookups_total", model="chat") == 40
+    assert value(samples, "mlxgw_prefix_cache_hits_total", model="chat") == 25
+    assert value(samples, "mlxgw_prefix_cache_hit_tokens_total", model="chat") == 9000
+    assert value(samples, "mlxgw_prefix_cache_evictions_total", model="chat") == 3
+    # A worker that reports no prefix cache (turned off) has no samples.
+    plain = [k for k in samples if k[0].startswith("mlxgw_prefix_cache")]
+    assert plain and all(("model", "chat") in labels for _, labels in plain)
+
+
+def test_a_model_without_a_worker_has_no_prefix_cache_samples() -> None:
+    slot = ready_slot("chat", heartbeat(STATS))
+    slot.handle = None
+    samples = parse(metrics_of(slot).render().decode())
+    assert not any(name.startswith("mlxgw_prefix_cache") for name, _ in samples)
+    assert value(samples, "mlxgw_model_state", model="chat", state="unloaded") == 1
+
+
+def test_cached_prompt_tokens_are_counted_per_model_and_key() -> None:
+    metrics = metrics_of()
+    ctx = RequestContext("r1", "POST", "/v1/chat/completions", model="chat")
+    ctx.prompt_tokens, ctx.completion_tokens, ctx.cached_tokens = 20, 4, 16
+    metrics.observe(ctx)
+    metrics.observe(ctx)
+    samples = parse(metrics.render().decode())
+    assert value(samples, "mlxgw_cached_prompt_tokens_total", model="chat", key="-") == 32
+    assert value(samples, "mlxgw_prompt_tokens_total", model="chat", key="-") == 40

@@ -213,11 +213,11 @@ def _out(text: str, ids: list[int], finish: FinishReason | None = None, **kw: An
 def test_formatter_stream_completed() -> None:
     done: list[Any] = []
     fmt = ResponsesFormatter(new_response(_request()), done.append)
-    first = _out("He", [1], usage=Usage(9))
+    first = _out("He", [1], usage=Usage(9, 0, 6))
     raw = fmt.stream_start(first) + fmt.stream_delta(0, first)
     raw += fmt.stream_delta(0, _out("", [2]))  # held-back bytes: no event
-    last = _out("llo", [3], FinishReason.STOP, usage=Usage(9, 3))
-    raw += fmt.stream_delta(0, last) + fmt.stream_finish(0, last) + fmt.stream_end(Usage(9, 3))
+    last = _out("llo", [3], FinishReason.STOP, usage=Usage(9, 3, 6))
+    raw += fmt.stream_delta(0, last) + fmt.stream_finish(0, last) + fmt.stream_end(Usage(9, 3, 6))
     events = _parse(raw)
     assert [n for n, _ in events] == [
         "response.created",
@@ -240,8 +240,8 @@ def test_formatter_stream_completed() -> None:
         {"type": "output_text", "text": "Hello", "annotations": []}
     ]
     assert final["usage"] == {
-        "input_tokens": 9,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens": 9,  # OpenAI's: the whole prompt, the cached part included
+        "input_tokens_details": {"cached_tokens": 6},
         "output_tokens": 3,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": 12,
@@ -253,7 +253,7 @@ def test_formatter_stream_completed() -> None:
 def test_formatter_error_mid_stream() -> None:
     done: list[Any] = []
     fmt = ResponsesFormatter(new_response(_request()), done.append)
-    first = _out("Hi", [1, 2], usage=Usage(4))
+    first = _out("Hi", [1, 2], usage=Usage(4, 0, 3))
     raw = fmt.stream_start(first) + fmt.stream_delta(0, first)
     raw += fmt.stream_error(GatewayError(ErrorCode.WORKER_DIED, "the worker died"))
     events = _parse(raw)
@@ -266,6 +266,7 @@ def test_formatter_error_mid_stream() -> None:
     assert failed["output"][0]["status"] == "incomplete"
     assert failed["output"][0]["content"][0]["text"] == "Hi"
     assert failed["usage"]["output_tokens"] == 2 and failed["usage"]["input_tokens"] == 4
+    assert failed["usage"]["input_tokens_details"] == {"cached_tokens": 3}
     assert failed["completed_at"] is None
     assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
     assert len(done) == 1
@@ -385,10 +386,12 @@ def test_store_visibility_by_key() -> None:
 
 class ScriptedSupervisor:
     """Stands in for the Supervisor: each request answers "Hello" in two deltas (prompt
-    tokens = the number of messages), or, with `hold`, one delta and then nothing."""
+    tokens = the number of messages, `cached` of them from the prefix cache), or, with
+    `hold`, one delta and then nothing."""
 
     def __init__(self) -> None:
         self.hold = False
+        self.cached = 0
         self.requests: list[CanonicalRequest] = []
         self.aborted: list[str] = []
 
@@ -413,9 +416,10 @@ class ScriptedSupervisor:
         stream = RequestStream(kw.get("request_id") or new_request_id(), name, "w")
         prompt = len(request.messages)
         loop = asyncio.get_running_loop()
-        loop.call_soon(stream.put, _out("Hel", [1], usage=Usage(prompt)))
+        cached = min(self.cached, prompt)
+        loop.call_soon(stream.put, _out("Hel", [1], usage=Usage(prompt, 0, cached)))
         if not self.hold:
-            last = _out("lo", [2], FinishReason.STOP, usage=Usage(prompt, 2))
+            last = _out("lo", [2], FinishReason.STOP, usage=Usage(prompt, 2, cached))
             loop.call_later(0.01, stream.put, last)
         return stream
 
@@ -495,6 +499,23 @@ async def test_routes_keys_see_only_their_own(
     assert r.json() == {"id": response_id, "object": "response.deleted", "deleted": True}
     r = await client.get(f"/v1/responses/{response_id}", headers=_as("k1"))
     assert r.status_code == 404
+
+
+@pytest.mark.anyio
+async def test_routes_report_cached_tokens(
+    scripted: tuple[ScriptedSupervisor, httpx.AsyncClient, State],
+) -> None:
+    """The worker's cached-token count reaches the body and the stream through the relay."""
+    supervisor, client, _ = scripted
+    supervisor.cached = 1
+    body = {"model": "m", "input": "a", "instructions": "I"}
+    plain = (await client.post("/v1/responses", json=body)).json()
+    assert plain["usage"]["input_tokens"] == 2
+    assert plain["usage"]["input_tokens_details"] == {"cached_tokens": 1}
+    r = await client.post("/v1/responses", json={**body, "stream": True})
+    events = _parse(r.content)
+    assert events[-1][0] == "response.completed"
+    assert events[-1][1]["response"]["usage"]["input_tokens_details"] == {"cached_tokens": 1}
 
 
 @pytest.mark.anyio

@@ -17,7 +17,7 @@ from gateway.openai.translate import (
     decode_body,
     error_body,
 )
-from gateway.relay import DONE, Choice
+from gateway.relay import DONE, Choice, total_usage
 from shared.types import (
     CanonicalRequest,
     ErrorCode,
@@ -430,11 +430,16 @@ def test_chat_formatter_stream() -> None:
     finish = one(fmt.stream_finish(0, done(FinishReason.LENGTH)))
     assert finish["choices"][0]["delta"] == {}
     assert finish["choices"][0]["finish_reason"] == "length"
-    *usage_events, last = sse(fmt.stream_end(Usage(prompt_tokens=4, completion_tokens=3)))
+    *usage_events, last = sse(fmt.stream_end(Usage(4, 3, cached_tokens=2)))
     assert last == "[DONE]"
     (usage,) = usage_events
     assert usage["choices"] == []
-    assert usage["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    assert usage["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 3,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
     assert ChatFormatter("m").stream_end(Usage(1, 1)) == DONE  # without include_usage
 
 
@@ -484,7 +489,7 @@ def test_chat_formatter_response() -> None:
     a.add(delta("Hel", [7], logprobs=[HEL]))
     a.add(done(FinishReason.STOP, usage=Usage(4, 1)))
     b.add(done(FinishReason.LENGTH, text="Yo", token_ids=[9], usage=Usage(4, 1)))
-    full = json.loads(fmt.response([a, b], Usage(prompt_tokens=4, completion_tokens=2)))
+    full = json.loads(fmt.response([a, b], Usage(4, 2, cached_tokens=3)))
     assert full["object"] == "chat.completion"
     assert full["id"].startswith("chatcmpl-")
     assert [c["index"] for c in full["choices"]] == [0, 1]
@@ -494,7 +499,12 @@ def test_chat_formatter_response() -> None:
     assert full["choices"][1]["message"]["content"] == "Yo"
     assert full["choices"][1]["finish_reason"] == "length"
     assert full["choices"][1]["logprobs"] == {"content": [], "refusal": None}
-    assert full["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    assert full["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 2,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
     plain = json.loads(ChatFormatter("m").response([a], Usage(4, 1)))
     assert plain["choices"][0]["logprobs"] is None
 
@@ -528,7 +538,14 @@ def test_completion_formatter_stream() -> None:
     usage, last = sse(fmt.stream_end(Usage()))
     assert last == "[DONE]"
     assert usage["choices"] == []
-    assert usage["usage"] == {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    assert usage["usage"] == {
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+        "total_tokens": 0,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    cached = sse(fmt.stream_end(Usage(6, 2, cached_tokens=5)))[0]
+    assert cached["usage"]["prompt_tokens_details"] == {"cached_tokens": 5}
     assert CompletionFormatter("m", [None]).stream_end(Usage(1, 1)) == DONE
 
 
@@ -537,13 +554,18 @@ def test_completion_formatter_response() -> None:
     x, y = Choice(0), Choice(1)
     x.add(done(FinishReason.LENGTH, text="xyz", token_ids=[5, 6, 7], usage=Usage(2, 3)))
     y.add(done(FinishReason.STOP, text="", usage=Usage(2, 1)))
-    full = json.loads(fmt.response([x, y], Usage(4, 4)))
+    full = json.loads(fmt.response([x, y], Usage(4, 4, cached_tokens=1)))
     assert full["object"] == "text_completion"
     assert full["choices"] == [
         {"index": 0, "text": "xyz", "finish_reason": "length", "logprobs": None},
         {"index": 1, "text": "", "finish_reason": "stop", "logprobs": None},
     ]
-    assert full["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+    assert full["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 4,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 1},
+    }
 
 
 PROMPT_LOGPROBS = [
@@ -595,7 +617,7 @@ def test_completion_echo_scoring_only_response() -> None:
     assert first["logprobs"]["token_logprobs"] == [None, -2.0]
     assert first["logprobs"]["text_offset"] == [0, 4]
     assert second["text"] == "given"  # the prompt as sent wins over its decoding
-    assert full["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+    assert full["usage"]["prompt_tokens"] == 3 and full["usage"]["total_tokens"] == 3
 
 
 def test_completion_echo_without_logprobs() -> None:
@@ -622,3 +644,18 @@ def test_completion_echo_without_logprobs() -> None:
 def test_silently_meaningless_values_are_refused(fields: dict[str, Any], param: str) -> None:
     assert rejected(chat, **fields).param == param
     assert rejected(completion, **fields).param == param
+
+
+def test_usage_parses_in_the_openai_sdk() -> None:
+    from openai.types import CompletionUsage
+
+    body = ChatFormatter("m").response([Choice(0)], Usage(10, 2, cached_tokens=8))
+    usage = CompletionUsage.model_validate(json.loads(body)["usage"])
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == 8
+
+
+def test_total_usage_counts_a_prompt_and_its_cached_tokens_once() -> None:
+    """n choices of one prompt share its count and its cache hit; completions add up."""
+    usages: list[Usage | None] = [Usage(10, 3, 8), Usage(10, 4, 10), Usage(6, 1, 0), None]
+    assert total_usage(usages, [0, 0, 1, 1]) == Usage(16, 8, 8)

@@ -54,6 +54,8 @@ class PromptFields(_Body):
     tools: list[Any] | None = None  # an empty list is fine; tool use is not served yet
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None  # {"type": "disabled"} only
+    # Automatic prompt caching's request-level breakpoint: accepted and ignored, as on blocks.
+    cache_control: dict[str, Any] | None = None
 
 
 class MessagesRequest(PromptFields, kw_only=True):
@@ -80,7 +82,13 @@ class TextContent(msgspec.Struct, kw_only=True):
 
 
 class UsageBody(msgspec.Struct):
+    """Anthropic's split: `input_tokens` is the input NOT read from the prefix cache, so the
+    prompt is input_tokens + cache_creation_input_tokens + cache_read_input_tokens (the cache
+    is automatic: nothing is ever written to it on request, creation is always 0)."""
+
     input_tokens: int
+    cache_creation_input_tokens: int
+    cache_read_input_tokens: int
     output_tokens: int
 
 
@@ -133,8 +141,13 @@ class StopDelta(msgspec.Struct):
     stop_sequence: str | None
 
 
-class DeltaUsage(msgspec.Struct):
+class DeltaUsage(msgspec.Struct, omit_defaults=True):
+    """Cumulative counts at the end; the input fields repeat message_start's split, final."""
+
     output_tokens: int
+    input_tokens: int | None = None
+    cache_creation_input_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
 
 
 class MessageDelta(msgspec.Struct, tag="message_delta", tag_field="type"):

@@ -151,6 +151,29 @@ def stop_reason(reason: FinishReason | None, stop: str | None) -> tuple[str | No
     return None, None
 
 
+def usage_body(usage: Usage) -> UsageBody:
+    """The prompt split as Anthropic counts it: tokens read from the cache are not input."""
+    cached = min(usage.cached_tokens, usage.prompt_tokens)
+    return UsageBody(
+        input_tokens=usage.prompt_tokens - cached,
+        cache_creation_input_tokens=0,
+        cache_read_input_tokens=cached,
+        output_tokens=usage.completion_tokens,
+    )
+
+
+def delta_usage(usage: Usage | None) -> DeltaUsage:
+    if usage is None:
+        return DeltaUsage(0)
+    body = usage_body(usage)
+    return DeltaUsage(
+        body.output_tokens,
+        body.input_tokens,
+        body.cache_creation_input_tokens,
+        body.cache_read_input_tokens,
+    )
+
+
 def count_tokens_body(count: int) -> bytes:
     return msgspec.json.encode(CountTokensBody(count))
 
@@ -181,9 +204,8 @@ class MessagesFormatter:
 
     def stream_start(self, first: RequestOutput) -> bytes:
         usage = first.usage or Usage()
-        start = self._message(
-            None, (None, None), UsageBody(usage.prompt_tokens, min(1, usage.completion_tokens))
-        )
+        usage = msgspec.structs.replace(usage, completion_tokens=min(1, usage.completion_tokens))
+        start = self._message(None, (None, None), usage_body(usage))
         return (
             self._event("message_start", MessageStart(start))
             + self._event("content_block_start", ContentBlockStart(0, TextContent(text="")))
@@ -197,10 +219,9 @@ class MessagesFormatter:
 
     def stream_finish(self, index: int, output: RequestOutput) -> bytes:
         reason, sequence = stop_reason(output.finish_reason, output.stop)
-        usage = output.usage or Usage()
         return self._event("content_block_stop", ContentBlockStop(0)) + self._event(
             "message_delta",
-            MessageDelta(StopDelta(reason, sequence), DeltaUsage(usage.completion_tokens)),
+            MessageDelta(StopDelta(reason, sequence), delta_usage(output.usage)),
         )
 
     def stream_end(self, usage: Usage) -> bytes:
@@ -214,6 +235,6 @@ class MessagesFormatter:
         body = self._message(
             choice.text,
             stop_reason(choice.finish_reason, choice.stop),
-            UsageBody(usage.prompt_tokens, usage.completion_tokens),
+            usage_body(usage),
         )
         return self.encode(body)

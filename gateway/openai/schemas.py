@@ -119,10 +119,15 @@ class CompletionRequest(SamplingFields):
 # ---- responses --------------------------------------------------------------------------
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0  # prompt tokens the worker's prefix cache served (no prefill)
+
+
 class UsageBody(msgspec.Struct):
-    prompt_tokens: int
+    prompt_tokens: int  # all of the prompt, cached tokens included
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):

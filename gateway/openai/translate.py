@@ -27,6 +27,7 @@ from gateway.openai.schemas import (
     ErrorBody,
     ErrorDetail,
     LogprobContent,
+    PromptTokensDetails,
     SamplingFields,
     TopLogprobBody,
     UsageBody,
@@ -272,7 +273,10 @@ def completion_request(req: CompletionRequest) -> list[tuple[CanonicalRequest, S
 def usage_body(usage: Usage | None) -> UsageBody:
     usage = usage or Usage()
     return UsageBody(
-        usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens + usage.completion_tokens
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        usage.prompt_tokens + usage.completion_tokens,
+        PromptTokensDetails(usage.cached_tokens),
     )
 
 
