@@ -149,7 +149,7 @@ class EngineCore:
         return outputs
 
     def _new_tokens(self, request: Request) -> int:
-        cached = self.prefix_cache.match(request.prompt)[1] if self.prefix_cache else 0
+        cached = self.prefix_cache.match(request.prompt)[1] if self.prefix_cache is not None else 0
         return len(request.prompt) - cached
 
     def _start(self, admitted: list[Request]) -> None:
@@ -157,7 +157,9 @@ class EngineCore:
             return
         items = []
         for request in admitted:
-            hit = self.prefix_cache.lookup(request.prompt) if self.prefix_cache else None
+            hit = (
+                self.prefix_cache.lookup(request.prompt) if self.prefix_cache is not None else None
+            )
             cached = hit.length if hit is not None else 0
             request.cached_tokens = cached
             items.append(
