@@ -81,7 +81,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--url only, the model id to send",
     )
     p.add_argument("--url", action="append", default=[], metavar="[NAME=]URL")
-    p.add_argument("--served-model", default=None, help="model id sent to --url servers")
+    p.add_argument(
+        "--served-model",
+        action="append",
+        default=[],
+        metavar="[NAME=]ID",
+        help="model id sent to --url servers (to the one named NAME with NAME=; default: "
+        "--model if it is not a directory, else the last id each server lists)",
+    )
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: --model's)")
     p.add_argument(
         "--sources",
@@ -139,8 +146,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.source_names and not args.url:
         p.error("nothing to measure: give --sources or --url")
     args.tokenizer = args.tokenizer or (args.model if model_dir else None)
-    if args.url and args.served_model is None and args.model and not model_dir:
-        args.served_model = args.model
+    args.served = {}
+    for item in args.served_model:
+        name, sep, value = item.partition("=")
+        args.served[name if sep else ""] = value if sep else item
+    if args.model and not model_dir:
+        args.served.setdefault("", args.model)
     return args
 
 
@@ -152,7 +163,8 @@ def build_sources(args: argparse.Namespace) -> list[Source]:
         if not sep or "://" in name:
             name, url = ("url" if len(args.url) == 1 else f"url{i + 1}"), item
         url = _client.check_loopback(url)
-        sources.append(Source(name, url=url, model_id=args.served_model, ignore_eos=name in eos))
+        model_id = args.served.get(name, args.served.get(""))
+        sources.append(Source(name, url=url, model_id=model_id, ignore_eos=name in eos))
     for name in args.source_names:
         if name in GATEWAY_ENGINE:
             command, model_id = _launch.GATEWAY_COMMAND, GATEWAY_MODEL_NAME
@@ -184,14 +196,16 @@ async def measure(args: argparse.Namespace, source: Source, url: str, trace: Tra
         if warm.error:
             return {"model_id": model_id, "error": f"warm-up failed: {warm.error}"}
         target = Target(url, model_id, args.max_tokens, source.ignore_eos)
-        sys0, t0 = _cpu.snapshot(), time.perf_counter()
+        sys0, t0, cpu0 = _cpu.snapshot(), time.perf_counter(), time.process_time()
         records = await run_sessions(client, target, trace, args.lockstep)
         sys1, wall = _cpu.snapshot(), time.perf_counter() - t0
+        client_cpu = round(100 * (time.process_time() - cpu0) / wall, 1)
     return {
         "model_id": model_id,
         "warmup_ttft_ms": round((warm.ttft or 0.0) * 1000, 1),
         "wall_s": round(wall, 2),
         "system_cpu_pct": _cpu.busy_pct(sys0, sys1),
+        "client_cpu_pct": client_cpu,
         "steal_pct": _cpu.steal_pct(sys0, sys1),
         "turns": summarize_turns(records, trace.turns),
         "records": [r.to_dict() for session in records for r in session],
@@ -247,7 +261,12 @@ def run_source(
         result = _run(measure(args, source, server.url, trace))
         cpu1 = server.cpu_seconds()
         if cpu0 is not None and cpu1 is not None and result.get("wall_s"):
-            result["server_cpu_pct"] = round(100 * (cpu1 - cpu0) / result["wall_s"], 1)
+            server_cpu = round(100 * (cpu1 - cpu0) / result["wall_s"], 1)
+            result["server_cpu_pct"] = server_cpu
+            if result.get("system_cpu_pct") is not None:
+                # CPU used by neither this client nor the server: other processes.
+                other = result["system_cpu_pct"] - result["client_cpu_pct"] - server_cpu
+                result["other_cpu_pct"] = round(other, 1)
         result.update(ready_s=round(server.ready_s or 0.0, 2), server_rss_mb=server.rss_mb())
     except RuntimeError as e:
         result = {"error": str(e)}
@@ -322,10 +341,18 @@ def report(args: argparse.Namespace, variant: dict[str, Any], info: dict[str, An
     print(markdown_table(variant["turns"], variant["ratios"]))
     if variant["target"]:
         print("\nTarget:\n" + "\n".join(variant["target"]))
+    print("\nRuns (CPU in % of one core; bg: used by other processes, on a shared machine):")
     for name, runs in variant["runs"].items():
         for res in runs:
+            head = f"- {name} repeat {res['repeat']}:"
             if res.get("error"):
-                print(f"\n- {name} (repeat {res['repeat']}): {res['error'].splitlines()[0]}")
+                print(f"{head} {res['error'].splitlines()[0]}")
+                continue
+            print(
+                f"{head} ready {res.get('ready_s', '-')} s, {res.get('wall_s')} s, server CPU "
+                f"{res.get('server_cpu_pct', '-')}, bg CPU {res.get('other_cpu_pct', '-')}, "
+                f"steal {res.get('steal_pct', '-')}"
+            )
     sys.stdout.flush()
 
 

@@ -145,3 +145,19 @@ def test_cli_against_a_running_url(gateway: GatewayProc, chat_model: Path, tmp_p
     assert all(t["failures"] == 0 and t["ttft_ms"] > 0 for t in turns)
     assert turns[1]["prompt_tokens"] > turns[0]["prompt_tokens"] + 100
     assert len(variant["runs"]["gateway"][0]["records"]) == 2
+
+
+def test_url_sources_take_names_model_ids_and_ignore_eos() -> None:
+    argv = ["--url", "gateway=http://127.0.0.1:8000", "--url", "mlx_lm=http://127.0.0.1:8080"]
+    argv += ["--served-model", "gateway=bench", "--served-model", "fallback-id"]
+    sources = agent_session.build_sources(agent_session.parse_args(argv))
+    assert [(s.name, s.model_id, s.ignore_eos, s.command) for s in sources] == [
+        ("gateway", "bench", True, None),
+        ("mlx_lm", "fallback-id", False, None),
+    ]
+    (only,) = agent_session.build_sources(
+        agent_session.parse_args(["--url", "http://127.0.0.1:9000/", "--model", "m"])
+    )
+    assert (only.name, only.url, only.model_id) == ("url", "http://127.0.0.1:9000", "m")
+    with pytest.raises(ValueError, match="non-loopback"):
+        agent_session.build_sources(agent_session.parse_args(["--url", "http://10.0.0.1:80"]))
