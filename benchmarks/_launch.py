@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,6 +38,56 @@ BUILTIN_COMMANDS = {
 
 # Launched with HOME pointing at a scratch directory (removed after the run).
 PRIVATE_HOME = {"vllm_mlx"}
+
+# This project's gateway, from a config written by ``write_gateway_config`` ({config}).
+GATEWAY_COMMAND = "{python} -m gateway --config {config} serve --port {port}"
+
+
+def _toml(value: bool | int | float | str) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(value)  # a JSON string is a valid TOML basic string
+
+
+def gateway_run_dir() -> Path:
+    """A short run directory: the gateway's unix socket paths must stay under 104 bytes."""
+    return Path(tempfile.mkdtemp(prefix="gw", dir="/tmp"))
+
+
+def write_gateway_config(
+    path: Path, run_dir: Path, model: str, name: str, engine: dict[str, bool | int | float]
+) -> Path:
+    """A gateway config serving one model as ``name`` with ``engine`` options (e.g.
+    ``{"prefix_cache": False}``); sockets, logs and an empty key file (so a developer's own
+    keys never turn auth on) go under ``run_dir``."""
+    server = {"run_dir": str(run_dir), "keys_file": f"{run_dir}/keys.json", "drain_timeout_s": 3.0}
+    lines = ["[server]"] + [f"{k} = {_toml(v)}" for k, v in server.items()]
+    lines += ["", "[[models]]", f"name = {_toml(name)}", f"source = {_toml(model)}"]
+    if engine:
+        lines += ["[models.engine]"] + [f"{k} = {_toml(v)}" for k, v in engine.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def wait_models_ready(url: str, timeout: float) -> None:
+    """Poll the gateway's ``GET /health`` until every configured model is ``ready`` (its
+    ``/v1/models`` answers before the workers have loaded); bounded by ``timeout``."""
+    deadline = time.perf_counter() + timeout
+    states: dict[str, str] = {}
+    with httpx.Client(timeout=5.0, trust_env=False) as client:
+        while time.perf_counter() < deadline:
+            try:
+                states = client.get(url + "/health").json().get("models", {})
+            except (httpx.HTTPError, ValueError, AttributeError):
+                states = {}
+            if states and all(s == "ready" for s in states.values()):
+                return
+            if "failed" in states.values():
+                break
+            time.sleep(0.5)
+    raise RuntimeError(f"gateway models not ready after {timeout:.0f}s: {states}")
 
 
 def resolve_blas(setting: str) -> str | None:

@@ -29,34 +29,43 @@ WORDS_PER_TOKEN_GUESS = 0.7
 Counter = Callable[[str], int]
 
 
+def filler(seed: str, n_words: int) -> str:
+    """``n_words`` words drawn from one sequence seeded by ``seed``: the text for n words is
+    a prefix of the text for n + 1."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(max(n_words, 0)))
+
+
 def _text(index: int, tag: str, n_words: int) -> str:
-    rng = random.Random(f"{tag}:{index}")
-    words = [rng.choice(WORDS) for _ in range(max(n_words, 0))]
-    return f"Request {tag}-{index}: " + " ".join(words)
+    return f"Request {tag}-{index}: " + filler(f"{tag}:{index}", n_words)
 
 
-def make_prompt(index: int, tag: str, target: int, count: Counter | None) -> str:
-    """One prompt. ``count(text)`` gives the templated token length, if known."""
+def fit_words(text_of: Callable[[int], str], target: int, count: Counter | None) -> str:
+    """``text_of(n)`` for the largest word count n whose ``count`` is <= ``target`` (a guess
+    from WORDS_PER_TOKEN_GUESS without a counter). ``text_of(n)`` must be a prefix of
+    ``text_of(n + 1)``, so the length is non-decreasing in n and can be binary-searched."""
     guess = max(int(target * WORDS_PER_TOKEN_GUESS), 1)
     if count is None:
-        return _text(index, tag, guess)
-    # Words are drawn from one seeded sequence, so the text for n words is a prefix of the
-    # text for n + 1 and the length is non-decreasing in n: binary-search the largest n
-    # whose templated length is <= target. Every loop is bounded.
-    lo, hi = 0, guess
+        return text_of(guess)
+    lo, hi = 0, guess  # every loop is bounded
     for _ in range(20):
-        if count(_text(index, tag, hi)) > target:
+        if count(text_of(hi)) > target:
             break
         lo, hi = hi, hi * 2
     for _ in range(40):
         if hi - lo <= 1:
             break
         mid = (lo + hi) // 2
-        if count(_text(index, tag, mid)) <= target:
+        if count(text_of(mid)) <= target:
             lo = mid
         else:
             hi = mid
-    return _text(index, tag, lo)
+    return text_of(lo)
+
+
+def make_prompt(index: int, tag: str, target: int, count: Counter | None) -> str:
+    """One prompt. ``count(text)`` gives the templated token length, if known."""
+    return fit_words(lambda n: _text(index, tag, n), target, count)
 
 
 def make_prompts(
