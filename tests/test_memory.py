@@ -1,14 +1,17 @@
-"""The memory budget's size: the device's memory, corrected by a worker's Ready."""
+"""The memory budget's size (the device's memory, corrected by a worker's Ready) and a
+model's estimate (weights, prefix cache)."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
 from gateway.device import Device
 from gateway.memory import MemoryBudget
-from shared.config import ServerConfig
+from gateway.slots import estimate_bytes
+from shared.config import EngineOptions, ModelConfig, ServerConfig
 from shared.protocol import Capacity, Ready
 
 GiB = 2**30
@@ -49,3 +52,34 @@ def test_ready_without_device_memory_changes_nothing(caplog: pytest.LogCaptureFi
     budget.observe(ready("gpu", 140 * GiB))  # the same figure: nothing to log
     assert (budget.total, budget.budget, budget.source) == (140 * GiB, 105 * GiB, "nvidia-smi")
     assert not caplog.text
+
+
+# ---- a model's estimate -----------------------------------------------------------------
+
+
+@pytest.fixture
+def weights(tmp_path: Path) -> Path:
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 4000)
+    (tmp_path / "config.json").write_text("{}")  # not weights
+    return tmp_path
+
+
+def model(source: str, memory_gb: float | None = None, **engine: object) -> ModelConfig:
+    options = EngineOptions(**engine)  # type: ignore[arg-type]
+    return ModelConfig(name="m", source=source, memory_gb=memory_gb, engine=options)
+
+
+def test_estimate_counts_the_prefix_cache_bound(weights: Path) -> None:
+    assert estimate_bytes(model(str(weights))) == 5000 + 2 * GiB  # the default bound
+    assert estimate_bytes(model(str(weights), prefix_cache_gb=0.5)) == 5000 + GiB // 2
+    assert estimate_bytes(model(str(weights), prefix_cache=False)) == 5000
+
+
+def test_estimate_before_the_weights_are_known() -> None:
+    assert estimate_bytes(model("org/not-downloaded")) == 2 * GiB
+    assert estimate_bytes(model("org/not-downloaded", prefix_cache=False)) == 0
+
+
+def test_memory_gb_is_the_whole_estimate(weights: Path) -> None:
+    assert estimate_bytes(model(str(weights), memory_gb=1.0)) == GiB
+    assert estimate_bytes(model(str(weights), memory_gb=1.0, prefix_cache_gb=8.0)) == GiB
