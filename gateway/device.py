@@ -65,37 +65,49 @@ def detect_device(platform: str = sys.platform) -> Device:
 def linux_backend(
     distribution: Callable[[str], Any] = metadata.distribution,
 ) -> str | None:
-    """Which MLX backend is installed: "cuda", "cpu", or None. With several installed (their
-    libmlx.so is one file: the last installed wrote it), the one whose file is in place."""
+    """Which MLX backend is installed: "cuda", "cpu", or None. Their libmlx.so is one file:
+    with several installed, the one whose file is in place (the last installed) counts."""
     found = {}
     for name in BACKENDS:
         try:
             found[name] = distribution(name)
         except metadata.PackageNotFoundError:
             continue
-    if len(found) <= 1:
-        return next((BACKENDS[name] for name in found), None)
-    in_place = next((name for name, dist in found.items() if _owns_libmlx(dist)), None)
-    log.warning(
-        "%s are all installed and share %s (%s's is in place); keep one: "
-        "pip uninstall -y %s, then pip install 'mlx-gateway[cpu]' or 'mlx-gateway[cuda]'",
-        ", ".join(found),
-        LIBMLX,
-        in_place or "none",
-        " ".join(found),
-    )
-    return BACKENDS[in_place] if in_place else None
+    if not found:
+        return None
+    in_place = [name for name, dist in found.items() if _libmlx_in_place(dist)]
+    names = " ".join(found)
+    if len(found) > 1:
+        log.warning(
+            "MLX backends %s are all installed and share %s (%s's is in place); keep one: "
+            "pip uninstall -y %s, then pip install 'mlx-gateway[cpu]' or 'mlx-gateway[cuda]'",
+            names,
+            LIBMLX,
+            " and ".join(in_place) or "nobody",
+            names,
+        )
+    if not in_place:
+        log.error(
+            "%s is missing or not the one %s installed (removed with another backend?): "
+            "workers will fail to import MLX. Reinstall: pip install --force-reinstall "
+            "--no-deps %s",
+            LIBMLX,
+            names,
+            next(iter(found)),
+        )
+    return BACKENDS[(in_place or list(found))[0]]
 
 
-def _owns_libmlx(dist: Any) -> bool:
+def _libmlx_in_place(dist: Any) -> bool:
     """Whether the libmlx.so on disk is the one this distribution's RECORD lists."""
-    for file in dist.files or ():
-        if file.as_posix() == LIBMLX and file.size is not None:
-            try:
-                return bool(os.stat(dist.locate_file(file)).st_size == file.size)
-            except OSError:
-                return False
-    return False
+    entry = next((f for f in dist.files or () if f.as_posix() == LIBMLX), None)
+    if entry is None:
+        return True  # nothing to compare with
+    try:
+        size = os.stat(dist.locate_file(entry)).st_size
+    except OSError:
+        return False
+    return entry.size is None or bool(size == entry.size)
 
 
 def nvidia_memory(
