@@ -1,7 +1,12 @@
 """The memory budget: what loaded workers use, and making room for one more.
 
-A worker counts for the larger of its measured footprint and its model's estimate (a
-worker still loading has measured little yet). Room is made by evicting idle models, least
+The budget is server.memory_budget_gb, or three quarters of the device's memory: unified
+memory on a Mac, the GPU's under CUDA, host RAM on MLX's CPU device. It is known before the
+first worker starts (gateway/device.py) and follows the device memory a worker's Ready
+reports, should that differ.
+
+A worker counts for the larger of its measured footprint and its model's estimate (a worker
+still loading has measured little yet). Room is made by evicting idle models, least
 recently used first; when none is idle, `server.memory_policy` decides: refuse, wait for one
 to become idle, or preempt a lower-priority model.
 """
@@ -14,11 +19,11 @@ import time
 from collections.abc import Iterable
 from typing import Protocol
 
-import psutil
-
+from gateway.device import Device
 from gateway.errors import GatewayError
 from gateway.slots import GiB, Slot, estimate_bytes
 from shared.config import ServerConfig
+from shared.protocol import Ready
 from shared.types import ErrorCode
 
 log = logging.getLogger("gateway.supervisor")
@@ -32,12 +37,34 @@ class Unload(Protocol):
     ) -> bool: ...
 
 
+DEVICE_SHARE = 0.75  # of the device's memory, when server.memory_budget_gb is not set
+
+
 class MemoryBudget:
-    def __init__(self, server: ServerConfig) -> None:
+    def __init__(self, server: ServerConfig, device: Device) -> None:
         self.server = server
-        self.total = psutil.virtual_memory().total
-        budget_gb = server.memory_budget_gb
-        self.budget = int(budget_gb * GiB) if budget_gb else int(self.total * 0.75)
+        self.total = device.memory_bytes
+        self.source = device.memory_source
+        self.budget = self._budget()
+
+    def _budget(self) -> int:
+        budget_gb = self.server.memory_budget_gb
+        return int(budget_gb * GiB) if budget_gb else int(self.total * DEVICE_SHARE)
+
+    def observe(self, ready: Ready) -> None:
+        """A worker's Ready: the device MLX chose and its memory correct what was detected."""
+        if ready.device_memory_bytes <= 0 or ready.device_memory_bytes == self.total:
+            return
+        log.info(
+            "device memory: %.1f GiB on the worker's %s (was %.1f GiB from %s)",
+            ready.device_memory_bytes / GiB,
+            ready.device or "device",
+            self.total / GiB,
+            self.source,
+        )
+        self.total = ready.device_memory_bytes
+        self.source = f"worker ({ready.device or 'device'})"
+        self.budget = self._budget()
 
     @staticmethod
     def used(slots: Iterable[Slot], exclude: Slot | None = None) -> int:

@@ -119,14 +119,17 @@ class Slot:
 
 
 def estimate_bytes(model: ModelConfig) -> int:
-    """Bytes a model needs once loaded: configured, or its weights plus a quarter."""
+    """Bytes a model needs once loaded: its memory_gb, which counts everything; or its
+    weights plus a quarter, plus the bound of its prefix cache (which fills over time)."""
     if model.memory_gb:
         return int(model.memory_gb * GiB)
+    engine = model.engine
+    cache = int(engine.prefix_cache_gb * GiB) if engine.prefix_cache else 0
     path = Path(model.source).expanduser()
     if not path.is_dir():
-        return 0  # a hub id not downloaded yet, or the demo: measured once loaded
+        return cache  # a hub id not downloaded yet, or the demo: weights measured once loaded
     weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    return int(weights * 1.25)
+    return int(weights * 1.25) + cache
 
 
 def describe_exit(code: int | None) -> str:

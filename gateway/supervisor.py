@@ -31,6 +31,7 @@ import msgspec
 
 from gateway.capabilities import check_capabilities, with_template_defaults
 from gateway.control import ControlCalls
+from gateway.device import detect_device
 from gateway.errors import GatewayError
 from gateway.leftovers import reap_leftovers, save_pids
 from gateway.memory import MemoryBudget
@@ -88,7 +89,8 @@ class Supervisor:
         self._stopping: asyncio.Future[None] | None = None
         self.started_at = time.time()
         self.transport = Transport(run_dir.requests_ipc, run_dir.outputs_ipc)
-        self.memory = MemoryBudget(self.server)
+        self.device = detect_device()
+        self.memory = MemoryBudget(self.server, self.device)
 
     @property
     def models(self) -> dict[str, ModelConfig]:
@@ -249,6 +251,7 @@ class Supervisor:
 
     async def _spawn(self, model: ModelConfig, restart: bool) -> WorkerHandle:
         worker_id = f"{model.name}-{next(self._serial)}-{uuid.uuid4().hex[:6]}"
+        server = self.server
         log_file = open(self.run_dir.worker_log(model.name), "ab")  # noqa: SIM115
         try:
             process = await asyncio.create_subprocess_exec(
@@ -266,7 +269,7 @@ class Supervisor:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=log_file,
-                env=worker_env(self.server.blas, self.server.blas_threads),
+                env=worker_env(server.blas, server.blas_threads, device=self.device.kind),
                 start_new_session=True,
             )
         finally:
@@ -601,6 +604,7 @@ class Supervisor:
             if slot is not None:
                 slot.last_info = frame
             handle.capacity = frame.capacity
+            self.memory.observe(frame)
             handle.ready.set()
             log.info("model %s ready in %.1fs", handle.config.name, frame.load_time_s)
         elif isinstance(frame, WorkerDead):
@@ -772,5 +776,7 @@ class Supervisor:
             "memory_budget_bytes": self.memory.budget,
             "memory_used_bytes": self.memory_used(),
             "memory_total_bytes": self.memory.total,
+            "memory_source": self.memory.source,
+            "device": f"{self.device.kind} ({self.device.backend})",
             "models": {name: slot.state.value for name, slot in self.slots.items()},
         }

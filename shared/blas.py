@@ -2,7 +2,9 @@
 
 mlx[cpu] wheels for Linux bundle the reference BLAS; preloading an optimized one (Debian's
 libopenblas0-pthread) makes batched matmuls an order of magnitude faster. The preload must be
-in the environment before the worker process starts, so the supervisor decides it at spawn.
+in the environment before the worker process starts, so the supervisor decides it at spawn,
+for the device it detected (gateway/device.py): `auto` preloads into CPU workers only, since
+a GPU worker's matmuls never reach BLAS; an explicit library path is preloaded everywhere.
 """
 
 from __future__ import annotations
@@ -23,12 +25,18 @@ class BlasError(ValueError):
     pass
 
 
-def resolve_blas(setting: str, candidates: tuple[str, ...] = CANDIDATES) -> str | None:
-    """The library to preload for `setting` (auto | off | a path), or None."""
+def resolve_blas(
+    setting: str, candidates: tuple[str, ...] | None = None, *, device: str = "cpu"
+) -> str | None:
+    """The library to preload for `setting` (auto | off | a path) into workers on `device`
+    ("cpu" or "gpu"), or None. `auto` looks through `candidates` (default: CANDIDATES)."""
     if not sys.platform.startswith("linux") or setting == "off":
         return None
     if setting == "auto":
-        return next((c for c in candidates if Path(c).is_file()), None)
+        if device != "cpu":
+            return None
+        found = CANDIDATES if candidates is None else candidates
+        return next((c for c in found if Path(c).is_file()), None)
     if not Path(setting).is_file():
         raise BlasError(f"blas library not found: {setting}")
     return setting
@@ -43,12 +51,12 @@ def blas_thread_count(threads: int, cpus: int | None = None) -> int:
 
 
 def worker_env(
-    setting: str, threads: int = 0, base: dict[str, str] | None = None
+    setting: str, threads: int = 0, base: dict[str, str] | None = None, device: str = "cpu"
 ) -> dict[str, str]:
-    """The environment for a worker process, with the BLAS preload and thread count applied.
-    An OPENBLAS_NUM_THREADS already in the environment wins."""
+    """The environment for a worker process on `device`, with the BLAS preload and thread
+    count applied. An OPENBLAS_NUM_THREADS already in the environment wins."""
     env = dict(os.environ if base is None else base)
-    lib = resolve_blas(setting)
+    lib = resolve_blas(setting, device=device)
     if lib:
         existing = env.get("LD_PRELOAD", "")
         if lib not in existing.split(":"):

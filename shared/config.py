@@ -105,7 +105,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     # A request for this model while it is not loaded: "load" it (and wait), or "refuse"
     # (503 + Retry-After).
     on_demand: Literal["load", "refuse"] = "load"
-    # Memory the loaded model needs, in GiB; default: its weight files plus a quarter.
+    # Memory the loaded model needs in the gateway's budget, in GiB, everything included;
+    # default: its weight files plus a quarter, plus engine.prefix_cache_gb when the prefix
+    # cache is on.
     memory_gb: float | None = None
     # Higher wins: with memory_policy = "preempt", a load may unload lower-priority models.
     priority: int = 0

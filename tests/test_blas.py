@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -107,3 +109,76 @@ def test_user_openblas_threads_win(libs: tuple[str, str, str]) -> None:
     _, first, _ = libs
     env = worker_env(first, 1, base={"OPENBLAS_NUM_THREADS": "7"})
     assert env["OPENBLAS_NUM_THREADS"] == "7"
+
+
+# ---- only for MLX's CPU device -------------------------------------------------------------
+
+
+def test_auto_preloads_into_cpu_workers_only(libs: tuple[str, str, str]) -> None:
+    _, first, _ = libs
+    assert resolve_blas("auto", (first,), device="cpu") == first
+    assert resolve_blas("auto", (first,), device="gpu") is None
+    assert resolve_blas("auto", (first,)) == first  # the CPU unless told otherwise
+
+
+def test_gpu_worker_env_has_no_preload(
+    libs: tuple[str, str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shared import blas
+
+    _, first, _ = libs
+    monkeypatch.setattr(blas, "CANDIDATES", (first,))
+    assert worker_env("auto", 1, base={"PATH": "/bin"}, device="cpu")["LD_PRELOAD"] == first
+    env = worker_env("auto", 1, base={"PATH": "/bin"}, device="gpu")
+    assert env == {"PATH": "/bin"}  # no LD_PRELOAD, no OPENBLAS_NUM_THREADS
+
+
+def test_an_explicit_library_is_preloaded_on_any_device(libs: tuple[str, str, str]) -> None:
+    _, first, _ = libs
+    assert worker_env(first, 2, base={}, device="gpu") == {
+        "LD_PRELOAD": first,
+        "OPENBLAS_NUM_THREADS": "2",
+    }
+
+
+@pytest.mark.parametrize(("backend", "preloaded"), [("cuda", False), ("cpu", True)])
+def test_the_supervisor_spawns_for_the_detected_device(
+    libs: tuple[str, str, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    backend: str,
+    preloaded: bool,
+) -> None:
+    """On a CUDA machine (faked) workers get no OpenBLAS; on MLX's CPU they do."""
+    from gateway import device, supervisor
+    from shared import blas
+    from shared.config import Config, ModelConfig
+    from shared.paths import RunDir
+
+    _, first, _ = libs
+    monkeypatch.setattr(blas, "CANDIDATES", (first,))
+    monkeypatch.setattr(device, "linux_backend", lambda: backend)
+    monkeypatch.setattr(device, "nvidia_memory", lambda: 80 * 2**30)
+    monkeypatch.setattr(supervisor, "detect_device", lambda: device.detect_device("linux"))
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    envs: list[dict[str, str]] = []
+    real_exec = asyncio.create_subprocess_exec
+
+    async def spawn(*args: str, **kwargs: Any) -> asyncio.subprocess.Process:
+        envs.append(kwargs["env"])
+        return await real_exec("true", **kwargs)  # exits at once: a load failure
+
+    monkeypatch.setattr(supervisor.asyncio, "create_subprocess_exec", spawn)
+
+    async def main() -> None:
+        sup = supervisor.Supervisor(Config(), RunDir(tmp_path / "run"))
+        sup.run_dir.create()
+        handle = await sup._spawn(ModelConfig(name="m", source="/nowhere"), restart=False)
+        await asyncio.wait_for(handle.exited.wait(), 10)
+        assert sup.device.kind == ("gpu" if backend == "cuda" else "cpu")
+        assert sup.status()["device"] == f"{sup.device.kind} ({backend})"
+
+    asyncio.run(main())
+    assert ("LD_PRELOAD" in envs[0]) is preloaded
+    if preloaded:
+        assert envs[0]["LD_PRELOAD"] == first
