@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The GPU figures of docs/benchmarks.md: one NVIDIA GPU, MLX's CUDA backend, random-weight
+# models of Llama-3.2-1B's and Llama-3.1-8B's shapes in bf16 (vocab 128,256).
+#
+#   benchmarks/h200.sh OUT [1b] [8b] [agent]     (default: all three)
+#
+# Run from the repository root with MLX (CUDA), mlx-lm and the project importable by
+# $PYTHON (default python3). Models are built under $MODELS (default /tmp/models) on first use.
+# SMALL=1 swaps in tiny shapes, to rehearse the whole script on a CPU machine.
+# - 1b / 8b: benchmarks.serving, closed loop, 128-token prompts and outputs: mlx-lm's
+#   BatchGenerator in one process (the ceiling), this gateway and mlx_lm server, one after
+#   another on the same prompts (each launched once for all levels).
+# - agent: benchmarks.agent_session on the 1b shape: 8 turns over a 4k-token system prompt,
+#   1 and 4 concurrent sessions, the gateway with its prefix cache on and off, mlx_lm server.
+set -euo pipefail
+OUT=${1:?usage: benchmarks/h200.sh OUT [1b] [8b] [agent]}
+shift
+STEPS=${*:-1b 8b agent}
+PY=${PYTHON:-python3}
+M=${MODELS:-/tmp/models}
+mkdir -p "$OUT" "$M"
+
+if [ "${SMALL:-0}" = 1 ]; then
+  SHAPE_1B="--hidden 128 --layers 4 --heads 4 --kv-heads 2 --intermediate 256 --vocab 2048"
+  SHAPE_8B="--hidden 192 --layers 6 --heads 6 --kv-heads 2 --intermediate 384 --vocab 2048"
+  LEVELS_1B=1,4 LEVELS_8B=1,4 AGENT_SYSTEM=512 AGENT_TURNS=3
+else
+  SHAPE_1B="--hidden 2048 --layers 16 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 128256"
+  SHAPE_8B="--hidden 4096 --layers 32 --heads 32 --kv-heads 8 --intermediate 14336 --vocab 128256"
+  LEVELS_1B=1,8,32,64,128 LEVELS_8B=1,32,128 AGENT_SYSTEM=4096 AGENT_TURNS=8
+fi
+
+model() {  # NAME SHAPE...
+  local name=$1
+  shift
+  [ -f "$M/$name/model.safetensors" ] ||
+    $PY -m worker.modelgen "$M/$name" "$@" --max-position 16384 --dtype bfloat16 >&2
+  echo "$M/$name"
+}
+
+gateway_config() {  # MODEL_DIR MAX_CONCURRENCY -> config path; the batch sizes of the ceiling
+  local cfg run
+  cfg=$(mktemp /tmp/gw-XXXX.toml)
+  run=$(mktemp -d /tmp/gwXXXX)
+  cat >"$cfg" <<TOML
+[server]
+host = "127.0.0.1"
+run_dir = "$run"
+
+[[models]]
+name = "bench"
+source = "$1"
+[models.engine]
+max_running = $2
+prefill_batch_size = $2
+max_prefill_tokens = 65536
+TOML
+  echo "$cfg"
+}
+
+throughput() {  # NAME SHAPE LEVELS
+  local dir cfg max
+  dir=$(model "$1" $2)
+  max=${3##*,}
+  cfg=$(gateway_config "$dir" "$max")
+  $PY -m benchmarks.serving --model "$dir" --inprocess --launch mlx_lm \
+    --launch-cmd "gateway={python} -m gateway --config $cfg serve --port {port}" \
+    --served-model gateway=bench --concurrency "$3" --min-requests 16 --no-interleave \
+    --wait-idle 0 --out "$OUT/$1.json" 2>&1 | tee "$OUT/$1.log"
+}
+
+for step in $STEPS; do
+  case $step in
+    1b) throughput 1b "$SHAPE_1B" "$LEVELS_1B" ;;
+    8b) throughput 8b "$SHAPE_8B" "$LEVELS_8B" ;;
+    agent)
+      $PY -m benchmarks.agent_session --model "$(model 1b $SHAPE_1B)" \
+        --sources gateway,gateway-nocache,mlx_lm --sessions 1,4 --turns "$AGENT_TURNS" \
+        --system-tokens "$AGENT_SYSTEM" --wait-idle 0 --out "$OUT/agent.json" 2>&1 |
+        tee "$OUT/agent.log"
+      ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+done
