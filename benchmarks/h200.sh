@@ -6,7 +6,8 @@
 #
 # Run from the repository root with MLX (CUDA), mlx-lm and the project importable by
 # $PYTHON (default python3). Models are built under $MODELS (default /tmp/models) on first use.
-# SMALL=1 swaps in tiny shapes, to rehearse the whole script on a CPU machine.
+# SMALL=1 swaps in tiny shapes, to rehearse the whole script on a CPU machine; SERVING_ARGS
+# and AGENT_ARGS add flags to benchmarks.serving and benchmarks.agent_session.
 # - 1b / 8b: benchmarks.serving, closed loop, 128-token prompts and outputs: mlx-lm's
 #   BatchGenerator in one process (the ceiling), this gateway and mlx_lm server, one after
 #   another on the same prompts (each launched once for all levels).
@@ -66,7 +67,7 @@ throughput() {  # NAME SHAPE LEVELS
   $PY -m benchmarks.serving --model "$dir" --inprocess --launch mlx_lm \
     --launch-cmd "gateway={python} -m gateway --config $cfg serve --port {port}" \
     --served-model gateway=bench --concurrency "$3" --min-requests 16 --no-interleave \
-    --wait-idle 0 --out "$OUT/$1.json" 2>&1 | tee "$OUT/$1.log"
+    --wait-idle 0 ${SERVING_ARGS:-} --out "$OUT/$1.json" 2>&1 | tee "$OUT/$1.log"
 }
 
 for step in $STEPS; do
@@ -76,7 +77,7 @@ for step in $STEPS; do
     agent)
       $PY -m benchmarks.agent_session --model "$(model 1b $SHAPE_1B)" \
         --sources gateway,gateway-nocache,mlx_lm --sessions 1,4 --turns "$AGENT_TURNS" \
-        --system-tokens "$AGENT_SYSTEM" --wait-idle 0 --out "$OUT/agent.json" 2>&1 |
+        --system-tokens "$AGENT_SYSTEM" --wait-idle 0 ${AGENT_ARGS:-} --out "$OUT/agent.json" 2>&1 |
         tee "$OUT/agent.log"
       ;;
     *) echo "unknown step $step" >&2; exit 2 ;;

@@ -168,9 +168,10 @@ class MlxLmBackend:
         return copied
 
     def compact(self, cache: list[Any]) -> list[Any]:
-        """Evaluate a cache taken out of the batch, so that it holds its own buffers and not
-        the graph of the batch's (which would keep the batch's arrays alive)."""
-        mx.eval([c.state for c in cache])
+        """Have a cache taken out of the batch evaluated, so that it holds its own buffers and
+        not the graph of the batch's (which would keep the batch's arrays alive). Queued, not
+        waited for: waiting would stall the step already running on the device."""
+        mx.async_eval([c.state for c in cache])
         return cache
 
     def kv_bytes_per_token(self) -> int:
