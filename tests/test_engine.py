@@ -407,6 +407,7 @@ def test_logprobs_in_a_mixed_batch(chat: Loaded, prompts: list[list[int]]) -> No
         greedy("lp2", prompts[2], 8, ignore_eos=True, logprobs=True),
     ]
     out = drive(engine, requests)
+    assert engine.logprob_requests == 0  # nothing left asking: step() skips the work again
     assert all(o.logprobs == [] for o in out["plain"])
     for name, k, top in (("lp0", 0, 3), ("lp2", 2, 0)):
         entries = logprob_entries(out[name])

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker.engine.prefix_cache import KEY_TOKENS, MAX_ENTRIES, PrefixCache
+from worker.engine.prefix_cache import BLOCK as KEY_TOKENS
+from worker.engine.prefix_cache import MAX_ENTRIES, PrefixCache
 
 HEAD = list(range(1000, 1000 + KEY_TOKENS))  # a shared start, long enough to be indexed
 

@@ -55,6 +55,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}  # every request the engine holds
         self.by_uid: dict[int, Request] = {}  # those in the backend's batch
         self.scoring: dict[str, Scoring] = {}  # echo + logprobs: prompts being scored
+        self.logprob_requests = 0  # in the batch and asking for logprobs (0: step skips them)
         self.steps = 0
 
     @property
@@ -176,6 +177,7 @@ class EngineCore:
             request.uid = uid
             request.status = RequestStatus.PREFILLING
             self.by_uid[uid] = request
+            self.logprob_requests += request.wants_logprobs
 
     def _process(self, sampled: list[Sampled]) -> list[RequestOutput]:
         rows = [(r, s.token, s.logits) for s in sampled if (r := self.by_uid.get(s.uid))]
@@ -215,8 +217,8 @@ class EngineCore:
 
     def _forget(self, request: Request) -> None:
         self.requests.pop(request.request_id, None)
-        if request.uid is not None:
-            self.by_uid.pop(request.uid, None)
+        if request.uid is not None and self.by_uid.pop(request.uid, None) is not None:
+            self.logprob_requests -= request.wants_logprobs
         self.scheduler.finish(request.request_id)
 
     # ---- prompt scoring (echo + logprobs) ------------------------------------------------

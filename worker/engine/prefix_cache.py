@@ -10,17 +10,21 @@ cannot (sliding-window or state-space layers) are reused only when the prompt ex
 entry's tokens exactly. At least one prompt token is always left to prefill (the model must
 see it to give the first token's logits).
 
-Bounded in bytes, least recently used out first; an entry larger than the whole bound is
-not kept. Entries are indexed by their first `KEY_TOKENS` tokens, so a lookup compares the
-prompt only with entries that begin as it does (a prefix shorter than that is not worth a
-hit), and at most `MAX_ENTRIES` are kept, whatever their size.
+Entries are found through a chain of block hashes, as vLLM's prefix caching does: the
+tokens are cut into blocks of `BLOCK` tokens and block i's key hashes block i's tokens with
+block i-1's key, so one key stands for a whole prefix. A lookup walks the prompt's chain as
+far as some entry shares it and compares tokens only with a few entries found there (the
+most recently used first): its cost grows with the prompt, not with the number of entries.
+Hits shorter than one block are not worth a copy and are not looked for.
 
-The cache objects are the backend's: this module reaches them only through `CacheOps`, so it
-is tested without a model.
+Bounded in bytes, least recently used out first, and at most `MAX_ENTRIES` entries; an entry
+larger than the whole bound is not kept. The cache objects are the backend's: this module
+reaches them only through `CacheOps`, so it is tested without a model.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -29,8 +33,9 @@ import numpy as np
 
 from shared.protocol import PrefixCacheStats
 
-KEY_TOKENS = 16
+BLOCK = 16
 MAX_ENTRIES = 1024
+CANDIDATES = 4  # entries compared token by token at the deepest shared block
 
 
 class CacheOps(Protocol):
@@ -47,6 +52,7 @@ class CacheOps(Protocol):
 @dataclass(slots=True, eq=False)
 class Entry:
     tokens: np.ndarray  # int64, the tokens whose KV the cache holds
+    chain: list[int]  # the key of each full block
     cache: Any
     nbytes: int
     trimmable: bool
@@ -58,12 +64,23 @@ class Hit:
     length: int  # prompt tokens the cache covers
 
 
+def block_chain(tokens: list[int]) -> list[int]:
+    """The key of each full block of `tokens`: a hash of the block and of the key before."""
+    chain: list[int] = []
+    key = 0
+    for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
+        key = hash((key, *tokens[start : start + BLOCK]))
+        chain.append(key)
+    return chain
+
+
 class PrefixCache:
     def __init__(self, capacity_bytes: int, ops: CacheOps) -> None:
         self.capacity = capacity_bytes
         self.ops = ops
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
-        self.index: dict[tuple[int, ...], set[int]] = {}  # first KEY_TOKENS tokens -> keys
+        self.blocks: dict[int, set[int]] = {}  # block key -> entries holding that prefix
+        self.ends: dict[int, set[int]] = {}  # block key -> entries whose last full block it is
         self.nbytes = 0
         self._next_key = 0
         self.lookups = self.hits = self.hit_tokens = self.evictions = 0
@@ -84,25 +101,32 @@ class PrefixCache:
 
     def match(self, prompt: list[int]) -> tuple[int, int]:
         """(key, length): the entry that covers the most of `prompt`, and how much; (-1, 0)
-        when none covers any. Changes nothing."""
+        when none covers a block's worth. Changes nothing."""
         limit = len(prompt) - 1  # the last prompt token is always prefilled
-        if limit < KEY_TOKENS:
-            return -1, 0
-        candidates = self.index.get(tuple(prompt[:KEY_TOKENS]))
-        if not candidates:
+        chain = block_chain(prompt[:limit])
+        depth = 0
+        while depth < len(chain) and chain[depth] in self.blocks:
+            depth += 1
+        if depth == 0:
             return -1, 0
         query = np.asarray(prompt, dtype=np.int64)
         best_key, best = -1, 0
-        for key in candidates:
-            entry = self.entries[key]
-            common = _common_prefix(entry.tokens, query)
-            if entry.trimmable:
-                usable = min(common, limit)
-            else:  # only an exact extension of the entry
-                usable = common if common == len(entry.tokens) <= limit else 0
-            if usable > best or (usable == best and usable and key > best_key):
-                best_key, best = key, usable
+        for level in range(depth - 1, -1, -1):  # the deepest shared block first
+            keys = self.blocks[chain[level]]
+            for key in heapq.nlargest(CANDIDATES, keys):  # keys grow with each use
+                usable = self._usable(self.entries[key], query, limit)
+                if usable > best:
+                    best_key, best = key, usable
+            if best:  # a shallower block cannot share more
+                return best_key, best
         return best_key, best
+
+    def _usable(self, entry: Entry, query: np.ndarray, limit: int) -> int:
+        common = _common_prefix(entry.tokens, query)
+        if entry.trimmable:
+            return min(common, limit)
+        # an untrimmable cache: only an exact extension of the entry
+        return common if common == len(entry.tokens) <= limit else 0
 
     def lookup(self, prompt: list[int]) -> Hit | None:
         """The cache for the longest usable prefix of `prompt`, counted as a hit; None on a
@@ -111,8 +135,7 @@ class PrefixCache:
         key, length = self.match(prompt)
         if length == 0:
             return None
-        entry = self.entries[key]
-        self.entries.move_to_end(key)
+        entry = self._touch(key)
         self.hits += 1
         self.hit_tokens += length
         return Hit(self.ops.prefix(entry.cache, length, len(entry.tokens)), length)
@@ -122,42 +145,64 @@ class PrefixCache:
         whose tokens are a prefix of these (when it can be trimmed to serve them) and an
         identical one. False when it is larger than the whole bound (not kept)."""
         nbytes = self.ops.nbytes(cache)
-        if nbytes > self.capacity or len(tokens) <= KEY_TOKENS:
+        if nbytes > self.capacity or len(tokens) <= BLOCK:
             return False
         array = np.asarray(tokens, dtype=np.int64)
+        chain = block_chain(tokens)
         trimmable = self.ops.trimmable(cache)
-        head = tuple(tokens[:KEY_TOKENS])
-        for key in list(self.index.get(head, ())):
-            entry = self.entries[key]
-            if len(entry.tokens) > len(array) or not (trimmable or len(entry.tokens) == len(array)):
-                continue
-            if _common_prefix(entry.tokens, array) == len(entry.tokens):
-                self._drop(key)
+        for block in chain:  # entries whose every full block these tokens share
+            for key in list(self.ends.get(block, ())):
+                entry = self.entries[key]
+                covered = len(entry.tokens) <= len(array) and (
+                    trimmable or len(entry.tokens) == len(array)
+                )
+                if covered and _common_prefix(entry.tokens, array) == len(entry.tokens):
+                    self._drop(key)
         while self.entries and (
             self.nbytes + nbytes > self.capacity or len(self.entries) >= MAX_ENTRIES
         ):
             self._drop(next(iter(self.entries)))
             self.evictions += 1
-        key = self._next_key
-        self._next_key += 1
-        self.entries[key] = Entry(array, cache, nbytes, trimmable)
-        self.index.setdefault(head, set()).add(key)
-        self.nbytes += nbytes
+        self._add(Entry(array, chain, cache, nbytes, trimmable))
         return True
 
     def clear(self) -> None:
         self.entries.clear()
-        self.index.clear()
+        self.blocks.clear()
+        self.ends.clear()
         self.nbytes = 0
 
-    def _drop(self, key: int) -> None:
+    def _add(self, entry: Entry) -> int:
+        key = self._next_key
+        self._next_key += 1
+        self.entries[key] = entry
+        self.nbytes += entry.nbytes
+        for block in entry.chain:
+            self.blocks.setdefault(block, set()).add(key)
+        self.ends.setdefault(entry.chain[-1], set()).add(key)
+        return key
+
+    def _touch(self, key: int) -> Entry:
+        """Most recently used: re-added under a new (larger) key."""
+        entry = self._drop(key)
+        self._add(entry)
+        return entry
+
+    def _drop(self, key: int) -> Entry:
         entry = self.entries.pop(key)
         self.nbytes -= entry.nbytes
-        head = tuple(int(t) for t in entry.tokens[:KEY_TOKENS])
-        keys = self.index[head]
+        for block in entry.chain:
+            _discard(self.blocks, block, key)
+        _discard(self.ends, entry.chain[-1], key)
+        return entry
+
+
+def _discard(index: dict[int, set[int]], block: int, key: int) -> None:
+    keys = index.get(block)
+    if keys is not None:
         keys.discard(key)
         if not keys:
-            del self.index[head]
+            del index[block]
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
