@@ -146,3 +146,27 @@ def test_off_means_off(chat: Loaded) -> None:
 @pytest.mark.parametrize("gb", [0.0])
 def test_a_zero_bound_is_off(chat: Loaded, gb: float) -> None:
     assert chat.engine(prefix_cache_gb=gb).prefix_cache is None
+
+
+def test_a_long_system_prompt_is_shared_with_clients_arriving_while_it_runs(
+    chat: Loaded,
+) -> None:
+    system = " ".join([SYSTEM] * 8)  # a few hundred tokens that nobody has prefilled yet
+
+    def prompt(question: str) -> list[int]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        return chat_prompt(chat, messages)
+
+    first, second = prompt(QUESTIONS[0]), prompt(QUESTIONS[1])
+    assert len(first) >= 300
+    engine = chat.engine()
+    engine.add(greedy("first", first, 40, ignore_eos=True))
+    while not any(o.request_id == "first" and o.token_ids for o in engine.step()):
+        pass
+    stats = engine.prefix_stats()
+    assert stats is not None and stats.entries == 1  # its prompt, while it still runs
+    out = drive(engine, [greedy("second", second, 8, ignore_eos=True)])["second"]
+    shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    assert final_usage(out).cached_tokens == shared
+    alone = drive(chat.engine(prefix_cache=False), [greedy("x", second, 8, ignore_eos=True)])
+    assert token_ids(out) == token_ids(alone["x"])

@@ -143,6 +143,11 @@ class MlxLmBackend:
         caches = self.generator.remove(present, return_prompt_caches=keep_caches)
         return dict(caches) if keep_caches else {}
 
+    def extract(self, uids: list[int]) -> dict[int, tuple[Any, list[int]]]:
+        """A copy of rows' caches, and the tokens each holds; the rows stay in the batch."""
+        present = [u for u in uids if u in self.uids]
+        return dict(self.generator.extract_cache(present)) if present else {}
+
     @property
     def active(self) -> bool:
         return bool(self.uids)

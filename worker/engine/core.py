@@ -26,6 +26,10 @@ from worker.engine.stop import StopStringMatcher
 from worker.preprocess import PreparedRequest
 
 GiB = 1 << 30
+# A request whose prompt had at least this many tokens to prefill leaves a copy of its
+# prompt's KV in the prefix cache as soon as it has its first token, not only when it ends:
+# other clients with the same long system prompt, arriving while it runs, reuse it.
+SNAPSHOT_TOKENS = 256
 
 
 class EngineCore:
@@ -180,12 +184,13 @@ class EngineCore:
             self.logprob_requests += request.wants_logprobs
 
     def _process(self, sampled: list[Sampled]) -> list[RequestOutput]:
-        rows = [(r, s.token, s.logits) for s in sampled if (r := self.by_uid.get(s.uid))]
-        logprobs = (
-            self.output.sampled_logprobs(rows) if any(r.wants_logprobs for r, _, _ in rows) else {}
-        )
+        logprobs = {}
+        if self.logprob_requests:
+            rows = [(r, s.token, s.logits) for s in sampled if (r := self.by_uid.get(s.uid))]
+            logprobs = self.output.sampled_logprobs(rows)
         outputs: list[RequestOutput] = []
         early: list[int] = []  # finished here, still in the backend's batch
+        fresh: list[int] = []  # a long new prompt just prefilled: its KV may serve others
         for s in sampled:
             request = self.by_uid.get(s.uid)
             if request is None:
@@ -196,6 +201,8 @@ class EngineCore:
                 output.text += last.text
                 output.finish_reason, output.usage = last.finish_reason, last.usage
             outputs.append(output)
+            if request.completion_tokens == 1 and self._worth_a_snapshot(request):
+                fresh.append(s.uid)
             if request.status is RequestStatus.FINISHED:
                 if s.ended:
                     if s.cache is not None and s.tokens is not None:
@@ -207,7 +214,15 @@ class EngineCore:
             self._store(
                 self.backend.remove(early, keep_caches=self.prefix_cache is not None).values()
             )
+        if fresh and self.prefix_cache is not None:
+            self._store(self.backend.extract(fresh).values())
         return outputs
+
+    def _worth_a_snapshot(self, request: Request) -> bool:
+        return (
+            request.status is RequestStatus.RUNNING
+            and len(request.prompt) - request.cached_tokens >= SNAPSHOT_TOKENS
+        )
 
     def _store(self, caches: Any) -> None:
         if self.prefix_cache is None:
