@@ -10,7 +10,13 @@ import sys
 import msgspec
 
 from shared.config import ModelConfig
-from worker.proc import WorkerArgs, WorkerProc
+from shared.protocol import PROTOCOL_VERSION, Codec, Hello, WorkerDead
+from worker.channels import WorkerChannels
+
+NO_BACKEND = (
+    "MLX has no backend here ({error}): on Linux install mlx-gateway[cpu] or "
+    "mlx-gateway[cuda] (./dev picks one)"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,12 +45,28 @@ def main(argv: list[str] | None = None) -> int:
             logging.Formatter(f"%(asctime)s %(levelname)s worker[{args.id}] %(message)s")
         )
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    try:
+        from worker.proc import WorkerArgs, WorkerProc
+    except ImportError as exc:  # mlx without libmlx.so: say so to the gateway, not only here
+        reason = NO_BACKEND.format(error=exc) if "libmlx" in str(exc) else f"import failed: {exc}"
+        logging.getLogger("worker").error(reason)
+        _report_dead(args.id, args.requests, args.outputs, model.name, reason)
+        logging.shutdown()
+        os._exit(1)
     worker = WorkerProc(
         WorkerArgs(args.id, args.requests, args.outputs, model, not args.no_parent_watch)
     )
     code = worker.run()
     logging.shutdown()
     os._exit(code)  # never wait on a daemon thread stuck in a send to a vanished gateway
+
+
+def _report_dead(worker_id: str, requests: str, outputs: str, model: str, reason: str) -> None:
+    channels = WorkerChannels.connect(worker_id, requests, outputs)
+    codec = Codec()
+    channels.outputs.send(codec.encode(Hello(worker_id, PROTOCOL_VERSION, os.getpid(), model)))
+    channels.outputs.send(codec.encode(WorkerDead(worker_id, reason)))
+    channels.close()  # lingers until the frames are out
 
 
 if __name__ == "__main__":
