@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from benchmarks import _client
 from benchmarks._agent_trace import Message, Trace
 from benchmarks._client import _decode_event, sse_data
 
@@ -71,17 +72,7 @@ def usage_tokens(usage: dict[str, Any]) -> tuple[int | None, int | None, int | N
 def chat_body(
     model: str, messages: list[Message], max_tokens: int, ignore_eos: bool
 ) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": model,
-        "messages": messages,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "max_tokens": max_tokens,
-        "temperature": 0,
-    }
-    if ignore_eos:
-        body["ignore_eos"] = True
-    return body
+    return _client.chat_body(model, [dict(m) for m in messages], max_tokens, ignore_eos)
 
 
 async def send_turn(

@@ -44,14 +44,16 @@ def make_client(max_connections: int, request_timeout: float) -> aiohttp.ClientS
 
 def chat_body(
     model: str,
-    prompt: str,
+    prompt: str | list[dict[str, str]],
     max_tokens: int,
     ignore_eos: bool,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """A streaming, greedy chat request: one user message, or a whole conversation."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     body: dict[str, Any] = {
         "model": model,
-        "messages": [{"role": "user", "content": prompt}],
+        "messages": messages,
         "stream": True,
         "stream_options": {"include_usage": True},
         "max_tokens": max_tokens,
