@@ -170,3 +170,21 @@ def test_a_long_system_prompt_is_shared_with_clients_arriving_while_it_runs(
     assert final_usage(out).cached_tokens == shared
     alone = drive(chat.engine(prefix_cache=False), [greedy("x", second, 8, ignore_eos=True)])
     assert token_ids(out) == token_ids(alone["x"])
+
+
+def test_clients_arriving_together_compute_a_shared_long_prefix_once(chat: Loaded) -> None:
+    system = " ".join([SYSTEM] * 8)
+    prompts = [
+        chat_prompt(chat, [{"role": "system", "content": system}, {"role": "user", "content": q}])
+        for q in QUESTIONS
+    ]
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts[:2], strict=False)) if a != b)
+    engine = chat.engine()
+    out = drive(engine, [greedy(f"s{i}", p, 6, ignore_eos=True) for i, p in enumerate(prompts)])
+    cached = [final_usage(out[f"s{i}"]).cached_tokens for i in range(len(prompts))]
+    assert cached[0] == 0 and all(c >= shared - 16 for c in cached[1:])  # the others reused it
+    alone = chat.engine(prefix_cache=False)
+    for i, p in enumerate(prompts):
+        reference = drive(alone, [greedy("x", p, 6, ignore_eos=True)])["x"]
+        assert token_ids(out[f"s{i}"]) == token_ids(reference)
+    assert engine.plan is not None and engine.plan.inflight == {}  # nothing left waiting on

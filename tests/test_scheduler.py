@@ -6,7 +6,7 @@ import pytest
 
 from shared.types import Priority, SamplingParams
 from worker.engine.request import Request, RequestStatus
-from worker.engine.scheduler import DECODE_RESERVE, Scheduler, SchedulerConfig
+from worker.engine.scheduler import DECODE_RESERVE, FullPrefill, Scheduler, SchedulerConfig
 
 
 class Clock:
@@ -20,6 +20,24 @@ class Clock:
 def request(name: str, prompt: int = 10, max_tokens: int = 16, batch: bool = False) -> Request:
     priority = Priority.BATCH if batch else Priority.INTERACTIVE
     return Request(name, list(range(prompt)), max_tokens, SamplingParams(), priority)
+
+
+class Cached(FullPrefill):
+    """A plan whose cache holds the first `tokens` of every prompt; it holds back `held`."""
+
+    def __init__(self, tokens: int = 0, held: set[str] | None = None) -> None:
+        self.tokens = tokens
+        self.held = held or set()
+        self.started: list[tuple[str, int]] = []
+
+    def new_tokens(self, request: Request) -> int:
+        return len(request.prompt) - self.tokens
+
+    def waits(self, request: Request) -> bool:
+        return request.request_id in self.held
+
+    def admitted(self, request: Request, new_tokens: int) -> None:
+        self.started.append((request.request_id, new_tokens))
 
 
 def names(requests: list[Request]) -> list[str]:
@@ -85,7 +103,7 @@ def test_the_prefill_token_budget_and_the_cached_prefix() -> None:
         scheduler.add(request(f"r{i}", prompt=40))
     assert names(scheduler.schedule()) == ["r0", "r1"]  # 80, a third would be 120
     # with 30 of each prompt cached, each costs 10: both fit
-    assert names(scheduler.schedule(lambda r: len(r.prompt) - 30)) == ["r2", "r3"]
+    assert names(scheduler.schedule(Cached(30))) == ["r2", "r3"]
 
 
 def test_a_prompt_longer_than_the_budget_goes_in_alone() -> None:
@@ -158,3 +176,15 @@ def test_the_clock_times_the_wait() -> None:
     clock.now += 1
     assert scheduler.oldest_wait() == pytest.approx(3.5)  # b, still waiting
     assert scheduler.queues[False][0].status is RequestStatus.WAITING
+
+
+def test_a_held_request_keeps_its_place_and_others_go_ahead() -> None:
+    scheduler = make(max_prefill_requests=8)
+    for name in ("a", "b", "c"):
+        scheduler.add(request(name))
+    plan = Cached(held={"b"})
+    assert names(scheduler.schedule(plan)) == ["a", "c"]
+    assert plan.started == [("a", 10), ("c", 10)]
+    assert [r.request_id for r in scheduler.queues[False]] == ["b"]
+    scheduler.add(request("d"))
+    assert names(scheduler.schedule(Cached())) == ["b", "d"]  # b first: its place was kept

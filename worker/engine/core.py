@@ -20,6 +20,7 @@ from shared.types import FinishReason, RequestOutput, SamplingParams, TokenLogpr
 from worker.backends.mlx_lm import Insertion, MlxLmBackend, Sampled
 from worker.engine.output import OutputProcessor
 from worker.engine.prefix_cache import PrefixCache
+from worker.engine.prefix_plan import PrefixPlan
 from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler import Scheduler, SchedulerConfig
 from worker.engine.stop import StopStringMatcher
@@ -56,6 +57,8 @@ class EngineCore:
         )
         capacity = int(options.prefix_cache_gb * GiB) if options.prefix_cache else 0
         self.prefix_cache = PrefixCache(capacity, backend) if capacity > 0 else None
+        cache = self.prefix_cache
+        self.plan = PrefixPlan(cache, SNAPSHOT_TOKENS) if cache is not None else None
         self.requests: dict[str, Request] = {}  # every request the engine holds
         self.by_uid: dict[int, Request] = {}  # those in the backend's batch
         self.scoring: dict[str, Scoring] = {}  # echo + logprobs: prompts being scored
@@ -147,15 +150,11 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         self.steps += 1
         outputs = self._score_step() if self.scoring else []
-        self._start(self.scheduler.schedule(self._new_tokens))
+        self._start(self.scheduler.schedule(self.plan))
         if self.backend.active:
             sampled = self.backend.step(keep_caches=self.prefix_cache is not None)
             outputs += self._process(sampled)
         return outputs
-
-    def _new_tokens(self, request: Request) -> int:
-        cached = self.prefix_cache.match(request.prompt)[1] if self.prefix_cache is not None else 0
-        return len(request.prompt) - cached
 
     def _start(self, admitted: list[Request]) -> None:
         if not admitted:
@@ -216,6 +215,9 @@ class EngineCore:
             )
         if fresh and self.prefix_cache is not None:
             self._store(self.backend.extract(fresh).values())
+            for uid in fresh:
+                if self.plan is not None and (request := self.by_uid.get(uid)) is not None:
+                    self.plan.prefilled(request.request_id)
         return outputs
 
     def _worth_a_snapshot(self, request: Request) -> bool:
@@ -232,6 +234,8 @@ class EngineCore:
 
     def _forget(self, request: Request) -> None:
         self.requests.pop(request.request_id, None)
+        if self.plan is not None:
+            self.plan.prefilled(request.request_id)
         if request.uid is not None and self.by_uid.pop(request.uid, None) is not None:
             self.logprob_requests -= request.wants_logprobs
         self.scheduler.finish(request.request_id)

@@ -36,6 +36,7 @@ class Request:
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache
     completion_tokens: int = 0
     stop_ids: frozenset[int] = frozenset()  # tokens that end it (EOS unless ignored, stop ids)
+    block_keys: list[int] | None = None  # its prompt's block chain, once the prefix plan asks
     # output state (engine/output.py)
     detokenizer: Any = None  # the tokenizer's streaming detokenizer, one per request
     decode: Callable[[list[int]], str] | None = None

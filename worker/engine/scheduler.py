@@ -8,6 +8,9 @@ in order (interactive requests first, first come first served within a class):
   that the first request of a step always fits: one long prompt goes in alone;
 - batch-class requests only while they hold less than `batch_share` of `max_running`, so
   that an interactive request always finds a place;
+- unless the plan (the engine's prefix cache) holds a request back: one whose long prompt
+  prefix is being prefilled for another request waits for that KV instead of computing it
+  again, and keeps its place in the queue;
 - while the KV memory is free for it: what the running requests hold now (prompt and tokens
   made so far) plus the new prompt and up to `DECODE_RESERVE` tokens of its output fit in
   `kv_budget_bytes`. Reserving every request's whole max_tokens up front would hold most of
@@ -23,11 +26,41 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from shared.types import Priority
 from worker.engine.request import Request, RequestStatus
 
 DECODE_RESERVE = 256  # output tokens of KV a new request must find room for
+
+
+class Plan(Protocol):
+    """What the scheduler asks about a waiting request's prompt."""
+
+    def new_tokens(self, request: Request) -> int:
+        """The prompt tokens it would prefill (a cached prefix costs nothing)."""
+        ...
+
+    def waits(self, request: Request) -> bool:
+        """Hold it back this step (a request being prefilled will share its prefix)."""
+        ...
+
+    def admitted(self, request: Request, new_tokens: int) -> None:
+        """It starts this step, prefilling `new_tokens` of its prompt."""
+        ...
+
+
+class FullPrefill:
+    """No prefix cache: every prompt is prefilled whole, and nothing waits."""
+
+    def new_tokens(self, request: Request) -> int:
+        return len(request.prompt)
+
+    def waits(self, request: Request) -> bool:
+        return False
+
+    def admitted(self, request: Request, new_tokens: int) -> None:
+        pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,35 +108,41 @@ class Scheduler:
         arrivals = [q[0].arrival for q in self.queues.values() if q]
         return self.clock() - min(arrivals) if arrivals else 0.0
 
-    def schedule(self, new_tokens: Callable[[Request], int] | None = None) -> list[Request]:
-        """The requests to start now, removed from the queues and counted as running.
-        `new_tokens(request)`: the prompt tokens it would prefill (default: all of them)."""
-        cost = new_tokens or (lambda r: len(r.prompt))
+    def schedule(self, plan: Plan | None = None) -> list[Request]:
+        """The requests to start now, removed from the queues and counted as running. `plan`
+        (the engine's prefix cache) prices each request's prefill and may hold one back."""
+        plan = plan or FullPrefill()
         config = self.config
         admitted: list[Request] = []
         tokens = 0
         kv_used = self.kv_tokens() * config.kv_bytes_per_token if config.kv_budget_bytes else 0
         for is_batch in (False, True):
             queue = self.queues[is_batch]
+            held: list[Request] = []  # waiting on purpose: they keep their place
             while queue and len(admitted) < config.max_prefill_requests:
                 request = queue[0]
                 if len(self.running) >= config.max_running:
-                    return admitted
+                    break
                 if is_batch and self.batch_running >= config.batch_places:
                     break
                 kv = _kv_need(request) * config.kv_bytes_per_token
                 budget = config.kv_budget_bytes
                 if budget is not None and self.running and kv_used + kv > budget:
-                    return admitted  # first come, first served: no overtaking a large one
-                prefill = cost(request)
+                    break  # first come, first served: no overtaking a large one
+                if plan.waits(request):
+                    held.append(queue.popleft())
+                    continue
+                prefill = plan.new_tokens(request)
                 if admitted and tokens + prefill > config.max_prefill_tokens:
-                    return admitted
+                    break
                 queue.popleft()
                 tokens += prefill
                 kv_used += kv
                 self.running[request.request_id] = request
                 self.batch_running += request.priority >= Priority.BATCH
                 admitted.append(request)
+                plan.admitted(request, prefill)
+            queue.extendleft(reversed(held))
         return admitted
 
     def kv_tokens(self) -> int:
