@@ -9,7 +9,6 @@ from mlx_lm.sample_utils import (
     apply_min_p,
     apply_top_k,
     apply_top_p,
-    greedy_sampler,
     make_logits_processors,
 )
 
@@ -22,10 +21,15 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 PENALTY_CONTEXT = 256
 
 
+def greedy(logprobs: mx.array) -> mx.array:
+    """The most likely token (one function object: greedy rows are sampled in one call)."""
+    return mx.argmax(logprobs, axis=-1)
+
+
 def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler:
     """Greedy requests share one sampler object, so mlx-lm samples them in one batched call."""
     if params.temperature == 0:
-        return greedy_sampler
+        return greedy
     filters: list[Callable[[mx.array], mx.array]] = []
     if 0 < params.top_p < 1:
         top_p = params.top_p
