@@ -12,7 +12,8 @@ from mlx_lm.models import cache
 from shared.config import EngineOptions
 from shared.types import SamplingParams
 from tests.engine_fixtures import Loaded
-from worker.backends.mlx_lm import Insertion, MlxLmBackend
+from worker.backends.mlx_lm import MlxLmBackend
+from worker.engine.backend import Insertion
 
 
 def test_batch_generator_signatures() -> None:

@@ -11,7 +11,6 @@ return_prompt_caches=True)` or from the response that ends it at max_tokens.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -21,8 +20,8 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 from shared.config import EngineOptions
-from shared.types import SamplingParams
 from worker.backends.sampling import make_processors, make_sampler
+from worker.engine.backend import Insertion, Sampled
 
 
 def load(path: str, trust_remote_code: bool = False) -> tuple[Any, Any]:
@@ -38,32 +37,6 @@ def parameter_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     model = Model(ModelArgs.from_dict(config))
     params: dict[str, Any] = dict(tree_flatten(model.parameters()))
     return {name: tuple(p.shape) for name, p in params.items()}
-
-
-@dataclass(slots=True)
-class Insertion:
-    """One sequence into the batch: the prompt tokens to prefill, after `prefix` tokens
-    whose KV `cache` already holds (None: no cached prefix)."""
-
-    prompt: list[int]
-    prefix: list[int]
-    cache: Any
-    max_tokens: int
-    sampling: SamplingParams
-    stop_ids: frozenset[int]
-
-
-@dataclass(slots=True)
-class Sampled:
-    """One row's token from a step; `ended` when it reached its max_tokens there, with its
-    cache and the tokens that cache holds (`cache` None unless asked for)."""
-
-    uid: int
-    token: int
-    logits: mx.array  # the row the token was drawn from (for logprobs)
-    ended: bool
-    cache: Any = None
-    tokens: list[int] | None = None
 
 
 class MlxLmBackend:

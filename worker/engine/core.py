@@ -17,7 +17,7 @@ from typing import Any
 from shared.config import EngineOptions
 from shared.protocol import PrefixCacheStats
 from shared.types import FinishReason, RequestOutput, SamplingParams, TokenLogprob
-from worker.backends.mlx_lm import Insertion, MlxLmBackend, Sampled
+from worker.engine.backend import Backend, Insertion, Sampled
 from worker.engine.output import OutputProcessor
 from worker.engine.prefix_cache import PrefixCache
 from worker.engine.prefix_plan import PrefixPlan
@@ -36,7 +36,7 @@ SNAPSHOT_TOKENS = 256
 class EngineCore:
     def __init__(
         self,
-        backend: MlxLmBackend,
+        backend: Backend,
         options: EngineOptions,
         kv_budget_bytes: int | None = None,
         clock: Callable[[], float] = time.monotonic,
