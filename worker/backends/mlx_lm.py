@@ -145,12 +145,11 @@ class MlxLmBackend:
             trim_prompt_cache(copied, tokens - length)
         return copied
 
-    def compact(self, cache: list[Any]) -> list[Any]:
-        """Have a cache taken out of the batch evaluated, so that it holds its own buffers and
-        not the graph of the batch's (which would keep the batch's arrays alive). Queued, not
-        waited for: waiting would stall the step already running on the device."""
-        mx.async_eval([c.state for c in cache])
-        return cache
+    def compact(self, caches: list[list[Any]]) -> None:
+        """Have caches taken out of the batch evaluated, so that they hold their own buffers
+        and not the graph of the batch's (which would keep the batch's arrays alive). Queued
+        in one call, not waited for: waiting would stall the step running on the device."""
+        mx.async_eval([c.state for cache in caches for c in cache])
 
     def kv_bytes_per_token(self) -> int:
         """The KV one position takes, measured on a one-token forward pass."""

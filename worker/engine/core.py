@@ -190,6 +190,7 @@ class EngineCore:
         outputs: list[RequestOutput] = []
         early: list[int] = []  # finished here, still in the backend's batch
         fresh: list[int] = []  # a long new prompt just prefilled: its KV may serve others
+        kept: list[tuple[Any, list[int]]] = []  # caches for the prefix cache
         for s in sampled:
             request = self.by_uid.get(s.uid)
             if request is None:
@@ -205,19 +206,19 @@ class EngineCore:
             if request.status is RequestStatus.FINISHED:
                 if s.ended:
                     if s.cache is not None and s.tokens is not None:
-                        self._store([(s.cache, s.tokens)])
+                        kept.append((s.cache, s.tokens))
                 elif request.uid is not None:
                     early.append(request.uid)
                 self._forget(request)
         if early:
-            self._store(
-                self.backend.remove(early, keep_caches=self.prefix_cache is not None).values()
-            )
+            removed = self.backend.remove(early, keep_caches=self.prefix_cache is not None)
+            kept += removed.values()
         if fresh and self.prefix_cache is not None:
-            self._store(self.backend.extract(fresh).values())
+            kept += self.backend.extract(fresh).values()
             for uid in fresh:
                 if self.plan is not None and (request := self.by_uid.get(uid)) is not None:
                     self.plan.prefilled(request.request_id)
+        self._store(kept)
         return outputs
 
     def _worth_a_snapshot(self, request: Request) -> bool:
@@ -229,8 +230,11 @@ class EngineCore:
     def _store(self, caches: Any) -> None:
         if self.prefix_cache is None:
             return
-        for cache, tokens in caches:
-            self.prefix_cache.insert(list(tokens), self.backend.compact(cache))
+        pairs = list(caches)
+        if pairs:
+            self.backend.compact([cache for cache, _ in pairs])
+        for cache, tokens in pairs:
+            self.prefix_cache.insert(list(tokens), cache)
 
     def _forget(self, request: Request) -> None:
         self.requests.pop(request.request_id, None)
