@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.protocol import PrefixCacheStats
 from worker.engine.prefix_cache import BLOCK as KEY_TOKENS
 from worker.engine.prefix_cache import MAX_ENTRIES, PrefixCache
 
@@ -154,4 +155,5 @@ def test_stats_and_clear() -> None:
     assert (stats.entries, stats.nbytes, stats.capacity_bytes) == (1, KEY_TOKENS + 3, 10_000)
     assert (stats.lookups, stats.hits, stats.hit_tokens) == (1, 1, KEY_TOKENS + 3)
     cache.clear()
-    assert len(cache) == 0 and cache.nbytes == 0 and cache.lookup(seq(1, 2, 3, 4)) is None
+    assert cache.stats() == PrefixCacheStats(capacity_bytes=10_000)
+    assert len(cache) == 0 and cache.lookup(seq(1, 2, 3, 4)) is None

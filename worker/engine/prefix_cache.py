@@ -167,10 +167,12 @@ class PrefixCache:
         return True
 
     def clear(self) -> None:
+        """Forget every entry and every count (the worker's probe is no one's request)."""
         self.entries.clear()
         self.blocks.clear()
         self.ends.clear()
         self.nbytes = 0
+        self.lookups = self.hits = self.hit_tokens = self.evictions = 0
 
     def _add(self, entry: Entry) -> int:
         key = self._next_key
