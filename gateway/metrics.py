@@ -118,6 +118,8 @@ class WorkerCollector(Collector):
         active = gauge("mlxgw_mlx_active_bytes", "MLX memory in live arrays")
         cache = gauge("mlxgw_mlx_cache_bytes", "MLX freed buffers kept for reuse")
         peak = gauge("mlxgw_mlx_peak_bytes", "MLX high-water mark of active memory")
+        wired = gauge("mlxgw_mlx_wired_limit_bytes", "MLX memory the worker keeps resident")
+        cache_limit = gauge("mlxgw_mlx_cache_limit_bytes", "Bound of MLX's buffer cache")
         load = gauge("mlxgw_model_load_seconds", "Load time of the current worker")
         restarts = CounterMetricFamily(
             "mlxgw_worker_restarts", "Workers restarted after a crash", labels=["model"]
@@ -137,9 +139,12 @@ class WorkerCollector(Collector):
                 active.add_metric([name], hb.active_bytes)
                 cache.add_metric([name], hb.cache_bytes)
                 peak.add_metric([name], hb.peak_bytes)
+                wired.add_metric([name], hb.wired_limit_bytes)
+                cache_limit.add_metric([name], hb.cache_limit_bytes)
             if handle is not None and handle.info is not None:
                 load.add_metric([name], handle.info.load_time_s)
-        yield from (state, running, waiting, in_flight, rss, active, cache, peak, load, restarts)
+        yield from (state, running, waiting, in_flight, rss, active, cache, peak, wired)
+        yield from (cache_limit, load, restarts)
         yield from self.prefix_cache()
 
     def prefix_cache(self) -> Iterator[Metric]:

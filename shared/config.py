@@ -82,6 +82,10 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # in the gateway's memory budget.
     prefix_cache: bool = True
     prefix_cache_gb: float = 2.0
+    # The bound of MLX's buffer cache (freed buffers kept for reuse), in GiB; the worker also
+    # hands it back whenever it goes idle. Default: on a Mac the smaller of 4 GiB and an eighth
+    # of the recommended working set; elsewhere MLX's own default.
+    buffer_cache_gb: float | None = None
     # Batch-priority requests (keys with priority = "batch") may fill at most this share of
     # max_running, so that an interactive request always finds a free place in the batch.
     batch_share: float = 0.75
@@ -273,8 +277,10 @@ def _validate(config: Config) -> None:
             raise ConfigError(
                 f"model {model.name!r}: engine.prefix_cache_gb must be a finite number >= 0"
             )
-        if opts.kv_memory_gb is not None and not 0 < opts.kv_memory_gb < float("inf"):
-            raise ConfigError(f"model {model.name!r}: engine.kv_memory_gb must be positive")
+        for key in ("kv_memory_gb", "buffer_cache_gb"):
+            value = getattr(opts, key)
+            if value is not None and not 0 < value < float("inf"):
+                raise ConfigError(f"model {model.name!r}: engine.{key} must be positive")
         if model.ttl is not None:
             parse_duration(model.ttl, f"model {model.name!r}: ttl")
         reserved = reserved_template_kwarg(model.chat_template_kwargs)

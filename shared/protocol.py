@@ -124,6 +124,8 @@ class Heartbeat(_Frame, tag="hb"):
     stage: str = ""  # while loading: "downloading", "loading weights", "probing"
     progress: float = -1.0  # of that stage, 0..1; -1 when unknown
     prefix_cache: PrefixCacheStats | None = None
+    wired_limit_bytes: int = 0  # MLX memory kept resident (Metal; 0: none set)
+    cache_limit_bytes: int = 0  # the bound of MLX's buffer cache (0: MLX's default)
 
 
 class ControlReply(_Frame, tag="ctlr"):

@@ -166,6 +166,7 @@ def test_missing_file(tmp_path: Path) -> None:
         "prefix_cache_gb = nan",
         "kv_memory_gb = 0",
         "kv_memory_gb = inf",
+        "buffer_cache_gb = 0",
     ],
 )
 def test_bad_engine_options(tmp_path: Path, option: str) -> None:

@@ -27,7 +27,8 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 @pytest.fixture(scope="module")
 def gw(chat_model: Path) -> Iterator[GatewayProc]:
-    with running_gateway([{"name": "chat", "source": str(chat_model)}]) as gw:
+    model = {"name": "chat", "source": str(chat_model), "engine": {"buffer_cache_gb": 0.25}}
+    with running_gateway([model]) as gw:
         yield gw
 
 
@@ -102,6 +103,10 @@ def test_worker_gauges_come_from_the_supervisor(gw: GatewayProc) -> None:
     assert value(samples, "mlxgw_worker_resident_memory_bytes", model="chat") > 0
     assert value(samples, "mlxgw_model_load_seconds", model="chat") > 0
     assert value(samples, "mlxgw_worker_restarts_total", model="chat") == 0
+    # the limits the worker set on MLX's memory: the configured buffer cache; no wired
+    # memory off a Mac
+    assert value(samples, "mlxgw_mlx_cache_limit_bytes", model="chat") == 2**28
+    assert value(samples, "mlxgw_mlx_wired_limit_bytes", model="chat") == 0
 
 
 def test_ready_with_a_ready_model(gw: GatewayProc) -> None:

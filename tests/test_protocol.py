@@ -182,8 +182,8 @@ FROM_WORKER = {
     ),
     "heartbeat": (
         Heartbeat("w1", WorkerState.READY, 17, 1, 0, 1024, 2048, 512, 4096),
-        # 9d (was 9c): prefix_cache appended (nil when absent)
-        "9da26862a27731a57265616479110100cd0400cd0800cd0200cd1000a0cbbff0000000000000c0",
+        # 9f (was 9c): prefix_cache (nil when absent), wired and cache limits appended
+        "9fa26862a27731a57265616479110100cd0400cd0800cd0200cd1000a0cbbff0000000000000c00000",
     ),
     "heartbeat_prefix_cache": (
         Heartbeat(
@@ -198,8 +198,25 @@ FROM_WORKER = {
             4096,
             prefix_cache=PrefixCacheStats(2, 4096, 8192, 5, 3, 300, 1),
         ),
-        "9da26862a27731a57265616479110100cd0400cd0800cd0200cd1000a0cbbff0000000000000"
-        "9702cd1000cd20000503cd012c01",
+        "9fa26862a27731a57265616479110100cd0400cd0800cd0200cd1000a0cbbff0000000000000"
+        "9702cd1000cd20000503cd012c010000",
+    ),
+    "heartbeat_limits": (
+        Heartbeat(
+            "w1",
+            WorkerState.READY,
+            17,
+            1,
+            0,
+            1024,
+            2048,
+            512,
+            4096,
+            wired_limit_bytes=1 << 34,
+            cache_limit_bytes=1 << 32,
+        ),
+        "9fa26862a27731a57265616479110100cd0400cd0800cd0200cd1000a0cbbff0000000000000"
+        "c0cf0000000400000000cf0000000100000000",
     ),
     "control_reply": (ControlReply("w1", 3, True, {"n": 1}), "96a463746c72a2773103c381a16e01c0"),
     "worker_dead": (

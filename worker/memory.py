@@ -1,6 +1,9 @@
-"""What the worker's device can hold, and how much of it running requests' KV may take."""
+"""What the worker's device can hold, how much of it running requests' KV may take, and the
+limits the worker sets on MLX's memory."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import mlx.core as mx
 import psutil
@@ -9,6 +12,33 @@ from shared.config import EngineOptions
 
 GiB = 1 << 30
 KV_HEADROOM = 0.9  # of what is left: activations, the buffer cache, fragmentation
+MAC_BUFFER_CACHE = 4 * GiB  # at most, and at most an eighth of the working set
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryLimits:
+    wired_bytes: int = 0  # kept resident (0: none set)
+    cache_bytes: int = 0  # the buffer cache's bound (0: MLX's default)
+
+
+def own_memory(options: EngineOptions) -> MemoryLimits:
+    """Set MLX's memory limits for this worker. On a Mac (Metal): wire the recommended
+    working set, so that a large model's weights are not paged out between requests (as
+    mlx-lm's server does), and bound the buffer cache (`buffer_cache_gb`, default the smaller
+    of 4 GiB and an eighth of the working set); the worker empties it when idle. Elsewhere
+    only an explicit `buffer_cache_gb` is applied: no other default was measured there."""
+    cache = int(options.buffer_cache_gb * GiB) if options.buffer_cache_gb else 0
+    if not mx.metal.is_available():
+        if cache:
+            mx.set_cache_limit(cache)
+        return MemoryLimits(0, cache)
+    working = int(mx.device_info().get("max_recommended_working_set_size", 0) or 0)
+    if working:
+        mx.set_wired_limit(working)
+    cache = cache or min(MAC_BUFFER_CACHE, working // 8)
+    if cache:
+        mx.set_cache_limit(cache)
+    return MemoryLimits(working, cache)
 
 
 def device_memory() -> int:

@@ -43,7 +43,7 @@ from worker.channels import WorkerChannels
 from worker.engine.core import EngineCore
 from worker.faults import Faults, FaultyEngine
 from worker.loader import LoadedModel, load_model
-from worker.memory import device_memory, kv_budget
+from worker.memory import MemoryLimits, device_memory, kv_budget, own_memory
 from worker.preprocess import PreparedRequest, PreprocessError, Preprocessor, capabilities
 
 log = logging.getLogger("worker")
@@ -81,6 +81,7 @@ class WorkerProc:
         self.idle = True  # the engine had no work after its last step
         self.faults = Faults.for_model(args.model.name)
         self.stage, self.stage_progress = "starting", -1.0  # reported while loading
+        self.limits = MemoryLimits()
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -95,6 +96,7 @@ class WorkerProc:
             if self.faults.load_delay_s:
                 time.sleep(self.faults.load_delay_s)
             log.info("loading model %s from %s", self.args.model.name, self.args.model.source)
+            self.limits = own_memory(self.args.model.engine)
             loaded = load_model(self.args.model, self._progress)
             self.engine = self._engine(loaded)
             self._probe()
@@ -421,4 +423,6 @@ class WorkerProc:
             "" if self.state == WorkerState.READY else self.stage,
             self.stage_progress,
             engine.prefix_stats() if engine else None,
+            self.limits.wired_bytes,
+            self.limits.cache_bytes,
         )

@@ -1,0 +1,67 @@
+"""The limits a worker sets on MLX's memory (worker/memory.py), on a fake Metal device and
+on this machine's CPU device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+from shared.config import EngineOptions
+from worker import memory
+
+GiB = 1 << 30
+
+
+class FakeMLX:
+    def __init__(self, metal: bool, working_set: int | None) -> None:
+        self.metal = metal
+        self.info = {} if working_set is None else {"max_recommended_working_set_size": working_set}
+        self.calls: list[tuple[str, int]] = []
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(mx.metal, "is_available", lambda: self.metal)
+        monkeypatch.setattr(mx, "device_info", lambda: self.info)
+        for name in ("set_wired_limit", "set_cache_limit"):
+            monkeypatch.setattr(mx, name, self._record(name))
+
+    def _record(self, name: str) -> Any:
+        def call(value: int) -> int:
+            self.calls.append((name, value))
+            return 0
+
+        return call
+
+
+def test_a_mac_wires_its_working_set_and_bounds_the_buffer_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = FakeMLX(metal=True, working_set=96 * GiB)
+    fake.install(monkeypatch)
+    limits = memory.own_memory(EngineOptions())
+    assert limits == memory.MemoryLimits(96 * GiB, 4 * GiB)
+    assert fake.calls == [("set_wired_limit", 96 * GiB), ("set_cache_limit", 4 * GiB)]
+
+
+def test_a_small_mac_keeps_an_eighth_and_a_setting_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeMLX(metal=True, working_set=16 * GiB)
+    fake.install(monkeypatch)
+    assert memory.own_memory(EngineOptions()).cache_bytes == 2 * GiB
+    assert memory.own_memory(EngineOptions(buffer_cache_gb=0.5)).cache_bytes == GiB // 2
+
+
+def test_elsewhere_only_a_setting_changes_anything(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeMLX(metal=False, working_set=None)
+    fake.install(monkeypatch)
+    assert memory.own_memory(EngineOptions()) == memory.MemoryLimits(0, 0)
+    assert fake.calls == []
+    assert memory.own_memory(EngineOptions(buffer_cache_gb=1.0)) == memory.MemoryLimits(0, GiB)
+    assert fake.calls == [("set_cache_limit", GiB)]
+
+
+def test_on_this_machine_it_runs_against_real_mlx() -> None:
+    limits = memory.own_memory(EngineOptions())
+    assert limits == memory.MemoryLimits(0, 0)  # Linux: MLX's CPU or CUDA device
+    assert memory.kv_budget(EngineOptions(kv_memory_gb=2.0)) == 2 * GiB
+    assert memory.kv_budget(EngineOptions()) >= GiB // 4
