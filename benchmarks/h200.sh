@@ -2,7 +2,7 @@
 # The GPU figures of docs/benchmarks.md: one NVIDIA GPU, MLX's CUDA backend, random-weight
 # models of Llama-3.2-1B's and Llama-3.1-8B's shapes in bf16 (vocab 128,256).
 #
-#   benchmarks/h200.sh OUT [1b] [8b] [agent]     (default: all three)
+#   benchmarks/h200.sh OUT [1b] [8b] [agent] [profile]     (default: 1b 8b agent)
 #
 # Run from the repository root with MLX (CUDA), mlx-lm and the project importable by
 # $PYTHON (default python3). Models are built under $MODELS (default /tmp/models) on first use.
@@ -13,10 +13,14 @@
 #   another on the same prompts (each launched once for all levels).
 # - agent: benchmarks.agent_session on the 1b shape: 8 turns over a 4k-token system prompt,
 #   1 and 4 concurrent sessions, the gateway with its prefix cache on and off, mlx_lm server.
+# - profile: the gateway on the 1b shape at c=64 while py-spy samples its worker's threads for
+#   20 s (OUT/worker-profile.json, speedscope format, and OUT/profile-summary.txt); needs
+#   py-spy on PATH (a wheel: pip download py-spy).
 set -euo pipefail
 OUT=${1:?usage: benchmarks/h200.sh OUT [1b] [8b] [agent]}
 shift
 STEPS=${*:-1b 8b agent}
+LEVEL_PROFILE=64
 PY=${PYTHON:-python3}
 M=${MODELS:-/tmp/models}
 mkdir -p "$OUT" "$M"
@@ -24,7 +28,7 @@ mkdir -p "$OUT" "$M"
 if [ "${SMALL:-0}" = 1 ]; then
   SHAPE_1B="--hidden 128 --layers 4 --heads 4 --kv-heads 2 --intermediate 256 --vocab 2048"
   SHAPE_8B="--hidden 192 --layers 6 --heads 6 --kv-heads 2 --intermediate 384 --vocab 2048"
-  LEVELS_1B=1,4 LEVELS_8B=1,4 AGENT_SYSTEM=512 AGENT_TURNS=3
+  LEVELS_1B=1,4 LEVELS_8B=1,4 AGENT_SYSTEM=512 AGENT_TURNS=3 LEVEL_PROFILE=4
 else
   SHAPE_1B="--hidden 2048 --layers 16 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 128256"
   SHAPE_8B="--hidden 4096 --layers 32 --heads 32 --kv-heads 8 --intermediate 14336 --vocab 128256"
@@ -59,15 +63,44 @@ TOML
   echo "$cfg"
 }
 
-throughput() {  # NAME SHAPE LEVELS
+throughput() {  # NAME SHAPE LEVELS: the ceiling, then the gateway, then mlx_lm server
   local dir cfg max
   dir=$(model "$1" $2)
   max=${3##*,}
   cfg=$(gateway_config "$dir" "$max")
-  $PY -m benchmarks.serving --model "$dir" --inprocess --launch mlx_lm \
+  $PY -m benchmarks.serving --model "$dir" --inprocess \
     --launch-cmd "gateway={python} -m gateway --config $cfg serve --port {port}" \
+    --launch-cmd "mlx_lm={python} -m mlx_lm server --model {model} --host 127.0.0.1 --port {port} --decode-concurrency {max_concurrency} --prompt-concurrency {max_concurrency} --log-level WARNING" \
     --served-model gateway=bench --concurrency "$3" --min-requests 16 --no-interleave \
-    --wait-idle 0 ${SERVING_ARGS:-} --out "$OUT/$1.json" 2>&1 | tee "$OUT/$1.log"
+    --steal-retries 0 --wait-idle 0 ${SERVING_ARGS:-} --out "$OUT/$1.json" 2>&1 |
+    tee "$OUT/$1.log"
+}
+
+profile() {  # the worker's threads sampled by py-spy while the gateway serves c=LEVEL_PROFILE
+  local dir cfg port gw worker
+  dir=$(model 1b $SHAPE_1B)
+  cfg=$(gateway_config "$dir" "$LEVEL_PROFILE")
+  port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  $PY -m gateway --config "$cfg" serve --port "$port" >"$OUT/profile-gateway.log" 2>&1 &
+  gw=$!
+  for _ in $(seq 300); do
+    worker=$(pgrep -f -- "-m worker --id" | head -1 || true)
+    [ -n "$worker" ] && curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null && break
+    sleep 1
+  done
+  $PY -m benchmarks.serving --target "gateway=http://127.0.0.1:$port" --tokenizer "$dir" \
+    --served-model gateway=bench --concurrency "$LEVEL_PROFILE" --requests $((LEVEL_PROFILE * 40)) \
+    --wait-idle 0 --out "$OUT/profile-load.json" >"$OUT/profile-load.log" 2>&1 &
+  local load=$!
+  sleep 15  # the warm-up and the first waves: kernels compiled, the batch full
+  py-spy record --pid "$worker" --duration 20 --rate 250 --threads --format speedscope \
+    --output "$OUT/worker-profile.json" >"$OUT/profile-pyspy.log" 2>&1 || true
+  [ -f "$OUT/worker-profile.json" ] && $PY -m benchmarks.profile_summary \
+    "$OUT/worker-profile.json" >"$OUT/profile-summary.txt"
+  kill "$load" 2>/dev/null || true  # enough: its figures are not the point here
+  wait "$load" || true
+  kill "$gw"
+  wait "$gw" || true
 }
 
 for step in $STEPS; do
@@ -80,6 +113,7 @@ for step in $STEPS; do
         --system-tokens "$AGENT_SYSTEM" --wait-idle 0 ${AGENT_ARGS:-} --out "$OUT/agent.json" 2>&1 |
         tee "$OUT/agent.log"
       ;;
+    profile) profile ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
