@@ -86,6 +86,7 @@ class WorkerProc:
     # ---- lifecycle ----------------------------------------------------------------
 
     def run(self) -> int:
+        self.limits = own_memory(self.args.model.engine)  # before any heartbeat reports them
         if self.args.watch_parent:
             threading.Thread(target=self._watch_parent, name="parent-watch", daemon=True).start()
         self.outputs_thread.start()
@@ -96,7 +97,6 @@ class WorkerProc:
             if self.faults.load_delay_s:
                 time.sleep(self.faults.load_delay_s)
             log.info("loading model %s from %s", self.args.model.name, self.args.model.source)
-            self.limits = own_memory(self.args.model.engine)
             loaded = load_model(self.args.model, self._progress)
             self.engine = self._engine(loaded)
             self._probe()
