@@ -111,6 +111,8 @@ class Scheduler:
     def schedule(self, plan: Plan | None = None) -> list[Request]:
         """The requests to start now, removed from the queues and counted as running. `plan`
         (the engine's prefix cache) prices each request's prefill and may hold one back."""
+        if not self.waiting:
+            return []
         plan = plan or FullPrefill()
         config = self.config
         admitted: list[Request] = []
