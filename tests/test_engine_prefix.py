@@ -188,3 +188,50 @@ def test_clients_arriving_together_compute_a_shared_long_prefix_once(chat: Loade
         reference = drive(alone, [greedy("x", p, 6, ignore_eos=True)])["x"]
         assert token_ids(out[f"s{i}"]) == token_ids(reference)
     assert engine.plan is not None and engine.plan.inflight == {}  # nothing left waiting on
+
+
+def test_an_abort_keeps_what_ran_and_drops_a_partial_prefill(chat: Loaded) -> None:
+    engine = chat.engine(prefill_step_size=8)
+    ran = chat_prompt(chat, [{"role": "user", "content": QUESTIONS[0]}])
+    partial = chat_prompt(
+        chat, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "x"}]
+    )
+    engine.add(greedy("ran", ran, 50, ignore_eos=True))
+    while not any(o.request_id == "ran" and o.token_ids for o in engine.step()):
+        pass
+    engine.add(greedy("partial", partial, 50, ignore_eos=True))
+    engine.step()  # its first 8-token chunk: still prefilling
+    assert engine.requests["partial"].status.value == "prefilling"
+    outputs = engine.abort(["ran", "partial"])
+    assert [o.finish_reason for o in outputs] == [FinishReason.ABORT] * 2
+    stats = engine.prefix_stats()
+    assert stats is not None and stats.entries == 1  # only the one that ran
+    again = drive(engine, [greedy("again", ran, 4, ignore_eos=True)])["again"]
+    assert final_usage(again).cached_tokens == len(ran) - 1
+    assert not engine.has_work and not engine.backend.active
+
+
+def test_a_kv_budget_and_a_prefill_budget_on_a_real_model(chat: Loaded) -> None:
+    """Admission by free KV memory and the per-step prefill token budget, with the engine's
+    own KV-per-token figure: a second request waits while the first holds the memory."""
+    prompts = [chat_prompt(chat, [{"role": "user", "content": q}]) for q in QUESTIONS[:3]]
+    probe = chat.engine()
+    per_token = probe.backend.kv_bytes_per_token()
+    assert per_token > 0
+    budget = (len(prompts[0]) + 6 + 10) * per_token  # one prompt and its 6 tokens, not two
+    engine = chat.engine(kv_budget_bytes=budget, prefix_cache=False)
+    assert engine.scheduler.config.kv_bytes_per_token == per_token
+    for i, p in enumerate(prompts[:2]):
+        engine.add(greedy(f"r{i}", p, 6, ignore_eos=True))
+    engine.step()
+    assert [r.status.value for r in engine.requests.values()] == ["prefilling", "waiting"]
+    out = drive(engine, [])
+    assert {k for k, v in out.items() if v} == {"r0", "r1"}  # both served, one after the other
+
+    engine = chat.engine(max_prefill_tokens=len(prompts[0]) + 1, prefix_cache=False)
+    for i, p in enumerate(prompts):
+        engine.add(greedy(f"p{i}", p, 4, ignore_eos=True))
+    engine.step()
+    waiting = [r.request_id for r in engine.requests.values() if r.status.value == "waiting"]
+    assert waiting == ["p1", "p2"]  # one prompt's worth of new tokens this step
+    drive(engine, [])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import pytest
 
@@ -144,6 +146,13 @@ TO_WORKER = {
         "93a873687574646f776ea5647261696ecb4004000000000000",
     ),
 }
+
+
+def heartbeat(**appended: Any) -> Heartbeat:
+    """The golden heartbeat; `appended`: fields added after the first version."""
+    return Heartbeat("w1", WorkerState.READY, 17, 1, 0, 1024, 2048, 512, 4096, **appended)
+
+
 FROM_WORKER = {
     "hello": (Hello("w1", 1, 4242, "demo"), "95a568656c6c6fa2773101cd1092a464656d6f"),
     "ready": (
@@ -181,40 +190,17 @@ FROM_WORKER = {
         "c401c390c0a20a0a",
     ),
     "heartbeat": (
-        Heartbeat("w1", WorkerState.READY, 17, 1, 0, 1024, 2048, 512, 4096),
+        heartbeat(),
         # 9f (was 9c): prefix_cache (nil when absent), wired and cache limits appended
         "9fa26862a27731a57265616479110100cd0400cd0800cd0200cd1000a0cbbff0000000000000c00000",
     ),
     "heartbeat_prefix_cache": (
-        Heartbeat(
-            "w1",
-            WorkerState.READY,
-            17,
-            1,
-            0,
-            1024,
-            2048,
-            512,
-            4096,
-            prefix_cache=PrefixCacheStats(2, 4096, 8192, 5, 3, 300, 1),
-        ),
+        heartbeat(prefix_cache=PrefixCacheStats(2, 4096, 8192, 5, 3, 300, 1)),
         "9fa26862a27731a57265616479110100cd0400cd0800cd0200cd1000a0cbbff0000000000000"
         "9702cd1000cd20000503cd012c010000",
     ),
     "heartbeat_limits": (
-        Heartbeat(
-            "w1",
-            WorkerState.READY,
-            17,
-            1,
-            0,
-            1024,
-            2048,
-            512,
-            4096,
-            wired_limit_bytes=1 << 34,
-            cache_limit_bytes=1 << 32,
-        ),
+        heartbeat(wired_limit_bytes=1 << 34, cache_limit_bytes=1 << 32),
         "9fa26862a27731a57265616479110100cd0400cd0800cd0200cd1000a0cbbff0000000000000"
         "c0cf0000000400000000cf0000000100000000",
     ),

@@ -1,20 +1,10 @@
-"""The scheduler alone: no model, no sockets, a hand-driven clock."""
+"""The scheduler alone: no model, no sockets."""
 
 from __future__ import annotations
 
-import pytest
-
 from shared.types import Priority, SamplingParams
-from worker.engine.request import Request, RequestStatus
+from worker.engine.request import Request
 from worker.engine.scheduler import DECODE_RESERVE, FullPrefill, Scheduler, SchedulerConfig
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def request(name: str, prompt: int = 10, max_tokens: int = 16, batch: bool = False) -> Request:
@@ -45,7 +35,7 @@ def names(requests: list[Request]) -> list[str]:
 
 
 def make(**config: object) -> Scheduler:
-    return Scheduler(SchedulerConfig(**config), Clock())  # type: ignore[arg-type]
+    return Scheduler(SchedulerConfig(**config))  # type: ignore[arg-type]
 
 
 def test_a_lone_request_starts_at_once() -> None:
@@ -163,19 +153,6 @@ def test_remove_waiting_and_membership() -> None:
     removed = scheduler.remove_waiting({"b", "z"})
     assert names(removed) == ["b"] and "b" not in scheduler
     assert scheduler.waiting == 1
-
-
-def test_the_clock_times_the_wait() -> None:
-    clock = Clock()
-    scheduler = Scheduler(SchedulerConfig(max_running=1), clock)
-    scheduler.add(request("a"))
-    scheduler.add(request("b"))
-    clock.now += 2.5
-    assert scheduler.oldest_wait() == pytest.approx(2.5)
-    scheduler.schedule()
-    clock.now += 1
-    assert scheduler.oldest_wait() == pytest.approx(3.5)  # b, still waiting
-    assert scheduler.queues[False][0].status is RequestStatus.WAITING
 
 
 def test_a_held_request_keeps_its_place_and_others_go_ahead() -> None:

@@ -9,8 +9,6 @@ the sampled tokens into deltas. Finished rows leave their KV to the prefix cache
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +37,6 @@ class EngineCore:
         backend: Backend,
         options: EngineOptions,
         kv_budget_bytes: int | None = None,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.backend = backend
         self.options = options
@@ -52,8 +49,7 @@ class EngineCore:
                 batch_share=options.batch_share,
                 kv_budget_bytes=kv_budget_bytes,
                 kv_bytes_per_token=backend.kv_bytes_per_token() if kv_budget_bytes else 0,
-            ),
-            clock,
+            )
         )
         capacity = int(options.prefix_cache_gb * GiB) if options.prefix_cache else 0
         self.prefix_cache = PrefixCache(capacity, backend) if capacity > 0 else None
@@ -68,10 +64,6 @@ class EngineCore:
     @property
     def has_work(self) -> bool:
         return bool(self.requests)
-
-    @property
-    def active(self) -> int:
-        return len(self.requests)
 
     def request_ids(self) -> list[str]:
         return list(self.requests)
@@ -129,15 +121,16 @@ class EngineCore:
         if not found:
             return []
         self.scheduler.remove_waiting({r.request_id for r in found})
-        in_batch = [r for r in found if r.status.in_batch and r.uid is not None]
-        if in_batch:
-            # a request that made tokens leaves its KV for reuse (a client retrying)
-            kept = self.backend.remove(
-                [r.uid for r in in_batch if r.uid is not None],
-                keep_caches=self.prefix_cache is not None
-                and all(r.status is RequestStatus.RUNNING for r in in_batch),
-            )
-            self._store(kept.values())
+        # a row that made tokens leaves its KV for reuse (a client retrying); one still in
+        # prefill holds a partial prompt, which goes
+        running = [r.uid for r in found if r.status is RequestStatus.RUNNING and r.uid is not None]
+        prefilling = [
+            r.uid for r in found if r.status is RequestStatus.PREFILLING and r.uid is not None
+        ]
+        if running:
+            self._store(self.backend.remove(running, keep_caches=True).values())
+        if prefilling:
+            self.backend.remove(prefilling)
         outputs = []
         for request in found:
             self.scoring.pop(request.request_id, None)

@@ -30,7 +30,6 @@ class Request:
     max_tokens: int
     sampling: SamplingParams
     priority: int = 0
-    arrival: float = 0.0  # the scheduler's clock when it was queued
     status: RequestStatus = RequestStatus.WAITING
     uid: int | None = None  # the backend's id while in its batch
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache

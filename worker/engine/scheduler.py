@@ -1,6 +1,7 @@
 """Which waiting requests join the running batch at the next engine step.
 
-A pure policy over queues: no model, no sockets, the clock injected. Each step it admits,
+A pure policy over queues: no model, no sockets, no clock (nothing waits on time). Each
+step it admits,
 in order (interactive requests first, first come first served within a class):
 - while the batch has a free place (`max_running`);
 - at most `max_prefill_requests` new requests a step (what the backend prefills side by
@@ -22,9 +23,8 @@ A lone request on an idle engine starts at once: nothing waits for company.
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -78,11 +78,8 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(
-        self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+    def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.clock = clock
         self.queues: dict[bool, deque[Request]] = {False: deque(), True: deque()}  # batch?
         self.running: dict[str, Request] = {}
         self.batch_running = 0
@@ -99,14 +96,8 @@ class Scheduler:
         yield from self.queues[True]
 
     def add(self, request: Request) -> None:
-        request.arrival = self.clock()
         request.status = RequestStatus.WAITING
         self.queues[request.priority >= Priority.BATCH].append(request)
-
-    def oldest_wait(self) -> float:
-        """Seconds the longest-waiting request has waited (0 when none waits)."""
-        arrivals = [q[0].arrival for q in self.queues.values() if q]
-        return self.clock() - min(arrivals) if arrivals else 0.0
 
     def schedule(self, plan: Plan | None = None) -> list[Request]:
         """The requests to start now, removed from the queues and counted as running. `plan`
