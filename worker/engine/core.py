@@ -128,7 +128,8 @@ class EngineCore:
             r.uid for r in found if r.status is RequestStatus.PREFILLING and r.uid is not None
         ]
         if running:
-            self._store(self.backend.remove(running, keep_caches=True).values())
+            keep = self.prefix_cache is not None
+            self._store(self.backend.remove(running, keep_caches=keep).values())
         if prefilling:
             self.backend.remove(prefilling)
         outputs = []
