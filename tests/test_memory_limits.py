@@ -65,3 +65,18 @@ def test_on_this_machine_it_runs_against_real_mlx() -> None:
     assert limits == memory.MemoryLimits(0, 0)  # Linux: MLX's CPU or CUDA device
     assert memory.kv_budget(EngineOptions(kv_memory_gb=2.0)) == 2 * GiB
     assert memory.kv_budget(EngineOptions()) >= GiB // 4
+
+
+def test_the_buffer_cache_goes_once_per_idle_spell_and_not_between_requests() -> None:
+    idle = memory.IdleRelease(after_s=2.0)
+    assert not idle.due(busy=False, now=0.0)  # nothing ran yet: nothing to release
+    assert not idle.due(busy=True, now=1.0)
+    assert not idle.due(busy=False, now=1.1)  # a gap between two requests
+    assert not idle.due(busy=True, now=1.2)
+    assert not idle.due(busy=False, now=1.5)
+    assert not idle.due(busy=False, now=3.4)  # idle 1.9 s
+    assert idle.due(busy=False, now=3.6)  # idle 2.1 s: release
+    assert not idle.due(busy=False, now=10.0)  # once per spell
+    assert not idle.due(busy=True, now=11.0)
+    assert not idle.due(busy=False, now=11.5)
+    assert idle.due(busy=False, now=13.5)

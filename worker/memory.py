@@ -13,6 +13,10 @@ from shared.config import EngineOptions
 GiB = 1 << 30
 KV_HEADROOM = 0.9  # of what is left: activations, the buffer cache, fragmentation
 MAC_BUFFER_CACHE = 4 * GiB  # at most, and at most an eighth of the working set
+# The buffer cache goes back to the system once the engine has had no work this long: not
+# between one request and the next (the next would allocate every buffer again), only when
+# the model sits idle.
+IDLE_RELEASE_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,3 +65,26 @@ def kv_budget(options: EngineOptions) -> int:
     prefix = int(options.prefix_cache_gb * GiB) if options.prefix_cache else 0
     left = device_memory() - mx.get_active_memory() - prefix
     return max(GiB // 4, int(left * KV_HEADROOM))
+
+
+class IdleRelease:
+    """When to empty MLX's buffer cache: once per idle spell, after IDLE_RELEASE_S of it."""
+
+    def __init__(self, after_s: float = IDLE_RELEASE_S) -> None:
+        self.after_s = after_s
+        self.idle_since: float | None = None
+        self.released = True  # nothing ran since the last release (or since start)
+
+    def due(self, busy: bool, now: float) -> bool:
+        """Called each turn of the engine loop; True when the cache should go now."""
+        if busy:
+            self.idle_since, self.released = None, False
+            return False
+        if self.released:
+            return False
+        if self.idle_since is None:
+            self.idle_since = now
+        if now - self.idle_since < self.after_s:
+            return False
+        self.released = True
+        return True

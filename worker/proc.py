@@ -43,7 +43,7 @@ from worker.channels import WorkerChannels
 from worker.engine.core import EngineCore
 from worker.faults import Faults, FaultyEngine
 from worker.loader import LoadedModel, load_model
-from worker.memory import MemoryLimits, device_memory, kv_budget, own_memory
+from worker.memory import IdleRelease, MemoryLimits, device_memory, kv_budget, own_memory
 from worker.preprocess import PreparedRequest, PreprocessError, Preprocessor, capabilities
 
 log = logging.getLogger("worker")
@@ -78,7 +78,7 @@ class WorkerProc:
         self.outputs_thread = threading.Thread(target=self._output_loop, name="output", daemon=True)
         self.inputs_thread: threading.Thread | None = None
         self.codec = Codec()  # the engine thread's
-        self.idle = True  # the engine had no work after its last step
+        self.idle_release = IdleRelease()
         self.faults = Faults.for_model(args.model.name)
         self.stage, self.stage_progress = "starting", -1.0  # reported while loading
         self.limits = MemoryLimits()
@@ -204,13 +204,12 @@ class WorkerProc:
     def _step(self) -> None:
         engine = self.engine
         assert engine is not None
-        if engine.has_work:
-            self.idle = False
+        busy = engine.has_work
+        if busy:
             outputs = engine.step()
             if outputs:
                 self._emit(outputs)
-        elif not self.idle:
-            self.idle = True
+        if self.idle_release.due(busy, time.monotonic()):
             engine.backend.release_memory()
 
     def _take(self, block: bool) -> list[object]:

@@ -8,6 +8,7 @@ from typing import Any, cast
 import mlx.core as mx
 
 from shared.types import FinishReason, RequestOutput, TokenLogprob, TopLogprob, Usage
+from worker.engine.detokenize import detokenizer_factory
 from worker.engine.request import Request, RequestStatus
 from worker.engine.tokens import TokenInfo
 
@@ -16,11 +17,11 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any, detokenizer_kind: str) -> None:
         self.tokenizer = tokenizer
         self.tokens = TokenInfo(tokenizer, detokenizer_kind)
+        self.new_detokenizer = detokenizer_factory(tokenizer)
 
     def start(self, request: Request) -> None:
         """Give a request its own streaming detokenizer."""
-        request.detokenizer = self.tokenizer.detokenizer  # a fresh copy on each access
-        request.decode = self.tokenizer.decode
+        request.detokenizer = self.new_detokenizer()
 
     def on_token(
         self, request: Request, token: int, logprob: TokenLogprob | None = None
@@ -34,8 +35,9 @@ class OutputProcessor:
             # token's); elsewhere the logprobs follow the text, which never shows it.
             kept = logprob if request.sampling.echo else None
             return self.finish(request, FinishReason.STOP, token, flush=True, logprob=kept)
-        request.detokenizer.add_token(token)
-        text, hit = request.stop.feed(self._segment(request))
+        detokenizer = request.detokenizer
+        assert detokenizer is not None, "start() gives every request a detokenizer"
+        text, hit = request.stop.feed(detokenizer.add(token))
         if hit:
             return self.finish(request, FinishReason.STOP, token, text, logprob=logprob)
         if request.completion_tokens >= request.max_tokens:
@@ -62,8 +64,7 @@ class OutputProcessor:
         """The terminal delta; `flush` releases text held back for UTF-8 or stop matching."""
         request.status = RequestStatus.FINISHED
         if flush and request.detokenizer is not None:
-            request.detokenizer.finalize()
-            tail, hit = request.stop.feed(self._segment(request))
+            tail, hit = request.stop.feed(request.detokenizer.finish())
             text += tail if hit else tail + request.stop.flush()
         output = RequestOutput(
             request.request_id,
@@ -77,19 +78,6 @@ class OutputProcessor:
             output.logprobs = [logprob]
         _attach_prompt(request, output)
         return output
-
-    def _segment(self, request: Request) -> str:
-        """Newly readable text. mlx-lm's streaming detokenizers trim the first segment's
-        leading space; the API returns exactly tokenizer.decode(tokens), so restore it once."""
-        text: str = request.detokenizer.last_segment
-        if text and not request.started:
-            request.started = True
-            assert request.decode is not None
-            full = request.decode(request.detokenizer.tokens)
-            lead = full[: len(full) - len(full.lstrip())]
-            if lead and not text.startswith(lead) and full.startswith(lead + text):
-                text = lead + text
-        return text
 
     # ---- log probabilities ------------------------------------------------------------
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from shared.types import SamplingParams, TokenLogprob
+from worker.engine.detokenize import Detokenizer
 from worker.engine.stop import StopStringMatcher
 
 
@@ -37,10 +36,8 @@ class Request:
     stop_ids: frozenset[int] = frozenset()  # tokens that end it (EOS unless ignored, stop ids)
     block_keys: list[int] | None = None  # its prompt's block chain, once the prefix plan asks
     # output state (engine/output.py)
-    detokenizer: Any = None  # the tokenizer's streaming detokenizer, one per request
-    decode: Callable[[list[int]], str] | None = None
+    detokenizer: Detokenizer | None = None  # one per request
     stop: StopStringMatcher = field(default_factory=lambda: StopStringMatcher([]))
-    started: bool = False  # the first text segment went out
     # echo: the prompt's text and logprobs, sent with the first delta and then dropped
     prompt_text: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
