@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,9 +25,15 @@ class Loaded:
     model: Any
     tokenizer: Any
 
-    def engine(self, kv_budget_bytes: int | None = None, **options: Any) -> EngineCore:
+    def engine(
+        self,
+        kv_budget_bytes: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        **options: Any,
+    ) -> EngineCore:
         opts = EngineOptions(**options)
-        return EngineCore(MlxLmBackend(self.model, self.tokenizer, opts), opts, kv_budget_bytes)
+        backend = MlxLmBackend(self.model, self.tokenizer, opts)
+        return EngineCore(backend, opts, kv_budget_bytes, clock)
 
 
 # Prompts of several shapes (one of a single token, one long) for engine tests.

@@ -165,3 +165,46 @@ def test_a_held_request_keeps_its_place_and_others_go_ahead() -> None:
     assert [r.request_id for r in scheduler.queues[False]] == ["b"]
     scheduler.add(request("d"))
     assert names(scheduler.schedule(Cached())) == ["b", "d"]  # b first: its place was kept
+
+
+def test_an_idle_batch_starts_a_lone_request_at_once() -> None:
+    scheduler = make(gather_s=0.025, max_prefill_requests=8)
+    scheduler.add(request("lone"), now=10.0)
+    assert names(scheduler.schedule(now=10.0)) == ["lone"]
+
+
+def test_a_running_batch_gathers_new_requests_until_the_window_ends() -> None:
+    scheduler = make(gather_s=0.025, max_running=8, max_prefill_requests=8)
+    scheduler.add(request("running"), now=0.0)
+    scheduler.schedule(now=0.0)
+    scheduler.add(request("a"), now=1.000)
+    assert scheduler.schedule(now=1.010) == []  # 10 ms: waits for company
+    scheduler.add(request("b"), now=1.020)
+    assert scheduler.schedule(now=1.024) == []
+    assert names(scheduler.schedule(now=1.026)) == ["a", "b"]  # the oldest waited 25 ms
+
+
+def test_a_complete_group_goes_at_once() -> None:
+    scheduler = make(gather_s=0.025, max_running=4, max_prefill_requests=8)
+    for name in ("r1", "r2"):
+        scheduler.add(request(name), now=0.0)
+    scheduler.schedule(now=0.0)
+    scheduler.add(request("a"), now=1.0)
+    assert scheduler.schedule(now=1.001) == []
+    scheduler.add(request("b"), now=1.002)  # two waiting, two free places: complete
+    assert names(scheduler.schedule(now=1.002)) == ["a", "b"]
+    # one prefill's worth is complete too, whatever the free places
+    wide = make(gather_s=0.025, max_running=64, max_prefill_requests=2)
+    wide.add(request("r"), now=0.0)
+    wide.schedule(now=0.0)
+    wide.add(request("x"), now=1.0)
+    wide.add(request("y"), now=1.0)
+    assert names(wide.schedule(now=1.0)) == ["x", "y"]
+
+
+def test_no_gathering_when_it_is_off() -> None:
+    scheduler = make(gather_s=0.0, max_running=8)
+    scheduler.add(request("running"), now=0.0)
+    scheduler.schedule(now=0.0)
+    scheduler.add(request("a"), now=1.0)
+    assert names(scheduler.schedule(now=1.0)) == ["a"]
