@@ -73,13 +73,6 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # prefix is not counted). A burst larger than this starts over several steps, the first
     # requests streaming while the rest prefill; one prompt longer than it goes in alone.
     max_prefill_tokens: int = 8192
-    # While a batch is running, new requests wait up to this long (milliseconds) for others
-    # arriving close together, and start with them: each start costs the running batch
-    # extra forward passes of the model, so starts one step apart slow everyone (measured on
-    # an H200: 4x fewer tokens when requests arrive spread over the steps than in waves).
-    # The group goes as soon as it fills the batch's free places; an idle model starts a
-    # request at once. 0: every request starts at the next step.
-    gather_ms: float = 25.0
     # Memory for running requests' KV cache, in GiB: a request is admitted while the KV of
     # every running request at its full length (prompt + max_tokens) fits. Default: what
     # the device has left after the weights and the prefix cache, less a tenth.
@@ -280,8 +273,6 @@ def _validate(config: Config) -> None:
             raise ConfigError(f"model {model.name!r}: engine.max_prompt_tokens must be >= 1")
         if opts.max_waiting < 0:
             raise ConfigError(f"model {model.name!r}: engine.max_waiting must not be negative")
-        if not 0 <= opts.gather_ms <= 1000:
-            raise ConfigError(f"model {model.name!r}: engine.gather_ms must be in [0, 1000]")
         if opts.prefix_cache_gb < 0 or not math.isfinite(opts.prefix_cache_gb):
             raise ConfigError(
                 f"model {model.name!r}: engine.prefix_cache_gb must be a finite number >= 0"

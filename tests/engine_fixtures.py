@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,15 +23,9 @@ class Loaded:
     model: Any
     tokenizer: Any
 
-    def engine(
-        self,
-        kv_budget_bytes: int | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        **options: Any,
-    ) -> EngineCore:
+    def engine(self, kv_budget_bytes: int | None = None, **options: Any) -> EngineCore:
         opts = EngineOptions(**options)
-        backend = MlxLmBackend(self.model, self.tokenizer, opts)
-        return EngineCore(backend, opts, kv_budget_bytes, clock)
+        return EngineCore(MlxLmBackend(self.model, self.tokenizer, opts), opts, kv_budget_bytes)
 
 
 # Prompts of several shapes (one of a single token, one long) for engine tests.

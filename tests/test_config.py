@@ -167,8 +167,6 @@ def test_missing_file(tmp_path: Path) -> None:
         "kv_memory_gb = 0",
         "kv_memory_gb = inf",
         "buffer_cache_gb = 0",
-        "gather_ms = -1",
-        "gather_ms = 5000",
     ],
 )
 def test_bad_engine_options(tmp_path: Path, option: str) -> None:
@@ -177,7 +175,7 @@ def test_bad_engine_options(tmp_path: Path, option: str) -> None:
     with pytest.raises(
         ConfigError,
         match=rf"engine\.{key} (must be at least 1|must not be "
-        r"negative|must be a finite number >= 0|must be positive|must be in \[0, 1000\])",
+        r"negative|must be a finite number >= 0|must be positive)",
     ):
         load_config(write(tmp_path, text))
 

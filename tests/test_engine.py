@@ -728,34 +728,3 @@ def test_utf8_in_a_batch(utf8: tuple[Loaded, list[int], dict[str, int]]) -> None
     outputs = drive(loaded.engine(), requests)
     for deltas in outputs.values():
         assert [o.text for o in deltas] == ["", "\u00e9", "b", ""]
-
-
-def test_a_running_batch_starts_new_requests_together(
-    chat: Loaded, prompts: list[list[int]]
-) -> None:
-    """gather_ms on a real model with a fake clock: a request arriving while a batch runs
-    waits for company until the window ends, then starts; on an idle engine it starts at
-    once, and a group that fills the free places goes at once."""
-    now = [0.0]
-    engine = chat.engine(clock=lambda: now[0], gather_ms=25, max_running=3)
-    engine.add(greedy("first", prompts[0], 40, ignore_eos=True))
-    engine.step()
-    assert engine.requests["first"].status is not RequestStatus.WAITING  # idle: at once
-    engine.add(greedy("second", prompts[2], 8, ignore_eos=True))
-    for _ in range(5):
-        engine.step()
-        assert engine.requests["second"].status is RequestStatus.WAITING
-    now[0] = 0.030
-    engine.step()
-    assert engine.requests["second"].status is not RequestStatus.WAITING
-    while "second" in engine.requests:
-        engine.step()
-    engine.add(greedy("a", prompts[3], 4, ignore_eos=True))
-    engine.step()
-    assert engine.requests["a"].status is RequestStatus.WAITING
-    engine.add(greedy("b", prompts[4], 4, ignore_eos=True))  # two places free, two waiting
-    engine.step()
-    assert engine.requests["a"].status is not RequestStatus.WAITING
-    assert engine.requests["b"].status is not RequestStatus.WAITING
-    drive(engine, [])
-    assert not engine.has_work

@@ -191,7 +191,7 @@ def test_clients_arriving_together_compute_a_shared_long_prefix_once(chat: Loade
 
 
 def test_an_abort_keeps_what_ran_and_drops_a_partial_prefill(chat: Loaded) -> None:
-    engine = chat.engine(prefill_step_size=8, gather_ms=0)
+    engine = chat.engine(prefill_step_size=8)
     ran = chat_prompt(chat, [{"role": "user", "content": QUESTIONS[0]}])
     partial = chat_prompt(
         chat, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "x"}]

@@ -9,8 +9,6 @@ the sampled tokens into deltas. Finished rows leave their KV to the prefix cache
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,10 +37,8 @@ class EngineCore:
         backend: Backend,
         options: EngineOptions,
         kv_budget_bytes: int | None = None,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.backend = backend
-        self.clock = clock
         self.options = options
         self.output = OutputProcessor(backend.tokenizer, backend.detokenizer_kind)
         self.scheduler = Scheduler(
@@ -53,7 +49,6 @@ class EngineCore:
                 batch_share=options.batch_share,
                 kv_budget_bytes=kv_budget_bytes,
                 kv_bytes_per_token=backend.kv_bytes_per_token() if kv_budget_bytes else 0,
-                gather_s=options.gather_ms / 1000,
             )
         )
         capacity = int(options.prefix_cache_gb * GiB) if options.prefix_cache else 0
@@ -117,7 +112,7 @@ class EngineCore:
         if request.max_tokens == 0:
             return self.output.finish(request, FinishReason.LENGTH)
         self.requests[request.request_id] = request
-        self.scheduler.add(request, self.clock())
+        self.scheduler.add(request)
         return None
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
@@ -149,7 +144,7 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         self.steps += 1
         outputs = self._score_step() if self.scoring else []
-        self._start(self.scheduler.schedule(self.plan, self.clock()))
+        self._start(self.scheduler.schedule(self.plan))
         if self.backend.active:
             sampled = self.backend.step(keep_caches=self.prefix_cache is not None)
             outputs += self._process(sampled)

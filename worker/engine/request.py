@@ -34,7 +34,6 @@ class Request:
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache
     completion_tokens: int = 0
     stop_ids: frozenset[int] = frozenset()  # tokens that end it (EOS unless ignored, stop ids)
-    arrival: float = 0.0  # when it joined the scheduler's queue (the engine's clock)
     block_keys: list[int] | None = None  # its prompt's block chain, once the prefix plan asks
     # output state (engine/output.py)
     detokenizer: Detokenizer | None = None  # one per request

@@ -1,8 +1,8 @@
 """Which waiting requests join the running batch at the next engine step.
 
-A pure policy over queues: no model, no sockets; the time comes in as an argument. Each
-step it admits, in order (interactive requests first, first come first served within a
-class):
+A pure policy over queues: no model, no sockets, no clock (nothing waits on time). Each
+step it admits,
+in order (interactive requests first, first come first served within a class):
 - while the batch has a free place (`max_running`);
 - at most `max_prefill_requests` new requests a step (what the backend prefills side by
   side) and `max_prefill_tokens` new prompt tokens (a cached prefix costs nothing), except
@@ -18,15 +18,7 @@ class):
   a Mac's memory for outputs that are rarely that long. A request alone in the batch is
   admitted whatever its size (the preprocessor already bounded it by the context length),
   so nothing waits forever.
-
-A lone request on an idle engine starts at once: nothing waits for company. While a batch
-is running, new requests are gathered for up to `gather_s` (from the oldest one's arrival)
-so that requests arriving close together start together: with mlx-lm's BatchGenerator each
-start costs the running batch extra forward passes of the model (the new rows' prefill and
-their first step), so requests started one step apart each pay them (on an H200 a decode
-batch whose requests arrive spread over its steps made 4x fewer tokens than the same batch
-started in waves). The group goes as soon as it is complete: as many requests as there are
-free places in the batch (or as one prefill takes).
+A lone request on an idle engine starts at once: nothing waits for company.
 """
 
 from __future__ import annotations
@@ -79,7 +71,6 @@ class SchedulerConfig:
     batch_share: float = 0.75
     kv_budget_bytes: int | None = None  # None: no limit but max_running
     kv_bytes_per_token: int = 0
-    gather_s: float = 0.0  # how long new requests may wait for company while a batch runs
 
     @property
     def batch_places(self) -> int:
@@ -104,15 +95,14 @@ class Scheduler:
         yield from self.queues[False]
         yield from self.queues[True]
 
-    def add(self, request: Request, now: float = 0.0) -> None:
+    def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        request.arrival = now
         self.queues[request.priority >= Priority.BATCH].append(request)
 
-    def schedule(self, plan: Plan | None = None, now: float = 0.0) -> list[Request]:
+    def schedule(self, plan: Plan | None = None) -> list[Request]:
         """The requests to start now, removed from the queues and counted as running. `plan`
         (the engine's prefix cache) prices each request's prefill and may hold one back."""
-        if not self.waiting or not self._group_ready(now):
+        if not self.waiting:
             return []
         plan = plan or FullPrefill()
         config = self.config
@@ -147,18 +137,6 @@ class Scheduler:
                 plan.admitted(request, prefill)
             queue.extendleft(reversed(held))
         return admitted
-
-    def _group_ready(self, now: float) -> bool:
-        """An idle batch starts whatever waits; a running one once the group is complete
-        or its oldest request has waited `gather_s`."""
-        config = self.config
-        if not self.running or config.gather_s <= 0:
-            return True
-        free = config.max_running - len(self.running)
-        if self.waiting >= min(max(free, 1), config.max_prefill_requests):
-            return True
-        oldest = min(q[0].arrival for q in self.queues.values() if q)
-        return now - oldest >= config.gather_s
 
     def kv_tokens(self) -> int:
         """KV positions the running requests hold now."""
