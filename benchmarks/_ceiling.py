@@ -115,6 +115,7 @@ def run_inprocess(
         "level_timeout": args.level_timeout,
         "warmup_prompt": bank.warmup,
         "max_steal": args.max_steal,
+        "warm_levels": bool(getattr(args, "warm_levels", False)),
         # the first set, then fresh prompts for each measurement again under steal
         "levels": [
             {
@@ -184,6 +185,12 @@ def main(spec_path: str, out_path: str) -> int:
         )
         return summary
 
+    if spec.get("warm_levels"):  # each level once, unrecorded: shapes compiled first
+        for level in spec["levels"]:
+            c = int(level["concurrency"])
+            prompts = [encode(t) for t in level["prompts_per_attempt"][0]]
+            run_level(model, prompts[::-1], c, max_tokens, timeout, step)
+            print(f"[inprocess] c={c} warmed", file=sys.stderr, flush=True)
     levels: list[dict[str, Any]] = []
     for level in spec["levels"]:
         c = int(level["concurrency"])

@@ -10,7 +10,9 @@
 # and AGENT_ARGS add flags to benchmarks.serving and benchmarks.agent_session.
 # - 1b / 8b: benchmarks.serving, closed loop, 128-token prompts and outputs: mlx-lm's
 #   BatchGenerator in one process (the ceiling), this gateway and mlx_lm server, one after
-#   another on the same prompts (each launched once for all levels).
+#   another on the same prompts (each launched once for all levels, every level run once
+#   unrecorded first: MLX CUDA compiles kernels on first use of a shape, and a server meets
+#   many more batch shapes than the ceiling).
 # - agent: benchmarks.agent_session on the 1b shape: 8 turns over a 4k-token system prompt,
 #   1 and 4 concurrent sessions, the gateway with its prefix cache on and off, mlx_lm server.
 # - profile: the gateway on the 1b shape at c=64 while py-spy samples its worker's threads for
@@ -72,7 +74,7 @@ throughput() {  # NAME SHAPE LEVELS: the ceiling, then the gateway, then mlx_lm 
     --launch-cmd "gateway={python} -m gateway --config $cfg serve --port {port}" \
     --launch-cmd "mlx_lm={python} -m mlx_lm server --model {model} --host 127.0.0.1 --port {port} --decode-concurrency {max_concurrency} --prompt-concurrency {max_concurrency} --log-level WARNING" \
     --served-model gateway=bench --concurrency "$3" --min-requests 16 --no-interleave \
-    --steal-retries 0 --wait-idle 0 ${SERVING_ARGS:-} --out "$OUT/$1.json" 2>&1 |
+    --steal-retries 0 --wait-idle 0 --warm-levels ${SERVING_ARGS:-} --out "$OUT/$1.json" 2>&1 |
     tee "$OUT/$1.log"
 }
 

@@ -129,6 +129,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument(
+        "--warm-levels",
+        action="store_true",
+        help="run every level once, unrecorded, before measuring (each source and the"
+        " ceiling): kernels a GPU backend compiles on first use of a shape (MLX CUDA) are"
+        " then built before the measurement, as on a server that has been up a while",
+    )
+    p.add_argument(
         "--no-interleave",
         dest="interleave",
         action="store_false",
@@ -271,6 +278,21 @@ async def measure_url(
             )
             return summary
 
+        if args.warm_levels:
+            for c in levels:
+                prompts = bank.get(job_index, c, repeat, WARM_ATTEMPT)
+                await _client.run_level(
+                    client,
+                    url,
+                    model_id,
+                    prompts,
+                    c,
+                    args.max_tokens,
+                    not args.no_ignore_eos,
+                    args.level_timeout,
+                    extra_body(args, job.name),
+                )
+                print(f"[{job.name}] c={c} warmed", file=sys.stderr, flush=True)
         for c in levels:
             tried: list[dict[str, Any]] = []
             for attempt in range(args.steal_retries + 1):
@@ -291,6 +313,7 @@ async def measure_url(
 
 
 CLIENT_NICE = [0]  # set from --client-nice in main()
+WARM_ATTEMPT = 999  # prompt-bank attempt number of --warm-levels runs (fresh prompts)
 
 
 def _run_async(coro: Any) -> Any:

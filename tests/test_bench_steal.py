@@ -70,3 +70,27 @@ def test_a_level_under_steal_is_measured_again(
         assert run["failures"] == 0 and run["steal_pct"] is not None
         assert [d["steal_pct"] is not None for d in run["discarded"]] == [True]
         assert run["contended"] is True  # even the kept attempt was over a limit of -1
+
+
+def test_warm_levels_run_each_level_once_before_measuring(
+    gateway: GatewayProc, chat_model: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable, "-m", "benchmarks.serving",
+        "--inprocess", str(chat_model),
+        "--target", f"gw={gateway.base_url}", "--served-model", "gw=chat",
+        "--concurrency", "1,2", "--requests", "2", "--max-tokens", "8", "--prompt-tokens", "32",
+        "--wait-idle", "0", "--blas", "off", "--warm-levels", "--out", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for source in ("inprocess", "gw"):
+        warmed = [line for line in done.stderr.splitlines() if line.startswith(f"[{source}]")]
+        assert [w for w in warmed if w.endswith("warmed")] == [
+            f"[{source}] c=1 warmed",
+            f"[{source}] c=2 warmed",
+        ]
+    (model,) = json.loads(out.read_text())["models"].values()
+    for source in (model["inprocess"], model["targets"]["gw"]):
+        assert [lv["runs"][0]["requests"] for lv in source["levels"]] == [2, 2]

@@ -1,0 +1,26 @@
+"""benchmarks/arrivals.py on the tiny chat model: both modes run and report their figures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import arrivals
+
+
+def test_waves_and_spread_arrivals_are_measured(
+    chat_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert arrivals.main([str(chat_model), "--concurrency", "2", "--requests", "4"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["mode"] for r in rows] == ["waves", "spread"]
+    for row in rows:
+        assert row["concurrency"] == 2 and row["tok_s"] > 0 and row["step_ms"] > 0
+        assert row["ttft_p50_ms"] is not None and row["steps"] > arrivals.WARM_STEPS
+
+
+def test_an_unknown_mode_is_refused(chat_model: Path) -> None:
+    with pytest.raises(SystemExit):
+        arrivals.main([str(chat_model), "--requests", "1", "--modes", "bursts"])
