@@ -29,8 +29,9 @@ def own_memory(options: EngineOptions) -> MemoryLimits:
     """Set MLX's memory limits for this worker. On a Mac (Metal): wire the recommended
     working set, so that a large model's weights are not paged out between requests (as
     mlx-lm's server does), and bound the buffer cache (`buffer_cache_gb`, default the smaller
-    of 4 GiB and an eighth of the working set); the worker empties it when idle. Elsewhere
-    only an explicit `buffer_cache_gb` is applied: no other default was measured there."""
+    of 4 GiB and an eighth of the working set); the worker empties it once the model is
+    idle (IdleRelease). Elsewhere only an explicit `buffer_cache_gb` is applied: no other
+    default was measured there."""
     cache = int(options.buffer_cache_gb * GiB) if options.buffer_cache_gb else 0
     if not mx.metal.is_available():
         if cache:
