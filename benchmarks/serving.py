@@ -234,10 +234,8 @@ async def measure_url(
             result["error"] = f"warm-up failed: {warm.error}"
             return result
 
-        async def measure(c: int, prompts: list[str]) -> dict[str, Any]:
-            cpu0, scpu0 = time.process_time(), server.cpu_seconds() if server else None
-            sys0 = _cpu.snapshot()
-            records, wall = await _client.run_level(
+        async def load(c: int, prompts: list[str]) -> tuple[list[Any], float]:
+            return await _client.run_level(
                 client,
                 url,
                 model_id,
@@ -248,6 +246,11 @@ async def measure_url(
                 args.level_timeout,
                 extra_body(args, job.name),
             )
+
+        async def measure(c: int, prompts: list[str]) -> dict[str, Any]:
+            cpu0, scpu0 = time.process_time(), server.cpu_seconds() if server else None
+            sys0 = _cpu.snapshot()
+            records, wall = await load(c, prompts)
             sys1 = _cpu.snapshot()
             system = _cpu.busy_pct(sys0, sys1)
             summary = summarize_level(records, wall, c, args.max_tokens)
@@ -280,18 +283,7 @@ async def measure_url(
 
         if args.warm_levels:
             for c in levels:
-                prompts = bank.get(job_index, c, repeat, WARM_ATTEMPT)
-                await _client.run_level(
-                    client,
-                    url,
-                    model_id,
-                    prompts,
-                    c,
-                    args.max_tokens,
-                    not args.no_ignore_eos,
-                    args.level_timeout,
-                    extra_body(args, job.name),
-                )
+                await load(c, bank.get(job_index, c, repeat, WARM_ATTEMPT))
                 print(f"[{job.name}] c={c} warmed", file=sys.stderr, flush=True)
         for c in levels:
             tried: list[dict[str, Any]] = []

@@ -21,6 +21,17 @@ from tests.gateway_proc import GatewayProc
 REPO = Path(__file__).resolve().parent.parent
 
 
+def bench_cmd(gateway: GatewayProc, chat_model: Path, out: Path, *levels: str) -> list[str]:
+    """The serving benchmark against the session gateway and the in-process ceiling."""
+    return [
+        sys.executable, "-m", "benchmarks.serving",
+        "--inprocess", str(chat_model),
+        "--target", f"gw={gateway.base_url}", "--served-model", "gw=chat",
+        "--requests", "2", "--prompt-tokens", "32", "--wait-idle", "0", "--blas", "off",
+        "--out", str(out), *levels,
+    ]  # fmt: skip
+
+
 def test_steal_is_apart_from_busy_time() -> None:
     cores = os.cpu_count() or 1
     a, b = _cpu.Sample(busy=100, steal=10, total=1000), _cpu.Sample(300, 60, 2000)
@@ -50,15 +61,8 @@ def test_a_level_under_steal_is_measured_again(
     gateway: GatewayProc, chat_model: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "bench.json"
-    cmd = [
-        sys.executable, "-m", "benchmarks.serving",
-        "--inprocess", str(chat_model),
-        "--target", f"gw={gateway.base_url}", "--served-model", "gw=chat",
-        "--concurrency", "1", "--requests", "2", "--max-tokens", "32", "--prompt-tokens", "32",
-        "--wait-idle", "0", "--blas", "off",
-        "--max-steal", "-1", "--steal-retries", "1",  # every level counts as contended
-        "--out", str(out),
-    ]  # fmt: skip
+    cmd = bench_cmd(gateway, chat_model, out, "--concurrency", "1", "--max-tokens", "32")
+    cmd += ["--max-steal", "-1", "--steal-retries", "1"]  # every level counts as contended
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stderr.count("steal over the limit, measured again") == 2
@@ -76,13 +80,8 @@ def test_warm_levels_run_each_level_once_before_measuring(
     gateway: GatewayProc, chat_model: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "bench.json"
-    cmd = [
-        sys.executable, "-m", "benchmarks.serving",
-        "--inprocess", str(chat_model),
-        "--target", f"gw={gateway.base_url}", "--served-model", "gw=chat",
-        "--concurrency", "1,2", "--requests", "2", "--max-tokens", "8", "--prompt-tokens", "32",
-        "--wait-idle", "0", "--blas", "off", "--warm-levels", "--out", str(out),
-    ]  # fmt: skip
+    cmd = bench_cmd(gateway, chat_model, out, "--concurrency", "1,2", "--max-tokens", "8")
+    cmd += ["--warm-levels"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     for source in ("inprocess", "gw"):
