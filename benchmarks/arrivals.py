@@ -94,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=512, help="finished sequences per run")
     p.add_argument("--modes", default=",".join(MODES))
     args = p.parse_args(argv)
+    try:
+        levels = [int(x) for x in args.concurrency.split(",")]
+    except ValueError:
+        p.error(f"--concurrency takes integers separated by commas, not {args.concurrency!r}")
+    if min(levels) < 1 or args.requests < 1:
+        p.error("--concurrency and --requests must be at least 1")
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -102,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tokenizer = load(args.model)
     vocab = len(tokenizer)
-    for c in (int(x) for x in args.concurrency.split(",")):
+    for c in levels:
         for mode in modes:
             print(json.dumps(run(model, vocab, c, args.requests, mode)), flush=True)
     return 0

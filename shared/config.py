@@ -83,8 +83,8 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     prefix_cache: bool = True
     prefix_cache_gb: float = 2.0
     # The bound of MLX's buffer cache (freed buffers kept for reuse), in GiB; the worker also
-    # hands it back whenever it goes idle. Default: on a Mac the smaller of 4 GiB and an eighth
-    # of the recommended working set; elsewhere MLX's own default.
+    # hands it back once the model has been idle for 2 s. Default: on a Mac the smaller of
+    # 4 GiB and an eighth of the recommended working set; elsewhere MLX's own default.
     buffer_cache_gb: float | None = None
     # Batch-priority requests (keys with priority = "batch") may fill at most this share of
     # max_running, so that an interactive request always finds a free place in the batch.

@@ -21,6 +21,14 @@ def test_waves_and_spread_arrivals_are_measured(
         assert row["ttft_p50_ms"] is not None and row["steps"] > arrivals.WARM_STEPS
 
 
-def test_an_unknown_mode_is_refused(chat_model: Path) -> None:
-    with pytest.raises(SystemExit):
-        arrivals.main([str(chat_model), "--requests", "1", "--modes", "bursts"])
+@pytest.mark.parametrize(
+    "bad",
+    [["--modes", "bursts"], ["--concurrency", "x"], ["--concurrency", "0"], ["--requests", "0"]],
+)
+def test_bad_arguments_are_refused_before_loading(
+    bad: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        arrivals.main(["/nonexistent-model", *bad])
+    assert exit_info.value.code == 2  # argparse's usage error, not a failed load
+    assert "error:" in capsys.readouterr().err

@@ -39,31 +39,32 @@ class Detokenizer(Protocol):
 class StreamDecoder:
     """`tokenizers.decoders.DecodeStream` over the tokenizer's Rust backend."""
 
-    __slots__ = ("_backend", "_decode", "_pieces", "_stream", "_tokens")
+    __slots__ = ("_backend", "_decode", "_held", "_sent", "_stream", "_tokens")
 
     def __init__(self, backend: Tokenizer, decode: Callable[[list[int]], str]) -> None:
         self._backend = backend
         self._decode = decode
         self._stream = DecodeStream(skip_special_tokens=False)
         self._tokens: list[int] = []
-        self._pieces: list[str] = []
+        self._sent = 0  # characters given out
+        self._held = False  # the last token left bytes of an incomplete character behind
 
     def add(self, token: int) -> str:
         self._tokens.append(token)
         piece = self._stream.step(self._backend, token)
+        self._held = piece is None
         if piece is None:
             return ""
-        self._pieces.append(piece)
+        self._sent += len(piece)
         return piece
 
     def finish(self) -> str:
-        # A stream ending inside a character holds its bytes back; decode shows them as
-        # U+FFFD. What the deltas lack of the whole text is the tail.
-        if not self._tokens:
+        # A stream ending inside a character holds its bytes back, where decode shows U+FFFD:
+        # the tail is what the whole text has beyond what was given out (the check at load
+        # showed the deltas are decode's text); otherwise nothing is held.
+        if not self._held:
             return ""
-        full = self._decode(self._tokens)
-        sent = "".join(self._pieces)
-        return full[len(sent) :] if full.startswith(sent) else ""
+        return self._decode(self._tokens)[self._sent :]
 
 
 class SegmentDecoder:

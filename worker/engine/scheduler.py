@@ -1,8 +1,8 @@
 """Which waiting requests join the running batch at the next engine step.
 
 A pure policy over queues: no model, no sockets, no clock (nothing waits on time). Each
-step it admits,
-in order (interactive requests first, first come first served within a class):
+step it admits, in order (interactive requests first, first come first served within a
+class):
 - while the batch has a free place (`max_running`);
 - at most `max_prefill_requests` new requests a step (what the backend prefills side by
   side) and `max_prefill_tokens` new prompt tokens (a cached prefix costs nothing), except
