@@ -109,6 +109,23 @@ def test_worker_gauges_come_from_the_supervisor(gw: GatewayProc) -> None:
     assert value(samples, "mlxgw_mlx_wired_limit_bytes", model="chat") == 0
 
 
+def test_the_buffer_cache_goes_once_the_model_is_idle(gw: GatewayProc) -> None:
+    """Requests leave freed buffers in MLX's cache; the worker hands them back once the model
+    has been idle 2 s (worker/memory.py IdleRelease: the timing is unit-tested there)."""
+    client = openai_client(gw)
+
+    def kept_while_busy() -> bool:
+        client.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=16)
+        return value(scrape(gw), "mlxgw_mlx_cache_bytes", model="chat") > 0
+
+    wait_for(kept_while_busy, timeout=30, what="freed buffers after requests")
+    wait_for(
+        lambda: value(scrape(gw), "mlxgw_mlx_cache_bytes", model="chat") == 0,
+        timeout=15,
+        what="the buffer cache emptied once idle",
+    )
+
+
 def test_ready_with_a_ready_model(gw: GatewayProc) -> None:
     r = httpx.get(f"{gw.base_url}/ready", timeout=10)
     assert r.status_code == 200
