@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gateway.keys import ApiKey
+    from shared.types import Timings
 
 log = logging.getLogger("gateway")
 
@@ -52,6 +53,7 @@ class RequestContext:
     completion_tokens: int = 0
     cached_tokens: int = 0
     first_token_at: float | None = None
+    worker_timings: Timings | None = None  # the worker's share of the first token's wait
     last_token_at: float | None = None
     finished_at: float | None = None
     on_finish: list[Callable[[RequestContext], None]] = field(default_factory=list)

@@ -47,6 +47,19 @@ def setup_logging(level: str, fmt: str) -> None:
     os.environ[LOG_FORMAT_ENV] = fmt
 
 
+def _worker_share(ctx: RequestContext) -> dict[str, object]:
+    """Where the first token's wait went in the worker (the rest of ttft_ms is the
+    gateway's and the transport's)."""
+    t = ctx.worker_timings
+    if t is None:
+        return {}
+    return {
+        "preprocess_ms": round(t.preprocess_s * 1000, 1),
+        "queue_ms": round(t.queue_s * 1000, 1),
+        "prefill_ms": round(t.prefill_s * 1000, 1),
+    }
+
+
 def access_hook() -> Callable[[RequestContext], None]:
     """A finish hook that writes the access line of each request."""
 
@@ -65,6 +78,7 @@ def access_hook() -> Callable[[RequestContext], None]:
             "prompt_tokens": ctx.prompt_tokens,
             "completion_tokens": ctx.completion_tokens,
             "ttft_ms": None if ttft is None else round(ttft * 1000, 1),
+            **_worker_share(ctx),
             "duration_ms": round(ctx.duration_s * 1000, 1),
             "finish_reason": ctx.finish_reason or None,
             "error": ctx.error_code or None,

@@ -47,6 +47,20 @@ class Metrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        self.queue = Histogram(
+            "mlxgw_request_queue_seconds",
+            "Time a request waited in its worker for a place in the batch",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.prefill = Histogram(
+            "mlxgw_request_prefill_seconds",
+            "Time from joining the batch to the first token, in the worker",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.itl = Histogram(
             "mlxgw_inter_token_latency_seconds",
             "Mean time between tokens after the first, one observation per request",
@@ -89,6 +103,9 @@ class Metrics:
             self.ttft.labels(model).observe(ctx.ttft_s)
         if ctx.itl_s is not None:
             self.itl.labels(model).observe(ctx.itl_s)
+        if (timings := ctx.worker_timings) is not None:
+            self.queue.labels(model).observe(timings.queue_s)
+            self.prefill.labels(model).observe(timings.prefill_s)
         if ctx.prompt_tokens:
             self.prompt_tokens.labels(model, key).inc(ctx.prompt_tokens)
         if ctx.completion_tokens:

@@ -151,6 +151,8 @@ class Relay:
         ctx = self.ctx
         if ctx is not None and output.token_ids:
             ctx.token(len(output.token_ids))
+        if ctx is not None and output.timings is not None and ctx.worker_timings is None:
+            ctx.worker_timings = output.timings
         if output.finish_reason is not None:
             self.done.add(index)
             self.usages[index] = output.usage

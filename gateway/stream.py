@@ -54,6 +54,7 @@ class RequestStream:
                 if pending.prompt_text is not None
                 else output.prompt_text,
                 stop=output.stop,
+                timings=pending.timings or output.timings,
             )
         waiter = self._waiter
         if waiter is not None and not waiter.done():

@@ -130,6 +130,16 @@ class Usage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     cached_tokens: int = 0
 
 
+class Timings(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Where a request's time to first token went inside the worker, in seconds: preparing
+    it (chat template, tokenizing), waiting for a place in the batch, and from joining the
+    batch to its first token (prefill and the first step). Sent with the first token."""
+
+    preprocess_s: float = 0.0
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+
+
 class RequestError(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     code: ErrorCode
     message: str
@@ -167,3 +177,4 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     prompt_logprobs: list[TokenLogprob] = []  # echo + logprobs: one per prompt token (first delta)
     prompt_text: str | None = None  # echo: the prompt as the tokenizer decodes it (first delta)
     stop: str | None = None  # the stop string that ended generation (finish_reason "stop")
+    timings: Timings | None = None  # with the first token: the worker's share of its wait

@@ -195,6 +195,19 @@ def test_max_tokens_gives_length_and_usage(chat: Loaded, prompts: list[list[int]
     assert all(o.usage is None for o in out[1:-1])
 
 
+def test_first_token_says_where_its_wait_went(chat: Loaded, prompts: list[list[int]]) -> None:
+    engine = chat.engine(max_running=1)
+    out = drive(engine, [greedy("a", prompts[2], 3), greedy("b", prompts[3], 3)])
+    for deltas in out.values():
+        timings = deltas[0].timings
+        assert timings is not None and timings.prefill_s > 0
+        assert all(o.timings is None for o in deltas[1:])
+    # One place in the batch: "b" waited in the queue while "a" ran its three steps.
+    a, b = out["a"][0].timings, out["b"][0].timings
+    assert a is not None and b is not None
+    assert b.queue_s > a.queue_s and b.queue_s >= a.prefill_s
+
+
 def test_eos_stops_and_is_not_shown(chat: Loaded, prompts: list[list[int]]) -> None:
     out = drive(chat.engine(), [greedy("a", prompts[0], 10, logit_bias=EOS_BIAS)])["a"]
     assert token_ids(out) == [EOS]

@@ -63,6 +63,9 @@ def test_json_access_log_and_request_id_in_worker_log(chat_model: Path) -> None:
         assert line["client_request_id"] == "client-abc-1"
         assert line["user"] == "end-user-7"  # OpenAI's `user`: honoured by logging it
         assert line["duration_ms"] >= line["ttft_ms"] > 0
+        # the worker's share of the first token's wait, inside the gateway's
+        worker = line["preprocess_ms"] + line["queue_ms"] + line["prefill_ms"]
+        assert line["prefill_ms"] > 0 and worker <= line["ttft_ms"] + 0.3  # rounding
         assert {"time", "level", "message"} <= set(line)
 
         # The worker logs with the same id (a request it rejects logs at INFO).

@@ -177,17 +177,18 @@ FROM_WORKER = {
     ),
     "step": (
         STEP,
-        # as V2_STEP, each RequestOutput a 10-array (9a, was 96) ending 90 90 c0 c0
-        "94a473746570a2773111929aa57265712d31a368c3a99268cce9c0c0c09090c0c09aa57265712d32a090"
-        "a56572726f729305010093a8696e7465726e616ca4626f6f6da1789090c0c0",
+        # as V2_STEP, each RequestOutput an 11-array (9b; 96 in v2, 9a before timings were
+        # appended) ending 90 90 c0 c0 c0
+        "94a473746570a2773111929ba57265712d31a368c3a99268cce9c0c0c09090c0c0c09ba57265712d32a0"
+        "90a56572726f729305010093a8696e7465726e616ca4626f6f6da1789090c0c0c0",
     ),
     "step_logprobs": (
         STEP_LOGPROBS,
-        "94a473746570a2773112929aa57265712d33a090a66c656e67746893030000c090929500a26162c090c4"
+        "94a473746570a2773112929ba57265712d33a090a66c656e67746893030000c090929500a26162c090c4"
         "009511a22063cbbff8000000000000929409a178cbbfe0000000000000c4009411a22063cbbff8000000"
-        "000000c400c400a461622063c09aa57265712d34a164910ca473746f7093040200c092950ca164cbbfd0"
-        "00000000000091940ca164cbbfd0000000000000c40164c40164950da3efbfbdcbbfe000000000000090"
-        "c401c390c0a20a0a",
+        "000000c400c400a461622063c0c09ba57265712d34a164910ca473746f7093040200c092950ca164cbbf"
+        "d000000000000091940ca164cbbfd0000000000000c40164c40164950da3efbfbdcbbfe0000000000000"
+        "90c401c390c0a20a0ac0",
     ),
     "heartbeat": (
         heartbeat(),
@@ -307,7 +308,7 @@ def test_protocol_2_frames_decode_with_the_new_fields_defaulted() -> None:
     assert isinstance(step, StepOutputs)
     for output in step.outputs:
         assert output.logprobs == [] and output.prompt_logprobs == []
-        assert output.prompt_text is None and output.stop is None
+        assert output.prompt_text is None and output.stop is None and output.timings is None
     # ... and the new bytes only append to the old ones' arrays
     new = msgspec.msgpack.decode(codec.encode(ADD))
     old = msgspec.msgpack.decode(bytes.fromhex(V2_ADD))
@@ -316,7 +317,7 @@ def test_protocol_2_frames_decode_with_the_new_fields_defaulted() -> None:
     old = msgspec.msgpack.decode(bytes.fromhex(V2_STEP))
     for new_output, old_output in zip(new[3], old[3], strict=True):
         assert new_output[: len(old_output)] == old_output
-        assert new_output[len(old_output) :] == [[], [], None, None]
+        assert new_output[len(old_output) :] == [[], [], None, None, None]
 
 
 def test_protocol_version_is_an_int() -> None:

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from gateway.stream import RequestStream
-from shared.types import ErrorCode, FinishReason, RequestOutput, Usage
+from shared.types import ErrorCode, FinishReason, RequestOutput, Timings, Usage
 
 
 def out(text: str = "", ids: list[int] | None = None, **kwargs: object) -> RequestOutput:
@@ -47,6 +47,16 @@ def test_usage_from_an_earlier_delta_survives_the_merge() -> None:
     merged = asyncio.run(main())
     assert merged.usage == Usage(1, 1)
     assert (merged.text, merged.token_ids, merged.finish_reason) == ("ab", [1, 2], "length")
+
+
+def test_first_token_timings_survive_the_merge() -> None:
+    async def main() -> RequestOutput:
+        stream = RequestStream("r1", "m", "w1")
+        stream.put(out("a", [1], timings=Timings(0.001, 0.02, 0.03)))
+        stream.put(out("b", [2]))
+        return await stream.get()
+
+    assert asyncio.run(main()).timings == Timings(0.001, 0.02, 0.03)
 
 
 def test_reader_waiting_before_the_put_is_woken() -> None:

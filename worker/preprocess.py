@@ -43,6 +43,8 @@ class PreparedRequest:
     max_tokens: int
     sampling: SamplingParams
     priority: int = 0
+    received_at: float = 0.0  # perf_counter when the worker got it, and once prepared
+    prepared_at: float = 0.0
 
 
 class Preprocessor:

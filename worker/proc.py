@@ -303,12 +303,14 @@ class WorkerProc:
     def _accept(self, frame: Add, preprocess: Preprocessor) -> PreparedRequest | None:
         """The request, prepared for the engine; None when it was refused (the error went
         back to the gateway)."""
+        received = time.perf_counter()
         try:
             if self.state == WorkerState.DRAINING:
                 raise PreprocessError(
                     RequestError(ErrorCode.SHUTTING_DOWN, "the model is being unloaded")
                 )
             prepared = preprocess(frame)
+            prepared.received_at, prepared.prepared_at = received, time.perf_counter()
             self.faults.on_accept(frame)
             log.debug(
                 "request %s accepted (%d prompt tokens, priority %d)",

@@ -9,6 +9,7 @@ the sampled tokens into deltas. Finished rows leave their KV to the prefix cache
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +100,9 @@ class EngineCore:
             stop=StopStringMatcher(params.stop, params.include_stop_str_in_output),
             prompt_text=self.backend.tokenizer.decode(prepared.prompt) if params.echo else None,
         )
+        now = time.perf_counter()
+        request.prepared_at = prepared.prepared_at or now
+        request.received_at = prepared.received_at or request.prepared_at
         self.output.start(request)
         if params.echo and params.logprobs:
             request.status = RequestStatus.SCORING
@@ -154,7 +158,9 @@ class EngineCore:
         if not admitted:
             return
         items = []
+        now = time.perf_counter()
         for request in admitted:
+            request.admitted_at = now
             hit = (
                 self.prefix_cache.lookup(request.prompt) if self.prefix_cache is not None else None
             )

@@ -3,11 +3,19 @@ tokens, max_tokens, log probabilities and usage."""
 
 from __future__ import annotations
 
+import time
 from typing import Any, cast
 
 import mlx.core as mx
 
-from shared.types import FinishReason, RequestOutput, TokenLogprob, TopLogprob, Usage
+from shared.types import (
+    FinishReason,
+    RequestOutput,
+    Timings,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 from worker.engine.detokenize import detokenizer_factory
 from worker.engine.request import Request, RequestStatus
 from worker.engine.tokens import TokenInfo
@@ -27,9 +35,18 @@ class OutputProcessor:
         self, request: Request, token: int, logprob: TokenLogprob | None = None
     ) -> RequestOutput:
         """Feed one sampled token; return this step's delta (its text may be empty).
-        A terminal delta marks the request finished."""
+        A terminal delta marks the request finished; the first token's delta carries
+        where the request's wait went."""
         request.completion_tokens += 1
         request.status = RequestStatus.RUNNING
+        output = self._on_token(request, token, logprob)
+        if request.completion_tokens == 1:
+            output.timings = _timings(request, time.perf_counter())
+        return output
+
+    def _on_token(
+        self, request: Request, token: int, logprob: TokenLogprob | None
+    ) -> RequestOutput:
         if token in request.stop_ids:  # EOS or a stop token id: counted, never shown
             # Its logprob goes out only for echo (scoring: lm-eval reads every generated
             # token's); elsewhere the logprobs follow the text, which never shows it.
@@ -145,6 +162,15 @@ def _usage(request: Request) -> Usage:
         prompt_tokens=len(request.prompt),
         completion_tokens=request.completion_tokens,
         cached_tokens=request.cached_tokens,
+    )
+
+
+def _timings(request: Request, now: float) -> Timings:
+    admitted = request.admitted_at or now
+    return Timings(
+        preprocess_s=max(0.0, request.prepared_at - request.received_at),
+        queue_s=max(0.0, admitted - request.prepared_at),
+        prefill_s=max(0.0, now - admitted),
     )
 
 

@@ -35,6 +35,10 @@ class Request:
     completion_tokens: int = 0
     stop_ids: frozenset[int] = frozenset()  # tokens that end it (EOS unless ignored, stop ids)
     block_keys: list[int] | None = None  # its prompt's block chain, once the prefix plan asks
+    # perf_counter: the worker got it, had it prepared, started it in the batch
+    received_at: float = 0.0
+    prepared_at: float = 0.0
+    admitted_at: float = 0.0
     # output state (engine/output.py)
     detokenizer: Detokenizer | None = None  # one per request
     stop: StopStringMatcher = field(default_factory=lambda: StopStringMatcher([]))
