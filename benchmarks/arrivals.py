@@ -1,6 +1,7 @@
 """What starting sequences at different steps costs mlx-lm's BatchGenerator, in one process.
 
     python -m benchmarks.arrivals MODEL --concurrency 64,128 --requests 512
+    python -m benchmarks.arrivals MODEL --modes join --concurrency 48 --join 1,16,64
 
 Keeps `c` sequences in flight and replaces each finished one, two ways:
 - waves: every sequence has the same length and its replacement starts at once, so the
@@ -12,6 +13,13 @@ separate first step for the new rows; where a step is bound by the host's time t
 launch it (MLX's CUDA backend), spread arrivals cost the batch several steps' worth each.
 Prints one JSON line per (concurrency, mode): decode tokens/s after a warm-up of 50 steps,
 mean step time and the median time from insert to first token.
+
+The join mode takes one start apart: `c` sequences decode, then `k` new 128-token prompts
+(each with max_tokens 1: they join and leave) are inserted and the generator is stepped
+until every one has its token. Each k is joined JOIN_REPEATS times: the first meets new
+shapes (MLX's CUDA backend compiles kernels on a shape's first use), the others reuse them.
+One JSON line per (c, k): the first join's time, the median of the others, the calls to
+next() a join took, and what that many plain decode steps take.
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ import random
 import time
 from typing import Any
 
-MODES = ("waves", "spread")
+MODES = ("waves", "spread", "join")
+JOIN_REPEATS = 4
 WARM_STEPS = 50
 PROMPT_TOKENS = 128
 
@@ -87,19 +96,76 @@ def run(model: Any, vocab: int, concurrency: int, requests: int, mode: str) -> d
     }
 
 
+def join_cost(model: Any, vocab: int, concurrency: int, k: int) -> dict[str, Any]:
+    from mlx_lm.generate import BatchGenerator
+
+    rng = random.Random(k)
+    gen = BatchGenerator(
+        model,
+        max_tokens=10**9,
+        stop_tokens=None,
+        completion_batch_size=concurrency + k,
+        prefill_batch_size=concurrency + k,
+        prefill_step_size=2048,
+    )
+
+    def prompts(n: int) -> list[list[int]]:
+        return [[rng.randrange(vocab) for _ in range(PROMPT_TOKENS)] for _ in range(n)]
+
+    def steps(n: int) -> float:
+        t = time.perf_counter()
+        for _ in range(n):
+            gen.next()
+        return time.perf_counter() - t
+
+    gen.insert(prompts(concurrency))
+    steps(WARM_STEPS // 2)
+    joins: list[float] = []
+    calls = 0
+    for _ in range(JOIN_REPEATS):
+        waiting = set(gen.insert(prompts(k), max_tokens=[1] * k))
+        t, calls = time.perf_counter(), 0
+        while waiting and calls < 100:
+            _, responses = gen.next()
+            calls += 1
+            waiting.difference_update(r.uid for r in responses)
+        joins.append(time.perf_counter() - t)
+    plain = min(steps(calls) for _ in range(3))
+    gen.close()
+    reuse = sorted(joins[1:])
+    return {
+        "concurrency": concurrency,
+        "mode": "join",
+        "k": k,
+        "first_ms": round(joins[0] * 1e3, 1),
+        "reuse_ms": round(reuse[len(reuse) // 2] * 1e3, 1),
+        "next_calls": calls,
+        "plain_steps_ms": round(plain * 1e3, 1),
+    }
+
+
+def _levels(p: argparse.ArgumentParser, text: str, flag: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",")]
+    except ValueError:
+        p.error(f"{flag} takes integers separated by commas, not {text!r}")
+    if min(levels) < 1:
+        p.error(f"{flag} must be at least 1")
+    return levels
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", help="model directory")
     p.add_argument("--concurrency", default="64")
     p.add_argument("--requests", type=int, default=512, help="finished sequences per run")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default="waves,spread")
+    p.add_argument("--join", default="1,16", help="join mode: prompts a join inserts")
     args = p.parse_args(argv)
-    try:
-        levels = [int(x) for x in args.concurrency.split(",")]
-    except ValueError:
-        p.error(f"--concurrency takes integers separated by commas, not {args.concurrency!r}")
-    if min(levels) < 1 or args.requests < 1:
-        p.error("--concurrency and --requests must be at least 1")
+    levels = _levels(p, args.concurrency, "--concurrency")
+    sizes = _levels(p, args.join, "--join")
+    if args.requests < 1:
+        p.error("--requests must be at least 1")
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -110,7 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     vocab = len(tokenizer)
     for c in levels:
         for mode in modes:
-            print(json.dumps(run(model, vocab, c, args.requests, mode)), flush=True)
+            rows = (
+                [join_cost(model, vocab, c, k) for k in sizes]
+                if mode == "join"
+                else [run(model, vocab, c, args.requests, mode)]
+            )
+            for row in rows:
+                print(json.dumps(row), flush=True)
     return 0
 
 

@@ -21,9 +21,28 @@ def test_waves_and_spread_arrivals_are_measured(
         assert row["ttft_p50_ms"] is not None and row["steps"] > arrivals.WARM_STEPS
 
 
+def test_the_cost_of_one_join_is_measured(
+    chat_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [str(chat_model), "--modes", "join", "--concurrency", "2", "--join", "1,3"]
+    assert arrivals.main(argv) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["mode"], r["k"]) for r in rows] == [("join", 1), ("join", 3)]
+    for row in rows:
+        # a prompt's token comes after its prefill and its first step: two calls at least
+        assert row["next_calls"] >= 2 and row["plain_steps_ms"] > 0
+        assert row["first_ms"] > 0 and row["reuse_ms"] > 0
+
+
 @pytest.mark.parametrize(
     "bad",
-    [["--modes", "bursts"], ["--concurrency", "x"], ["--concurrency", "0"], ["--requests", "0"]],
+    [
+        ["--modes", "bursts"],
+        ["--concurrency", "x"],
+        ["--concurrency", "0"],
+        ["--requests", "0"],
+        ["--join", "0"],
+    ],
 )
 def test_bad_arguments_are_refused_before_loading(
     bad: list[str], capsys: pytest.CaptureFixture[str]
