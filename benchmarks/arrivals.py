@@ -2,6 +2,7 @@
 
     python -m benchmarks.arrivals MODEL --concurrency 64,128 --requests 512
     python -m benchmarks.arrivals MODEL --modes join --concurrency 48 --join 1,16,64
+    python -m benchmarks.arrivals MODEL --concurrency 64 --batchers mlx_lm,rows
 
 Keeps `c` sequences in flight and replaces each finished one, two ways:
 - waves: every sequence has the same length and its replacement starts at once, so the
@@ -28,6 +29,7 @@ import argparse
 import json
 import random
 import time
+from dataclasses import dataclass
 from typing import Any
 
 MODES = ("waves", "spread", "join")
@@ -36,17 +38,69 @@ WARM_STEPS = 50
 PROMPT_TOKENS = 128
 
 
-def run(model: Any, vocab: int, concurrency: int, requests: int, mode: str) -> dict[str, Any]:
+@dataclass(slots=True)
+class _Response:
+    uid: int
+    finish_reason: str | None
+
+
+class _Rows:
+    """The project's own batch (worker/backends/rows.py) behind BatchGenerator's insert and
+    next: rows leave when they have their max_tokens, as a server's engine removes them."""
+
+    def __init__(self, model: Any, prefill_step_size: int) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from worker.backends.rows import RowBatch
+        from worker.backends.sampling import greedy
+
+        self.batch = RowBatch(model, prefill_step_size)
+        self.new_cache = lambda: make_prompt_cache(model)
+        self.greedy = greedy
+        self.left: dict[int, int] = {}
+
+    def insert(self, prompts: list[list[int]], max_tokens: list[int]) -> list[int]:
+        n = len(prompts)
+        uids = self.batch.insert(
+            prompts, [self.new_cache() for _ in prompts], [[]] * n, [self.greedy] * n, [[]] * n
+        )
+        self.left.update(zip(uids, max_tokens, strict=True))
+        return uids
+
+    def next(self) -> tuple[list[Any], list[_Response]]:
+        responses, done = [], []
+        for uid, _, _ in self.batch.step():
+            self.left[uid] -= 1
+            ended = self.left[uid] <= 0
+            responses.append(_Response(uid, "length" if ended else None))
+            if ended:
+                done.append(uid)
+                del self.left[uid]
+        if done:
+            self.batch.remove(done)
+        return [], responses
+
+    def close(self) -> None:
+        pass
+
+
+def run(
+    model: Any, vocab: int, concurrency: int, requests: int, mode: str, batcher: str = "mlx_lm"
+) -> dict[str, Any]:
     from mlx_lm.generate import BatchGenerator
 
     rng = random.Random(0)
-    gen = BatchGenerator(
-        model,
-        max_tokens=128,
-        stop_tokens=None,
-        completion_batch_size=concurrency,
-        prefill_batch_size=concurrency,
-        prefill_step_size=2048,
+    gen: Any = (
+        _Rows(model, 2048)
+        if batcher == "rows"
+        else BatchGenerator(
+            model,
+            max_tokens=128,
+            stop_tokens=None,
+            completion_batch_size=concurrency,
+            prefill_batch_size=concurrency,
+            prefill_step_size=2048,
+        )
     )
     inserted: dict[int, float] = {}
     ttft: list[float] = []
@@ -89,6 +143,7 @@ def run(model: Any, vocab: int, concurrency: int, requests: int, mode: str) -> d
     return {
         "concurrency": concurrency,
         "mode": mode,
+        "batcher": batcher,
         "tok_s": round((tokens - tokens0) / elapsed, 1),
         "step_ms": round(elapsed / max(1, steps - steps0) * 1e3, 3),
         "ttft_p50_ms": round(ttft[len(ttft) // 2] * 1e3, 1) if ttft else None,
@@ -161,11 +216,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=512, help="finished sequences per run")
     p.add_argument("--modes", default="waves,spread")
     p.add_argument("--join", default="1,16", help="join mode: prompts a join inserts")
+    p.add_argument(
+        "--batchers",
+        default="mlx_lm",
+        help="waves and spread over mlx-lm's BatchGenerator and/or the project's rows batch",
+    )
     args = p.parse_args(argv)
     levels = _levels(p, args.concurrency, "--concurrency")
     sizes = _levels(p, args.join, "--join")
     if args.requests < 1:
         p.error("--requests must be at least 1")
+    batchers = args.batchers.split(",")
+    if any(b not in ("mlx_lm", "rows") for b in batchers):
+        p.error(f"--batchers takes mlx_lm and/or rows, not {args.batchers!r}")
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -179,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = (
                 [join_cost(model, vocab, c, k) for k in sizes]
                 if mode == "join"
-                else [run(model, vocab, c, args.requests, mode)]
+                else [run(model, vocab, c, args.requests, mode, b) for b in batchers]
             )
             for row in rows:
                 print(json.dumps(row), flush=True)

@@ -2,19 +2,22 @@
 # The GPU figures of docs/benchmarks.md: one NVIDIA GPU, MLX's CUDA backend, random-weight
 # models of Llama-3.2-1B's and Llama-3.1-8B's shapes in bf16 (vocab 128,256).
 #
-#   benchmarks/h200.sh OUT [1b] [8b] [agent] [profile]     (default: 1b 8b agent)
+#   benchmarks/h200.sh OUT [1b] [8b] [agent] [arrivals] [profile]     (default: 1b 8b agent)
 #
 # Run from the repository root with MLX (CUDA), mlx-lm and the project importable by
 # $PYTHON (default python3). Models are built under $MODELS (default /tmp/models) on first use.
 # SMALL=1 swaps in tiny shapes, to rehearse the whole script on a CPU machine; SERVING_ARGS
 # and AGENT_ARGS add flags to benchmarks.serving and benchmarks.agent_session.
 # - 1b / 8b: benchmarks.serving, closed loop, 128-token prompts and outputs: mlx-lm's
-#   BatchGenerator in one process (the ceiling), this gateway and mlx_lm server, one after
-#   another on the same prompts (each launched once for all levels, every level run once
+#   BatchGenerator in one process (the ceiling), this gateway (engine.batcher mlx_lm, then
+#   rows) and mlx_lm server, one after another on the same prompts (each launched once for all levels, every level run once
 #   unrecorded first: MLX CUDA compiles kernels on first use of a shape, and a server meets
 #   many more batch shapes than the ceiling).
 # - agent: benchmarks.agent_session on the 1b shape: 8 turns over a 4k-token system prompt,
 #   1 and 4 concurrent sessions, the gateway with its prefix cache on and off, mlx_lm server.
+# - arrivals: benchmarks.arrivals on the 1b shape in one process: mlx-lm's BatchGenerator and
+#   the project's rows batch with sequences starting together and spread, and what one join
+#   costs BatchGenerator.
 # - profile: the gateway on the 1b shape at c=64 while py-spy samples its worker's threads for
 #   20 s (OUT/worker-profile.json, speedscope format, and OUT/profile-summary.txt); needs
 #   py-spy on PATH (a wheel: pip download py-spy).
@@ -31,10 +34,12 @@ if [ "${SMALL:-0}" = 1 ]; then
   SHAPE_1B="--hidden 128 --layers 4 --heads 4 --kv-heads 2 --intermediate 256 --vocab 2048"
   SHAPE_8B="--hidden 192 --layers 6 --heads 6 --kv-heads 2 --intermediate 384 --vocab 2048"
   LEVELS_1B=1,4 LEVELS_8B=1,4 AGENT_SYSTEM=512 AGENT_TURNS=3 LEVEL_PROFILE=4
+  LEVELS_ARRIVALS=4 ARRIVALS_REQUESTS=16
 else
   SHAPE_1B="--hidden 2048 --layers 16 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 128256"
   SHAPE_8B="--hidden 4096 --layers 32 --heads 32 --kv-heads 8 --intermediate 14336 --vocab 128256"
   LEVELS_1B=1,8,32,64,128 LEVELS_8B=1,32,128 AGENT_SYSTEM=4096 AGENT_TURNS=8
+  LEVELS_ARRIVALS=64,128 ARRIVALS_REQUESTS=512
 fi
 
 model() {  # NAME SHAPE...
@@ -45,7 +50,7 @@ model() {  # NAME SHAPE...
   echo "$M/$name"
 }
 
-gateway_config() {  # MODEL_DIR MAX_CONCURRENCY -> config path; the batch sizes of the ceiling
+gateway_config() {  # MODEL_DIR MAX_CONCURRENCY [BATCHER] -> config path; the ceiling's batch sizes
   local cfg run
   cfg=$(mktemp /tmp/gw-XXXX.toml)
   run=$(mktemp -d /tmp/gwXXXX)
@@ -61,19 +66,22 @@ source = "$1"
 max_running = $2
 prefill_batch_size = $2
 max_prefill_tokens = 65536
+batcher = "${3:-mlx_lm}"
 TOML
   echo "$cfg"
 }
 
-throughput() {  # NAME SHAPE LEVELS: the ceiling, then the gateway, then mlx_lm server
-  local dir cfg max
+throughput() {  # NAME SHAPE LEVELS: the ceiling, the gateway on each batcher, mlx_lm server
+  local dir cfg rows max
   dir=$(model "$1" $2)
   max=${3##*,}
   cfg=$(gateway_config "$dir" "$max")
+  rows=$(gateway_config "$dir" "$max" rows)
   $PY -m benchmarks.serving --model "$dir" --inprocess \
     --launch-cmd "gateway={python} -m gateway --config $cfg serve --port {port}" \
+    --launch-cmd "gateway-rows={python} -m gateway --config $rows serve --port {port}" \
     --launch-cmd "mlx_lm={python} -m mlx_lm server --model {model} --host 127.0.0.1 --port {port} --decode-concurrency {max_concurrency} --prompt-concurrency {max_concurrency} --log-level WARNING" \
-    --served-model gateway=bench --concurrency "$3" --min-requests 16 --no-interleave \
+    --served-model gateway=bench --served-model gateway-rows=bench --concurrency "$3" --min-requests 16 --no-interleave \
     --steal-retries 0 --wait-idle 0 --warm-levels ${SERVING_ARGS:-} --out "$OUT/$1.json" 2>&1 |
     tee "$OUT/$1.log"
 }
@@ -114,6 +122,12 @@ for step in $STEPS; do
         --sources gateway,gateway-nocache,mlx_lm --sessions 1,4 --turns "$AGENT_TURNS" \
         --system-tokens "$AGENT_SYSTEM" --wait-idle 0 ${AGENT_ARGS:-} --out "$OUT/agent.json" 2>&1 |
         tee "$OUT/agent.log"
+      ;;
+    arrivals)
+      $PY -m benchmarks.arrivals "$(model 1b $SHAPE_1B)" --concurrency "$LEVELS_ARRIVALS" \
+        --requests "$ARRIVALS_REQUESTS" --batchers mlx_lm,rows 2>&1 | tee "$OUT/arrivals.jsonl"
+      $PY -m benchmarks.arrivals "$(model 1b $SHAPE_1B)" --modes join --concurrency 48 \
+        --join 1,16,64 2>&1 | tee -a "$OUT/arrivals.jsonl"
       ;;
     profile) profile ;;
     *) echo "unknown step $step" >&2; exit 2 ;;

@@ -95,6 +95,9 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # On MLX's CPU device (Linux), swap the model's RMSNorm and RoPE modules for ones that
     # compute the same values with fewer, fused ops (worker/cpu_ops.py). No effect on GPUs.
     fused_cpu_ops: bool = True
+    # The continuous batch: "mlx_lm" (mlx-lm's BatchGenerator) or "rows" (the project's own,
+    # worker/backends/rows.py: rows join and leave the batch without passes of their own).
+    batcher: Literal["mlx_lm", "rows"] = "mlx_lm"
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

@@ -88,3 +88,16 @@ def anyio_backend() -> str:
 
 
 __all__ = ["GatewayProc"]
+
+
+@pytest.fixture(params=["mlx_lm", "rows"])
+def batcher(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Engines built in the test use this continuous batch (engine.batcher), unless the test
+    names another; modules opt in with `pytestmark = pytest.mark.usefixtures("batcher")`."""
+    from tests import engine_fixtures
+
+    engine_fixtures.ENGINE_DEFAULTS["batcher"] = request.param
+    try:
+        yield request.param
+    finally:
+        engine_fixtures.ENGINE_DEFAULTS.pop("batcher", None)

@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 
 from shared.config import EngineOptions
 from shared.types import FinishReason, RequestOutput, SamplingParams
-from worker.backends.mlx_lm import MlxLmBackend
+from worker.backends.mlx_lm import make_backend
 from worker.engine.core import EngineCore
 from worker.preprocess import PreparedRequest
 
@@ -24,8 +24,13 @@ class Loaded:
     tokenizer: Any
 
     def engine(self, kv_budget_bytes: int | None = None, **options: Any) -> EngineCore:
-        opts = EngineOptions(**options)
-        return EngineCore(MlxLmBackend(self.model, self.tokenizer, opts), opts, kv_budget_bytes)
+        opts = EngineOptions(**{**ENGINE_DEFAULTS, **options})
+        return EngineCore(make_backend(self.model, self.tokenizer, opts), opts, kv_budget_bytes)
+
+
+# Options every engine() gets unless a test names them (the `batcher` fixture of the engine
+# tests runs them over each continuous batch).
+ENGINE_DEFAULTS: dict[str, Any] = {}
 
 
 # Prompts of several shapes (one of a single token, one long) for engine tests.

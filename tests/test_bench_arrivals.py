@@ -13,9 +13,15 @@ from benchmarks import arrivals
 def test_waves_and_spread_arrivals_are_measured(
     chat_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert arrivals.main([str(chat_model), "--concurrency", "2", "--requests", "4"]) == 0
+    argv = [str(chat_model), "--concurrency", "2", "--requests", "4", "--batchers", "mlx_lm,rows"]
+    assert arrivals.main(argv) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["mode"] for r in rows] == ["waves", "spread"]
+    assert [(r["mode"], r["batcher"]) for r in rows] == [
+        ("waves", "mlx_lm"),
+        ("waves", "rows"),
+        ("spread", "mlx_lm"),
+        ("spread", "rows"),
+    ]
     for row in rows:
         assert row["concurrency"] == 2 and row["tok_s"] > 0 and row["step_ms"] > 0
         assert row["ttft_p50_ms"] is not None and row["steps"] > arrivals.WARM_STEPS
@@ -42,6 +48,7 @@ def test_the_cost_of_one_join_is_measured(
         ["--concurrency", "0"],
         ["--requests", "0"],
         ["--join", "0"],
+        ["--batchers", "vllm"],
     ],
 )
 def test_bad_arguments_are_refused_before_loading(

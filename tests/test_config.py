@@ -306,3 +306,12 @@ def test_fused_cpu_ops_takes_a_bool_only(tmp_path: Path) -> None:
     assert off.models[0].engine.fused_cpu_ops is False
     with pytest.raises(ConfigError, match="fused_cpu_ops"):
         load_config(write(tmp_path, head + 'fused_cpu_ops = "yes"\n'))
+
+
+def test_batcher_is_mlx_lm_or_rows(tmp_path: Path) -> None:
+    head = '[[models]]\nname = "a"\nsource = "x"\n[models.engine]\n'
+    assert load_config(write(tmp_path, head)).models[0].engine.batcher == "mlx_lm"
+    rows = load_config(write(tmp_path, head + 'batcher = "rows"\n'))
+    assert rows.models[0].engine.batcher == "rows"
+    with pytest.raises(ConfigError, match="batcher"):
+        load_config(write(tmp_path, head + 'batcher = "vllm"\n'))

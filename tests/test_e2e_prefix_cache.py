@@ -39,6 +39,8 @@ def gw(chat_model: Path, entry_bytes: int) -> Iterator[GatewayProc]:
     models = [
         {"name": "cached", "source": str(chat_model)},
         {"name": "uncached", "source": str(chat_model), "engine": {"prefix_cache": False}},
+        # the project's own continuous batch in place of mlx-lm's BatchGenerator
+        {"name": "rows", "source": str(chat_model), "engine": {"batcher": "rows"}},
         # room for about three entries of this test's size
         {
             "name": "small",
@@ -88,7 +90,7 @@ def test_the_same_long_prompt_twice(gw: GatewayProc) -> None:
 def test_a_four_turn_conversation_reuses_each_turn_token_for_token(gw: GatewayProc) -> None:
     client = openai_client(gw)
     answers: dict[str, list[str]] = {}
-    for model in ("cached", "uncached"):
+    for model in ("cached", "uncached", "rows"):
         messages = [{"role": "system", "content": f"Two. {SYSTEM}"}]
         answers[model] = []
         previous_prompt = 0
@@ -103,7 +105,7 @@ def test_a_four_turn_conversation_reuses_each_turn_token_for_token(gw: GatewayPr
             else:
                 assert cached_tokens(reply) >= previous_prompt, f"turn {turn}"
             previous_prompt = reply.usage.prompt_tokens
-    assert answers["cached"] == answers["uncached"]
+    assert answers["cached"] == answers["uncached"] == answers["rows"]
 
 
 def test_anthropic_reports_cache_reads_and_accepts_cache_control(gw: GatewayProc) -> None:

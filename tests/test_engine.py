@@ -37,6 +37,9 @@ from worker.engine.request import RequestStatus
 from worker.modelgen import IM_END_ID, IM_START_ID, TinyModelSpec, build_tiny_model, byte_token_id
 from worker.preprocess import PreparedRequest, PreprocessError, Preprocessor, capabilities
 
+# Every engine test runs over each continuous batch (engine.batcher).
+pytestmark = pytest.mark.usefixtures("batcher")
+
 EOS = IM_END_ID
 EOS_BIAS = {EOS: 100.0}
 # A byte-level vocabulary: bigram chains over raw byte tokens.
@@ -117,7 +120,7 @@ def assert_gone(engine, request_id: str, uid: int | None) -> None:  # type: igno
     assert request_id not in engine.requests
     assert request_id not in engine.scheduler
     if uid is not None:
-        assert engine.backend.generator.extract_cache([uid]) == {}
+        assert not engine.backend.holds(uid)
 
 
 @pytest.mark.parametrize(
@@ -143,7 +146,7 @@ def test_abort_frees_the_request(
     uid = engine.requests["victim"].uid
     assert (uid is not None) is (steps_before > 0)
     if uid is not None:
-        assert engine.backend.generator.extract_cache([uid]) != {}
+        assert engine.backend.holds(uid)
     assert (engine.requests["victim"].completion_tokens > 0) is decoding
     aborted = engine.abort(["victim"])
     assert len(aborted) == 1

@@ -11,6 +11,9 @@ from shared.types import FinishReason, RequestOutput
 from tests.engine_fixtures import Loaded, drive, finish, greedy, text, token_ids
 from worker.engine.core import EngineCore
 
+# Every engine test runs over each continuous batch (engine.batcher).
+pytestmark = pytest.mark.usefixtures("batcher")
+
 SYSTEM = (
     "You are a careful assistant for the operators of a small cluster. Answer briefly, "
     "cite the log lines you rely on, and never invent a host name that is not in them."

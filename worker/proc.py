@@ -38,7 +38,7 @@ from shared.protocol import (
     WorkerState,
 )
 from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput
-from worker.backends.mlx_lm import MlxLmBackend
+from worker.backends.mlx_lm import make_backend
 from worker.channels import WorkerChannels
 from worker.engine.core import EngineCore
 from worker.faults import Faults, FaultyEngine
@@ -135,7 +135,7 @@ class WorkerProc:
 
     def _engine(self, loaded: LoadedModel) -> EngineCore:
         opts = self.args.model.engine
-        backend = MlxLmBackend(loaded.model, loaded.tokenizer, opts)
+        backend = make_backend(loaded.model, loaded.tokenizer, opts)
         budget = kv_budget(opts)
         engine = EngineCore(backend, opts, budget)
         if budget is not None:

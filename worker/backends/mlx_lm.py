@@ -20,6 +20,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 from shared.config import EngineOptions
+from worker.backends.rows import RowBatch
 from worker.backends.sampling import make_processors, make_sampler
 from worker.engine.backend import Insertion, Sampled
 
@@ -41,12 +42,7 @@ def parameter_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 class MlxLmBackend:
     def __init__(self, model: Any, tokenizer: Any, options: EngineOptions) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
-        self.eos_ids = frozenset(tokenizer.eos_token_ids)
-        self.vocab_size = len(tokenizer)
-        self.prefill_batch_size = max(1, min(options.prefill_batch_size, options.max_running))
-        self.prefill_step_size = options.prefill_step_size
+        self._setup(model, tokenizer, options)
         self.generator = BatchGenerator(
             model,
             completion_batch_size=options.max_running,
@@ -54,6 +50,14 @@ class MlxLmBackend:
             prefill_step_size=options.prefill_step_size,
         )
         self.uids: set[int] = set()  # in the generator
+
+    def _setup(self, model: Any, tokenizer: Any, options: EngineOptions) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_ids = frozenset(tokenizer.eos_token_ids)
+        self.vocab_size = len(tokenizer)
+        self.prefill_batch_size = max(1, min(options.prefill_batch_size, options.max_running))
+        self.prefill_step_size = options.prefill_step_size
 
     @property
     def detokenizer_kind(self) -> str:
@@ -125,6 +129,9 @@ class MlxLmBackend:
     def active(self) -> bool:
         return bool(self.uids)
 
+    def holds(self, uid: int) -> bool:
+        return uid in self.uids
+
     # ---- KV caches ----------------------------------------------------------------------
 
     def new_cache(self) -> list[Any]:
@@ -182,3 +189,50 @@ class MlxLmBackend:
 
     def close(self) -> None:
         self.generator.close()
+
+
+class MlxRowsBackend(MlxLmBackend):
+    """The same model and KV cache operations, with the project's own continuous batch
+    (`worker/backends/rows.py`) in place of BatchGenerator."""
+
+    def __init__(self, model: Any, tokenizer: Any, options: EngineOptions) -> None:
+        self._setup(model, tokenizer, options)
+        self.batch = RowBatch(model, options.prefill_step_size, self.prefill_batch_size)
+
+    def insert(self, items: list[Insertion]) -> list[int]:
+        return self.batch.insert(
+            [i.prompt for i in items],
+            [i.cache if i.cache is not None else self.new_cache() for i in items],
+            [list(i.prefix) for i in items],
+            [make_sampler(i.sampling, self.vocab_size) for i in items],
+            [make_processors(i.sampling, i.stop_ids) for i in items],
+        )
+
+    def step(self, keep_caches: bool) -> list[Sampled]:
+        """Rows never end here: the engine's max_tokens and stops end them (remove)."""
+        return [Sampled(uid, token, row, False) for uid, token, row in self.batch.step()]
+
+    def remove(
+        self, uids: list[int], keep_caches: bool = False
+    ) -> dict[int, tuple[Any, list[int]]]:
+        return self.batch.remove(uids, keep_caches)
+
+    def extract(self, uids: list[int]) -> dict[int, tuple[Any, list[int]]]:
+        return self.batch.extract(uids)
+
+    @property
+    def active(self) -> bool:
+        return self.batch.active
+
+    def holds(self, uid: int) -> bool:
+        return self.batch.holds(uid)
+
+    def close(self) -> None:
+        pass
+
+
+def make_backend(model: Any, tokenizer: Any, options: EngineOptions) -> MlxLmBackend:
+    """The backend `engine.batcher` names."""
+    if options.batcher == "rows":
+        return MlxRowsBackend(model, tokenizer, options)
+    return MlxLmBackend(model, tokenizer, options)

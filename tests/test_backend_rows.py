@@ -1,0 +1,126 @@
+"""worker/backends/rows.py: the project's own continuous batch on a real tiny model. Rows join
+with their first step in the batch's, leave lazily, and decode exactly as mlx-lm does alone.
+(The engine's tests run over it too: tests/test_engine.py, the `batcher` fixture.)"""
+
+from __future__ import annotations
+
+import inspect
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+
+from tests.engine_fixtures import Loaded, reference_greedy
+from worker.backends.rows import COMPACT_SHARE, RowBatch
+from worker.backends.sampling import greedy
+
+
+def _insert(batch: RowBatch, chat: Loaded, prompts: list[list[int]]) -> list[int]:
+    return batch.insert(
+        prompts,
+        [make_prompt_cache(chat.model) for _ in prompts],
+        [[] for _ in prompts],
+        [greedy] * len(prompts),
+        [[] for _ in prompts],
+    )
+
+
+def _run(batch: RowBatch, steps: int, out: dict[int, list[int]]) -> None:
+    for _ in range(steps):
+        for uid, token, _ in batch.step():
+            out.setdefault(uid, []).append(token)
+
+
+def test_the_public_pieces_it_stands_on() -> None:
+    for name in ("merge", "prepare", "finalize", "extend", "filter", "extract", "size"):
+        assert callable(getattr(BatchKVCache, name)), name
+    prepare = inspect.signature(BatchKVCache.prepare).parameters
+    assert {"lengths", "right_padding"} <= set(prepare)
+    assert {"keys", "values", "offset"} <= set(vars(KVCache()))
+
+
+def test_rows_joining_at_different_steps_decode_as_alone(
+    chat: Loaded, prompts: list[list[int]]
+) -> None:
+    batch = RowBatch(chat.model, prefill_step_size=4)  # several prefill chunks a prompt
+    out: dict[int, list[int]] = {}
+    first = _insert(batch, chat, prompts[:3])
+    _run(batch, 5, out)
+    late = _insert(batch, chat, prompts[3:5])
+    _run(batch, 30, out)
+    for uid, prompt in zip(first + late, prompts[:5], strict=True):
+        assert out[uid][:16] == reference_greedy(chat.model, prompt, 16), uid
+
+
+def test_a_row_that_leaves_is_dropped_lazily_and_never_seen_again(
+    chat: Loaded, prompts: list[list[int]]
+) -> None:
+    batch = RowBatch(chat.model)
+    out: dict[int, list[int]] = {}
+    uids = _insert(batch, chat, prompts[:8])
+    _run(batch, 4, out)
+    assert len(batch.rows) == 8
+    batch.remove([uids[0]])  # 1 of 8 left: under the share, it decodes on unseen
+    _run(batch, 2, out)
+    assert len(batch.rows) == 8 and len(out[uids[0]]) == 3  # tokens of steps 2-4 only
+    assert not batch.holds(uids[0]) and batch.holds(uids[1])
+    batch.remove(uids[1:3])  # 3 of 8 now: compacted at the next step
+    assert COMPACT_SHARE <= 3 / 8
+    _run(batch, 1, out)
+    assert [r.uid for r in batch.rows] == uids[3:]
+    _run(batch, 20, out)
+    for uid, prompt in zip(uids[3:], prompts[3:8], strict=True):
+        assert out[uid][:20] == reference_greedy(chat.model, prompt, 20), uid
+    batch.remove(uids[3:])  # the last rows: the batch lets its KV go at once
+    assert batch.rows == [] and batch.caches == [] and not batch.active
+    assert batch.step() == []
+
+
+def test_at_most_max_group_rows_prefill_side_by_side(
+    chat: Loaded, prompts: list[list[int]]
+) -> None:
+    batch = RowBatch(chat.model, max_group=2)
+    out: dict[int, list[int]] = {}
+    uids = _insert(batch, chat, prompts[:5])
+    _run(batch, 1, out)
+    assert [r.uid for r in batch.rows] == uids[:2] and len(batch.waiting) == 3
+    _run(batch, 12, out)
+    assert [r.uid for r in batch.rows] == uids
+    for uid, prompt in zip(uids, prompts[:5], strict=True):
+        assert out[uid][:8] == reference_greedy(chat.model, prompt, 8), uid
+
+
+def test_a_row_removed_while_prefilling_never_joins(chat: Loaded, prompts: list[list[int]]) -> None:
+    batch = RowBatch(chat.model, prefill_step_size=2)
+    out: dict[int, list[int]] = {}
+    victim, other = _insert(batch, chat, [prompts[2], prompts[1]])
+    _run(batch, 1, out)
+    assert batch.group is not None and batch.holds(victim)
+    kept = batch.remove([victim], keep_caches=True)
+    assert kept == {}  # nothing of it is in the batch's KV yet
+    _run(batch, len(prompts[2]) // 2 + 12, out)  # the group's prefill, then 10+ steps
+    assert victim not in out and [r.uid for r in batch.rows] == [other]
+    assert out[other][:10] == reference_greedy(chat.model, prompts[1], 10)
+
+
+def test_cached_prefixes_of_different_lengths_prefill_together(
+    chat: Loaded, prompts: list[list[int]]
+) -> None:
+    """Two rows join in one group, one with 5 tokens of its prompt already in a cache: the
+    group is right-padded and moved left once in, and both decode as from scratch."""
+    prompt_a, prompt_b = prompts[2], prompts[3]
+    cache_a = make_prompt_cache(chat.model)
+    chat.model(mx.array(prompt_a[:5])[None], cache=cache_a)
+    batch = RowBatch(chat.model)
+    uids = batch.insert(
+        [prompt_a[5:], prompt_b],
+        [cache_a, make_prompt_cache(chat.model)],
+        [prompt_a[:5], []],
+        [greedy, greedy],
+        [[], []],
+    )
+    out: dict[int, list[int]] = {}
+    _run(batch, 14, out)
+    assert out[uids[0]][:12] == reference_greedy(chat.model, prompt_a, 12)
+    assert out[uids[1]][:12] == reference_greedy(chat.model, prompt_b, 12)
+    kv, held = batch.extract([uids[0]])[uids[0]]
+    assert held[: len(prompt_a)] == prompt_a and all(c.size() == len(held) for c in kv)

@@ -1,0 +1,257 @@
+"""A continuous batch of our own over an mlx-lm model, on its public pieces: the model's
+forward pass and mlx-lm's `BatchKVCache` (merge, prepare, finalize, extend, filter, extract).
+
+What it changes against mlx-lm's BatchGenerator is what a row joining or leaving costs the
+batch (docs/benchmarks.md measured a join at four to five decode steps on a GPU whose step is
+bound by the host):
+- joining rows are prefilled together, a chunk per step, without waiting on the device, and
+  their first decode step is the running batch's next step (one forward pass for all rows),
+  not a pass of their own;
+- a row that leaves is only marked: it decodes on, unseen, until enough rows have left (or
+  rows join) to compact the batch in one filter;
+- the host builds step n+1 while the device runs step n, as BatchGenerator does.
+
+Greedy output is the same token for token as mlx-lm's `generate_step` (tests). Stop rules
+and max_tokens are the engine's: a row runs until the engine removes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
+
+from worker.backends.sampling import LogitsProcessor, Sampler
+
+# Compact the batch once this share of its rows has left (and whenever rows join).
+COMPACT_SHARE = 0.25
+
+
+@dataclass(slots=True, eq=False)
+class Row:
+    uid: int
+    sampler: Sampler
+    processors: list[LogitsProcessor]
+    held: list[int]  # the tokens whose KV the row's cache holds
+    last: int  # the prompt's last token: the row's first input
+    dead: bool = False
+    context: list[int] = field(default_factory=list)  # processors' view: every token so far
+
+
+@dataclass(slots=True, eq=False)
+class Group:
+    """Rows being prefilled together: one chunk of their prompts per step."""
+
+    rows: list[Row]
+    caches: list[Any]  # one BatchKVCache per layer
+    tokens: mx.array | None  # (rows, positions) still to prefill, right-padded
+    padded: bool  # right padding to move left once the prompts are in
+
+
+class RowBatch:
+    def __init__(self, model: Any, prefill_step_size: int = 2048, max_group: int = 64) -> None:
+        self.model = model
+        self.prefill_step_size = max(1, prefill_step_size)
+        self.max_group = max(1, max_group)  # rows prefilled side by side
+        self.rows: list[Row] = []  # the running batch, in cache order
+        self.caches: list[Any] = []
+        self.inputs: mx.array | None = None  # each row's next input token (lazy)
+        self.logprobs: list[mx.array] = []  # the distribution each pending input came from
+        self.fresh: set[int] = set()  # rows whose input is their prompt's last token
+        self.waiting: list[tuple[Row, list[int], list[Any]]] = []
+        self.group: Group | None = None
+        self.uid_count = 0
+
+    # ---- rows in and out ------------------------------------------------------------
+
+    def insert(
+        self,
+        prompts: list[list[int]],
+        caches: list[list[Any]],
+        prefixes: list[list[int]],
+        samplers: list[Sampler],
+        processors: list[list[LogitsProcessor]],
+    ) -> list[int]:
+        """Rows to start: the prompt tokens to run after the `prefix` tokens whose KV each
+        cache holds (at least one token each)."""
+        uids = []
+        for prompt, cache, prefix, sampler, procs in zip(
+            prompts, caches, prefixes, samplers, processors, strict=True
+        ):
+            if not prompt:
+                raise ValueError("a row needs at least one prompt token to run")
+            uid, self.uid_count = self.uid_count, self.uid_count + 1
+            held = list(prefix) + list(prompt[:-1])
+            row = Row(uid, sampler, procs, held, prompt[-1], context=list(prefix) + list(prompt))
+            self.waiting.append((row, list(prompt[:-1]), cache))
+            uids.append(uid)
+        return uids
+
+    def remove(self, uids: list[int], keep_caches: bool = False) -> dict[int, tuple[Any, list]]:
+        """Rows out (the batch drops them at its next compaction); with `keep_caches`, a copy
+        of each one's cache and the tokens it holds."""
+        wanted = set(uids)
+        kept = self.extract(uids) if keep_caches else {}
+        self.waiting = [w for w in self.waiting if w[0].uid not in wanted]
+        pending = self.group.rows if self.group is not None else []
+        for row in [*self.rows, *pending]:
+            if row.uid in wanted:
+                row.dead = True
+        if self.rows and all(r.dead for r in self.rows):
+            self._compact()  # nothing left to decode: let the KV go now
+        return kept
+
+    def extract(self, uids: list[int]) -> dict[int, tuple[Any, list[int]]]:
+        """Copies of running rows' caches and the tokens each holds."""
+        wanted = set(uids)
+        return {
+            row.uid: ([c.extract(i) for c in self.caches], list(row.held))
+            for i, row in enumerate(self.rows)
+            if row.uid in wanted and not row.dead
+        }
+
+    def holds(self, uid: int) -> bool:
+        group = self.group.rows if self.group is not None else []
+        rows = [*self.rows, *group, *(w[0] for w in self.waiting)]
+        return any(r.uid == uid and not r.dead for r in rows)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.waiting or self.group or any(not r.dead for r in self.rows))
+
+    # ---- a step ---------------------------------------------------------------------
+
+    def step(self) -> list[tuple[int, int, mx.array]]:
+        """Prefill a chunk of the joining rows, decode the running ones; the tokens sampled
+        at the step before, as (uid, token, the distribution it was drawn from)."""
+        if self.group is None and self.waiting:
+            self.group = self._start_group()
+        if self.group is not None:
+            self._prefill_chunk(self.group)
+        joined = self.group is not None and self.group.tokens is None
+        if joined or self._dead_share() >= COMPACT_SHARE:
+            self._compact()
+        if joined:
+            assert self.group is not None
+            self._join(self.group)
+            self.group = None
+        if not self.rows or self.inputs is None:
+            return []
+        return self._decode()
+
+    def _start_group(self) -> Group:
+        waiting, self.waiting = self.waiting[: self.max_group], self.waiting[self.max_group :]
+        rows = [w[0] for w in waiting]
+        rests = [w[1] for w in waiting]
+        layers = len(waiting[0][2])
+        caches = [BatchKVCache.merge([w[2][layer] for w in waiting]) for layer in range(layers)]
+        longest = max(len(r) for r in rests)
+        if longest == 0:
+            return Group(rows, caches, None, False)
+        padding = [longest - len(r) for r in rests]
+        padded = max(padding) > 0
+        if padded:
+            for c in caches:
+                c.prepare(lengths=[len(r) for r in rests], right_padding=padding)
+        tokens = mx.array([r + [0] * p for r, p in zip(rests, padding, strict=True)])
+        return Group(rows, caches, tokens, padded)
+
+    def _prefill_chunk(self, group: Group) -> None:
+        if group.tokens is None:
+            return
+        n = min(self.prefill_step_size, group.tokens.shape[1])
+        self.model(group.tokens[:, :n], cache=group.caches)
+        rest = group.tokens[:, n:]
+        group.tokens = rest if rest.shape[1] > 0 else None
+        if group.tokens is None and group.padded:
+            for c in group.caches:
+                c.finalize()
+        mx.async_eval([c.state for c in group.caches])
+
+    def _dead_share(self) -> float:
+        if not self.rows:
+            return 0.0
+        return sum(r.dead for r in self.rows) / len(self.rows)
+
+    def _compact(self) -> None:
+        keep = [i for i, r in enumerate(self.rows) if not r.dead]
+        if len(keep) == len(self.rows):
+            return
+        if not keep:
+            self.rows, self.caches, self.inputs, self.logprobs = [], [], None, []
+            self.fresh.clear()
+            return
+        for c in self.caches:
+            c.filter(keep)
+        assert self.inputs is not None
+        self.inputs = self.inputs[mx.array(keep)]
+        self.logprobs = [self.logprobs[i] for i in keep]
+        self.rows = [self.rows[i] for i in keep]
+        self.fresh.intersection_update(r.uid for r in self.rows)
+
+    def _join(self, group: Group) -> None:
+        live = [i for i, r in enumerate(group.rows) if not r.dead]
+        if not live:
+            return
+        if len(live) < len(group.rows):
+            for c in group.caches:
+                c.filter(live)
+        rows = [group.rows[i] for i in live]
+        first = mx.array([r.last for r in rows])
+        if self.rows:
+            for mine, theirs in zip(self.caches, group.caches, strict=True):
+                mine.extend(theirs)
+            assert self.inputs is not None
+            self.inputs = mx.concatenate([self.inputs, first])
+        else:
+            self.caches, self.inputs = group.caches, first
+        self.rows += rows
+        self.logprobs += [mx.zeros((0,))] * len(rows)  # a prompt token has none
+        self.fresh.update(r.uid for r in rows)
+
+    def _decode(self) -> list[tuple[int, int, mx.array]]:
+        inputs = self.inputs
+        assert inputs is not None
+        logits = self.model(inputs[:, None], cache=self.caches)[:, -1, :]
+        if any(r.processors for r in self.rows):
+            logits = self._process(inputs, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        samplers = [r.sampler for r in self.rows]
+        if all(s is samplers[0] for s in samplers):
+            sampled = samplers[0](logprobs)
+        else:
+            sampled = mx.concatenate(
+                [s(logprobs[i : i + 1]) for i, s in enumerate(samplers)], axis=0
+            )
+        rows_logprobs = list(logprobs)
+        mx.async_eval(sampled, rows_logprobs)
+        previous = self.logprobs
+        self.inputs, self.logprobs = sampled, rows_logprobs
+        tokens: list[int] = inputs.tolist()  # type: ignore[assignment]  # waits for step n-1
+        out = []
+        for row, token, row_logprobs in zip(self.rows, tokens, previous, strict=True):
+            row.held.append(token)
+            if row.uid in self.fresh:
+                self.fresh.discard(row.uid)
+                continue
+            row.context.append(token)
+            if not row.dead:
+                out.append((row.uid, token, row_logprobs))
+        return out
+
+    def _process(self, inputs: mx.array, logits: mx.array) -> mx.array:
+        """Each row's logits processors, given every token it has seen, its input included
+        (a running row's input, its newest token, is still on the device)."""
+        rows = []
+        for i, row in enumerate(self.rows):
+            line = logits[i : i + 1]
+            if row.processors:
+                history = mx.array(row.context)
+                if row.uid not in self.fresh:
+                    history = mx.concatenate([history, inputs[i : i + 1].astype(history.dtype)])
+                for processor in row.processors:
+                    line = processor(history, line)
+            rows.append(line)
+        return mx.concatenate(rows, axis=0)
