@@ -7,9 +7,12 @@ from __future__ import annotations
 import inspect
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+import pytest
+from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
+from shared.config import EngineOptions
 from tests.engine_fixtures import Loaded, reference_greedy
+from worker.backends.mlx_lm import make_backend
 from worker.backends.rows import COMPACT_SHARE, RowBatch
 from worker.backends.sampling import greedy
 
@@ -124,3 +127,17 @@ def test_cached_prefixes_of_different_lengths_prefill_together(
     assert out[uids[1]][:12] == reference_greedy(chat.model, prompt_b, 12)
     kv, held = batch.extract([uids[0]])[uids[0]]
     assert held[: len(prompt_a)] == prompt_a and all(c.size() == len(held) for c in kv)
+
+
+def test_a_model_with_other_caches_is_refused_by_name(chat: Loaded) -> None:
+    """Sliding-window (and state-space) layers keep caches the rows batch does not merge:
+    such a model fails to load on it with the fix in the message, never decodes wrongly."""
+
+    class SlidingWindow:
+        layers = chat.model.layers
+
+        def make_cache(self) -> list[object]:
+            return [RotatingKVCache(max_size=64) for _ in self.layers]
+
+    with pytest.raises(ValueError, match=r"RotatingKVCache.*batcher = 'mlx_lm'"):
+        make_backend(SlidingWindow(), chat.tokenizer, EngineOptions(batcher="rows"))

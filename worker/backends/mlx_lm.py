@@ -196,6 +196,12 @@ class MlxRowsBackend(MlxLmBackend):
     (`worker/backends/rows.py`) in place of BatchGenerator."""
 
     def __init__(self, model: Any, tokenizer: Any, options: EngineOptions) -> None:
+        kinds = {type(c).__name__ for c in make_prompt_cache(model)}
+        if kinds != {"KVCache"}:
+            raise ValueError(
+                "engine.batcher = 'rows' needs a model whose layers all keep a plain KV cache; "
+                f"this one uses {', '.join(sorted(kinds))}: use batcher = 'mlx_lm'"
+            )
         self._setup(model, tokenizer, options)
         self.batch = RowBatch(model, options.prefill_step_size, self.prefill_batch_size)
 
