@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from shared.config import EngineOptions
-from tests.engine_fixtures import Loaded, reference_greedy
+from tests.engine_fixtures import Loaded, drive, prepared, reference_greedy, token_ids
 from worker.backends.mlx_lm import make_backend
 from worker.backends.rows import COMPACT_SHARE, RowBatch
 from worker.backends.sampling import greedy
@@ -141,3 +141,38 @@ def test_a_model_with_other_caches_is_refused_by_name(chat: Loaded) -> None:
 
     with pytest.raises(ValueError, match=r"RotatingKVCache.*batcher = 'mlx_lm'"):
         make_backend(SlidingWindow(), chat.tokenizer, EngineOptions(batcher="rows"))
+
+
+def test_both_batches_give_the_same_tokens_under_every_sampling_option(
+    chat: Loaded, prompts: list[list[int]]
+) -> None:
+    """Seeded sampling, nucleus and top-k filters, penalties (which read each row's token
+    history), logit bias and min_tokens: the same requests, side by side, on either batch."""
+    options: list[dict[str, object]] = [
+        {"temperature": 0.8, "seed": 7},
+        {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 3},
+        {"temperature": 0.0, "repetition_penalty": 1.3},
+        {"temperature": 0.0, "presence_penalty": 0.8, "frequency_penalty": 0.5},
+        {"temperature": 0.0, "logit_bias": {5: 3.0}},
+        {"temperature": 0.0, "min_tokens": 6, "logit_bias": {2: 50.0}},
+        {"temperature": 0.0},
+    ]
+    # A token outside the prompt, biased far above the rest: greedy repeats it for ever, unless
+    # a penalty over the row's generated tokens takes it back after its first appearance.
+    prompt = prompts[0]
+    logits = chat.model(mx.array(prompt)[None])[0, -1]
+    outside = next(t for t in range(3, 300) if t not in prompt)
+    bias = {outside: float(logits.max().item() - logits[outside].item()) + 20.0}
+    options.append({"temperature": 0.0, "logit_bias": bias, "presence_penalty": 40.0})
+
+    def run(batcher: str) -> dict[str, list[int]]:
+        requests = [
+            prepared(f"r{i}", prompts[i % len(prompts)], 14, **o) for i, o in enumerate(options)
+        ]
+        out = drive(chat.engine(batcher=batcher, max_running=4), requests)
+        return {rid: token_ids(deltas) for rid, deltas in out.items()}
+
+    rows, theirs = run("rows"), run("mlx_lm")
+    assert rows == theirs
+    penalized = rows[f"r{len(options) - 1}"]
+    assert penalized[0] == outside and penalized.count(outside) == 1

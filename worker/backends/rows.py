@@ -17,11 +17,11 @@ and max_tokens are the engine's: a row runs until the engine removes it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
 from worker.backends.sampling import LogitsProcessor, Sampler
 
@@ -36,8 +36,8 @@ class Row:
     processors: list[LogitsProcessor]
     held: list[int]  # the tokens whose KV the row's cache holds
     last: int  # the prompt's last token: the row's first input
+    history: TokenBuffer | None = None  # the processors' view: every token so far
     dead: bool = False
-    context: list[int] = field(default_factory=list)  # processors' view: every token so far
 
 
 @dataclass(slots=True, eq=False)
@@ -84,7 +84,7 @@ class RowBatch:
                 raise ValueError("a row needs at least one prompt token to run")
             uid, self.uid_count = self.uid_count, self.uid_count + 1
             held = list(prefix) + list(prompt[:-1])
-            row = Row(uid, sampler, procs, held, prompt[-1], context=list(prefix) + list(prompt))
+            row = Row(uid, sampler, procs, held, prompt[-1], TokenBuffer(held) if procs else None)
             self.waiting.append((row, list(prompt[:-1]), cache))
             uids.append(uid)
         return uids
@@ -236,21 +236,18 @@ class RowBatch:
             if row.uid in self.fresh:
                 self.fresh.discard(row.uid)
                 continue
-            row.context.append(token)
             if not row.dead:
                 out.append((row.uid, token, row_logprobs))
         return out
 
     def _process(self, inputs: mx.array, logits: mx.array) -> mx.array:
-        """Each row's logits processors, given every token it has seen, its input included
-        (a running row's input, its newest token, is still on the device)."""
+        """Each row's logits processors, given every token it has seen, this step's input
+        included (still on the device for a running row)."""
         rows = []
         for i, row in enumerate(self.rows):
             line = logits[i : i + 1]
-            if row.processors:
-                history = mx.array(row.context)
-                if row.uid not in self.fresh:
-                    history = mx.concatenate([history, inputs[i : i + 1].astype(history.dtype)])
+            if row.history is not None:
+                history = row.history.update_and_fetch(inputs[i : i + 1])
                 for processor in row.processors:
                     line = processor(history, line)
             rows.append(line)
