@@ -8,7 +8,13 @@ import inspect
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    KVCache,
+    RotatingKVCache,
+    TokenBuffer,
+    make_prompt_cache,
+)
 
 from shared.config import EngineOptions
 from tests.engine_fixtures import Loaded, drive, prepared, reference_greedy, token_ids
@@ -39,6 +45,7 @@ def test_the_public_pieces_it_stands_on() -> None:
     prepare = inspect.signature(BatchKVCache.prepare).parameters
     assert {"lengths", "right_padding"} <= set(prepare)
     assert {"keys", "values", "offset"} <= set(vars(KVCache()))
+    assert TokenBuffer([1, 2]).update_and_fetch(mx.array([3])).tolist() == [1, 2, 3]
 
 
 def test_rows_joining_at_different_steps_decode_as_alone(
