@@ -250,3 +250,46 @@ async def warm_up(
 ) -> RequestRecord:
     body = chat_body(model, prompt, max_tokens, ignore_eos=True)
     return await one_request(client, url, body, max_tokens, time.perf_counter() + 300.0)
+
+
+# The gateway's own account of where first tokens waited (its /metrics): seconds summed over
+# requests, and their count. Other servers have no such metrics.
+WORKER_SHARE = ("mlxgw_request_queue_seconds", "mlxgw_request_prefill_seconds")
+
+
+async def worker_share(client: aiohttp.ClientSession, url: str) -> dict[str, float] | None:
+    """{metric_sum: ..., metric_count: ...} for WORKER_SHARE, summed over models; None when
+    the server does not expose them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        async with client.get(url + "/metrics", timeout=aiohttp.ClientTimeout(10.0)) as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    totals: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            if family.name not in WORKER_SHARE:
+                continue
+            for sample in family.samples:
+                if sample.name.endswith(("_sum", "_count")):
+                    totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    except ValueError:
+        return None
+    return totals or None
+
+
+def worker_share_means(before: dict[str, float] | None, after: dict[str, float] | None) -> dict:
+    """Mean queue and prefill milliseconds of the requests between two scrapes."""
+    if not before or not after:
+        return {}
+    means = {}
+    for metric, key in zip(WORKER_SHARE, ("queue_mean_ms", "prefill_mean_ms"), strict=True):
+        count = after.get(metric + "_count", 0.0) - before.get(metric + "_count", 0.0)
+        total = after.get(metric + "_sum", 0.0) - before.get(metric + "_sum", 0.0)
+        if count > 0:
+            means[key] = round(1000 * total / count, 1)
+    return means

@@ -7,7 +7,8 @@
 # Run from the repository root with MLX (CUDA), mlx-lm and the project importable by
 # $PYTHON (default python3). Models are built under $MODELS (default /tmp/models) on first use.
 # SMALL=1 swaps in tiny shapes, to rehearse the whole script on a CPU machine; SERVING_ARGS
-# and AGENT_ARGS add flags to benchmarks.serving and benchmarks.agent_session.
+# and AGENT_ARGS add flags to benchmarks.serving and benchmarks.agent_session; SOURCES picks
+# the servers of 1b / 8b (default gateway,gateway-rows,mlx_lm).
 # - 1b / 8b: benchmarks.serving, closed loop, 128-token prompts and outputs: mlx-lm's
 #   BatchGenerator in one process (the ceiling), this gateway (engine.batcher mlx_lm, then
 #   rows) and mlx_lm server, one after another on the same prompts (each launched once for all levels, every level run once
@@ -27,6 +28,7 @@ shift
 STEPS=${*:-1b 8b agent}
 LEVEL_PROFILE=64
 PY=${PYTHON:-python3}
+SOURCES=${SOURCES:-gateway,gateway-rows,mlx_lm}
 M=${MODELS:-/tmp/models}
 mkdir -p "$OUT" "$M"
 
@@ -71,17 +73,26 @@ TOML
   echo "$cfg"
 }
 
-throughput() {  # NAME SHAPE LEVELS: the ceiling, the gateway on each batcher, mlx_lm server
-  local dir cfg rows max
+throughput() {  # NAME SHAPE LEVELS: the ceiling, then each of $SOURCES
+  local dir max src cfg
+  local -a launch=()
   dir=$(model "$1" $2)
   max=${3##*,}
-  cfg=$(gateway_config "$dir" "$max")
-  rows=$(gateway_config "$dir" "$max" rows)
-  $PY -m benchmarks.serving --model "$dir" --inprocess \
-    --launch-cmd "gateway={python} -m gateway --config $cfg serve --port {port}" \
-    --launch-cmd "gateway-rows={python} -m gateway --config $rows serve --port {port}" \
-    --launch-cmd "mlx_lm={python} -m mlx_lm server --model {model} --host 127.0.0.1 --port {port} --decode-concurrency {max_concurrency} --prompt-concurrency {max_concurrency} --log-level WARNING" \
-    --served-model gateway=bench --served-model gateway-rows=bench --concurrency "$3" --min-requests 16 --no-interleave \
+  for src in ${SOURCES//,/ }; do
+    case $src in
+      gateway | gateway-rows)
+        cfg=$(gateway_config "$dir" "$max" "$([ "$src" = gateway-rows ] && echo rows || echo mlx_lm)")
+        launch+=(--launch-cmd "$src={python} -m gateway --config $cfg serve --port {port}"
+          --served-model "$src=bench")
+        ;;
+      mlx_lm)
+        launch+=(--launch-cmd "mlx_lm={python} -m mlx_lm server --model {model} --host 127.0.0.1 --port {port} --decode-concurrency {max_concurrency} --prompt-concurrency {max_concurrency} --log-level WARNING")
+        ;;
+      *) echo "unknown source $src" >&2; exit 2 ;;
+    esac
+  done
+  $PY -m benchmarks.serving --model "$dir" --inprocess "${launch[@]}" \
+    --concurrency "$3" --min-requests 16 --no-interleave \
     --steal-retries 0 --wait-idle 0 --warm-levels ${SERVING_ARGS:-} --out "$OUT/$1.json" 2>&1 |
     tee "$OUT/$1.log"
 }

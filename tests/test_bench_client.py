@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+from benchmarks import _client
 from benchmarks._client import _decode_event, _has_content, sse_data
 
 
@@ -54,3 +55,24 @@ def test_only_chunks_with_text_count_as_content() -> None:
     assert not _has_content(event('{"choices":[{"delta":{},"finish_reason":"length"}]}'))
     assert not _has_content(event('{"choices":null,"usage":{"prompt_tokens":1}}'))
     assert event('{"error":{"message":"boom"}}').error == {"message": "boom"}
+
+
+def test_worker_share_means_are_of_the_requests_between_two_scrapes() -> None:
+    before = {
+        "mlxgw_request_queue_seconds_sum": 1.0,
+        "mlxgw_request_queue_seconds_count": 10.0,
+        "mlxgw_request_prefill_seconds_sum": 2.0,
+        "mlxgw_request_prefill_seconds_count": 10.0,
+    }
+    after = {
+        "mlxgw_request_queue_seconds_sum": 1.5,
+        "mlxgw_request_queue_seconds_count": 15.0,
+        "mlxgw_request_prefill_seconds_sum": 2.25,
+        "mlxgw_request_prefill_seconds_count": 15.0,
+    }
+    assert _client.worker_share_means(before, after) == {
+        "queue_mean_ms": 100.0,
+        "prefill_mean_ms": 50.0,
+    }
+    assert _client.worker_share_means(None, after) == {}  # a server without the metrics
+    assert _client.worker_share_means(before, before) == {}  # no request in between
