@@ -57,7 +57,7 @@ def gateway_run_dir() -> Path:
 
 
 def write_gateway_config(
-    path: Path, run_dir: Path, model: str, name: str, engine: dict[str, bool | int | float]
+    path: Path, run_dir: Path, model: str, name: str, engine: dict[str, bool | int | float | str]
 ) -> Path:
     """A gateway config serving one model as ``name`` with ``engine`` options (e.g.
     ``{"prefix_cache": False}``); sockets, logs and an empty key file (so a developer's own

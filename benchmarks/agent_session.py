@@ -9,7 +9,8 @@ medians across sessions and then across repeats; the table shows each source's T
 ratio to the baseline's (``--baseline``, the gateway with its prefix cache on).
 
 Sources are launched here on ``--model`` (``--sources gateway,gateway-nocache,mlx_lm,
-vllm_mlx``; ``gateway-nocache`` is the gateway with ``engine.prefix_cache = false``) or are
+vllm_mlx``; ``gateway-nocache`` is the gateway with ``engine.prefix_cache = false``,
+``gateway-rows`` (not by default) with ``engine.batcher = "rows"``) or are
 already running (``--url [NAME=]URL``, e.g. on a GPU machine where servers are started
 separately). Run from the repository root::
 
@@ -48,10 +49,12 @@ from benchmarks._agent_report import (
 from benchmarks._agent_trace import ChatTokens, Trace, build_trace
 from benchmarks._stats import machine_header, machine_info
 
-SOURCES = ("gateway", "gateway-nocache", "mlx_lm", "vllm_mlx")
-GATEWAY_ENGINE: dict[str, dict[str, bool | int | float]] = {
+SOURCES = ("gateway", "gateway-nocache", "mlx_lm", "vllm_mlx")  # launched by default
+KNOWN = (*SOURCES, "gateway-rows")
+GATEWAY_ENGINE: dict[str, dict[str, bool | int | float | str]] = {
     "gateway": {"prefix_cache": True},
     "gateway-nocache": {"prefix_cache": False},
+    "gateway-rows": {"prefix_cache": True, "batcher": "rows"},
 }
 GATEWAY_MODEL_NAME = "bench"
 
@@ -64,7 +67,7 @@ class Source:
     url: str | None = None
     command: str | None = None
     model_id: str | None = None
-    engine: dict[str, bool | int | float] = field(default_factory=dict)
+    engine: dict[str, bool | int | float | str] = field(default_factory=dict)
     ignore_eos: bool = False
 
 
@@ -103,7 +106,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument(
         "--ignore-eos",
-        default="gateway,gateway-nocache",
+        default="gateway,gateway-nocache,gateway-rows",
         metavar="NAMES",
         help="sources sent ignore_eos (mlx_lm server and vllm-mlx ignore it)",
     )
@@ -139,8 +142,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.sources is None:
         args.sources = "" if args.url else ",".join(SOURCES)
     args.source_names = [n.strip() for n in args.sources.split(",") if n.strip()]
-    if unknown := set(args.source_names) - set(SOURCES):
-        p.error(f"--sources: unknown {sorted(unknown)}; known: {', '.join(SOURCES)}")
+    if unknown := set(args.source_names) - set(KNOWN):
+        p.error(f"--sources: unknown {sorted(unknown)}; known: {', '.join(KNOWN)}")
     if args.source_names and not model_dir:
         p.error("launching servers needs --model DIR")
     if not args.source_names and not args.url:

@@ -15,7 +15,8 @@
 #   unrecorded first: MLX CUDA compiles kernels on first use of a shape, and a server meets
 #   many more batch shapes than the ceiling).
 # - agent: benchmarks.agent_session on the 1b shape: 8 turns over a 4k-token system prompt,
-#   1 and 4 concurrent sessions, the gateway with its prefix cache on and off, mlx_lm server.
+#   1 and 4 concurrent sessions, the gateway with its prefix cache on and off and on its rows
+#   batch, mlx_lm server.
 # - arrivals: benchmarks.arrivals on the 1b shape in one process: mlx-lm's BatchGenerator and
 #   the project's rows batch with sequences starting together and spread, and what one join
 #   costs BatchGenerator.
@@ -130,7 +131,7 @@ for step in $STEPS; do
     8b) throughput 8b "$SHAPE_8B" "$LEVELS_8B" ;;
     agent)
       $PY -m benchmarks.agent_session --model "$(model 1b $SHAPE_1B)" \
-        --sources gateway,gateway-nocache,mlx_lm --sessions 1,4 --turns "$AGENT_TURNS" \
+        --sources gateway,gateway-nocache,gateway-rows,mlx_lm --sessions 1,4 --turns "$AGENT_TURNS" \
         --system-tokens "$AGENT_SYSTEM" --wait-idle 0 ${AGENT_ARGS:-} --out "$OUT/agent.json" 2>&1 |
         tee "$OUT/agent.log"
       ;;

@@ -111,6 +111,14 @@ def test_gateway_config_turns_the_prefix_cache_off(tmp_path: Path) -> None:
     assert config.server.keys_file == f"{tmp_path}/keys.json"
 
 
+def test_the_rows_source_is_the_gateway_on_its_own_batch(tmp_path: Path) -> None:
+    engine = agent_session.GATEWAY_ENGINE["gateway-rows"]
+    path = _launch.write_gateway_config(tmp_path / "gw.toml", tmp_path, "/m", "bench", engine)
+    options = load_config(path).models[0].engine
+    assert options.batcher == "rows" and options.prefix_cache is True
+    assert "gateway-rows" not in agent_session.SOURCES  # measured when asked for
+
+
 def test_two_sessions_of_two_turns_against_a_real_gateway(
     gateway: GatewayProc, tokens: ChatTokens
 ) -> None:
