@@ -19,7 +19,7 @@ from mlx_lm.models.cache import (
 from shared.config import EngineOptions
 from tests.engine_fixtures import Loaded, drive, prepared, reference_greedy, token_ids
 from worker.backends.mlx_lm import make_backend
-from worker.backends.rows import COMPACT_SHARE, RowBatch
+from worker.backends.rows import COMPACT_SHARE, MAX_GROUPS, RowBatch
 from worker.backends.sampling import greedy
 
 
@@ -91,12 +91,32 @@ def test_at_most_max_group_rows_prefill_side_by_side(
     batch = RowBatch(chat.model, max_group=2)
     out: dict[int, list[int]] = {}
     uids = _insert(batch, chat, prompts[:5])
-    _run(batch, 1, out)
-    assert [r.uid for r in batch.rows] == uids[:2] and len(batch.waiting) == 3
+    _run(batch, 1, out)  # two rows a group, MAX_GROUPS groups a step
+    assert [r.uid for r in batch.rows] == uids[: 2 * MAX_GROUPS]
+    assert len(batch.waiting) == 5 - 2 * MAX_GROUPS
     _run(batch, 12, out)
     assert [r.uid for r in batch.rows] == uids
     for uid, prompt in zip(uids, prompts[:5], strict=True):
         assert out[uid][:8] == reference_greedy(chat.model, prompt, 8), uid
+
+
+def test_a_short_prompt_is_not_held_behind_a_long_one(
+    chat: Loaded, prompts: list[list[int]]
+) -> None:
+    """Inserted together, a long prompt (several chunks) and a short one (one chunk) are
+    prefilled apart: the short one joins after one step, the long one after its chunks."""
+    long, short = prompts[2] * 3, prompts[1]
+    batch = RowBatch(chat.model, prefill_step_size=8)
+    assert len(long) > 3 * 8 and len(short) <= 8
+    out: dict[int, list[int]] = {}
+    slow, fast = _insert(batch, chat, [long, short])
+    _run(batch, 1, out)  # the short one's group is in after its one chunk; the long one's not
+    assert [r.uid for r in batch.rows] == [fast] and len(batch.groups) == 1
+    _run(batch, 3, out)
+    assert len(out[fast]) >= 2 and slow not in out
+    _run(batch, 20, out)
+    assert out[slow][:8] == reference_greedy(chat.model, long, 8)
+    assert out[fast][:8] == reference_greedy(chat.model, short, 8)
 
 
 def test_a_row_removed_while_prefilling_never_joins(chat: Loaded, prompts: list[list[int]]) -> None:
@@ -104,9 +124,10 @@ def test_a_row_removed_while_prefilling_never_joins(chat: Loaded, prompts: list[
     out: dict[int, list[int]] = {}
     victim, other = _insert(batch, chat, [prompts[2], prompts[1]])
     _run(batch, 1, out)
-    assert batch.group is not None and batch.holds(victim)
+    assert batch.groups and batch.holds(victim)
     kept = batch.remove([victim], keep_caches=True)
     assert kept == {}  # nothing of it is in the batch's KV yet
+    assert batch.groups  # "other" still prefills in its group
     _run(batch, len(prompts[2]) // 2 + 12, out)  # the group's prefill, then 10+ steps
     assert victim not in out and [r.uid for r in batch.rows] == [other]
     assert out[other][:10] == reference_greedy(chat.model, prompts[1], 10)
@@ -183,3 +204,14 @@ def test_both_batches_give_the_same_tokens_under_every_sampling_option(
     assert rows == theirs
     penalized = rows[f"r{len(options) - 1}"]
     assert penalized[0] == outside and penalized.count(outside) == 1
+
+
+def test_a_group_whose_rows_all_left_is_dropped_at_once(
+    chat: Loaded, prompts: list[list[int]]
+) -> None:
+    batch = RowBatch(chat.model, prefill_step_size=2)
+    [victim] = _insert(batch, chat, [prompts[2]])
+    batch.step()
+    assert batch.groups and batch.active
+    batch.remove([victim])
+    assert batch.groups == [] and not batch.active  # its partial KV goes with it

@@ -4,9 +4,10 @@ forward pass and mlx-lm's `BatchKVCache` (merge, prepare, finalize, extend, filt
 What it changes against mlx-lm's BatchGenerator is what a row joining or leaving costs the
 batch (docs/benchmarks.md measured a join at four to five decode steps on a GPU whose step is
 bound by the host):
-- joining rows are prefilled together, a chunk per step, without waiting on the device, and
-  their first decode step is the running batch's next step (one forward pass for all rows),
-  not a pass of their own;
+- joining rows are prefilled together (grouped by how many chunks their prompts take; two
+  groups at a time, a chunk of each per step), without waiting on the device, and their first
+  decode step is the running batch's next step (one forward pass for all rows), not a pass of
+  their own;
 - a row that leaves is only marked: it decodes on, unseen, until enough rows have left (or
   rows join) to compact the batch in one filter;
 - the host builds step n+1 while the device runs step n, as BatchGenerator does.
@@ -27,6 +28,9 @@ from worker.backends.sampling import LogitsProcessor, Sampler
 
 # Compact the batch once this share of its rows has left (and whenever rows join).
 COMPACT_SHARE = 0.25
+# Groups prefilling at once, a chunk of each per step: prompts that arrive while a long one
+# is being prefilled start beside it instead of waiting for all of it.
+MAX_GROUPS = 2
 
 
 @dataclass(slots=True, eq=False)
@@ -61,7 +65,7 @@ class RowBatch:
         self.logprobs: list[mx.array] = []  # the distribution each pending input came from
         self.fresh: set[int] = set()  # rows whose input is their prompt's last token
         self.waiting: list[tuple[Row, list[int], list[Any]]] = []
-        self.group: Group | None = None
+        self.groups: list[Group] = []  # prefilling, at most MAX_GROUPS
         self.uid_count = 0
 
     # ---- rows in and out ------------------------------------------------------------
@@ -95,12 +99,13 @@ class RowBatch:
         wanted = set(uids)
         kept = self.extract(uids) if keep_caches else {}
         self.waiting = [w for w in self.waiting if w[0].uid not in wanted]
-        pending = self.group.rows if self.group is not None else []
+        pending = [r for g in self.groups for r in g.rows]
         for row in [*self.rows, *pending]:
             if row.uid in wanted:
                 row.dead = True
         if self.rows and all(r.dead for r in self.rows):
             self._compact()  # nothing left to decode: let the KV go now
+        self.groups = [g for g in self.groups if any(not r.dead for r in g.rows)]
         return kept
 
     def extract(self, uids: list[int]) -> dict[int, tuple[Any, list[int]]]:
@@ -113,36 +118,47 @@ class RowBatch:
         }
 
     def holds(self, uid: int) -> bool:
-        group = self.group.rows if self.group is not None else []
+        group = [r for g in self.groups for r in g.rows]
         rows = [*self.rows, *group, *(w[0] for w in self.waiting)]
         return any(r.uid == uid and not r.dead for r in rows)
 
     @property
     def active(self) -> bool:
-        return bool(self.waiting or self.group or any(not r.dead for r in self.rows))
+        return bool(self.waiting or self.groups or any(not r.dead for r in self.rows))
 
     # ---- a step ---------------------------------------------------------------------
 
     def step(self) -> list[tuple[int, int, mx.array]]:
         """Prefill a chunk of the joining rows, decode the running ones; the tokens sampled
         at the step before, as (uid, token, the distribution it was drawn from)."""
-        if self.group is None and self.waiting:
-            self.group = self._start_group()
-        if self.group is not None:
-            self._prefill_chunk(self.group)
-        joined = self.group is not None and self.group.tokens is None
+        while self.waiting and len(self.groups) < MAX_GROUPS:
+            self.groups.append(self._start_group())
+        for group in self.groups:
+            self._prefill_chunk(group)
+        joined = [g for g in self.groups if g.tokens is None]
         if joined or self._dead_share() >= COMPACT_SHARE:
             self._compact()
-        if joined:
-            assert self.group is not None
-            self._join(self.group)
-            self.group = None
+        for group in joined:
+            self._join(group)
+        self.groups = [g for g in self.groups if g.tokens is not None]
         if not self.rows or self.inputs is None:
             return []
         return self._decode()
 
+    def _chunks(self, tokens: list[int]) -> int:
+        return max(1, -(-len(tokens) // self.prefill_step_size))
+
     def _start_group(self) -> Group:
-        waiting, self.waiting = self.waiting[: self.max_group], self.waiting[self.max_group :]
+        """The oldest waiting row and those behind it whose prompts take as many chunks: a
+        group is padded to its longest prompt, and a short prompt grouped with a long one
+        would be computed at the long one's length and wait for all of it."""
+        chunks = self._chunks(self.waiting[0][1])
+        waiting: list[tuple[Row, list[int], list[Any]]] = []
+        later: list[tuple[Row, list[int], list[Any]]] = []
+        for item in self.waiting:
+            fits = len(waiting) < self.max_group and self._chunks(item[1]) == chunks
+            (waiting if fits else later).append(item)
+        self.waiting = later
         rows = [w[0] for w in waiting]
         rests = [w[1] for w in waiting]
         layers = len(waiting[0][2])
