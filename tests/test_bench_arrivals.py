@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from benchmarks import arrivals
 
 
+def _measure(argv: list[str], capsys: pytest.CaptureFixture[str]) -> list[dict[str, Any]]:
+    """arrivals' JSON lines for these arguments."""
+    assert arrivals.main(argv) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
 def test_waves_and_spread_arrivals_are_measured(
     chat_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = [str(chat_model), "--concurrency", "2", "--requests", "4", "--batchers", "mlx_lm,rows"]
-    assert arrivals.main(argv) == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    rows = _measure(argv, capsys)
     assert [(r["mode"], r["batcher"]) for r in rows] == [
         ("waves", "mlx_lm"),
         ("waves", "rows"),
@@ -31,8 +37,7 @@ def test_the_cost_of_one_join_is_measured(
     chat_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = [str(chat_model), "--modes", "join", "--concurrency", "2", "--join", "1,3"]
-    assert arrivals.main(argv) == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    rows = _measure(argv, capsys)
     assert [(r["mode"], r["k"]) for r in rows] == [("join", 1), ("join", 3)]
     for row in rows:
         # a prompt's token comes after its prefill and its first step: two calls at least
