@@ -20,14 +20,16 @@
 # - arrivals: benchmarks.arrivals on the 1b shape in one process: mlx-lm's BatchGenerator and
 #   the project's rows batch with sequences starting together and spread, and what one join
 #   costs BatchGenerator.
-# - profile: the gateway on the 1b shape at c=64 while py-spy samples its worker's threads for
-#   20 s (OUT/worker-profile.json, speedscope format, and OUT/profile-summary.txt); needs
-#   py-spy on PATH (a wheel: pip download py-spy).
+# - profile: the gateway on the 1b shape at c=$PROFILE_LEVEL (default 64; max_running
+#   $PROFILE_MAX, default the level; engine.batcher $PROFILE_BATCHER, default mlx_lm) while
+#   py-spy samples the worker's and the gateway's threads for 20 s, idle time included
+#   (OUT/worker-profile.json and OUT/gateway-profile.json, speedscope format, and
+#   OUT/profile-summary.txt); needs py-spy on PATH (a wheel: pip download py-spy).
 set -euo pipefail
 OUT=${1:?usage: benchmarks/h200.sh OUT [1b] [8b] [agent]}
 shift
 STEPS=${*:-1b 8b agent}
-LEVEL_PROFILE=64
+LEVEL_PROFILE=${PROFILE_LEVEL:-64}
 PY=${PYTHON:-python3}
 SOURCES=${SOURCES:-gateway,gateway-rows,mlx_lm}
 M=${MODELS:-/tmp/models}
@@ -101,7 +103,7 @@ throughput() {  # NAME SHAPE LEVELS: the ceiling, then each of $SOURCES
 profile() {  # the worker's threads sampled by py-spy while the gateway serves c=LEVEL_PROFILE
   local dir cfg port gw worker
   dir=$(model 1b $SHAPE_1B)
-  cfg=$(gateway_config "$dir" "$LEVEL_PROFILE")
+  cfg=$(gateway_config "$dir" "${PROFILE_MAX:-$LEVEL_PROFILE}" "${PROFILE_BATCHER:-mlx_lm}")
   port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   $PY -m gateway --config "$cfg" serve --port "$port" >"$OUT/profile-gateway.log" 2>&1 &
   gw=$!
@@ -111,14 +113,22 @@ profile() {  # the worker's threads sampled by py-spy while the gateway serves c
     sleep 1
   done
   $PY -m benchmarks.serving --target "gateway=http://127.0.0.1:$port" --tokenizer "$dir" \
-    --served-model gateway=bench --concurrency "$LEVEL_PROFILE" --requests $((LEVEL_PROFILE * 40)) \
+    --served-model gateway=bench --concurrency "$LEVEL_PROFILE" --requests $((LEVEL_PROFILE * 40 > 400 ? LEVEL_PROFILE * 40 : 400)) \
     --wait-idle 0 --out "$OUT/profile-load.json" >"$OUT/profile-load.log" 2>&1 &
   local load=$!
   sleep 15  # the warm-up and the first waves: kernels compiled, the batch full
-  py-spy record --pid "$worker" --duration 20 --rate 250 --threads --format speedscope \
+  local app
+  app=$(ps -o ppid= -p "$worker" | tr -d ' ')  # the app process (Granian's child) spawned it
+  py-spy record --pid "$app" --duration 20 --rate 250 --threads --idle --format speedscope \
+    --output "$OUT/gateway-profile.json" >"$OUT/profile-pyspy-gateway.log" 2>&1 &
+  local spy=$!
+  py-spy record --pid "$worker" --duration 20 --rate 250 --threads --idle --format speedscope \
     --output "$OUT/worker-profile.json" >"$OUT/profile-pyspy.log" 2>&1 || true
-  [ -f "$OUT/worker-profile.json" ] && $PY -m benchmarks.profile_summary \
-    "$OUT/worker-profile.json" >"$OUT/profile-summary.txt"
+  wait "$spy" || true
+  for who in worker gateway; do
+    [ -f "$OUT/$who-profile.json" ] && $PY -m benchmarks.profile_summary \
+      "$OUT/$who-profile.json" >>"$OUT/profile-summary.txt"
+  done
   kill "$load" 2>/dev/null || true  # enough: its figures are not the point here
   wait "$load" || true
   kill "$gw"
