@@ -18,6 +18,7 @@ from mlx_lm.models.cache import (
 
 from shared.config import EngineOptions
 from tests.engine_fixtures import Loaded, drive, prepared, reference_greedy, token_ids
+from worker.backends import rows as rows_module
 from worker.backends.mlx_lm import make_backend
 from worker.backends.rows import COMPACT_SHARE, MAX_GROUPS, RowBatch
 from worker.backends.sampling import greedy
@@ -215,3 +216,29 @@ def test_a_group_whose_rows_all_left_is_dropped_at_once(
     assert batch.groups and batch.active
     batch.remove([victim])
     assert batch.groups == [] and not batch.active  # its partial KV goes with it
+
+
+def test_into_a_large_batch_rows_join_a_few_at_a_time(
+    chat: Loaded, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of n rows takes joiners n // JOIN_DIVISOR at a time, or once the oldest has
+    waited that many steps; an empty batch takes them at once. They decode as alone."""
+    monkeypatch.setattr(rows_module, "JOIN_DIVISOR", 4)  # 8 running rows: groups of 2
+    batch = RowBatch(chat.model)
+    out: dict[int, list[int]] = {}
+    first = _insert(batch, chat, [prompts[i % len(prompts)] for i in range(8)])
+    _run(batch, 1, out)  # nothing was running: all start at once
+    assert len(batch.rows) == 8 and not batch.waiting
+    [lone] = _insert(batch, chat, [prompts[1]])
+    _run(batch, 1, out)
+    assert batch.waiting and lone not in {r.uid for r in batch.rows}  # waits for company
+    _run(batch, 1, out)  # or for two steps, whichever comes first
+    assert not batch.waiting and lone in {r.uid for r in batch.rows}
+    pair = _insert(batch, chat, [prompts[2], prompts[3]])
+    _run(batch, 1, out)  # two of them: they start at once
+    assert {r.uid for r in batch.rows} >= set(pair)
+    _run(batch, 16, out)
+    for uid, prompt in [(lone, prompts[1]), *zip(pair, prompts[2:4], strict=True)]:
+        assert out[uid][:12] == reference_greedy(chat.model, prompt, 12), uid
+    for uid, i in zip(first, range(8), strict=True):
+        assert out[uid][:16] == reference_greedy(chat.model, prompts[i % len(prompts)], 16)

@@ -10,6 +10,11 @@ bound by the host):
   their own;
 - a row that leaves is only marked: it decodes on, unseen, until enough rows have left (or
   rows join) to compact the batch in one filter;
+- into a large batch, rows join a few at a time: a join costs the batch two copies of its KV
+  (compaction, extension) and a prefill pass, whatever the number of rows joining, so one
+  arriving every step (a full batch under a closed loop) would pay them every step. Joiners
+  wait until there are `running // JOIN_DIVISOR` of them, or until the oldest has waited as
+  many steps; into a batch of under 2 * JOIN_DIVISOR rows they join at once;
 - the host builds step n+1 while the device runs step n, as BatchGenerator does.
 
 Greedy output is the same token for token as mlx-lm's `generate_step` (tests). Stop rules
@@ -31,6 +36,9 @@ COMPACT_SHARE = 0.25
 # Groups prefilling at once, a chunk of each per step: prompts that arrive while a long one
 # is being prefilled start beside it instead of waiting for all of it.
 MAX_GROUPS = 2
+# Into a batch of n running rows, joiners start in groups of n // JOIN_DIVISOR (or after
+# waiting that many steps): at 128 rows a group of 8 every ~8 steps.
+JOIN_DIVISOR = 16
 
 
 @dataclass(slots=True, eq=False)
@@ -42,6 +50,14 @@ class Row:
     last: int  # the prompt's last token: the row's first input
     history: TokenBuffer | None = None  # the processors' view: every token so far
     dead: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class Waiting:
+    row: Row
+    rest: list[int]  # the prompt tokens to prefill, all but its last
+    cache: list[Any]  # one KVCache per layer, holding the row's prefix
+    since: int  # the batch's step count when it arrived
 
 
 @dataclass(slots=True, eq=False)
@@ -64,9 +80,10 @@ class RowBatch:
         self.inputs: mx.array | None = None  # each row's next input token (lazy)
         self.logprobs: list[mx.array] = []  # the distribution each pending input came from
         self.fresh: set[int] = set()  # rows whose input is their prompt's last token
-        self.waiting: list[tuple[Row, list[int], list[Any]]] = []
+        self.waiting: list[Waiting] = []
         self.groups: list[Group] = []  # prefilling, at most MAX_GROUPS
         self.uid_count = 0
+        self.steps = 0
 
     # ---- rows in and out ------------------------------------------------------------
 
@@ -89,7 +106,7 @@ class RowBatch:
             uid, self.uid_count = self.uid_count, self.uid_count + 1
             held = list(prefix) + list(prompt[:-1])
             row = Row(uid, sampler, procs, held, prompt[-1], TokenBuffer(held) if procs else None)
-            self.waiting.append((row, list(prompt[:-1]), cache))
+            self.waiting.append(Waiting(row, list(prompt[:-1]), cache, self.steps))
             uids.append(uid)
         return uids
 
@@ -98,7 +115,7 @@ class RowBatch:
         of each one's cache and the tokens it holds."""
         wanted = set(uids)
         kept = self.extract(uids) if keep_caches else {}
-        self.waiting = [w for w in self.waiting if w[0].uid not in wanted]
+        self.waiting = [w for w in self.waiting if w.row.uid not in wanted]
         pending = [r for g in self.groups for r in g.rows]
         for row in [*self.rows, *pending]:
             if row.uid in wanted:
@@ -119,7 +136,7 @@ class RowBatch:
 
     def holds(self, uid: int) -> bool:
         group = [r for g in self.groups for r in g.rows]
-        rows = [*self.rows, *group, *(w[0] for w in self.waiting)]
+        rows = [*self.rows, *group, *(w.row for w in self.waiting)]
         return any(r.uid == uid and not r.dead for r in rows)
 
     @property
@@ -131,7 +148,8 @@ class RowBatch:
     def step(self) -> list[tuple[int, int, mx.array]]:
         """Prefill a chunk of the joining rows, decode the running ones; the tokens sampled
         at the step before, as (uid, token, the distribution it was drawn from)."""
-        while self.waiting and len(self.groups) < MAX_GROUPS:
+        self.steps += 1
+        while self.waiting and len(self.groups) < MAX_GROUPS and self._join_due():
             self.groups.append(self._start_group())
         for group in self.groups:
             self._prefill_chunk(group)
@@ -145,6 +163,13 @@ class RowBatch:
             return []
         return self._decode()
 
+    def _join_due(self) -> bool:
+        """Whether the waiting rows start now (see the module's docstring)."""
+        need = sum(not r.dead for r in self.rows) // JOIN_DIVISOR
+        if need <= 1 or len(self.waiting) >= need:
+            return True
+        return self.steps - self.waiting[0].since >= need
+
     def _chunks(self, tokens: list[int]) -> int:
         return max(1, -(-len(tokens) // self.prefill_step_size))
 
@@ -152,17 +177,17 @@ class RowBatch:
         """The oldest waiting row and those behind it whose prompts take as many chunks: a
         group is padded to its longest prompt, and a short prompt grouped with a long one
         would be computed at the long one's length and wait for all of it."""
-        chunks = self._chunks(self.waiting[0][1])
-        waiting: list[tuple[Row, list[int], list[Any]]] = []
-        later: list[tuple[Row, list[int], list[Any]]] = []
+        chunks = self._chunks(self.waiting[0].rest)
+        waiting: list[Waiting] = []
+        later: list[Waiting] = []
         for item in self.waiting:
-            fits = len(waiting) < self.max_group and self._chunks(item[1]) == chunks
+            fits = len(waiting) < self.max_group and self._chunks(item.rest) == chunks
             (waiting if fits else later).append(item)
         self.waiting = later
-        rows = [w[0] for w in waiting]
-        rests = [w[1] for w in waiting]
-        layers = len(waiting[0][2])
-        caches = [BatchKVCache.merge([w[2][layer] for w in waiting]) for layer in range(layers)]
+        rows = [w.row for w in waiting]
+        rests = [w.rest for w in waiting]
+        layers = len(waiting[0].cache)
+        caches = [BatchKVCache.merge([w.cache[layer] for w in waiting]) for layer in range(layers)]
         longest = max(len(r) for r in rests)
         if longest == 0:
             return Group(rows, caches, None, False)
