@@ -8,7 +8,8 @@
 # $PYTHON (default python3). Models are built under $MODELS (default /tmp/models) on first use.
 # SMALL=1 swaps in tiny shapes, to rehearse the whole script on a CPU machine; SERVING_ARGS
 # and AGENT_ARGS add flags to benchmarks.serving and benchmarks.agent_session; SOURCES picks
-# the servers of 1b / 8b (default gateway,gateway-rows,mlx_lm).
+# the servers of 1b / 8b (default gateway,gateway-rows,mlx_lm) and LEVELS_1B / LEVELS_8B their
+# concurrency levels (default 1,8,32,64,128 and 1,32,128).
 # - 1b / 8b: benchmarks.serving, closed loop, 128-token prompts and outputs: mlx-lm's
 #   BatchGenerator in one process (the ceiling), this gateway (engine.batcher mlx_lm, then
 #   rows) and mlx_lm server, one after another on the same prompts (each launched once for all levels, every level run once
@@ -43,7 +44,8 @@ if [ "${SMALL:-0}" = 1 ]; then
 else
   SHAPE_1B="--hidden 2048 --layers 16 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 128256"
   SHAPE_8B="--hidden 4096 --layers 32 --heads 32 --kv-heads 8 --intermediate 14336 --vocab 128256"
-  LEVELS_1B=1,8,32,64,128 LEVELS_8B=1,32,128 AGENT_SYSTEM=4096 AGENT_TURNS=8
+  LEVELS_1B=${LEVELS_1B:-1,8,32,64,128} LEVELS_8B=${LEVELS_8B:-1,32,128}
+  AGENT_SYSTEM=4096 AGENT_TURNS=8
   LEVELS_ARRIVALS=64,128 ARRIVALS_REQUESTS=512
 fi
 
