@@ -2,7 +2,7 @@
 # The GPU figures of docs/benchmarks.md: one NVIDIA GPU, MLX's CUDA backend, random-weight
 # models of Llama-3.2-1B's and Llama-3.1-8B's shapes in bf16 (vocab 128,256).
 #
-#   benchmarks/h200.sh OUT [1b] [8b] [agent] [arrivals] [profile]     (default: 1b 8b agent)
+#   benchmarks/h200.sh OUT [1b] [8b] [agent] [arrivals] [steps] [profile]  (default: 1b 8b agent)
 #
 # Run from the repository root with MLX (CUDA), mlx-lm and the project importable by
 # $PYTHON (default python3). Models are built under $MODELS (default /tmp/models) on first use.
@@ -21,6 +21,8 @@
 # - arrivals: benchmarks.arrivals on the 1b shape in one process: mlx-lm's BatchGenerator and
 #   the project's rows batch with sequences starting together and spread, and what one join
 #   costs BatchGenerator.
+# - steps: benchmarks.engine_steps on the 1b shape: the decode step of BatchGenerator alone and
+#   of the engine on each batch, in one process, at 1, 32 and 128 rows.
 # - profile: the gateway on the 1b shape at c=$PROFILE_LEVEL (default 64; max_running
 #   $PROFILE_MAX, default the level; engine.batcher $PROFILE_BATCHER, default mlx_lm) while
 #   py-spy samples the worker's and the gateway's threads for 20 s, idle time included
@@ -40,13 +42,13 @@ if [ "${SMALL:-0}" = 1 ]; then
   SHAPE_1B="--hidden 128 --layers 4 --heads 4 --kv-heads 2 --intermediate 256 --vocab 2048"
   SHAPE_8B="--hidden 192 --layers 6 --heads 6 --kv-heads 2 --intermediate 384 --vocab 2048"
   LEVELS_1B=1,4 LEVELS_8B=1,4 AGENT_SYSTEM=512 AGENT_TURNS=3 LEVEL_PROFILE=4
-  LEVELS_ARRIVALS=4 ARRIVALS_REQUESTS=16
+  LEVELS_ARRIVALS=4 ARRIVALS_REQUESTS=16 ROWS_STEPS=1,4
 else
   SHAPE_1B="--hidden 2048 --layers 16 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 128256"
   SHAPE_8B="--hidden 4096 --layers 32 --heads 32 --kv-heads 8 --intermediate 14336 --vocab 128256"
   LEVELS_1B=${LEVELS_1B:-1,8,32,64,128} LEVELS_8B=${LEVELS_8B:-1,32,128}
   AGENT_SYSTEM=4096 AGENT_TURNS=8
-  LEVELS_ARRIVALS=64,128 ARRIVALS_REQUESTS=512
+  LEVELS_ARRIVALS=64,128 ARRIVALS_REQUESTS=512 ROWS_STEPS=1,32,128
 fi
 
 model() {  # NAME SHAPE...
@@ -152,6 +154,10 @@ for step in $STEPS; do
         --requests "$ARRIVALS_REQUESTS" --batchers mlx_lm,rows 2>&1 | tee "$OUT/arrivals.jsonl"
       $PY -m benchmarks.arrivals "$(model 1b $SHAPE_1B)" --modes join --concurrency 48 \
         --join 1,16,64 2>&1 | tee -a "$OUT/arrivals.jsonl"
+      ;;
+    steps)
+      $PY -m benchmarks.engine_steps "$(model 1b $SHAPE_1B)" --rows "$ROWS_STEPS" \
+        --max-running "${ROWS_STEPS##*,}" 2>&1 | tee "$OUT/steps.jsonl"
       ;;
     profile) profile ;;
     *) echo "unknown step $step" >&2; exit 2 ;;

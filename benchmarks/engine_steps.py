@@ -1,0 +1,143 @@
+"""What the engine's layer costs a decode step, in one process: no gateway, no sockets.
+
+    python -m benchmarks.engine_steps MODEL --rows 1,32,128 --steps 150 --repeats 2
+
+For each batch size, `rows` sequences with the same 128-token prompt decode together
+(greedy, no stop) and the time between consecutive steps that returned tokens is taken,
+the first WARM_STEPS left out, under three drivers:
+- `batchgenerator`: mlx-lm's BatchGenerator alone (what the serving ceiling runs);
+- `engine-mlx_lm`: the worker's EngineCore on BatchGenerator (`engine.batcher = "mlx_lm"`),
+  detokenizing, checking stops and encoding each step's deltas as the worker sends them;
+- `engine-rows`: the same on the engine's own batch (`engine.batcher = "rows"`).
+Prints one JSON line per (rows, repeat): each driver's median step in ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+WARM_STEPS = 20
+PROMPT = list(range(5, 133))  # 128 tokens, inside every generated vocabulary
+DRIVERS = ("batchgenerator", "engine-mlx_lm", "engine-rows")
+
+
+def _positive_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from exc
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers: {text!r}")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.engine_steps", description=__doc__)
+    p.add_argument("model", help="an mlx-lm model directory")
+    p.add_argument("--rows", type=_positive_list, default=[1, 32, 128])
+    p.add_argument("--steps", type=int, default=150, help="steps timed a driver and size")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--max-running", type=int, default=128, help="the batch's row limit")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.repeats < 1:
+        p.error("--steps and --repeats must be at least 1")
+    if max(args.rows) > args.max_running:
+        p.error("--rows above --max-running")
+    return args
+
+
+def _median_ms(step: Callable[[], bool], steps: int) -> float:
+    """Median time between calls of `step` that produced tokens, after WARM_STEPS of them."""
+    times: list[float] = []
+    last = time.perf_counter()
+    for _ in range(100 * (steps + WARM_STEPS)):  # bounded: a step without tokens is rare
+        if len(times) >= steps + WARM_STEPS:
+            break
+        if step():
+            now = time.perf_counter()
+            times.append(now - last)
+            last = now
+    if len(times) <= WARM_STEPS:
+        raise RuntimeError("the batch stopped producing tokens")
+    return 1000 * statistics.median(times[WARM_STEPS:])
+
+
+def batchgenerator(model: Any, rows: int, steps: int, max_running: int) -> float:
+    from mlx_lm.generate import BatchGenerator
+
+    budget = steps + WARM_STEPS + 8
+    gen = BatchGenerator(
+        model,
+        max_tokens=budget,
+        stop_tokens=None,
+        completion_batch_size=max_running,
+        prefill_batch_size=max_running,
+    )
+    gen.insert([PROMPT] * rows, max_tokens=[budget] * rows)
+    try:
+        return _median_ms(lambda: bool(gen.next()[1]), steps)
+    finally:
+        gen.close()
+
+
+def engine(
+    model: Any, tokenizer: Any, batcher: str, rows: int, steps: int, max_running: int
+) -> float:
+    from shared.config import EngineOptions
+    from shared.protocol import Codec, StepOutputs
+    from shared.types import SamplingParams
+    from worker.backends.mlx_lm import make_backend
+    from worker.engine.core import EngineCore
+    from worker.preprocess import PreparedRequest
+
+    options = EngineOptions(
+        max_running=max_running,
+        prefill_batch_size=max_running,
+        batcher=batcher,  # type: ignore[arg-type]
+        prefix_cache=False,
+    )
+    core = EngineCore(make_backend(model, tokenizer, options), options)
+    codec = Codec()
+    sampling = SamplingParams(temperature=0.0, ignore_eos=True)
+    for i in range(rows):
+        core.add(PreparedRequest(f"r{i}", PROMPT, steps + WARM_STEPS + 8, sampling))
+
+    def step() -> bool:
+        outputs = core.step()
+        if outputs:
+            codec.encode(StepOutputs("bench", core.steps, outputs))
+        return any(o.token_ids for o in outputs)
+
+    try:
+        return _median_ms(step, steps)
+    finally:
+        core.abort(core.request_ids())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import mlx.core as mx
+
+    from worker.backends.mlx_lm import load
+
+    model, tokenizer = load(args.model)
+    for rows in args.rows:
+        for repeat in range(args.repeats):
+            line: dict[str, Any] = {"rows": rows, "repeat": repeat}
+            line["batchgenerator"] = batchgenerator(model, rows, args.steps, args.max_running)
+            for batcher in ("mlx_lm", "rows"):
+                ms = engine(model, tokenizer, batcher, rows, args.steps, args.max_running)
+                line[f"engine-{batcher}"] = ms
+            rounded = {k: round(v, 3) if isinstance(v, float) else v for k, v in line.items()}
+            print(json.dumps(rounded), flush=True)
+            mx.clear_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

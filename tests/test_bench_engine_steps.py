@@ -1,0 +1,44 @@
+"""benchmarks/engine_steps.py on the tiny chat model: every driver's step is timed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import engine_steps
+
+
+def test_every_driver_is_timed_at_every_size(
+    chat_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        str(chat_model),
+        "--rows",
+        "1,3",
+        "--steps",
+        "5",
+        "--repeats",
+        "1",
+        "--max-running",
+        "4",
+    ]
+    assert engine_steps.main(argv) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(line["rows"], line["repeat"]) for line in lines] == [(1, 0), (3, 0)]
+    for line in lines:
+        assert all(line[driver] > 0 for driver in engine_steps.DRIVERS), line
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [["--rows", "0"], ["--rows", "x"], ["--steps", "0"], ["--rows", "8", "--max-running", "4"]],
+)
+def test_bad_arguments_are_refused_before_loading(
+    bad: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        engine_steps.main(["/nonexistent-model", *bad])
+    assert exit_info.value.code == 2
+    assert "error:" in capsys.readouterr().err
