@@ -252,13 +252,21 @@ async def warm_up(
     return await one_request(client, url, body, max_tokens, time.perf_counter() + 300.0)
 
 
-# The gateway's own account of where first tokens waited (its /metrics): seconds summed over
-# requests, and their count. Other servers have no such metrics.
-WORKER_SHARE = ("mlxgw_request_queue_seconds", "mlxgw_request_prefill_seconds")
+# The gateway's own account of its requests (its /metrics histograms, seconds summed over
+# requests and their count), as the mean each gives over a level: where first tokens waited
+# in the worker, and the first token and the time between tokens as the gateway saw them
+# (against the client's figures: what the way from the gateway to the client adds). Other
+# servers have no such metrics.
+GATEWAY_MEANS = {
+    "mlxgw_request_queue_seconds": "queue_mean_ms",
+    "mlxgw_request_prefill_seconds": "prefill_mean_ms",
+    "mlxgw_time_to_first_token_seconds": "gateway_ttft_mean_ms",
+    "mlxgw_inter_token_latency_seconds": "gateway_itl_mean_ms",
+}
 
 
-async def worker_share(client: aiohttp.ClientSession, url: str) -> dict[str, float] | None:
-    """{metric_sum: ..., metric_count: ...} for WORKER_SHARE, summed over models; None when
+async def gateway_account(client: aiohttp.ClientSession, url: str) -> dict[str, float] | None:
+    """{metric_sum: ..., metric_count: ...} for GATEWAY_MEANS, summed over models; None when
     the server does not expose them."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -272,7 +280,7 @@ async def worker_share(client: aiohttp.ClientSession, url: str) -> dict[str, flo
     totals: dict[str, float] = {}
     try:
         for family in text_string_to_metric_families(text):
-            if family.name not in WORKER_SHARE:
+            if family.name not in GATEWAY_MEANS:
                 continue
             for sample in family.samples:
                 if sample.name.endswith(("_sum", "_count")):
@@ -282,12 +290,12 @@ async def worker_share(client: aiohttp.ClientSession, url: str) -> dict[str, flo
     return totals or None
 
 
-def worker_share_means(before: dict[str, float] | None, after: dict[str, float] | None) -> dict:
-    """Mean queue and prefill milliseconds of the requests between two scrapes."""
+def gateway_means(before: dict[str, float] | None, after: dict[str, float] | None) -> dict:
+    """GATEWAY_MEANS' milliseconds over the requests between two scrapes."""
     if not before or not after:
         return {}
     means = {}
-    for metric, key in zip(WORKER_SHARE, ("queue_mean_ms", "prefill_mean_ms"), strict=True):
+    for metric, key in GATEWAY_MEANS.items():
         count = after.get(metric + "_count", 0.0) - before.get(metric + "_count", 0.0)
         total = after.get(metric + "_sum", 0.0) - before.get(metric + "_sum", 0.0)
         if count > 0:

@@ -95,6 +95,8 @@ def summarize_level(
         "ttft_p95_ms": ms(percentile(ttfts, 95)),
         "itl_p50_ms": ms(percentile(itls, 50)),
         "itl_p95_ms": ms(percentile(itls, 95)),
+        "ttft_mean_ms": ms(sum(ttfts) / len(ttfts) if ttfts else None),
+        "itl_mean_ms": ms(sum(itls) / len(itls) if itls else None),
         "gap_p50_ms": ms(percentile(gaps, 50)),
         "gap_p95_ms": ms(percentile(gaps, 95)),
         "gap_max_ms": ms(max(gaps) if gaps else None),

@@ -101,9 +101,9 @@ async def measure_url(
         async def measure(c: int, prompts: list[str]) -> dict[str, Any]:
             cpu0, scpu0 = time.process_time(), server.cpu_seconds() if server else None
             sys0 = _cpu.snapshot()
-            share0 = await _client.worker_share(client, url)
+            share0 = await _client.gateway_account(client, url)
             records, wall = await load(c, prompts)
-            share1 = await _client.worker_share(client, url)
+            share1 = await _client.gateway_account(client, url)
             sys1 = _cpu.snapshot()
             system = _cpu.busy_pct(sys0, sys1)
             summary = summarize_level(records, wall, c, args.max_tokens)
@@ -122,18 +122,19 @@ async def measure_url(
                         # CPU used by neither this client nor the server: other processes.
                         summary["other_cpu_pct"] = round(system - client_pct - server_pct, 1)
                 summary["server_rss_mb"] = server.rss_mb()
-            # the gateway's account of its first tokens: mean queue and prefill in the worker
-            summary.update(_client.worker_share_means(share0, share1))
+            # the gateway's account: first tokens' queue and prefill in the worker, its TTFT/ITL
+            summary.update(_client.gateway_means(share0, share1))
             if args.raw:
                 summary["raw"] = [record_to_dict(x) for x in records]
             share = "".join(
                 f" {k.removesuffix('_mean_ms')}_mean={summary[k]}ms"
-                for k in ("queue_mean_ms", "prefill_mean_ms")
+                for k in ("queue_mean_ms", "prefill_mean_ms", "gateway_itl_mean_ms")
                 if k in summary
             )
             print(
                 f"[{job.name}] c={c} rep={repeat} tok/s={summary['output_tok_s']} "
-                f"ttft_p50={summary['ttft_p50_ms']}ms itl_p50={summary['itl_p50_ms']}ms{share} "
+                f"ttft_p50={summary['ttft_p50_ms']}ms itl_p50={summary['itl_p50_ms']}ms "
+                f"itl_mean={summary['itl_mean_ms']}ms{share} "
                 f"steal={summary['steal_pct']}% "
                 f"fail={summary['failures']}/{summary['requests']} {summary['errors']}",
                 file=sys.stderr,

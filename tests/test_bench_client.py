@@ -57,22 +57,27 @@ def test_only_chunks_with_text_count_as_content() -> None:
     assert event('{"error":{"message":"boom"}}').error == {"message": "boom"}
 
 
-def test_worker_share_means_are_of_the_requests_between_two_scrapes() -> None:
+def test_gateway_means_are_of_the_requests_between_two_scrapes() -> None:
     before = {
         "mlxgw_request_queue_seconds_sum": 1.0,
         "mlxgw_request_queue_seconds_count": 10.0,
         "mlxgw_request_prefill_seconds_sum": 2.0,
         "mlxgw_request_prefill_seconds_count": 10.0,
+        "mlxgw_inter_token_latency_seconds_sum": 0.05,
+        "mlxgw_inter_token_latency_seconds_count": 10.0,
     }
     after = {
         "mlxgw_request_queue_seconds_sum": 1.5,
         "mlxgw_request_queue_seconds_count": 15.0,
         "mlxgw_request_prefill_seconds_sum": 2.25,
         "mlxgw_request_prefill_seconds_count": 15.0,
+        "mlxgw_inter_token_latency_seconds_sum": 0.075,
+        "mlxgw_inter_token_latency_seconds_count": 15.0,
     }
-    assert _client.worker_share_means(before, after) == {
+    assert _client.gateway_means(before, after) == {
         "queue_mean_ms": 100.0,
         "prefill_mean_ms": 50.0,
+        "gateway_itl_mean_ms": 5.0,
     }
-    assert _client.worker_share_means(None, after) == {}  # a server without the metrics
-    assert _client.worker_share_means(before, before) == {}  # no request in between
+    assert _client.gateway_means(None, after) == {}  # a server without the metrics
+    assert _client.gateway_means(before, before) == {}  # no request in between

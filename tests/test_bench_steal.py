@@ -93,8 +93,10 @@ def test_warm_levels_run_each_level_once_before_measuring(
     (model,) = json.loads(out.read_text())["models"].values()
     for source in (model["inprocess"], model["targets"]["gw"]):
         assert [lv["runs"][0]["requests"] for lv in source["levels"]] == [2, 2]
-    # the gateway's own account of where its first tokens waited, from its /metrics
+    # the gateway's own account (its /metrics): where its first tokens waited in the worker,
+    # and its view of the time between tokens beside the client's
     for level in model["targets"]["gw"]["levels"]:
         run = level["runs"][0]
         assert run["prefill_mean_ms"] > 0 and run["queue_mean_ms"] >= 0
+        assert run["gateway_itl_mean_ms"] > 0 and run["itl_mean_ms"] > 0
     assert all("prefill_mean_ms" not in lv["runs"][0] for lv in model["inprocess"]["levels"])
