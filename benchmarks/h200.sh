@@ -28,6 +28,9 @@
 #   py-spy samples the worker's and the gateway's threads for 20 s, idle time included
 #   (OUT/worker-profile.json and OUT/gateway-profile.json, speedscope format, and
 #   OUT/profile-summary.txt); needs py-spy on PATH (a wheel: pip download py-spy).
+# STEP_TRACE=1 has the gateways' workers time each engine step (MLX_GATEWAY_STEP_TRACE) in
+# 1b / 8b and writes OUT/1b-steps.jsonl / OUT/8b-steps.jsonl (benchmarks.step_trace: per
+# source and level, the wall time in steps, between them and with the batch empty).
 set -euo pipefail
 OUT=${1:?usage: benchmarks/h200.sh OUT [1b] [8b] [agent]}
 shift
@@ -98,10 +101,17 @@ throughput() {  # NAME SHAPE LEVELS: the ceiling, then each of $SOURCES
       *) echo "unknown source $src" >&2; exit 2 ;;
     esac
   done
+  local trace=/tmp/steptrace-$1
+  rm -rf "$trace"
+  if [ "${STEP_TRACE:-0}" = 1 ]; then export MLX_GATEWAY_STEP_TRACE=$trace; fi
   $PY -m benchmarks.serving --model "$dir" --inprocess "${launch[@]}" \
     --concurrency "$3" --min-requests 16 --no-interleave \
     --steal-retries 0 --wait-idle 0 --warm-levels ${SERVING_ARGS:-} --out "$OUT/$1.json" 2>&1 |
     tee "$OUT/$1.log"
+  unset MLX_GATEWAY_STEP_TRACE
+  if [ "${STEP_TRACE:-0}" = 1 ]; then
+    $PY -m benchmarks.step_trace "$trace" --serving "$OUT/$1.json" | tee "$OUT/$1-steps.jsonl"
+  fi
 }
 
 profile() {  # the worker's threads sampled by py-spy while the gateway serves c=LEVEL_PROFILE

@@ -102,7 +102,9 @@ async def measure_url(
             cpu0, scpu0 = time.process_time(), server.cpu_seconds() if server else None
             sys0 = _cpu.snapshot()
             share0 = await _client.gateway_account(client, url)
+            opened = time.time()
             records, wall = await load(c, prompts)
+            closed = time.time()
             share1 = await _client.gateway_account(client, url)
             sys1 = _cpu.snapshot()
             system = _cpu.busy_pct(sys0, sys1)
@@ -112,6 +114,7 @@ async def measure_url(
                 client_cpu_pct=client_pct,
                 system_cpu_pct=system,
                 steal_pct=_cpu.steal_pct(sys0, sys1),
+                window=[round(opened, 6), round(closed, 6)],  # benchmarks.step_trace's
             )
             if server and scpu0 is not None:
                 scpu1 = server.cpu_seconds()

@@ -45,6 +45,7 @@ from worker.faults import Faults, FaultyEngine
 from worker.loader import LoadedModel, load_model
 from worker.memory import IdleRelease, MemoryLimits, device_memory, kv_budget, own_memory
 from worker.preprocess import PreparedRequest, PreprocessError, Preprocessor, capabilities
+from worker.steptrace import StepTrace
 
 log = logging.getLogger("worker")
 
@@ -144,7 +145,7 @@ class WorkerProc:
                 budget / 2**30,
                 engine.scheduler.config.kv_bytes_per_token,
             )
-        return FaultyEngine.wrap(engine, self.faults)
+        return StepTrace.wrap(FaultyEngine.wrap(engine, self.faults))
 
     def _watch_parent(self) -> None:
         """macOS has no PDEATHSIG: notice re-parenting and exit with the gateway."""

@@ -1,0 +1,119 @@
+"""Summary of the engine's step timeline (`MLX_GATEWAY_STEP_TRACE`, worker/steptrace.py):
+where a served worker's time went during each measured level of benchmarks.serving.
+
+    python -m benchmarks.step_trace TRACE_DIR [--serving OUT.json]
+
+With --serving, one line per source and level: the steps that started inside the level's
+window (`window` in each run of the serving JSON). Without it, one line per trace file.
+Per line, as shares of the window's wall time: in steps (`step`; of it, the backend's forward
+pass and token wait, `backend`), between steps while requests were in the batch (`between`:
+the worker emitting deltas and taking requests in) and with none (`empty`: waiting for
+requests, and the wall time outside any step before the first and after the last). And
+the median step without and with requests starting in it, how often requests started (per
+100 steps) and how many at a time, the mean rows a step decoded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+# [t, step_ms, backend_ms, inserted, insert_ms, rows, outputs]
+T, STEP, BACKEND, INSERTED, INSERT, ROWS, OUTPUTS = range(7)
+
+
+def read_traces(folder: Path) -> dict[str, list[list[float]]]:
+    traces = {}
+    for path in sorted(folder.glob("steps-*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        traces[path.name] = sorted(rows, key=lambda r: r[T])
+    return traces
+
+
+def summarize(
+    steps: list[list[float]], start: float | None = None, end: float | None = None
+) -> dict[str, Any] | None:
+    """Shares of [start, end] (default: the first step's start to the last one's end)."""
+    if not steps:
+        return None
+    first, last = steps[0], steps[-1]
+    start = first[T] if start is None else start
+    end = last[T] + last[STEP] / 1e3 if end is None else end
+    wall = max(end - start, 1e-9)
+    step_s = sum(s[STEP] for s in steps) / 1e3
+    backend_s = sum(s[BACKEND] for s in steps) / 1e3
+    between = 0.0
+    for prev, nxt in itertools.pairwise(steps):
+        gap = nxt[T] - (prev[T] + prev[STEP] / 1e3)
+        if prev[ROWS] > 0:  # rows were waiting for their next step
+            between += max(gap, 0.0)
+    plain = [s[STEP] for s in steps if not s[INSERTED]]
+    joins = [s for s in steps if s[INSERTED]]
+    decoding = [s[ROWS] for s in steps if s[ROWS]]
+
+    def median(xs: list[float]) -> float | None:
+        return round(statistics.median(xs), 2) if xs else None
+
+    return {
+        "steps": len(steps),
+        "wall_s": round(wall, 3),
+        "step": round(step_s / wall, 3),
+        "backend": round(backend_s / wall, 3),
+        "between": round(between / wall, 3),
+        "empty": round(max(0.0, 1 - (step_s + between) / wall), 3),
+        "plain_step_ms": median(plain),
+        "join_step_ms": median([s[STEP] for s in joins]),
+        "insert_ms": median([s[INSERT] for s in joins]),
+        "joins_per_100": round(100 * len(joins) / len(steps), 1),
+        "joiners": round(statistics.mean(s[INSERTED] for s in joins), 1) if joins else 0,
+        "mean_rows": round(statistics.mean(decoding), 1) if decoding else 0,
+    }
+
+
+def per_level(
+    traces: dict[str, list[list[float]]], serving: dict[str, Any]
+) -> list[dict[str, Any]]:
+    every = sorted((s for steps in traces.values() for s in steps), key=lambda s: s[T])
+    lines = []
+    for model in serving.get("models", {}).values():
+        for source, result in model.get("targets", {}).items():
+            for level in result.get("levels", []):
+                for run in level.get("runs", [level]):
+                    window = run.get("window")
+                    if not window:
+                        continue
+                    start, end = window
+                    inside = [s for s in every if start <= s[T] < end]
+                    summary = summarize(inside, start, end)
+                    if summary is not None:
+                        lines.append(
+                            {"source": source, "concurrency": level["concurrency"], **summary}
+                        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.step_trace", description=__doc__)
+    p.add_argument("trace_dir", type=Path)
+    p.add_argument("--serving", type=Path, help="benchmarks.serving's JSON (level windows)")
+    args = p.parse_args(argv)
+    traces = read_traces(args.trace_dir)
+    if not traces:
+        print(f"no steps-*.jsonl in {args.trace_dir}", file=sys.stderr)
+        return 1
+    if args.serving is not None:
+        lines = per_level(traces, json.loads(args.serving.read_text()))
+    else:
+        lines = [{"file": name, **(summarize(steps) or {})} for name, steps in traces.items()]
+    for line in lines:
+        print(json.dumps(line))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

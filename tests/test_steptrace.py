@@ -1,0 +1,67 @@
+"""worker/steptrace.py: the engine's steps timed, on a real tiny model; and its summary
+(benchmarks/step_trace.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.step_trace import per_level, read_traces, summarize
+from tests.engine_fixtures import Loaded, drive, greedy, reference_greedy, token_ids
+from worker.steptrace import STEP_TRACE_ENV, StepTrace
+
+pytestmark = pytest.mark.usefixtures("batcher")
+
+
+def test_unset_leaves_the_engine_alone(chat: Loaded) -> None:
+    engine = chat.engine()
+    assert StepTrace.wrap(engine, {}) is engine
+
+
+def test_each_step_is_one_line_and_tokens_are_unchanged(
+    chat: Loaded, prompts: list[list[int]], tmp_path: Path
+) -> None:
+    engine = StepTrace.wrap(chat.engine(), {STEP_TRACE_ENV: str(tmp_path / "trace")})
+    out = drive(engine, [greedy("a", prompts[0], 6, ignore_eos=True)])
+    drive(engine, [greedy(f"b{i}", p, 4, ignore_eos=True) for i, p in enumerate(prompts[1:4])])
+    assert token_ids(out["a"]) == reference_greedy(chat.model, prompts[0], 6)
+    [trace] = read_traces(tmp_path / "trace").values()  # flushed when the engine went idle
+    assert len(trace) == engine.steps
+    t, step_ms, backend_ms, inserted, insert_ms, rows, outputs = zip(*trace, strict=True)
+    assert list(t) == sorted(t)
+    assert all(s >= b >= 0 for s, b in zip(step_ms, backend_ms, strict=True))
+    assert inserted[0] == 1 and sum(inserted) == 4  # the lone request, then the three
+    assert all(ms > 0 for ms, n in zip(insert_ms, inserted, strict=True) if n)
+    assert sum(outputs) == 6 + 3 * 4
+    assert rows[-1] == 0 and max(rows) == 3
+
+
+def _step(t: float, ms: float, inserted: int = 0, rows: int = 4) -> list[float]:
+    return [t, ms, ms - 1, inserted, 0.5 if inserted else 0.0, rows, rows]
+
+
+def test_summary_splits_the_wall_time() -> None:
+    # 0-10 ms a step with a join, 12-17 a plain one, 17-22 a last one; its rows left at 22
+    # and nothing ran until 40
+    steps = [_step(0.0, 10, 2), _step(0.012, 5), _step(0.017, 5, rows=0)]
+    s = summarize(steps, 0.0, 0.040)
+    assert s is not None
+    assert s["steps"] == 3 and s["wall_s"] == 0.04
+    assert s["step"] == pytest.approx(20 / 40)
+    assert s["backend"] == pytest.approx(17 / 40)
+    assert s["between"] == pytest.approx(2 / 40)  # 10-12: rows waited for their step
+    assert s["empty"] == pytest.approx(18 / 40)
+    assert (s["plain_step_ms"], s["join_step_ms"], s["insert_ms"]) == (5, 10, 0.5)
+    assert s["joins_per_100"] == pytest.approx(33.3) and s["joiners"] == 2
+
+
+def test_levels_take_the_steps_inside_their_windows(tmp_path: Path) -> None:
+    lines = [_step(1.0, 4), _step(1.01, 4, 1), _step(5.0, 8)]
+    (tmp_path / "steps-7.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    run = {"concurrency": 4, "window": [0.5, 2.0]}
+    serving = {"models": {"m": {"targets": {"gateway": {"levels": [{**run, "runs": [run]}]}}}}}
+    [line] = per_level(read_traces(tmp_path), serving)
+    assert (line["source"], line["concurrency"], line["steps"]) == ("gateway", 4, 2)
+    assert line["joins_per_100"] == 50.0

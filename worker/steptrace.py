@@ -1,0 +1,105 @@
+"""A timeline of the engine's steps, for benchmarks: where a served worker's time goes.
+
+With `MLX_GATEWAY_STEP_TRACE` set to a folder, each worker appends one JSON line per engine
+step to `steps-<pid>.jsonl` there: `[t, step_ms, backend_ms, inserted, insert_ms, rows,
+outputs]` (t: wall-clock seconds at the step's start, as `time.time()`; backend_ms: the
+backend's step, the forward pass and the wait for its tokens; inserted: requests started in
+this step; rows: requests in the batch after it; outputs: deltas it produced). The time
+between one step's end and the next one's start is the worker's own: emitting the deltas,
+taking requests in, waiting for them. `python -m benchmarks.step_trace` summarizes it.
+
+Unset in production: `StepTrace.wrap` hands back the engine itself, nothing is timed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from shared.types import RequestOutput
+    from worker.engine.backend import Insertion, Sampled
+    from worker.engine.core import EngineCore
+
+STEP_TRACE_ENV = "MLX_GATEWAY_STEP_TRACE"
+FLUSH_EVERY = 2000  # steps; and whenever the engine runs out of work
+
+
+class StepTrace:
+    """The engine, its steps timed. The backend's `step` and `insert` are wrapped on the
+    instance (the project's own object), so the engine's code has no timing in it."""
+
+    def __init__(self, engine: EngineCore, path: Path) -> None:
+        self._engine = engine
+        self._path = path
+        self._rows: list[list[Any]] = []
+        self._backend_s = 0.0
+        self._inserted = 0
+        self._insert_s = 0.0
+        backend = engine.backend
+        step, insert = backend.step, backend.insert
+
+        def timed_step(keep_caches: bool) -> list[Sampled]:
+            t = time.perf_counter()
+            try:
+                return step(keep_caches)
+            finally:
+                self._backend_s += time.perf_counter() - t
+
+        def timed_insert(items: list[Insertion]) -> list[int]:
+            t = time.perf_counter()
+            try:
+                return insert(items)
+            finally:
+                self._insert_s += time.perf_counter() - t
+                self._inserted += len(items)
+
+        backend.step = timed_step  # type: ignore[method-assign]
+        backend.insert = timed_insert  # type: ignore[method-assign]
+
+    @classmethod
+    def wrap(cls, engine: EngineCore, environ: dict[str, str] | None = None) -> EngineCore:
+        folder = (os.environ if environ is None else environ).get(STEP_TRACE_ENV)
+        if not folder:
+            return engine
+        path = Path(folder)
+        path.mkdir(parents=True, exist_ok=True)
+        return cast("EngineCore", cls(engine, path / f"steps-{os.getpid()}.jsonl"))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    @property
+    def has_work(self) -> bool:
+        return self._engine.has_work
+
+    def step(self) -> list[RequestOutput]:
+        self._backend_s = self._insert_s = 0.0
+        self._inserted = 0
+        wall, start = time.time(), time.perf_counter()
+        outputs = self._engine.step()
+        took = time.perf_counter() - start
+        self._rows.append(
+            [
+                round(wall, 6),
+                round(took * 1e3, 3),
+                round(self._backend_s * 1e3, 3),
+                self._inserted,
+                round(self._insert_s * 1e3, 3),
+                len(self._engine.by_uid),
+                len(outputs),
+            ]
+        )
+        if len(self._rows) >= FLUSH_EVERY or not self._engine.has_work:
+            self.flush()
+        return outputs
+
+    def flush(self) -> None:
+        if not self._rows:
+            return
+        with self._path.open("a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in self._rows)
+        self._rows.clear()
