@@ -15,7 +15,13 @@ bound by the host):
   arriving every step (a full batch under a closed loop) would pay them every step. Joiners
   wait until there are `running // JOIN_DIVISOR` of them, or until the oldest has waited as
   many steps; into a batch of under 2 * JOIN_DIVISOR rows they join at once;
-- the host builds step n+1 while the device runs step n, as BatchGenerator does.
+- the host builds step n+1 while the device runs step n, as BatchGenerator does;
+- with `pad_to` (the backend sets it on MLX's CUDA device), a group of short prompts is
+  prefilled at its longest length rounded up to a multiple of `pad_to`, right-padded and
+  masked: there the first prefill of each new (rows, length) shape with equal lengths (a
+  causal pass) built kernels for 50-130 ms, and a server meets a new shape at nearly every
+  join; a masked pass of a new shape cost no more than one of a shape met before (measured
+  on an H200, docs/benchmarks.md).
 
 Greedy output is the same token for token as mlx-lm's `generate_step` (tests). Stop rules
 and max_tokens are the engine's: a row runs until the engine removes it.
@@ -39,6 +45,10 @@ MAX_GROUPS = 2
 # Into a batch of n running rows, joiners start in groups of n // JOIN_DIVISOR (or after
 # waiting that many steps): at 128 rows a group of 8 every ~8 steps.
 JOIN_DIVISOR = 16
+# With `pad_to`, groups whose longest prompt is at most this long are padded (longer ones
+# spend far more on the pass itself than on building it, and a masked pass over a long
+# prompt materializes its attention scores).
+PAD_LIMIT = 1024
 
 
 @dataclass(slots=True, eq=False)
@@ -71,10 +81,13 @@ class Group:
 
 
 class RowBatch:
-    def __init__(self, model: Any, prefill_step_size: int = 2048, max_group: int = 64) -> None:
+    def __init__(
+        self, model: Any, prefill_step_size: int = 2048, max_group: int = 64, pad_to: int = 0
+    ) -> None:
         self.model = model
         self.prefill_step_size = max(1, prefill_step_size)
         self.max_group = max(1, max_group)  # rows prefilled side by side
+        self.pad_to = max(0, pad_to)  # 0: groups take their longest prompt's length
         self.rows: list[Row] = []  # the running batch, in cache order
         self.caches: list[Any] = []
         self.inputs: mx.array | None = None  # each row's next input token (lazy)
@@ -191,6 +204,9 @@ class RowBatch:
         longest = max(len(r) for r in rests)
         if longest == 0:
             return Group(rows, caches, None, False)
+        if self.pad_to and longest <= min(PAD_LIMIT, self.prefill_step_size):
+            longest = -(-longest // self.pad_to) * self.pad_to
+            longest = min(longest, self.prefill_step_size)  # still one chunk
         padding = [longest - len(r) for r in rests]
         padded = max(padding) > 0
         if padded:
