@@ -95,9 +95,10 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # On MLX's CPU device (Linux), swap the model's RMSNorm and RoPE modules for ones that
     # compute the same values with fewer, fused ops (worker/cpu_ops.py). No effect on GPUs.
     fused_cpu_ops: bool = True
-    # The continuous batch: "mlx_lm" (mlx-lm's BatchGenerator) or "rows" (the project's own,
-    # worker/backends/rows.py: rows join and leave the batch without passes of their own).
-    batcher: Literal["mlx_lm", "rows"] = "mlx_lm"
+    # The continuous batch: "rows" (the project's own, worker/backends/rows.py: rows join
+    # and leave the batch without passes of their own), "mlx_lm" (mlx-lm's BatchGenerator),
+    # or "auto": rows where the model's layers all keep a plain KV cache, else mlx_lm.
+    batcher: Literal["auto", "mlx_lm", "rows"] = "auto"
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

@@ -202,6 +202,10 @@ def test_a_model_with_other_caches_is_refused_by_name(chat: Loaded) -> None:
 
     with pytest.raises(ValueError, match=r"RotatingKVCache.*batcher = 'mlx_lm'"):
         make_backend(SlidingWindow(), chat.tokenizer, EngineOptions(batcher="rows"))
+    # the default takes the rows batch where it can, BatchGenerator elsewhere
+    assert EngineOptions().batcher == "auto"
+    assert make_backend(SlidingWindow(), chat.tokenizer, EngineOptions()).batcher == "mlx_lm"
+    assert make_backend(chat.model, chat.tokenizer, EngineOptions()).batcher == "rows"
 
 
 def test_both_batches_give_the_same_tokens_under_every_sampling_option(

@@ -308,10 +308,11 @@ def test_fused_cpu_ops_takes_a_bool_only(tmp_path: Path) -> None:
         load_config(write(tmp_path, head + 'fused_cpu_ops = "yes"\n'))
 
 
-def test_batcher_is_mlx_lm_or_rows(tmp_path: Path) -> None:
+def test_batcher_is_auto_mlx_lm_or_rows(tmp_path: Path) -> None:
     head = '[[models]]\nname = "a"\nsource = "x"\n[models.engine]\n'
-    assert load_config(write(tmp_path, head)).models[0].engine.batcher == "mlx_lm"
-    rows = load_config(write(tmp_path, head + 'batcher = "rows"\n'))
-    assert rows.models[0].engine.batcher == "rows"
+    assert load_config(write(tmp_path, head)).models[0].engine.batcher == "auto"
+    for name in ("rows", "mlx_lm"):
+        chosen = load_config(write(tmp_path, head + f'batcher = "{name}"\n'))
+        assert chosen.models[0].engine.batcher == name
     with pytest.raises(ConfigError, match="batcher"):
         load_config(write(tmp_path, head + 'batcher = "vllm"\n'))

@@ -137,6 +137,7 @@ class WorkerProc:
     def _engine(self, loaded: LoadedModel) -> EngineCore:
         opts = self.args.model.engine
         backend = make_backend(loaded.model, loaded.tokenizer, opts)
+        log.info("continuous batch: %s (engine.batcher = %r)", backend.batcher, opts.batcher)
         budget = kv_budget(opts)
         engine = EngineCore(backend, opts, budget)
         if budget is not None:

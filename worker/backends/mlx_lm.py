@@ -41,6 +41,8 @@ def parameter_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 class MlxLmBackend:
+    batcher = "mlx_lm"  # the continuous batch it runs (engine.batcher)
+
     def __init__(self, model: Any, tokenizer: Any, options: EngineOptions) -> None:
         self._setup(model, tokenizer, options)
         self.generator = BatchGenerator(
@@ -195,8 +197,10 @@ class MlxRowsBackend(MlxLmBackend):
     """The same model and KV cache operations, with the project's own continuous batch
     (`worker/backends/rows.py`) in place of BatchGenerator."""
 
+    batcher = "rows"
+
     def __init__(self, model: Any, tokenizer: Any, options: EngineOptions) -> None:
-        kinds = {type(c).__name__ for c in make_prompt_cache(model)}
+        kinds = cache_kinds(model)
         if kinds != {"KVCache"}:
             raise ValueError(
                 "engine.batcher = 'rows' needs a model whose layers all keep a plain KV cache; "
@@ -249,8 +253,18 @@ def prefill_pad() -> int:
     return CUDA_PREFILL_PAD if on_cuda else 0
 
 
+def cache_kinds(model: Any) -> set[str]:
+    """The KV cache classes of the model's layers (by name)."""
+    return {type(c).__name__ for c in make_prompt_cache(model)}
+
+
 def make_backend(model: Any, tokenizer: Any, options: EngineOptions) -> MlxLmBackend:
-    """The backend `engine.batcher` names."""
-    if options.batcher == "rows":
+    """The backend `engine.batcher` names; "auto" takes the rows batch wherever it can hold
+    the model's caches (ahead of BatchGenerator in first tokens at every level and in
+    throughput at most, docs/benchmarks.md)."""
+    batcher = options.batcher
+    if batcher == "auto":
+        batcher = "rows" if cache_kinds(model) == {"KVCache"} else "mlx_lm"
+    if batcher == "rows":
         return MlxRowsBackend(model, tokenizer, options)
     return MlxLmBackend(model, tokenizer, options)
