@@ -190,6 +190,23 @@ def test_padded_groups_decode_as_alone(chat: Loaded, prompts: list[list[int]]) -
         assert all(c.size() == len(held) for c in kv)
 
 
+def test_steps_without_logprobs_give_the_same_tokens_and_no_rows(
+    chat: Loaded, prompts: list[list[int]]
+) -> None:
+    with_rows, without = RowBatch(chat.model), RowBatch(chat.model)
+    a, b = _insert(with_rows, chat, prompts[:3]), _insert(without, chat, prompts[:3])
+    got: dict[int, list[int]] = {}
+    want: dict[int, list[int]] = {}
+    for _ in range(8):
+        for uid, token, row in without.step(logprobs=False):
+            assert row is None
+            got.setdefault(uid, []).append(token)
+        for uid, token, row in with_rows.step():
+            assert row is not None and row.shape == (chat.model.args.vocab_size,)
+            want.setdefault(uid, []).append(token)
+    assert [got[u] for u in b] == [want[u] for u in a] and all(got[u] for u in b)
+
+
 def test_a_model_with_other_caches_is_refused_by_name(chat: Loaded) -> None:
     """Sliding-window (and state-space) layers keep caches the rows batch does not merge:
     such a model fails to load on it with the fix in the message, never decodes wrongly."""

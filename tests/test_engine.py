@@ -433,6 +433,25 @@ def test_logprobs_in_a_mixed_batch(chat: Loaded, prompts: list[list[int]]) -> No
             assert len(got.top) == top
 
 
+def test_logprobs_for_a_request_joining_a_batch_that_asked_for_none(
+    chat: Loaded, prompts: list[list[int]]
+) -> None:
+    """Steps without a logprobs request skip the per-row distributions; one that joins a
+    running batch mid-stream still has an entry for every token, the same as alone."""
+    alone = logprob_entries(
+        drive(chat.engine(), [greedy("a", prompts[2], 6, ignore_eos=True, logprobs=True)])["a"]
+    )
+    engine = chat.engine()
+    engine.add(greedy("plain", prompts[1], 20, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    out = drive(engine, [greedy("lp", prompts[2], 6, ignore_eos=True, logprobs=True)])
+    entries = logprob_entries(out["lp"])
+    assert [e.token_id for e in entries] == [e.token_id for e in alone]
+    for got, want in zip(entries, alone, strict=True):
+        assert got.logprob == pytest.approx(want.logprob, abs=LOGPROB_TOL)
+
+
 def test_logprobs_are_before_temperature_and_after_bias(
     chat: Loaded, prompts: list[list[int]]
 ) -> None:

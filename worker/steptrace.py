@@ -42,10 +42,10 @@ class StepTrace:
         backend = engine.backend
         step, insert = backend.step, backend.insert
 
-        def timed_step(keep_caches: bool) -> list[Sampled]:
+        def timed_step(keep_caches: bool, logprobs: bool = True) -> list[Sampled]:
             t = time.perf_counter()
             try:
-                return step(keep_caches)
+                return step(keep_caches, logprobs)
             finally:
                 self._backend_s += time.perf_counter() - t
 

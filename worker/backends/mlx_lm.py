@@ -88,9 +88,10 @@ class MlxLmBackend:
         self.uids.update(uids)
         return uids
 
-    def step(self, keep_caches: bool) -> list[Sampled]:
+    def step(self, keep_caches: bool, logprobs: bool = True) -> list[Sampled]:
         """One generator step: decode the running rows, prefill a chunk of the new ones.
-        A row that reached its max_tokens has left the generator."""
+        A row that reached its max_tokens has left the generator. (BatchGenerator gives
+        every row's distribution whether asked or not.)"""
         _, responses = self.generator.next()
         sampled = []
         for r in responses:
@@ -220,9 +221,9 @@ class MlxRowsBackend(MlxLmBackend):
             [make_processors(i.sampling, i.stop_ids) for i in items],
         )
 
-    def step(self, keep_caches: bool) -> list[Sampled]:
+    def step(self, keep_caches: bool, logprobs: bool = True) -> list[Sampled]:
         """Rows never end here: the engine's max_tokens and stops end them (remove)."""
-        return [Sampled(uid, token, row, False) for uid, token, row in self.batch.step()]
+        return [Sampled(uid, token, row, False) for uid, token, row in self.batch.step(logprobs)]
 
     def remove(
         self, uids: list[int], keep_caches: bool = False

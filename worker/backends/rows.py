@@ -91,7 +91,8 @@ class RowBatch:
         self.rows: list[Row] = []  # the running batch, in cache order
         self.caches: list[Any] = []
         self.inputs: mx.array | None = None  # each row's next input token (lazy)
-        self.logprobs: list[mx.array] = []  # the distribution each pending input came from
+        # the distribution each pending input came from (None: a prompt token, or not asked)
+        self.logprobs: list[mx.array | None] = []
         self.fresh: set[int] = set()  # rows whose input is their prompt's last token
         self.waiting: list[Waiting] = []
         self.groups: list[Group] = []  # prefilling, at most MAX_GROUPS
@@ -158,9 +159,12 @@ class RowBatch:
 
     # ---- a step ---------------------------------------------------------------------
 
-    def step(self) -> list[tuple[int, int, mx.array]]:
+    def step(self, logprobs: bool = True) -> list[tuple[int, int, mx.array | None]]:
         """Prefill a chunk of the joining rows, decode the running ones; the tokens sampled
-        at the step before, as (uid, token, the distribution it was drawn from)."""
+        at the step before, as (uid, token, the distribution it was drawn from). With
+        `logprobs` False, the distributions of this step's tokens are not split per row
+        (their tokens come back at the next step with None): a cost at every step,
+        proportional to the rows, that only requests for logprobs need."""
         self.steps += 1
         while self.waiting and len(self.groups) < MAX_GROUPS and self._join_due():
             self.groups.append(self._start_group())
@@ -174,7 +178,7 @@ class RowBatch:
         self.groups = [g for g in self.groups if g.tokens is not None]
         if not self.rows or self.inputs is None:
             return []
-        return self._decode()
+        return self._decode(logprobs)
 
     def _join_due(self) -> bool:
         """Whether the waiting rows start now (see the module's docstring)."""
@@ -265,10 +269,10 @@ class RowBatch:
         else:
             self.caches, self.inputs = group.caches, first
         self.rows += rows
-        self.logprobs += [mx.zeros((0,))] * len(rows)  # a prompt token has none
+        self.logprobs += [None] * len(rows)  # a prompt token has none
         self.fresh.update(r.uid for r in rows)
 
-    def _decode(self) -> list[tuple[int, int, mx.array]]:
+    def _decode(self, want_logprobs: bool) -> list[tuple[int, int, mx.array | None]]:
         inputs = self.inputs
         assert inputs is not None
         logits = self.model(inputs[:, None], cache=self.caches)[:, -1, :]
@@ -282,8 +286,13 @@ class RowBatch:
             sampled = mx.concatenate(
                 [s(logprobs[i : i + 1]) for i, s in enumerate(samplers)], axis=0
             )
-        rows_logprobs = list(logprobs)
-        mx.async_eval(sampled, rows_logprobs)
+        rows_logprobs: list[mx.array | None]
+        if want_logprobs:
+            rows_logprobs = list(logprobs)
+            mx.async_eval(sampled, rows_logprobs)
+        else:
+            rows_logprobs = [None] * len(self.rows)
+            mx.async_eval(sampled)
         previous = self.logprobs
         self.inputs, self.logprobs = sampled, rows_logprobs
         tokens: list[int] = inputs.tolist()  # type: ignore[assignment]  # waits for step n-1

@@ -58,7 +58,11 @@ class Backend(Protocol):
 
     def insert(self, items: list[Insertion]) -> list[int]: ...
 
-    def step(self, keep_caches: bool) -> list[Sampled]: ...
+    def step(self, keep_caches: bool, logprobs: bool = True) -> list[Sampled]:
+        """One step of the batch. With `logprobs` False no row's distribution is asked for
+        at the next step (`Sampled.logits` may then be None): no request in the batch wants
+        logprobs."""
+        ...
 
     def remove(
         self, uids: list[int], keep_caches: bool = False

@@ -150,7 +150,9 @@ class EngineCore:
         outputs = self._score_step() if self.scoring else []
         self._start(self.scheduler.schedule(self.plan))
         if self.backend.active:
-            sampled = self.backend.step(keep_caches=self.prefix_cache is not None)
+            sampled = self.backend.step(
+                keep_caches=self.prefix_cache is not None, logprobs=self.logprob_requests > 0
+            )
             outputs += self._process(sampled)
         return outputs
 
