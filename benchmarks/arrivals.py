@@ -3,6 +3,7 @@
     python -m benchmarks.arrivals MODEL --concurrency 64,128 --requests 512
     python -m benchmarks.arrivals MODEL --modes join --concurrency 48 --join 1,16,64
     python -m benchmarks.arrivals MODEL --concurrency 64 --batchers mlx_lm,rows
+    python -m benchmarks.arrivals MODEL --concurrency 128 --batchers rows --pad-to 0,32
 
 Keeps `c` sequences in flight and replaces each finished one, two ways:
 - waves: every sequence has the same length and its replacement starts at once, so the
@@ -21,6 +22,10 @@ until every one has its token. Each k is joined JOIN_REPEATS times: the first me
 shapes (MLX's CUDA backend compiles kernels on a shape's first use), the others reuse them.
 One JSON line per (c, k): the first join's time, the median of the others, the calls to
 next() a join took, and what that many plain decode steps take.
+
+Every mode runs on each of `--batchers`: mlx-lm's BatchGenerator and the project's rows
+batch (worker/backends/rows.py), the latter once for each of `--pad-to` (its prefill
+padding: 0 none, 32 what the worker uses on MLX's CUDA device).
 """
 
 from __future__ import annotations
@@ -48,13 +53,13 @@ class _Rows:
     """The project's own batch (worker/backends/rows.py) behind BatchGenerator's insert and
     next: rows leave when they have their max_tokens, as a server's engine removes them."""
 
-    def __init__(self, model: Any, prefill_step_size: int) -> None:
+    def __init__(self, model: Any, prefill_step_size: int, pad_to: int = 0) -> None:
         from mlx_lm.models.cache import make_prompt_cache
 
         from worker.backends.rows import RowBatch
         from worker.backends.sampling import greedy
 
-        self.batch = RowBatch(model, prefill_step_size)
+        self.batch = RowBatch(model, prefill_step_size, pad_to=pad_to)
         self.new_cache = lambda: make_prompt_cache(model)
         self.greedy = greedy
         self.left: dict[int, int] = {}
@@ -84,24 +89,37 @@ class _Rows:
         pass
 
 
-def run(
-    model: Any, vocab: int, concurrency: int, requests: int, mode: str, batcher: str = "mlx_lm"
-) -> dict[str, Any]:
+def _generator(model: Any, batcher: str, size: int, pad_to: int) -> Any:
+    """BatchGenerator, or the rows batch behind its insert and next."""
     from mlx_lm.generate import BatchGenerator
 
-    rng = random.Random(0)
-    gen: Any = (
-        _Rows(model, 2048)
-        if batcher == "rows"
-        else BatchGenerator(
-            model,
-            max_tokens=128,
-            stop_tokens=None,
-            completion_batch_size=concurrency,
-            prefill_batch_size=concurrency,
-            prefill_step_size=2048,
-        )
+    if batcher == "rows":
+        return _Rows(model, 2048, pad_to)
+    return BatchGenerator(
+        model,
+        max_tokens=128,
+        stop_tokens=None,
+        completion_batch_size=size,
+        prefill_batch_size=size,
+        prefill_step_size=2048,
     )
+
+
+def _label(batcher: str, pad_to: int) -> dict[str, Any]:
+    return {"batcher": batcher, **({"pad_to": pad_to} if batcher == "rows" else {})}
+
+
+def run(
+    model: Any,
+    vocab: int,
+    concurrency: int,
+    requests: int,
+    mode: str,
+    batcher: str = "mlx_lm",
+    pad_to: int = 0,
+) -> dict[str, Any]:
+    rng = random.Random(0)
+    gen = _generator(model, batcher, concurrency, pad_to)
     inserted: dict[int, float] = {}
     ttft: list[float] = []
 
@@ -143,7 +161,7 @@ def run(
     return {
         "concurrency": concurrency,
         "mode": mode,
-        "batcher": batcher,
+        **_label(batcher, pad_to),
         "tok_s": round((tokens - tokens0) / elapsed, 1),
         "step_ms": round(elapsed / max(1, steps - steps0) * 1e3, 3),
         "ttft_p50_ms": round(ttft[len(ttft) // 2] * 1e3, 1) if ttft else None,
@@ -151,18 +169,11 @@ def run(
     }
 
 
-def join_cost(model: Any, vocab: int, concurrency: int, k: int) -> dict[str, Any]:
-    from mlx_lm.generate import BatchGenerator
-
+def join_cost(
+    model: Any, vocab: int, concurrency: int, k: int, batcher: str = "mlx_lm", pad_to: int = 0
+) -> dict[str, Any]:
     rng = random.Random(k)
-    gen = BatchGenerator(
-        model,
-        max_tokens=10**9,
-        stop_tokens=None,
-        completion_batch_size=concurrency + k,
-        prefill_batch_size=concurrency + k,
-        prefill_step_size=2048,
-    )
+    gen = _generator(model, batcher, concurrency + k, pad_to)
 
     def prompts(n: int) -> list[list[int]]:
         return [[rng.randrange(vocab) for _ in range(PROMPT_TOKENS)] for _ in range(n)]
@@ -173,7 +184,7 @@ def join_cost(model: Any, vocab: int, concurrency: int, k: int) -> dict[str, Any
             gen.next()
         return time.perf_counter() - t
 
-    gen.insert(prompts(concurrency))
+    gen.insert(prompts(concurrency), max_tokens=[10**9] * concurrency)
     steps(WARM_STEPS // 2)
     joins: list[float] = []
     calls = 0
@@ -191,6 +202,7 @@ def join_cost(model: Any, vocab: int, concurrency: int, k: int) -> dict[str, Any
     return {
         "concurrency": concurrency,
         "mode": "join",
+        **_label(batcher, pad_to),
         "k": k,
         "first_ms": round(joins[0] * 1e3, 1),
         "reuse_ms": round(reuse[len(reuse) // 2] * 1e3, 1),
@@ -219,7 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--batchers",
         default="mlx_lm",
-        help="waves and spread over mlx-lm's BatchGenerator and/or the project's rows batch",
+        help="mlx-lm's BatchGenerator and/or the project's rows batch (every mode)",
+    )
+    p.add_argument(
+        "--pad-to",
+        default="0",
+        help="the rows batch's prefill padding (worker/backends/rows.py), one run for each",
     )
     args = p.parse_args(argv)
     levels = _levels(p, args.concurrency, "--concurrency")
@@ -229,6 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     batchers = args.batchers.split(",")
     if any(b not in ("mlx_lm", "rows") for b in batchers):
         p.error(f"--batchers takes mlx_lm and/or rows, not {args.batchers!r}")
+    try:
+        pads = [int(x) for x in args.pad_to.split(",")]
+    except ValueError:
+        p.error(f"--pad-to takes integers separated by commas, not {args.pad_to!r}")
+    if min(pads) < 0:
+        p.error("--pad-to must be at least 0")
+    variants = [(b, pad) for b in batchers for pad in (pads if b == "rows" else [0])]
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -240,9 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     for c in levels:
         for mode in modes:
             rows = (
-                [join_cost(model, vocab, c, k) for k in sizes]
+                [join_cost(model, vocab, c, k, b, pad) for b, pad in variants for k in sizes]
                 if mode == "join"
-                else [run(model, vocab, c, args.requests, mode, b) for b in batchers]
+                else [run(model, vocab, c, args.requests, mode, b, pad) for b, pad in variants]
             )
             for row in rows:
                 print(json.dumps(row), flush=True)
