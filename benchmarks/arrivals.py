@@ -25,7 +25,9 @@ next() a join took, and what that many plain decode steps take.
 
 Every mode runs on each of `--batchers`: mlx-lm's BatchGenerator and the project's rows
 batch (worker/backends/rows.py), the latter once for each of `--pad-to` (its prefill
-padding: 0 none, 32 what the worker uses on MLX's CUDA device).
+padding: 0 none, 32 what the worker uses on MLX's CUDA device) and each of `--settle` (its
+`settle_steps`: 0, the worker's, joins a big enough group at once; n waits for n steps
+without an arrival).
 """
 
 from __future__ import annotations
@@ -53,13 +55,15 @@ class _Rows:
     """The project's own batch (worker/backends/rows.py) behind BatchGenerator's insert and
     next: rows leave when they have their max_tokens, as a server's engine removes them."""
 
-    def __init__(self, model: Any, prefill_step_size: int, pad_to: int = 0) -> None:
+    def __init__(
+        self, model: Any, prefill_step_size: int, pad_to: int = 0, settle: int = 0
+    ) -> None:
         from mlx_lm.models.cache import make_prompt_cache
 
         from worker.backends.rows import RowBatch
         from worker.backends.sampling import greedy
 
-        self.batch = RowBatch(model, prefill_step_size, pad_to=pad_to)
+        self.batch = RowBatch(model, prefill_step_size, pad_to=pad_to, settle_steps=settle)
         self.new_cache = lambda: make_prompt_cache(model)
         self.greedy = greedy
         self.left: dict[int, int] = {}
@@ -89,12 +93,12 @@ class _Rows:
         pass
 
 
-def _generator(model: Any, batcher: str, size: int, pad_to: int) -> Any:
+def _generator(model: Any, batcher: str, size: int, pad_to: int, settle: int = 0) -> Any:
     """BatchGenerator, or the rows batch behind its insert and next."""
     from mlx_lm.generate import BatchGenerator
 
     if batcher == "rows":
-        return _Rows(model, 2048, pad_to)
+        return _Rows(model, 2048, pad_to, settle)
     return BatchGenerator(
         model,
         max_tokens=128,
@@ -105,8 +109,10 @@ def _generator(model: Any, batcher: str, size: int, pad_to: int) -> Any:
     )
 
 
-def _label(batcher: str, pad_to: int) -> dict[str, Any]:
-    return {"batcher": batcher, **({"pad_to": pad_to} if batcher == "rows" else {})}
+def _label(batcher: str, pad_to: int, settle: int) -> dict[str, Any]:
+    if batcher != "rows":
+        return {"batcher": batcher}
+    return {"batcher": batcher, "pad_to": pad_to, "settle": settle}
 
 
 def run(
@@ -117,9 +123,10 @@ def run(
     mode: str,
     batcher: str = "mlx_lm",
     pad_to: int = 0,
+    settle: int = 0,
 ) -> dict[str, Any]:
     rng = random.Random(0)
-    gen = _generator(model, batcher, concurrency, pad_to)
+    gen = _generator(model, batcher, concurrency, pad_to, settle)
     inserted: dict[int, float] = {}
     ttft: list[float] = []
 
@@ -161,7 +168,7 @@ def run(
     return {
         "concurrency": concurrency,
         "mode": mode,
-        **_label(batcher, pad_to),
+        **_label(batcher, pad_to, settle),
         "tok_s": round((tokens - tokens0) / elapsed, 1),
         "step_ms": round(elapsed / max(1, steps - steps0) * 1e3, 3),
         "ttft_p50_ms": round(ttft[len(ttft) // 2] * 1e3, 1) if ttft else None,
@@ -170,10 +177,16 @@ def run(
 
 
 def join_cost(
-    model: Any, vocab: int, concurrency: int, k: int, batcher: str = "mlx_lm", pad_to: int = 0
+    model: Any,
+    vocab: int,
+    concurrency: int,
+    k: int,
+    batcher: str = "mlx_lm",
+    pad_to: int = 0,
+    settle: int = 0,
 ) -> dict[str, Any]:
     rng = random.Random(k)
-    gen = _generator(model, batcher, concurrency + k, pad_to)
+    gen = _generator(model, batcher, concurrency + k, pad_to, settle)
 
     def prompts(n: int) -> list[list[int]]:
         return [[rng.randrange(vocab) for _ in range(PROMPT_TOKENS)] for _ in range(n)]
@@ -202,7 +215,7 @@ def join_cost(
     return {
         "concurrency": concurrency,
         "mode": "join",
-        **_label(batcher, pad_to),
+        **_label(batcher, pad_to, settle),
         "k": k,
         "first_ms": round(joins[0] * 1e3, 1),
         "reuse_ms": round(reuse[len(reuse) // 2] * 1e3, 1),
@@ -219,6 +232,16 @@ def _levels(p: argparse.ArgumentParser, text: str, flag: str) -> list[int]:
     if min(levels) < 1:
         p.error(f"{flag} must be at least 1")
     return levels
+
+
+def _counts(p: argparse.ArgumentParser, text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        p.error(f"{flag} takes integers separated by commas, not {text!r}")
+    if min(values) < 0:
+        p.error(f"{flag} must be at least 0")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
         default="0",
         help="the rows batch's prefill padding (worker/backends/rows.py), one run for each",
     )
+    p.add_argument(
+        "--settle",
+        default="0",
+        help="the rows batch's settle_steps (worker/backends/rows.py), one run for each",
+    )
     args = p.parse_args(argv)
     levels = _levels(p, args.concurrency, "--concurrency")
     sizes = _levels(p, args.join, "--join")
@@ -246,13 +274,14 @@ def main(argv: list[str] | None = None) -> int:
     batchers = args.batchers.split(",")
     if any(b not in ("mlx_lm", "rows") for b in batchers):
         p.error(f"--batchers takes mlx_lm and/or rows, not {args.batchers!r}")
-    try:
-        pads = [int(x) for x in args.pad_to.split(",")]
-    except ValueError:
-        p.error(f"--pad-to takes integers separated by commas, not {args.pad_to!r}")
-    if min(pads) < 0:
-        p.error("--pad-to must be at least 0")
-    variants = [(b, pad) for b in batchers for pad in (pads if b == "rows" else [0])]
+    pads = _counts(p, args.pad_to, "--pad-to")
+    settles = _counts(p, args.settle, "--settle")
+    variants = [
+        (b, pad, settle)
+        for b in batchers
+        for pad in (pads if b == "rows" else [0])
+        for settle in (settles if b == "rows" else [0])
+    ]
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -264,9 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     for c in levels:
         for mode in modes:
             rows = (
-                [join_cost(model, vocab, c, k, b, pad) for b, pad in variants for k in sizes]
+                [join_cost(model, vocab, c, k, *variant) for variant in variants for k in sizes]
                 if mode == "join"
-                else [run(model, vocab, c, args.requests, mode, b, pad) for b, pad in variants]
+                else [run(model, vocab, c, args.requests, mode, *variant) for variant in variants]
             )
             for row in rows:
                 print(json.dumps(row), flush=True)

@@ -295,3 +295,41 @@ def test_into_a_large_batch_rows_join_a_few_at_a_time(
         assert out[uid][:12] == reference_greedy(chat.model, prompt, 12), uid
     for uid, i in zip(first, range(8), strict=True):
         assert out[uid][:16] == reference_greedy(chat.model, prompts[i % len(prompts)], 16)
+
+
+def test_with_settle_steps_a_group_waits_for_the_rest_of_a_wave(
+    chat: Loaded, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `settle_steps`, joiners enough to start still wait while rows keep arriving,
+    until a step passes without one, or until the oldest has waited as long as a small
+    group would; they decode as alone."""
+    monkeypatch.setattr(rows_module, "JOIN_DIVISOR", 2)  # 8 running rows: groups of 4
+    batch = RowBatch(chat.model, settle_steps=1)
+    out: dict[int, list[int]] = {}
+    _insert(batch, chat, [prompts[i % len(prompts)] for i in range(8)])
+    _run(batch, 1, out)
+
+    def running(uids: list[int]) -> bool:
+        return set(uids) <= {r.uid for r in batch.rows}
+
+    wave = _insert(batch, chat, [prompts[i % len(prompts)] for i in range(4)])
+    _run(batch, 1, out)  # enough to join, but they arrived in the last step
+    assert not running(wave) and len(batch.waiting) == 4
+    late = _insert(batch, chat, [prompts[5]])
+    _run(batch, 1, out)  # another arrived: still waiting
+    assert not running(wave + late)
+    _run(batch, 1, out)  # a step without arrivals: all five start together
+    assert running(wave + late) and not batch.waiting
+    # a steady trickle: the oldest starts once it has waited JOIN_DIVISOR's share of steps
+    need = len(batch.rows) // 2  # 13 rows
+    trickle: list[int] = []
+    for i in range(2 * need):
+        trickle += _insert(batch, chat, [prompts[(i + 2) % len(prompts)]])
+        _run(batch, 1, out)
+        if running(trickle[:1]):
+            break
+    assert running(trickle) and len(trickle) == need
+    _run(batch, 16, out)
+    for uid, i in zip(wave, range(4), strict=True):
+        assert out[uid][:12] == reference_greedy(chat.model, prompts[i % len(prompts)], 12)
+    assert out[late[0]][:12] == reference_greedy(chat.model, prompts[5], 12)

@@ -45,21 +45,20 @@ def test_the_cost_of_one_join_is_measured(
         assert row["first_ms"] > 0 and row["reuse_ms"] > 0
 
 
-def test_joins_into_the_rows_batch_are_measured_for_each_padding(
+def test_the_rows_batch_is_measured_for_each_padding_and_settle(
     chat_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = [str(chat_model), "--modes", "join,spread", "--concurrency", "2", "--join", "2"]
-    argv += ["--requests", "4", "--batchers", "rows", "--pad-to", "0,8"]
+    argv += ["--requests", "4", "--batchers", "rows", "--pad-to", "0,8", "--settle", "0,2"]
     rows = _measure(argv, capsys)
-    assert [(r["mode"], r["batcher"], r["pad_to"]) for r in rows] == [
-        ("join", "rows", 0),
-        ("join", "rows", 8),
-        ("spread", "rows", 0),
-        ("spread", "rows", 8),
+    variants = [(0, 0), (0, 2), (8, 0), (8, 2)]
+    assert [(r["mode"], r["batcher"], r["pad_to"], r["settle"]) for r in rows] == [
+        *[("join", "rows", pad, settle) for pad, settle in variants],
+        *[("spread", "rows", pad, settle) for pad, settle in variants],
     ]
-    for row in rows[:2]:
+    for row in rows[:4]:
         assert row["next_calls"] >= 2 and row["first_ms"] > 0 and row["reuse_ms"] > 0
-    for row in rows[2:]:
+    for row in rows[4:]:
         assert row["tok_s"] > 0 and row["steps"] > arrivals.WARM_STEPS
 
 
@@ -74,6 +73,8 @@ def test_joins_into_the_rows_batch_are_measured_for_each_padding(
         ["--batchers", "vllm"],
         ["--pad-to", "x"],
         ["--pad-to", "-1"],
+        ["--settle", "x"],
+        ["--settle", "-2"],
     ],
 )
 def test_bad_arguments_are_refused_before_loading(

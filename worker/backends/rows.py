@@ -14,7 +14,10 @@ bound by the host):
   (compaction, extension) and a prefill pass, whatever the number of rows joining, so one
   arriving every step (a full batch under a closed loop) would pay them every step. Joiners
   wait until there are `running // JOIN_DIVISOR` of them, or until the oldest has waited as
-  many steps; into a batch of under 2 * JOIN_DIVISOR rows they join at once;
+  many steps; into a batch of under 2 * JOIN_DIVISOR rows they join at once. With
+  `settle_steps` (off in the worker until measured on a GPU), a group big enough to start
+  waits until no row has arrived for that many steps, within the same bound: requests
+  returning in a wave would then start in one join instead of two or three;
 - the host builds step n+1 while the device runs step n, as BatchGenerator does;
 - with `pad_to` (the backend sets it on MLX's CUDA device), a group of short prompts is
   prefilled at its longest length rounded up to a multiple of `pad_to`, right-padded and
@@ -82,12 +85,22 @@ class Group:
 
 class RowBatch:
     def __init__(
-        self, model: Any, prefill_step_size: int = 2048, max_group: int = 64, pad_to: int = 0
+        self,
+        model: Any,
+        prefill_step_size: int = 2048,
+        max_group: int = 64,
+        pad_to: int = 0,
+        settle_steps: int = 0,
     ) -> None:
         self.model = model
         self.prefill_step_size = max(1, prefill_step_size)
         self.max_group = max(1, max_group)  # rows prefilled side by side
         self.pad_to = max(0, pad_to)  # 0: groups take their longest prompt's length
+        # Into a large batch, a group big enough to join waits until no row has arrived for
+        # this many steps (the rest of a returning wave), at most as long as a small one
+        # waits; 0: it joins at once. Not on in the worker until measured on a GPU
+        # (benchmarks/arrivals.py --settle).
+        self.settle_steps = max(0, settle_steps)
         self.rows: list[Row] = []  # the running batch, in cache order
         self.caches: list[Any] = []
         self.inputs: mx.array | None = None  # each row's next input token (lazy)
@@ -183,9 +196,10 @@ class RowBatch:
     def _join_due(self) -> bool:
         """Whether the waiting rows start now (see the module's docstring)."""
         need = sum(not r.dead for r in self.rows) // JOIN_DIVISOR
-        if need <= 1 or len(self.waiting) >= need:
+        if need <= 1 or self.steps - self.waiting[0].since >= need:
             return True
-        return self.steps - self.waiting[0].since >= need
+        quiet = self.steps - self.waiting[-1].since - 1  # steps since the last arrival
+        return len(self.waiting) >= need and quiet >= self.settle_steps
 
     def _chunks(self, tokens: list[int]) -> int:
         return max(1, -(-len(tokens) // self.prefill_step_size))
