@@ -25,7 +25,7 @@ next() a join took, and what that many plain decode steps take.
 
 Every mode runs on each of `--batchers`: mlx-lm's BatchGenerator and the project's rows
 batch (worker/backends/rows.py), the latter once for each of `--pad-to` (its prefill
-padding: 0 none, 32 what the worker uses on MLX's CUDA device) and each of `--settle` (its
+padding: 0 none, the worker's; n a multiple of n tokens) and each of `--settle` (its
 `settle_steps`: 0, the worker's, joins a big enough group at once; n waits for n steps
 without an arrival).
 """
@@ -78,7 +78,7 @@ class _Rows:
 
     def next(self) -> tuple[list[Any], list[_Response]]:
         responses, done = [], []
-        for uid, _, _ in self.batch.step():
+        for uid, _, _ in self.batch.step(logprobs=False):  # as the worker: none asked
             self.left[uid] -= 1
             ended = self.left[uid] <= 0
             responses.append(_Response(uid, "length" if ended else None))

@@ -10,7 +10,8 @@ pass and token wait, `backend`), between steps while requests were in the batch 
 the worker emitting deltas and taking requests in) and with none (`empty`: waiting for
 requests, and the wall time outside any step before the first and after the last). And
 the median step without and with requests starting in it, how often requests started (per
-100 steps) and how many at a time, the mean rows a step decoded.
+100 steps) and how many at a time, the mean requests in the batch (prefilling or decoding)
+over the steps that had any.
 """
 
 from __future__ import annotations

@@ -66,14 +66,3 @@ def test_a_row_leaves_with_its_cache_and_comes_back_from_it(chat: Loaded) -> Non
     scratch = run([Insertion(follow, [], None, 6, greedy, frozenset())])
     assert from_cache == scratch
     assert all(c.size() == len(held) for c in kv)  # the kept cache itself is untouched
-
-
-def test_the_rows_batch_pads_prefills_on_cuda_only() -> None:
-    """Padded group prefills were measured on MLX's CUDA device only: elsewhere (this CPU
-    machine) groups take their longest prompt's length."""
-    import mlx.core as mx
-
-    from worker.backends.mlx_lm import CUDA_PREFILL_PAD, prefill_pad
-
-    on_cuda = mx.cuda.is_available() and mx.default_device() == mx.gpu
-    assert prefill_pad() == (CUDA_PREFILL_PAD if on_cuda else 0)

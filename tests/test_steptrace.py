@@ -65,3 +65,16 @@ def test_levels_take_the_steps_inside_their_windows(tmp_path: Path) -> None:
     [line] = per_level(read_traces(tmp_path), serving)
     assert (line["source"], line["concurrency"], line["steps"]) == ("gateway", 4, 2)
     assert line["joins_per_100"] == 50.0
+
+
+def test_steps_before_an_abort_that_empties_the_engine_are_written(
+    chat: Loaded, prompts: list[list[int]], tmp_path: Path
+) -> None:
+    engine = StepTrace.wrap(chat.engine(), {STEP_TRACE_ENV: str(tmp_path)})
+    engine.add(greedy("a", prompts[0], 50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert not read_traces(tmp_path) or not next(iter(read_traces(tmp_path).values()))
+    engine.abort(["a"])  # no step follows: a drain, or the last client gone
+    [trace] = read_traces(tmp_path).values()
+    assert len(trace) == 2

@@ -4,9 +4,10 @@ With `MLX_GATEWAY_STEP_TRACE` set to a folder, each worker appends one JSON line
 step to `steps-<pid>.jsonl` there: `[t, step_ms, backend_ms, inserted, insert_ms, rows,
 outputs]` (t: wall-clock seconds at the step's start, as `time.time()`; backend_ms: the
 backend's step, the forward pass and the wait for its tokens; inserted: requests started in
-this step; rows: requests in the batch after it; outputs: deltas it produced). The time
-between one step's end and the next one's start is the worker's own: emitting the deltas,
-taking requests in, waiting for them. `python -m benchmarks.step_trace` summarizes it.
+this step; rows: requests in the batch after it, prefilling or decoding; outputs: deltas it
+produced). The time between one step's end and the next one's start is the worker's own:
+emitting the deltas, taking requests in, waiting for them. `python -m benchmarks.step_trace`
+summarizes it.
 
 Unset in production: `StepTrace.wrap` hands back the engine itself, nothing is timed.
 """
@@ -75,6 +76,12 @@ class StepTrace:
     @property
     def has_work(self) -> bool:
         return self._engine.has_work
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        outputs = self._engine.abort(request_ids)
+        if not self._engine.has_work:  # no step may follow (a drain, the last client gone)
+            self.flush()
+        return outputs
 
     def step(self) -> list[RequestOutput]:
         self._backend_s = self._insert_s = 0.0

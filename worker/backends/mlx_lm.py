@@ -208,9 +208,7 @@ class MlxRowsBackend(MlxLmBackend):
                 f"this one uses {', '.join(sorted(kinds))}: use batcher = 'mlx_lm'"
             )
         self._setup(model, tokenizer, options)
-        self.batch = RowBatch(
-            model, options.prefill_step_size, self.prefill_batch_size, pad_to=prefill_pad()
-        )
+        self.batch = RowBatch(model, options.prefill_step_size, self.prefill_batch_size)
 
     def insert(self, items: list[Insertion]) -> list[int]:
         return self.batch.insert(
@@ -242,16 +240,6 @@ class MlxRowsBackend(MlxLmBackend):
 
     def close(self) -> None:
         pass
-
-
-# Short prompts joining the rows batch together are prefilled at a multiple of this length
-# on MLX's CUDA device (worker/backends/rows.py, `pad_to`; measured there only).
-CUDA_PREFILL_PAD = 32
-
-
-def prefill_pad() -> int:
-    on_cuda = mx.cuda.is_available() and mx.default_device() == mx.gpu
-    return CUDA_PREFILL_PAD if on_cuda else 0
 
 
 def cache_kinds(model: Any) -> set[str]:

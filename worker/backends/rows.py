@@ -19,12 +19,10 @@ bound by the host):
   waits until no row has arrived for that many steps, within the same bound: requests
   returning in a wave would then start in one join instead of two or three;
 - the host builds step n+1 while the device runs step n, as BatchGenerator does;
-- with `pad_to` (the backend sets it on MLX's CUDA device), a group of short prompts is
-  prefilled at its longest length rounded up to a multiple of `pad_to`, right-padded and
-  masked: there the first prefill of each new (rows, length) shape with equal lengths (a
-  causal pass) built kernels for 50-130 ms, and a server meets a new shape at nearly every
-  join; a masked pass of a new shape cost no more than one of a shape met before (measured
-  on an H200, docs/benchmarks.md).
+- with `pad_to` (off in the worker until a GPU measurement shows a gain), a group of short
+  prompts is prefilled at its longest length rounded up to a multiple of `pad_to`: on MLX's
+  CUDA device the first prefill of each new (rows, length) shape built kernels for 50-130
+  ms, and fewer distinct lengths mean fewer such shapes (benchmarks/arrivals.py --pad-to).
 
 Greedy output is the same token for token as mlx-lm's `generate_step` (tests). Stop rules
 and max_tokens are the engine's: a row runs until the engine removes it.
