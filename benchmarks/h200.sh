@@ -8,7 +8,8 @@
 # $PYTHON (default python3). Models are built under $MODELS (default /tmp/models) on first use.
 # SMALL=1 swaps in tiny shapes, to rehearse the whole script on a CPU machine; SERVING_ARGS
 # and AGENT_ARGS add flags to benchmarks.serving and benchmarks.agent_session; SOURCES picks
-# the servers of 1b / 8b (default gateway,gateway-rows,mlx_lm) and LEVELS_1B / LEVELS_8B their
+# the servers of 1b / 8b (default gateway,gateway-rows,mlx_lm; gateway-rows-settle is the rows
+# batch with engine.join_settle_steps = $SETTLE, default 2) and LEVELS_1B / LEVELS_8B their
 # concurrency levels (default 1,8,32,64,128 and 1,32,128).
 # - 1b / 8b: benchmarks.serving, closed loop, 128-token prompts and outputs: mlx-lm's
 #   BatchGenerator in one process (the ceiling), this gateway (engine.batcher mlx_lm, then
@@ -62,7 +63,7 @@ model() {  # NAME SHAPE...
   echo "$M/$name"
 }
 
-gateway_config() {  # MODEL_DIR MAX_CONCURRENCY [BATCHER] -> config path; the ceiling's batch sizes
+gateway_config() {  # MODEL_DIR MAX_CONCURRENCY [BATCHER] [SETTLE] -> config path; the ceiling's batch sizes
   local cfg run
   cfg=$(mktemp /tmp/gw-XXXX.toml)
   run=$(mktemp -d /tmp/gwXXXX)
@@ -79,6 +80,7 @@ max_running = $2
 prefill_batch_size = $2
 max_prefill_tokens = 65536
 batcher = "${3:-mlx_lm}"
+join_settle_steps = ${4:-0}
 TOML
   echo "$cfg"
 }
@@ -90,8 +92,12 @@ throughput() {  # NAME SHAPE LEVELS: the ceiling, then each of $SOURCES
   max=${3##*,}
   for src in ${SOURCES//,/ }; do
     case $src in
-      gateway | gateway-rows)
-        cfg=$(gateway_config "$dir" "$max" "$([ "$src" = gateway-rows ] && echo rows || echo mlx_lm)")
+      gateway | gateway-rows | gateway-rows-settle)
+        case $src in
+          gateway) cfg=$(gateway_config "$dir" "$max" mlx_lm) ;;
+          gateway-rows) cfg=$(gateway_config "$dir" "$max" rows) ;;
+          *) cfg=$(gateway_config "$dir" "$max" rows "${SETTLE:-2}") ;;
+        esac
         launch+=(--launch-cmd "$src={python} -m gateway --config $cfg serve --port {port}"
           --served-model "$src=bench")
         ;;

@@ -99,6 +99,11 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # and leave the batch without passes of their own), "mlx_lm" (mlx-lm's BatchGenerator),
     # or "auto": rows where the model's layers all keep a plain KV cache, else mlx_lm.
     batcher: Literal["auto", "mlx_lm", "rows"] = "auto"
+    # Rows batch only: into a large batch, a group of requests big enough to start waits
+    # until this many steps pass without a new arrival (the rest of a wave of returning
+    # clients), at most as long as a small group waits. 0: it starts at once. Experimental:
+    # docs/benchmarks.md has what it was measured at.
+    join_settle_steps: int = 0
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -277,6 +282,15 @@ def _validate(config: Config) -> None:
             raise ConfigError(f"model {model.name!r}: engine.max_prompt_tokens must be >= 1")
         if opts.max_waiting < 0:
             raise ConfigError(f"model {model.name!r}: engine.max_waiting must not be negative")
+        if opts.join_settle_steps < 0:
+            raise ConfigError(
+                f"model {model.name!r}: engine.join_settle_steps must not be negative"
+            )
+        if opts.join_settle_steps and opts.batcher == "mlx_lm":
+            raise ConfigError(
+                f"model {model.name!r}: engine.join_settle_steps applies to the rows batch "
+                "only, not to batcher = 'mlx_lm'"
+            )
         if opts.prefix_cache_gb < 0 or not math.isfinite(opts.prefix_cache_gb):
             raise ConfigError(
                 f"model {model.name!r}: engine.prefix_cache_gb must be a finite number >= 0"

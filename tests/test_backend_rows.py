@@ -223,6 +223,8 @@ def test_a_model_with_other_caches_is_refused_by_name(chat: Loaded) -> None:
     assert EngineOptions().batcher == "auto"
     assert make_backend(SlidingWindow(), chat.tokenizer, EngineOptions()).batcher == "mlx_lm"
     assert make_backend(chat.model, chat.tokenizer, EngineOptions()).batcher == "rows"
+    settled = make_backend(chat.model, chat.tokenizer, EngineOptions(join_settle_steps=3))
+    assert settled.batch.settle_steps == 3  # type: ignore[attr-defined]
 
 
 def test_both_batches_give_the_same_tokens_under_every_sampling_option(

@@ -308,6 +308,17 @@ def test_fused_cpu_ops_takes_a_bool_only(tmp_path: Path) -> None:
         load_config(write(tmp_path, head + 'fused_cpu_ops = "yes"\n'))
 
 
+def test_join_settle_steps_is_for_the_rows_batch(tmp_path: Path) -> None:
+    head = '[[models]]\nname = "a"\nsource = "x"\n[models.engine]\n'
+    assert load_config(write(tmp_path, head)).models[0].engine.join_settle_steps == 0
+    two = load_config(write(tmp_path, head + "join_settle_steps = 2\n"))
+    assert two.models[0].engine.join_settle_steps == 2
+    with pytest.raises(ConfigError, match="join_settle_steps must not be negative"):
+        load_config(write(tmp_path, head + "join_settle_steps = -1\n"))
+    with pytest.raises(ConfigError, match="join_settle_steps applies to the rows batch"):
+        load_config(write(tmp_path, head + 'batcher = "mlx_lm"\njoin_settle_steps = 1\n'))
+
+
 def test_batcher_is_auto_mlx_lm_or_rows(tmp_path: Path) -> None:
     head = '[[models]]\nname = "a"\nsource = "x"\n[models.engine]\n'
     assert load_config(write(tmp_path, head)).models[0].engine.batcher == "auto"

@@ -11,6 +11,7 @@ return_prompt_caches=True)` or from the response that ends it at max_tokens.
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 import mlx.core as mx
@@ -23,6 +24,8 @@ from shared.config import EngineOptions
 from worker.backends.rows import RowBatch
 from worker.backends.sampling import make_processors, make_sampler
 from worker.engine.backend import Insertion, Sampled
+
+log = logging.getLogger(__name__)
 
 
 def load(path: str, trust_remote_code: bool = False) -> tuple[Any, Any]:
@@ -208,7 +211,12 @@ class MlxRowsBackend(MlxLmBackend):
                 f"this one uses {', '.join(sorted(kinds))}: use batcher = 'mlx_lm'"
             )
         self._setup(model, tokenizer, options)
-        self.batch = RowBatch(model, options.prefill_step_size, self.prefill_batch_size)
+        self.batch = RowBatch(
+            model,
+            options.prefill_step_size,
+            self.prefill_batch_size,
+            settle_steps=options.join_settle_steps,
+        )
 
     def insert(self, items: list[Insertion]) -> list[int]:
         return self.batch.insert(
@@ -254,6 +262,11 @@ def make_backend(model: Any, tokenizer: Any, options: EngineOptions) -> MlxLmBac
     batcher = options.batcher
     if batcher == "auto":
         batcher = "rows" if cache_kinds(model) == {"KVCache"} else "mlx_lm"
+        if batcher == "mlx_lm" and options.join_settle_steps:
+            log.warning(
+                "engine.join_settle_steps has no effect: this model's caches need "
+                "BatchGenerator (batcher = 'mlx_lm')"
+            )
     if batcher == "rows":
         return MlxRowsBackend(model, tokenizer, options)
     return MlxLmBackend(model, tokenizer, options)

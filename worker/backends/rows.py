@@ -15,7 +15,7 @@ bound by the host):
   arriving every step (a full batch under a closed loop) would pay them every step. Joiners
   wait until there are `running // JOIN_DIVISOR` of them, or until the oldest has waited as
   many steps; into a batch of under 2 * JOIN_DIVISOR rows they join at once. With
-  `settle_steps` (off in the worker until measured on a GPU), a group big enough to start
+  `settle_steps` (`engine.join_settle_steps`, default 0: off), a group big enough to start
   waits until no row has arrived for that many steps, within the same bound: requests
   returning in a wave would then start in one join instead of two or three;
 - the host builds step n+1 while the device runs step n, as BatchGenerator does;
@@ -96,8 +96,8 @@ class RowBatch:
         self.pad_to = max(0, pad_to)  # 0: groups take their longest prompt's length
         # Into a large batch, a group big enough to join waits until no row has arrived for
         # this many steps (the rest of a returning wave), at most as long as a small one
-        # waits; 0: it joins at once. Not on in the worker until measured on a GPU
-        # (benchmarks/arrivals.py --settle).
+        # waits; 0 (the default, engine.join_settle_steps): it joins at once
+        # (benchmarks/arrivals.py --settle measures it).
         self.settle_steps = max(0, settle_steps)
         self.rows: list[Row] = []  # the running batch, in cache order
         self.caches: list[Any] = []
