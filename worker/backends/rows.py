@@ -18,7 +18,9 @@ bound by the host):
   `settle_steps` (`engine.join_settle_steps`, default 0: off), a group big enough to start
   waits until no row has arrived for that many steps, within the same bound: requests
   returning in a wave would then start in one join instead of two or three;
-- the host builds step n+1 while the device runs step n, as BatchGenerator does;
+- the host builds step n+1 while the device runs step n, as BatchGenerator does, and splits
+  a step's distribution into one array per row only while a request asks for logprobs
+  (BatchGenerator always does: at 128 rows on an H200, up to a third of a step);
 - with `pad_to` (off in the worker until a GPU measurement shows a gain), a group of short
   prompts is prefilled at its longest length rounded up to a multiple of `pad_to`: on MLX's
   CUDA device the first prefill of each new (rows, length) shape built kernels for 50-130
@@ -46,9 +48,8 @@ MAX_GROUPS = 2
 # Into a batch of n running rows, joiners start in groups of n // JOIN_DIVISOR (or after
 # waiting that many steps): at 128 rows a group of 8 every ~8 steps.
 JOIN_DIVISOR = 16
-# With `pad_to`, groups whose longest prompt is at most this long are padded (longer ones
-# spend far more on the pass itself than on building it, and a masked pass over a long
-# prompt materializes its attention scores).
+# With `pad_to`, groups whose longest prompt is at most this long are padded (a longer one
+# spends far more on the pass itself than on building its kernels).
 PAD_LIMIT = 1024
 
 
