@@ -3,7 +3,7 @@
     python -m benchmarks.arrivals MODEL --concurrency 64,128 --requests 512
     python -m benchmarks.arrivals MODEL --modes join --concurrency 48 --join 1,16,64
     python -m benchmarks.arrivals MODEL --concurrency 64 --batchers mlx_lm,rows
-    python -m benchmarks.arrivals MODEL --concurrency 128 --batchers rows --pad-to 0,32
+    python -m benchmarks.arrivals MODEL --concurrency 128 --batchers rows --settle 0,2
 
 Keeps `c` sequences in flight and replaces each finished one, two ways:
 - waves: every sequence has the same length and its replacement starts at once, so the
@@ -24,10 +24,9 @@ One JSON line per (c, k): the first join's time, the median of the others, the c
 next() a join took, and what that many plain decode steps take.
 
 Every mode runs on each of `--batchers`: mlx-lm's BatchGenerator and the project's rows
-batch (worker/backends/rows.py), the latter once for each of `--pad-to` (its prefill
-padding: 0 none, the worker's; n a multiple of n tokens) and each of `--settle` (its
-`settle_steps`: 0, the worker's, joins a big enough group at once; n waits for n steps
-without an arrival).
+batch (worker/backends/rows.py), the latter once for each of `--settle` (its
+`settle_steps`, `engine.join_settle_steps`: 0, the default, joins a big enough group at
+once; n waits for n steps without an arrival).
 """
 
 from __future__ import annotations
@@ -55,15 +54,13 @@ class _Rows:
     """The project's own batch (worker/backends/rows.py) behind BatchGenerator's insert and
     next: rows leave when they have their max_tokens, as a server's engine removes them."""
 
-    def __init__(
-        self, model: Any, prefill_step_size: int, pad_to: int = 0, settle: int = 0
-    ) -> None:
+    def __init__(self, model: Any, prefill_step_size: int, settle: int = 0) -> None:
         from mlx_lm.models.cache import make_prompt_cache
 
         from worker.backends.rows import RowBatch
         from worker.backends.sampling import greedy
 
-        self.batch = RowBatch(model, prefill_step_size, pad_to=pad_to, settle_steps=settle)
+        self.batch = RowBatch(model, prefill_step_size, settle_steps=settle)
         self.new_cache = lambda: make_prompt_cache(model)
         self.greedy = greedy
         self.left: dict[int, int] = {}
@@ -93,26 +90,32 @@ class _Rows:
         pass
 
 
-def _generator(model: Any, batcher: str, size: int, pad_to: int, settle: int = 0) -> Any:
-    """BatchGenerator, or the rows batch behind its insert and next."""
-    from mlx_lm.generate import BatchGenerator
+@dataclass(frozen=True, slots=True)
+class Batcher:
+    """What a run decodes on: mlx-lm's BatchGenerator, or the rows batch with a settle."""
 
-    if batcher == "rows":
-        return _Rows(model, 2048, pad_to, settle)
-    return BatchGenerator(
-        model,
-        max_tokens=128,
-        stop_tokens=None,
-        completion_batch_size=size,
-        prefill_batch_size=size,
-        prefill_step_size=2048,
-    )
+    name: str = "mlx_lm"
+    settle: int = 0
 
+    def generator(self, model: Any, size: int) -> Any:
+        """BatchGenerator, or the rows batch behind its insert and next."""
+        from mlx_lm.generate import BatchGenerator
 
-def _label(batcher: str, pad_to: int, settle: int) -> dict[str, Any]:
-    if batcher != "rows":
-        return {"batcher": batcher}
-    return {"batcher": batcher, "pad_to": pad_to, "settle": settle}
+        if self.name == "rows":
+            return _Rows(model, 2048, self.settle)
+        return BatchGenerator(
+            model,
+            max_tokens=128,
+            stop_tokens=None,
+            completion_batch_size=size,
+            prefill_batch_size=size,
+            prefill_step_size=2048,
+        )
+
+    def label(self) -> dict[str, Any]:
+        if self.name != "rows":
+            return {"batcher": self.name}
+        return {"batcher": self.name, "settle": self.settle}
 
 
 def run(
@@ -121,12 +124,10 @@ def run(
     concurrency: int,
     requests: int,
     mode: str,
-    batcher: str = "mlx_lm",
-    pad_to: int = 0,
-    settle: int = 0,
+    batcher: Batcher = Batcher(),
 ) -> dict[str, Any]:
     rng = random.Random(0)
-    gen = _generator(model, batcher, concurrency, pad_to, settle)
+    gen = batcher.generator(model, concurrency)
     inserted: dict[int, float] = {}
     ttft: list[float] = []
 
@@ -168,7 +169,7 @@ def run(
     return {
         "concurrency": concurrency,
         "mode": mode,
-        **_label(batcher, pad_to, settle),
+        **batcher.label(),
         "tok_s": round((tokens - tokens0) / elapsed, 1),
         "step_ms": round(elapsed / max(1, steps - steps0) * 1e3, 3),
         "ttft_p50_ms": round(ttft[len(ttft) // 2] * 1e3, 1) if ttft else None,
@@ -177,16 +178,10 @@ def run(
 
 
 def join_cost(
-    model: Any,
-    vocab: int,
-    concurrency: int,
-    k: int,
-    batcher: str = "mlx_lm",
-    pad_to: int = 0,
-    settle: int = 0,
+    model: Any, vocab: int, concurrency: int, k: int, batcher: Batcher = Batcher()
 ) -> dict[str, Any]:
     rng = random.Random(k)
-    gen = _generator(model, batcher, concurrency + k, pad_to, settle)
+    gen = batcher.generator(model, concurrency + k)
 
     def prompts(n: int) -> list[list[int]]:
         return [[rng.randrange(vocab) for _ in range(PROMPT_TOKENS)] for _ in range(n)]
@@ -215,7 +210,7 @@ def join_cost(
     return {
         "concurrency": concurrency,
         "mode": "join",
-        **_label(batcher, pad_to, settle),
+        **batcher.label(),
         "k": k,
         "first_ms": round(joins[0] * 1e3, 1),
         "reuse_ms": round(reuse[len(reuse) // 2] * 1e3, 1),
@@ -257,11 +252,6 @@ def main(argv: list[str] | None = None) -> int:
         help="mlx-lm's BatchGenerator and/or the project's rows batch (every mode)",
     )
     p.add_argument(
-        "--pad-to",
-        default="0",
-        help="the rows batch's prefill padding (worker/backends/rows.py), one run for each",
-    )
-    p.add_argument(
         "--settle",
         default="0",
         help="the rows batch's settle_steps (worker/backends/rows.py), one run for each",
@@ -274,13 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     batchers = args.batchers.split(",")
     if any(b not in ("mlx_lm", "rows") for b in batchers):
         p.error(f"--batchers takes mlx_lm and/or rows, not {args.batchers!r}")
-    pads = _counts(p, args.pad_to, "--pad-to")
     settles = _counts(p, args.settle, "--settle")
     variants = [
-        (b, pad, settle)
-        for b in batchers
-        for pad in (pads if b == "rows" else [0])
-        for settle in (settles if b == "rows" else [0])
+        Batcher(b, settle) for b in batchers for settle in (settles if b == "rows" else [0])
     ]
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
@@ -293,9 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     for c in levels:
         for mode in modes:
             rows = (
-                [join_cost(model, vocab, c, k, *variant) for variant in variants for k in sizes]
+                [join_cost(model, vocab, c, k, variant) for variant in variants for k in sizes]
                 if mode == "join"
-                else [run(model, vocab, c, args.requests, mode, *variant) for variant in variants]
+                else [run(model, vocab, c, args.requests, mode, variant) for variant in variants]
             )
             for row in rows:
                 print(json.dumps(row), flush=True)

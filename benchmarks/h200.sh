@@ -20,8 +20,8 @@
 #   1 and 4 concurrent sessions, the gateway with its prefix cache on and off and on its rows
 #   batch, mlx_lm server.
 # - arrivals: benchmarks.arrivals on the 1b shape in one process: mlx-lm's BatchGenerator and
-#   the project's rows batch (unpadded and padded prefills, joins at once and settled) with
-#   sequences starting together and spread, and what one join costs each.
+#   the project's rows batch (joins at once and settled) with sequences starting together
+#   and spread, and what one join costs each.
 # - steps: benchmarks.engine_steps on the 1b shape: the decode step of BatchGenerator alone and
 #   of the engine on each batch, in one process, at 1, 32 and 128 rows.
 # - profile: the gateway on the 1b shape at c=$PROFILE_LEVEL (default 64; max_running
@@ -167,10 +167,10 @@ for step in $STEPS; do
       ;;
     arrivals)
       $PY -m benchmarks.arrivals "$(model 1b $SHAPE_1B)" --concurrency "$LEVELS_ARRIVALS" \
-        --requests "$ARRIVALS_REQUESTS" --batchers mlx_lm,rows --pad-to 0,32 --settle 0,2 2>&1 |
+        --requests "$ARRIVALS_REQUESTS" --batchers mlx_lm,rows --settle 0,2 2>&1 |
         tee "$OUT/arrivals.jsonl"
       $PY -m benchmarks.arrivals "$(model 1b $SHAPE_1B)" --modes join --concurrency 48 \
-        --join 1,16,64 --batchers mlx_lm,rows --pad-to 0,32 2>&1 | tee -a "$OUT/arrivals.jsonl"
+        --join 1,16,64 --batchers mlx_lm,rows 2>&1 | tee -a "$OUT/arrivals.jsonl"
       ;;
     steps)
       $PY -m benchmarks.engine_steps "$(model 1b $SHAPE_1B)" --rows "$ROWS_STEPS" \

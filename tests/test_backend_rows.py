@@ -158,38 +158,6 @@ def test_cached_prefixes_of_different_lengths_prefill_together(
     assert held[: len(prompt_a)] == prompt_a and all(c.size() == len(held) for c in kv)
 
 
-def test_padded_groups_decode_as_alone(chat: Loaded, prompts: list[list[int]]) -> None:
-    """With `pad_to`, a group of short prompts is prefilled at a rounded-up length (right
-    padding, masked): equal lengths, mixed lengths, a cached prefix, a lone row and a prompt
-    of one token all decode as from scratch, and the caches hold exactly their tokens."""
-    cache = make_prompt_cache(chat.model)
-    chat.model(mx.array(prompts[2][:5])[None], cache=cache)
-    batch = RowBatch(chat.model, pad_to=8)
-    same = [prompts[0][:6], prompts[3][:6]]  # equal lengths: padded all the same
-    uids = batch.insert(
-        [*same, prompts[2][5:], [prompts[4][0]]],
-        [
-            make_prompt_cache(chat.model),
-            make_prompt_cache(chat.model),
-            cache,
-            make_prompt_cache(chat.model),
-        ],
-        [[], [], prompts[2][:5], []],
-        [greedy] * 4,
-        [[]] * 4,
-    )
-    out: dict[int, list[int]] = {}
-    _run(batch, 3, out)
-    [lone] = _insert(batch, chat, [prompts[5]])
-    _run(batch, 14, out)
-    wanted = [*same, prompts[2], [prompts[4][0]], prompts[5]]
-    for uid, prompt in zip([*uids, lone], wanted, strict=True):
-        assert out[uid][:10] == reference_greedy(chat.model, prompt, 10), uid
-    for uid in [*uids, lone]:
-        kv, held = batch.extract([uid])[uid]
-        assert all(c.size() == len(held) for c in kv)
-
-
 def test_steps_without_logprobs_give_the_same_tokens_and_no_rows(
     chat: Loaded, prompts: list[list[int]]
 ) -> None:

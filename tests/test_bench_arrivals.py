@@ -45,20 +45,20 @@ def test_the_cost_of_one_join_is_measured(
         assert row["first_ms"] > 0 and row["reuse_ms"] > 0
 
 
-def test_the_rows_batch_is_measured_for_each_padding_and_settle(
+def test_the_rows_batch_is_measured_for_each_settle(
     chat_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = [str(chat_model), "--modes", "join,spread", "--concurrency", "2", "--join", "2"]
-    argv += ["--requests", "4", "--batchers", "rows", "--pad-to", "0,8", "--settle", "0,2"]
+    argv += ["--requests", "4", "--batchers", "rows,mlx_lm", "--settle", "0,2"]
     rows = _measure(argv, capsys)
-    variants = [(0, 0), (0, 2), (8, 0), (8, 2)]
-    assert [(r["mode"], r["batcher"], r["pad_to"], r["settle"]) for r in rows] == [
-        *[("join", "rows", pad, settle) for pad, settle in variants],
-        *[("spread", "rows", pad, settle) for pad, settle in variants],
+    labels = [("rows", 0), ("rows", 2), ("mlx_lm", None)]
+    assert [(r["mode"], r["batcher"], r.get("settle")) for r in rows] == [
+        *[("join", b, settle) for b, settle in labels],
+        *[("spread", b, settle) for b, settle in labels],
     ]
-    for row in rows[:4]:
+    for row in rows[:3]:
         assert row["next_calls"] >= 2 and row["first_ms"] > 0 and row["reuse_ms"] > 0
-    for row in rows[4:]:
+    for row in rows[3:]:
         assert row["tok_s"] > 0 and row["steps"] > arrivals.WARM_STEPS
 
 
@@ -71,8 +71,6 @@ def test_the_rows_batch_is_measured_for_each_padding_and_settle(
         ["--requests", "0"],
         ["--join", "0"],
         ["--batchers", "vllm"],
-        ["--pad-to", "x"],
-        ["--pad-to", "-1"],
         ["--settle", "x"],
         ["--settle", "-2"],
     ],

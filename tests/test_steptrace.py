@@ -78,3 +78,17 @@ def test_steps_before_an_abort_that_empties_the_engine_are_written(
     engine.abort(["a"])  # no step follows: a drain, or the last client gone
     [trace] = read_traces(tmp_path).values()
     assert len(trace) == 2
+
+
+def test_a_folder_it_cannot_write_leaves_the_engine_alone(
+    chat: Loaded, prompts: list[list[int]], tmp_path: Path
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    engine = chat.engine()
+    assert StepTrace.wrap(engine, {STEP_TRACE_ENV: str(blocker / "trace")}) is engine
+    traced = StepTrace.wrap(chat.engine(), {STEP_TRACE_ENV: str(tmp_path / "t")})
+    (tmp_path / "t").rmdir()
+    (tmp_path / "t").write_text("now a file: every write fails")
+    out = drive(traced, [greedy("a", prompts[0], 4, ignore_eos=True)])  # steps go on
+    assert token_ids(out["a"]) == reference_greedy(chat.model, prompts[0], 4)

@@ -15,6 +15,7 @@ Unset in production: `StepTrace.wrap` hands back the engine itself, nothing is t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from shared.types import RequestOutput
     from worker.engine.backend import Insertion, Sampled
     from worker.engine.core import EngineCore
+
+log = logging.getLogger(__name__)
 
 STEP_TRACE_ENV = "MLX_GATEWAY_STEP_TRACE"
 FLUSH_EVERY = 2000  # steps; and whenever the engine runs out of work
@@ -67,7 +70,11 @@ class StepTrace:
         if not folder:
             return engine
         path = Path(folder)
-        path.mkdir(parents=True, exist_ok=True)
+        try:  # a benchmark's aid: a folder it cannot write never costs the model its load
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            log.warning("%s=%s: no step trace (%s)", STEP_TRACE_ENV, folder, exc)
+            return engine
         return cast("EngineCore", cls(engine, path / f"steps-{os.getpid()}.jsonl"))
 
     def __getattr__(self, name: str) -> Any:
@@ -107,6 +114,9 @@ class StepTrace:
     def flush(self) -> None:
         if not self._rows:
             return
-        with self._path.open("a") as f:
-            f.writelines(json.dumps(row) + "\n" for row in self._rows)
+        try:
+            with self._path.open("a") as f:
+                f.writelines(json.dumps(row) + "\n" for row in self._rows)
+        except OSError as exc:  # a full disk drops the trace, never a request
+            log.warning("step trace %s: %s; lines dropped", self._path, exc)
         self._rows.clear()

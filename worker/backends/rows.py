@@ -20,11 +20,7 @@ bound by the host):
   returning in a wave would then start in one join instead of two or three;
 - the host builds step n+1 while the device runs step n, as BatchGenerator does, and splits
   a step's distribution into one array per row only while a request asks for logprobs
-  (BatchGenerator always does: at 128 rows on an H200, up to a third of a step);
-- with `pad_to` (off in the worker until a GPU measurement shows a gain), a group of short
-  prompts is prefilled at its longest length rounded up to a multiple of `pad_to`: on MLX's
-  CUDA device the first prefill of each new (rows, length) shape built kernels for 50-130
-  ms, and fewer distinct lengths mean fewer such shapes (benchmarks/arrivals.py --pad-to).
+  (BatchGenerator always does: at 128 rows on an H200, up to a third of a step).
 
 Greedy output is the same token for token as mlx-lm's `generate_step` (tests). Stop rules
 and max_tokens are the engine's: a row runs until the engine removes it.
@@ -48,9 +44,6 @@ MAX_GROUPS = 2
 # Into a batch of n running rows, joiners start in groups of n // JOIN_DIVISOR (or after
 # waiting that many steps): at 128 rows a group of 8 every ~8 steps.
 JOIN_DIVISOR = 16
-# With `pad_to`, groups whose longest prompt is at most this long are padded (a longer one
-# spends far more on the pass itself than on building its kernels).
-PAD_LIMIT = 1024
 
 
 @dataclass(slots=True, eq=False)
@@ -88,13 +81,11 @@ class RowBatch:
         model: Any,
         prefill_step_size: int = 2048,
         max_group: int = 64,
-        pad_to: int = 0,
         settle_steps: int = 0,
     ) -> None:
         self.model = model
         self.prefill_step_size = max(1, prefill_step_size)
         self.max_group = max(1, max_group)  # rows prefilled side by side
-        self.pad_to = max(0, pad_to)  # 0: groups take their longest prompt's length
         # Into a large batch, a group big enough to join waits until no row has arrived for
         # this many steps (the rest of a returning wave), at most as long as a small one
         # waits; 0 (the default, engine.join_settle_steps): it joins at once
@@ -221,9 +212,6 @@ class RowBatch:
         longest = max(len(r) for r in rests)
         if longest == 0:
             return Group(rows, caches, None, False)
-        if self.pad_to and longest <= min(PAD_LIMIT, self.prefill_step_size):
-            longest = -(-longest // self.pad_to) * self.pad_to
-            longest = min(longest, self.prefill_step_size)  # still one chunk
         padding = [longest - len(r) for r in rests]
         padded = max(padding) > 0
         if padded:
