@@ -303,3 +303,39 @@ def test_with_settle_steps_a_group_waits_for_the_rest_of_a_wave(
     for uid, i in zip(wave, range(4), strict=True):
         assert out[uid][:12] == reference_greedy(chat.model, prompts[i % len(prompts)], 12)
     assert out[late[0]][:12] == reference_greedy(chat.model, prompts[5], 12)
+
+
+class _MaskSpy:
+    """The model, noting for each decode step whether its attention got a mask."""
+
+    def __init__(self, model: object) -> None:
+        self.model = model
+        self.masked: list[bool] = []
+
+    def __call__(self, inputs: mx.array, cache: list) -> mx.array:
+        if inputs.shape[1] == 1:
+            self.masked.append(cache[0].make_mask(1) is not None)
+        return self.model(inputs, cache=cache)  # type: ignore[operator]
+
+
+def test_a_step_masks_attention_only_while_a_row_is_padded(
+    chat: Loaded, prompts: list[list[int]]
+) -> None:
+    spy = _MaskSpy(chat.model)
+    batch = RowBatch(spy)
+    out: dict[int, list[int]] = {}
+    n = min(len(p) for p in prompts if len(p) > 3)
+    same = [p[:n] for p in prompts if len(p) > 3][:2]  # equal lengths: no padding
+    first = _insert(batch, chat, same)
+    _run(batch, 4, out)
+    assert not batch.padded and spy.masked == [False] * 4
+    late = _insert(batch, chat, [prompts[2]])  # starts later: the first rows are padded now
+    _run(batch, 3, out)
+    assert batch.padded and spy.masked[-1]
+    batch.remove(late)  # compacted at the next step: the rows left started together
+    _run(batch, 3, out)
+    assert not batch.padded and spy.masked[-2:] == [False, False]
+    for uid, prompt in zip(first, same, strict=True):
+        assert out[uid] == reference_greedy(chat.model, prompt, len(out[uid])), uid
+        assert len(out[uid]) >= 8
+    assert out[late[0]] == reference_greedy(chat.model, prompts[2], len(out[late[0]]))

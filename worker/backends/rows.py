@@ -18,6 +18,10 @@ bound by the host):
   `settle_steps` (`engine.join_settle_steps`, default 0: off), a group big enough to start
   waits until no row has arrived for that many steps, within the same bound: requests
   returning in a wave would then start in one join instead of two or three;
+- while no running row is padded (every row's KV starts at the batch's first position: one
+  row, or rows that started together), a decode step passes the model no attention mask:
+  mlx-lm's batch cache always makes one, and with a mask MLX's CUDA backend leaves its fused
+  one-token attention kernel for separate matmul, softmax and matmul kernels in every layer;
 - the host builds step n+1 while the device runs step n, as BatchGenerator does, and splits
   a step's distribution into one array per row only while a request asks for logprobs
   (BatchGenerator always does: at 128 rows on an H200, up to a third of a step).
@@ -75,6 +79,23 @@ class Group:
     padded: bool  # right padding to move left once the prompts are in
 
 
+class _Unpadded:
+    """A batch cache as the model sees it in a one-token step while none of the batch's rows
+    is padded: no mask, so that MLX can take its fused attention kernel (a mask would only
+    hide padding). Everything else is the cache's own."""
+
+    __slots__ = ("cache",)
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+
+    def make_mask(self, N: int, *args: Any, **kwargs: Any) -> Any:
+        return None if N == 1 else self.cache.make_mask(N, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.cache, name)
+
+
 class RowBatch:
     def __init__(
         self,
@@ -93,6 +114,9 @@ class RowBatch:
         self.settle_steps = max(0, settle_steps)
         self.rows: list[Row] = []  # the running batch, in cache order
         self.caches: list[Any] = []
+        # what a decode step passes the model: the caches, or views of them without a mask
+        # while no row is padded (see _Unpadded)
+        self.step_caches: list[Any] = []
         self.inputs: mx.array | None = None  # each row's next input token (lazy)
         # the distribution each pending input came from (None: a prompt token, or not asked)
         self.logprobs: list[mx.array | None] = []
@@ -243,6 +267,7 @@ class RowBatch:
             return
         if not keep:
             self.rows, self.caches, self.inputs, self.logprobs = [], [], None, []
+            self.step_caches = []
             self.fresh.clear()
             return
         for c in self.caches:
@@ -252,6 +277,7 @@ class RowBatch:
         self.logprobs = [self.logprobs[i] for i in keep]
         self.rows = [self.rows[i] for i in keep]
         self.fresh.intersection_update(r.uid for r in self.rows)
+        self._note_padding()
 
     def _join(self, group: Group) -> None:
         live = [i for i, r in enumerate(group.rows) if not r.dead]
@@ -272,11 +298,26 @@ class RowBatch:
         self.rows += rows
         self.logprobs += [None] * len(rows)  # a prompt token has none
         self.fresh.update(r.uid for r in rows)
+        self._note_padding()
+
+    def _note_padding(self) -> None:
+        """After the batch's rows changed: whether any is padded. A row holds the KV of its
+        `held` tokens, right-aligned at the cache's size (every step appends one to each)."""
+        size = self.caches[0].size()
+        if all(len(r.held) == size for r in self.rows):
+            self.step_caches = [_Unpadded(c) for c in self.caches]
+        else:
+            self.step_caches = self.caches
+
+    @property
+    def padded(self) -> bool:
+        """Whether a decode step masks the batch's attention (some row is padded)."""
+        return self.step_caches is self.caches
 
     def _decode(self, want_logprobs: bool) -> list[tuple[int, int, mx.array | None]]:
         inputs = self.inputs
         assert inputs is not None
-        logits = self.model(inputs[:, None], cache=self.caches)[:, -1, :]
+        logits = self.model(inputs[:, None], cache=self.step_caches)[:, -1, :]
         if any(r.processors for r in self.rows):
             logits = self._process(inputs, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
