@@ -50,12 +50,24 @@ def blas_thread_count(threads: int, cpus: int | None = None) -> int:
     return max(1, (cpus or os.cpu_count() or 2) // 2)
 
 
+# MLX's CUDA backend runs a prefill's attention through cuDNN, and builds cuDNN a graph for
+# each new shape (rows, prompt length, cached length): 60-80 ms on an H200 each time, where
+# the pass itself takes 8-15 ms for 128-token prompts. A server meets new shapes at almost
+# every request (prompt lengths vary; a cached prefix changes the key length). Without it
+# (MLX's own kernels) agent turns over a 4k-token prompt got their first token in 34-58 ms
+# against 74-81 (one session; 123-177 against 224-251 with four), a whole 4-5k prefill in
+# 160-230 ms against 230-890 (docs/benchmarks.md). Other backends do not read it.
+CUDNN_SDPA = "MLX_CUDA_USE_CUDNN_SDPA"
+
+
 def worker_env(
     setting: str, threads: int = 0, base: dict[str, str] | None = None, device: str = "cpu"
 ) -> dict[str, str]:
     """The environment for a worker process on `device`, with the BLAS preload and thread
-    count applied. An OPENBLAS_NUM_THREADS already in the environment wins."""
+    count applied, and MLX's CUDA backend kept off cuDNN's attention (CUDNN_SDPA). An
+    OPENBLAS_NUM_THREADS or MLX_CUDA_USE_CUDNN_SDPA already in the environment wins."""
     env = dict(os.environ if base is None else base)
+    env.setdefault(CUDNN_SDPA, "0")
     lib = resolve_blas(setting, device=device)
     if lib:
         existing = env.get("LD_PRELOAD", "")

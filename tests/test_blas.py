@@ -48,10 +48,13 @@ def test_explicit_path(libs: tuple[str, str, str]) -> None:
         resolve_blas(missing, (first,))
 
 
+NO_CUDNN = {"MLX_CUDA_USE_CUDNN_SDPA": "0"}
+
+
 def test_worker_env_sets_ld_preload(libs: tuple[str, str, str]) -> None:
     _, first, _ = libs
     env = worker_env(first, 3, base={"PATH": "/bin"})
-    assert env == {"PATH": "/bin", "LD_PRELOAD": first, "OPENBLAS_NUM_THREADS": "3"}
+    assert env == {"PATH": "/bin", "LD_PRELOAD": first, "OPENBLAS_NUM_THREADS": "3"} | NO_CUDNN
 
 
 def test_worker_env_prepends_to_an_existing_preload(libs: tuple[str, str, str]) -> None:
@@ -70,10 +73,14 @@ def test_worker_env_does_not_preload_twice(libs: tuple[str, str, str]) -> None:
 
 def test_worker_env_off_leaves_the_environment(libs: tuple[str, str, str]) -> None:
     _, _, second = libs
-    assert worker_env("off", base={"LD_PRELOAD": second, "A": "1"}) == {
-        "LD_PRELOAD": second,
-        "A": "1",
-    }
+    assert (
+        worker_env("off", base={"LD_PRELOAD": second, "A": "1"})
+        == {
+            "LD_PRELOAD": second,
+            "A": "1",
+        }
+        | NO_CUDNN
+    )
     assert "LD_PRELOAD" not in worker_env("off", base={"A": "1"})
 
 
@@ -130,15 +137,19 @@ def test_gpu_worker_env_has_no_preload(
     monkeypatch.setattr(blas, "CANDIDATES", (first,))
     assert worker_env("auto", 1, base={"PATH": "/bin"}, device="cpu")["LD_PRELOAD"] == first
     env = worker_env("auto", 1, base={"PATH": "/bin"}, device="gpu")
-    assert env == {"PATH": "/bin"}  # no LD_PRELOAD, no OPENBLAS_NUM_THREADS
+    assert env == {"PATH": "/bin"} | NO_CUDNN  # no LD_PRELOAD, no OPENBLAS_NUM_THREADS
 
 
 def test_an_explicit_library_is_preloaded_on_any_device(libs: tuple[str, str, str]) -> None:
     _, first, _ = libs
-    assert worker_env(first, 2, base={}, device="gpu") == {
-        "LD_PRELOAD": first,
-        "OPENBLAS_NUM_THREADS": "2",
-    }
+    assert (
+        worker_env(first, 2, base={}, device="gpu")
+        == {
+            "LD_PRELOAD": first,
+            "OPENBLAS_NUM_THREADS": "2",
+        }
+        | NO_CUDNN
+    )
 
 
 @pytest.mark.parametrize(("backend", "preloaded"), [("cuda", False), ("cpu", True)])
@@ -182,3 +193,9 @@ def test_the_supervisor_spawns_for_the_detected_device(
     assert ("LD_PRELOAD" in envs[0]) is preloaded
     if preloaded:
         assert envs[0]["LD_PRELOAD"] == first
+
+
+def test_workers_run_without_cudnn_attention_unless_the_environment_says() -> None:
+    assert worker_env("off", base={})["MLX_CUDA_USE_CUDNN_SDPA"] == "0"
+    mine = {"MLX_CUDA_USE_CUDNN_SDPA": "1"}
+    assert worker_env("off", base=mine)["MLX_CUDA_USE_CUDNN_SDPA"] == "1"
