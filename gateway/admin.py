@@ -7,9 +7,9 @@ from litestar import Litestar, Request, Response, Router, get, post
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 
-from gateway.errors import GatewayError
-from gateway.slots import Slot
-from gateway.supervisor import Supervisor
+from gateway.api.errors import GatewayError
+from gateway.workers.slots import Slot
+from gateway.workers.supervisor import Supervisor
 from shared.config import ConfigError, ModelConfig, parse_duration
 from shared.types import ErrorCode
 
@@ -143,7 +143,7 @@ def create_admin_app(state: State) -> Litestar:
         route_handlers=[ps, status, load, unload, reload, logs],
         state=state,
         exception_handlers={Exception: _error},
-        logging_config=None,  # the process's logging is configured once (gateway/logs.py)
+        logging_config=None,  # the process's logging is configured once (gateway/edge/logs.py)
     )
 
 

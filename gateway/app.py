@@ -18,20 +18,20 @@ from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 
 from gateway.admin import admin_router, create_admin_app
-from gateway.anthropic.routes import anthropic_router
-from gateway.context import RequestContext
-from gateway.errors import GatewayError, error_response
-from gateway.keys import KeyStore, keys_path
-from gateway.logs import access_hook
-from gateway.mdns import Advertiser, advertise
-from gateway.metrics import Metrics, metrics_route, ready_route
-from gateway.middleware import ASGIApp, GatewayMiddleware
-from gateway.openai.routes import openai_router
-from gateway.ratelimit import KeyLimiter
-from gateway.responses.routes import responses_router
-from gateway.serve import InFlight
-from gateway.supervisor import Supervisor
-from gateway.tokenize import detokenize, tokenize
+from gateway.api.anthropic.routes import anthropic_router
+from gateway.api.errors import GatewayError, error_response
+from gateway.api.openai.routes import openai_router
+from gateway.api.responses.routes import responses_router
+from gateway.api.serve import InFlight
+from gateway.api.tokenize import detokenize, tokenize
+from gateway.edge.context import RequestContext
+from gateway.edge.keys import KeyStore, keys_path
+from gateway.edge.logs import access_hook
+from gateway.edge.mdns import Advertiser, advertise
+from gateway.edge.metrics import Metrics, metrics_route, ready_route
+from gateway.edge.middleware import ASGIApp, GatewayMiddleware
+from gateway.edge.ratelimit import KeyLimiter
+from gateway.workers.supervisor import Supervisor
 from shared.config import Config
 from shared.paths import RunDir
 from shared.types import ErrorCode
@@ -193,7 +193,7 @@ def create_app(config: Config) -> GatewayApp:
         lifespan=[_lifespan],
         exception_handlers={Exception: _http_error},
         request_max_body_size=config.server.max_body_bytes,
-        logging_config=None,  # gateway.server configures logging once for the process
+        logging_config=None,  # gateway.ctl.server configures logging once for the process
         type_encoders={msgspec.Struct: msgspec.to_builtins},
     )
     asgi = GatewayMiddleware(

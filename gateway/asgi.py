@@ -11,7 +11,7 @@ import os
 import msgspec
 
 from gateway.app import GatewayApp, create_app
-from gateway.logs import setup_logging
+from gateway.edge.logs import setup_logging
 from shared.config import CONFIG_JSON_ENV, Config, load_config
 
 

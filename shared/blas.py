@@ -3,7 +3,7 @@
 mlx[cpu] wheels for Linux bundle the reference BLAS; preloading an optimized one (Debian's
 libopenblas0-pthread) makes batched matmuls an order of magnitude faster. The preload must be
 in the environment before the worker process starts, so the supervisor decides it at spawn,
-for the device it detected (gateway/device.py): `auto` preloads into CPU workers only, since
+for the device it detected (gateway/workers/device.py): `auto` preloads into CPU workers only, since
 a GPU worker's matmuls never reach BLAS; an explicit library path is preloaded everywhere.
 """
 

@@ -8,7 +8,7 @@ import os
 from types import SimpleNamespace
 from typing import cast
 
-from gateway.slots import Slot, WorkerHandle
+from gateway.workers.slots import Slot, WorkerHandle
 from shared.config import ModelConfig
 from shared.protocol import Capacity, Heartbeat, PrefixCacheStats, Ready, WorkerState
 

@@ -9,8 +9,8 @@ from litestar.datastructures import State
 from litestar.testing import TestClient
 
 from gateway.admin import create_admin_app
-from gateway.cli import _prefix_cache, _table
-from gateway.slots import Slot, status_row
+from gateway.ctl.cli import _prefix_cache, _table
+from gateway.workers.slots import Slot, status_row
 from tests.slot_fakes import STATS, GiB, heartbeat, ready_slot
 
 

@@ -8,17 +8,17 @@ from typing import Any
 
 import pytest
 
-from gateway.anthropic.schemas import CountTokensRequest, MessagesRequest
-from gateway.anthropic.translate import (
+from gateway.api.anthropic.schemas import CountTokensRequest, MessagesRequest
+from gateway.api.anthropic.translate import (
     MessagesFormatter,
     count_tokens_body,
     messages_request,
     prompt_request,
     stop_reason,
 )
-from gateway.errors import GatewayError
-from gateway.openai.translate import decode_body
-from gateway.relay import Choice
+from gateway.api.errors import GatewayError
+from gateway.api.openai.translate import decode_body
+from gateway.api.relay import Choice
 from shared.types import (
     CanonicalRequest,
     ErrorCode,

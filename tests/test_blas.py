@@ -161,7 +161,7 @@ def test_the_supervisor_spawns_for_the_detected_device(
     preloaded: bool,
 ) -> None:
     """On a CUDA machine (faked) workers get no OpenBLAS; on MLX's CPU they do."""
-    from gateway import device, supervisor
+    from gateway.workers import device, supervisor
     from shared import blas
     from shared.config import Config, ModelConfig
     from shared.paths import RunDir

@@ -11,8 +11,8 @@ from typing import Any
 import psutil
 import pytest
 
-from gateway import device
-from gateway.device import Device, detect_device, linux_backend, nvidia_memory
+from gateway.workers import device
+from gateway.workers.device import Device, detect_device, linux_backend, nvidia_memory
 
 GiB = 2**30
 H200_MIB = 143771

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.leftovers import reap_leftovers, save_pids
+from gateway.workers.leftovers import reap_leftovers, save_pids
 
 
 def _sleeper(*marker: str) -> subprocess.Popen[bytes]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway.cli import _progress_line
+from gateway.ctl.cli import _progress_line
 from shared.config import ModelConfig
 from worker import loader
 

@@ -1,11 +1,11 @@
-"""gateway.mdns: the services advertised (built, not sent: CI may have no multicast)."""
+"""gateway.edge.mdns: the services advertised (built, not sent: CI may have no multicast)."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 
-from gateway.mdns import SERVICE_TYPES, advertise, is_loopback, service_infos
+from gateway.edge.mdns import SERVICE_TYPES, advertise, is_loopback, service_infos
 from shared.config import ServerConfig
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.device import Device
-from gateway.memory import MemoryBudget
-from gateway.slots import estimate_bytes
+from gateway.workers.device import Device
+from gateway.workers.memory import MemoryBudget
+from gateway.workers.slots import estimate_bytes
 from shared.config import EngineOptions, ModelConfig, ServerConfig
 from shared.protocol import Capacity, Ready
 
@@ -38,7 +38,7 @@ def test_memory_budget_gb_wins() -> None:
 
 def test_ready_corrects_the_detected_memory(caplog: pytest.LogCaptureFixture) -> None:
     # Planned for the CPU (nvidia-smi missing); the worker runs on an 80 GB GPU.
-    caplog.set_level(logging.INFO, "gateway.supervisor")
+    caplog.set_level(logging.INFO, "gateway.workers.supervisor")
     budget = MemoryBudget(ServerConfig(), HOST)
     budget.observe(ready("gpu", 80 * GiB))
     assert (budget.total, budget.budget, budget.source) == (80 * GiB, 60 * GiB, "worker (gpu)")
@@ -46,7 +46,7 @@ def test_ready_corrects_the_detected_memory(caplog: pytest.LogCaptureFixture) ->
 
 
 def test_ready_without_device_memory_changes_nothing(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, "gateway.supervisor")
+    caplog.set_level(logging.INFO, "gateway.workers.supervisor")
     budget = MemoryBudget(ServerConfig(), H200)
     budget.observe(ready("", 0))  # a worker from before the field
     budget.observe(ready("gpu", 140 * GiB))  # the same figure: nothing to log

@@ -14,10 +14,10 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.context import RequestContext
-from gateway.metrics import Metrics
-from gateway.slots import Slot
-from gateway.supervisor import Supervisor
+from gateway.edge.context import RequestContext
+from gateway.edge.metrics import Metrics
+from gateway.workers.slots import Slot
+from gateway.workers.supervisor import Supervisor
 from tests.gateway_proc import GatewayProc, openai_client, running_gateway, wait_for
 from tests.slot_fakes import STATS, heartbeat, ready_slot
 

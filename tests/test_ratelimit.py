@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 
-from gateway.context import RequestContext
-from gateway.keys import ApiKey
-from gateway.ratelimit import KeyLimiter
+from gateway.edge.context import RequestContext
+from gateway.edge.keys import ApiKey
+from gateway.edge.ratelimit import KeyLimiter
 
 
 def test_track_holds_a_slot_and_charges_tokens_at_the_end() -> None:

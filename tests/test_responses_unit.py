@@ -16,16 +16,13 @@ import pytest
 from litestar import Litestar
 from litestar.datastructures import State
 
-from gateway.context import RequestContext, new_request_id
-from gateway.errors import GatewayError
-from gateway.keys import ApiKey
-from gateway.middleware import CONTEXT_KEY
-from gateway.openai.translate import decode_body
-from gateway.relay import Choice
-from gateway.responses.routes import responses_router, store_of
-from gateway.responses.schemas import InputText, MessageItem, ResponsesRequest
-from gateway.responses.store import ResponseStore, StoredResponse
-from gateway.responses.translate import (
+from gateway.api.errors import GatewayError
+from gateway.api.openai.translate import decode_body
+from gateway.api.relay import Choice
+from gateway.api.responses.routes import responses_router, store_of
+from gateway.api.responses.schemas import InputText, MessageItem, ResponsesRequest
+from gateway.api.responses.store import ResponseStore, StoredResponse
+from gateway.api.responses.translate import (
     ResponsesFormatter,
     check_request,
     input_items,
@@ -33,8 +30,11 @@ from gateway.responses.translate import (
     messages_of,
     new_response,
 )
-from gateway.serve import InFlight
-from gateway.stream import RequestStream
+from gateway.api.serve import InFlight
+from gateway.api.stream import RequestStream
+from gateway.edge.context import RequestContext, new_request_id
+from gateway.edge.keys import ApiKey
+from gateway.edge.middleware import CONTEXT_KEY
 from shared.config import Config, ServerConfig
 from shared.types import (
     CanonicalRequest,

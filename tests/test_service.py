@@ -18,8 +18,8 @@ import msgspec
 import platformdirs.macos
 import pytest
 
-from gateway import service
-from gateway.service import LABEL, UNIT, ManagerKind, ServiceError, ServiceSpec
+from gateway.ctl import service
+from gateway.ctl.service import LABEL, UNIT, ManagerKind, ServiceError, ServiceSpec
 from shared.config import Config, ServerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,7 +74,7 @@ def test_launch_agent_plist(tmp_path: Path) -> None:
     assert plist["ProgramArguments"] == [
         PYTHON,
         "-m",
-        "gateway.cli",
+        "gateway.ctl.cli",
         "--config",
         "/etc/gw.toml",
         "serve",
@@ -108,7 +108,7 @@ def test_launch_daemon_plist(tmp_path: Path) -> None:
     )
     assert spec.path == Path("/Library/LaunchDaemons/com.mlx-gateway.gateway.plist")
     plist = plistlib.loads(service.render(spec))
-    assert plist["ProgramArguments"] == [PYTHON, "-m", "gateway.cli", "serve"]  # no --config
+    assert plist["ProgramArguments"] == [PYTHON, "-m", "gateway.ctl.cli", "serve"]  # no --config
     assert plist["UserName"] == user.pw_name
     assert plist["ExitTimeOut"] == 8 + 15
     assert plist["StandardOutPath"] == "/Library/Logs/mlx-gateway/gateway.log"
@@ -143,7 +143,7 @@ def test_systemd_user_unit(tmp_path: Path) -> None:
     assert _words(settings["ExecStart"]) == [
         PYTHON,
         "-m",
-        "gateway.cli",
+        "gateway.ctl.cli",
         "--config",
         config_path,
         "serve",
@@ -187,7 +187,7 @@ def test_systemd_system_unit(tmp_path: Path) -> None:
     assert settings["User"] == user.pw_name
     assert settings["RuntimeDirectory"] == "mlx-gateway"
     assert '"MLX_GATEWAY_RUN_DIR=/run/mlx-gateway"' in [v for k, v in sections["Service"]]
-    assert _words(settings["ExecStart"]) == [PYTHON, "-m", "gateway.cli", "serve"]
+    assert _words(settings["ExecStart"]) == [PYTHON, "-m", "gateway.ctl.cli", "serve"]
     assert sections["Install"] == [("WantedBy", "multi-user.target")]
 
 
@@ -213,7 +213,7 @@ def test_root_checks(tmp_path: Path) -> None:
 def test_checked_in_templates_match_the_generator(kind: ManagerKind, path: str) -> None:
     generated = service.render(service.template_spec(kind))
     assert (ROOT / path).read_bytes() == generated, (
-        f"{path} is stale: python -m gateway.service --template {kind} > {path}"
+        f"{path} is stale: python -m gateway.ctl.service --template {kind} > {path}"
     )
     assert b"__HOME__" in generated and b"/path/to/" in generated
 
@@ -234,7 +234,7 @@ def _gatewayctl(
     }
     base |= {"HOME": str(tmp_path / "home"), "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
     base |= {"PATH": str(empty), **env}
-    argv = [sys.executable, "-m", "gateway.cli", "--run-dir", str(run_dir or tmp_path / "run")]
+    argv = [sys.executable, "-m", "gateway.ctl.cli", "--run-dir", str(run_dir or tmp_path / "run")]
     return subprocess.run(
         [*argv, "service", *args], env=base, capture_output=True, text=True, timeout=60
     )
@@ -250,7 +250,7 @@ def test_install_status_uninstall(tmp_path: Path) -> None:
     path = _unit_path(tmp_path)
     assert path.stat().st_mode & 0o777 == 0o644
     settings = dict(_unit(path.read_text())["Service"])
-    assert _words(settings["ExecStart"]) == [sys.executable, "-m", "gateway.cli", "serve"]
+    assert _words(settings["ExecStart"]) == [sys.executable, "-m", "gateway.ctl.cli", "serve"]
     assert f"wrote {path}" in done.stdout
 
     done = _gatewayctl(tmp_path, "status", "--json")

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.stream import RequestStream
+from gateway.api.stream import RequestStream
 from shared.types import ErrorCode, FinishReason, RequestOutput, Timings, Usage
 
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from gateway.errors import GatewayError
-from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.openai.translate import (
+from gateway.api.errors import GatewayError
+from gateway.api.openai.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.api.openai.translate import (
     ChatFormatter,
     CompletionFormatter,
     chat_request,
@@ -17,7 +17,7 @@ from gateway.openai.translate import (
     decode_body,
     error_body,
 )
-from gateway.relay import DONE, Choice, total_usage
+from gateway.api.relay import DONE, Choice, total_usage
 from shared.types import (
     CanonicalRequest,
     ErrorCode,
@@ -181,7 +181,7 @@ def test_continue_final_message() -> None:
 
 def test_chat_n_and_logprobs_are_served() -> None:
     _, sampling = chat(n=3, seed=5)
-    assert sampling.seed == 5  # choice i gets seed + i when submitted (gateway/serve.py)
+    assert sampling.seed == 5  # choice i gets seed + i when submitted (gateway/api/serve.py)
     assert (sampling.logprobs, sampling.top_logprobs) == (False, 0)
     assert chat(logprobs=True)[1].logprobs is True
     assert chat(logprobs=True)[1].top_logprobs == 0

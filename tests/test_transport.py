@@ -8,7 +8,7 @@ from pathlib import Path
 
 import zmq
 
-from gateway.transport import DRAIN_BATCH, Transport
+from gateway.workers.transport import DRAIN_BATCH, Transport
 from shared.protocol import Codec, FromWorker, Heartbeat, WorkerState
 
 

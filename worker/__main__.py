@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model = msgspec.json.decode(args.model, type=ModelConfig)
     handler = logging.StreamHandler(sys.stderr)
-    if os.environ.get("MLX_GATEWAY_LOG_FORMAT") == "json":  # set by the gateway (gateway/logs.py)
+    # set by the gateway (gateway/edge/logs.py)
+    if os.environ.get("MLX_GATEWAY_LOG_FORMAT") == "json":
         from pythonjsonlogger.json import JsonFormatter
 
         handler.setFormatter(

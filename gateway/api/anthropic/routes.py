@@ -1,0 +1,61 @@
+"""Anthropic Messages API routes (/v1/messages, /v1/messages/count_tokens): thin handlers over
+translate (pure) and serve (I/O). The headers x-api-key (read by the middleware),
+anthropic-version and anthropic-beta are accepted whatever their value."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Request, Response, Router, post
+from litestar.datastructures import State
+from litestar.response import Stream
+
+from gateway.api.anthropic.schemas import CountTokensRequest, MessagesRequest
+from gateway.api.anthropic.translate import (
+    MessagesFormatter,
+    count_tokens_body,
+    messages_request,
+    prompt_request,
+)
+from gateway.api.errors import GatewayError, error_response
+from gateway.api.openai.translate import decode_body
+from gateway.api.serve import JSON, Job, Served, serve
+from gateway.api.tokenize import tokenize_prompt
+from gateway.edge.logs import log_body
+from gateway.edge.middleware import context_of
+from shared.types import RequestKind
+
+
+@post("/messages", status_code=200)
+async def create_message(request: Request[Any, Any, Any], state: State) -> Response[bytes] | Stream:
+    raw = await request.body()
+    ctx = context_of(request.scope)
+    log_body(state.config.server.log_bodies, ctx, raw)
+    body = decode_body(raw, MessagesRequest)
+    canonical, sampling = messages_request(body)
+    user = body.metadata.user_id if body.metadata else None
+    served = Served(
+        body.model, RequestKind.CHAT, [Job(canonical, sampling)], stream=body.stream, user=user
+    )
+    response = await serve(request, state, served, MessagesFormatter(body.model))
+    if ctx is not None:  # Anthropic's SDKs read it as the response's _request_id
+        response.headers["request-id"] = ctx.request_id
+    return response
+
+
+@post("/messages/count_tokens", status_code=200)
+async def count_tokens(request: Request[Any, Any, Any], state: State) -> Response[bytes]:
+    raw = await request.body()
+    log_body(state.config.server.log_bodies, context_of(request.scope), raw)
+    body = decode_body(raw, CountTokensRequest)
+    canonical = prompt_request(body)
+    result = await tokenize_prompt(state, request, body.model, RequestKind.CHAT, canonical)
+    return Response(count_tokens_body(result["count"]), media_type=JSON)
+
+
+def anthropic_router() -> Router:
+    return Router(
+        path="/v1",
+        route_handlers=[create_message, count_tokens],
+        exception_handlers={GatewayError: error_response},
+    )

@@ -1,0 +1,142 @@
+"""OpenAI-compatible routes: thin handlers over translate (pure) and relay (I/O)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from litestar import Request, Response, Router, get, post
+from litestar.datastructures import State
+from litestar.params import FromPath
+from litestar.response import Stream
+
+from gateway.api.errors import GatewayError, error_response
+from gateway.api.openai.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from gateway.api.openai.translate import (
+    ChatFormatter,
+    CompletionFormatter,
+    chat_request,
+    completion_request,
+    decode_body,
+    keep_alive_of,
+)
+from gateway.api.serve import JSON, InFlight, Job, Served, serve
+from gateway.edge.logs import log_body
+from gateway.edge.middleware import authorize_model, context_of
+from gateway.workers.supervisor import Supervisor
+from shared.modelinfo import peek
+from shared.types import RequestKind
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@post("/chat/completions", status_code=200)
+async def chat_completions(
+    request: Request[Any, Any, Any], state: State
+) -> Response[bytes] | Stream:
+    raw = await request.body()
+    log_body(state.config.server.log_bodies, context_of(request.scope), raw)
+    body = decode_body(raw, ChatCompletionRequest)
+    canonical, sampling = chat_request(body)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    served = Served(
+        body.model,
+        RequestKind.CHAT,
+        [Job(canonical, sampling)],
+        n=body.n,
+        stream=body.stream,
+        keep_alive=keep_alive_of(body),
+        user=body.user or body.safety_identifier,
+    )
+    fmt = ChatFormatter(body.model, body.n, include_usage, body.logprobs)
+    return await serve(request, state, served, fmt)
+
+
+@post("/completions", status_code=200)
+async def completions(request: Request[Any, Any, Any], state: State) -> Response[bytes] | Stream:
+    raw = await request.body()
+    log_body(state.config.server.log_bodies, context_of(request.scope), raw)
+    body = decode_body(raw, CompletionRequest)
+    jobs = [Job(c, s) for c, s in completion_request(body)]
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    served = Served(
+        body.model,
+        RequestKind.COMPLETION,
+        jobs,
+        n=body.n,
+        stream=body.stream,
+        keep_alive=keep_alive_of(body),
+        default_max_tokens=COMPLETION_MAX_TOKENS,
+        user=body.user or body.safety_identifier,
+    )
+    prompts = [job.request.prompt for job in jobs for _ in range(body.n)]
+    fmt = CompletionFormatter(body.model, prompts, include_usage, body.echo, body.logprobs)
+    return await serve(request, state, served, fmt)
+
+
+def model_card(state: State, name: str) -> ModelCard:
+    supervisor: Supervisor = state.supervisor
+    model = supervisor.resolve(name)
+    info = supervisor.worker_info(model.name) or supervisor.slots[model.name].last_info
+    context: int | None
+    capabilities: list[str] | None
+    if info is not None:
+        context, capabilities = info.capacity.max_context, list(info.capabilities)
+    else:  # not loaded yet: what its files say (None for a hub id not downloaded)
+        context, capabilities = peek(model)
+    return ModelCard(
+        id=name,
+        created=int(state.started_at),
+        owned_by="mlx-gateway",
+        state=supervisor.state_of(model.name).value,
+        aliases=list(model.aliases),
+        description=(
+            "random-weight demo model: its output is gibberish by design" if model.is_demo else None
+        ),
+        max_context=context,
+        context_length=context,
+        capabilities=capabilities,
+        kind=model.kind.value,
+    )
+
+
+@get("/models")
+async def list_models(state: State) -> Response[bytes]:
+    supervisor: Supervisor = state.supervisor
+    cards = [model_card(state, name) for name in supervisor.models]
+    return Response(msgspec.json.encode(ModelList(cards)), media_type=JSON)
+
+
+@get("/models/{model_id:path}")
+async def get_model(
+    request: Request[Any, Any, Any], state: State, model_id: FromPath[str]
+) -> Response[bytes]:
+    name = model_id.lstrip("/")
+    supervisor: Supervisor = state.supervisor
+    supervisor.resolve(name)  # 404 model_not_found in OpenAI's shape
+    authorize_model(context_of(request.scope), name, lambda n: supervisor.resolve(n).name)
+    return Response(msgspec.json.encode(model_card(state, name)), media_type=JSON)
+
+
+@post("/requests/{request_id:str}/cancel", status_code=200)
+async def cancel_request(
+    request: Request[Any, Any, Any], state: State, request_id: FromPath[str]
+) -> Response[bytes]:
+    """Abort a request in flight from another connection (its own key or an admin key)."""
+    inflight: InFlight = state.inflight
+    cancelled = inflight.cancel(state.supervisor, request_id, context_of(request.scope))
+    body = {"id": request_id, "object": "request.cancelled", "cancelled_choices": cancelled}
+    return Response(msgspec.json.encode(body), media_type=JSON)
+
+
+def openai_router() -> Router:
+    return Router(
+        path="/v1",
+        route_handlers=[chat_completions, completions, list_models, get_model, cancel_request],
+        exception_handlers={GatewayError: error_response},
+    )

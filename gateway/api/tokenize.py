@@ -1,0 +1,107 @@
+"""/tokenize and /detokenize (vLLM's shapes): the model's own tokenizer, in its worker."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from litestar import Request, Response, post
+from litestar.datastructures import State
+from msgspec import Meta
+
+from gateway.api.errors import GatewayError
+from gateway.api.openai.schemas import ChatMessage
+from gateway.api.openai.translate import _message, decode_body
+from gateway.api.serve import JSON
+from gateway.edge.middleware import authorize_model, context_of
+from gateway.workers.capabilities import check_capabilities, with_template_defaults
+from gateway.workers.supervisor import Supervisor
+from shared.types import CanonicalRequest, ErrorCode, RequestKind
+
+
+class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, str | bool | int | float] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(msgspec.Struct, omit_defaults=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
+    model: str
+    tokens: list[Annotated[int, Meta(ge=0, le=2**31 - 1)]]
+
+
+async def tokenize_prompt(
+    state: State,
+    request: Request[Any, Any, Any],
+    model: str,
+    kind: RequestKind,
+    canonical: CanonicalRequest,
+    with_text: bool = False,
+) -> dict[str, Any]:
+    """Template and tokenize as a generation request would be (the model's configured
+    chat_template_kwargs included), without generating."""
+    supervisor: Supervisor = state.supervisor
+    authorize_model(context_of(request.scope), model, lambda n: supervisor.resolve(n).name)
+    config = supervisor.resolve(model)
+    check_capabilities(supervisor.slots[config.name], ["tokenize"])
+    if kind == RequestKind.CHAT:
+        check_capabilities(supervisor.slots[config.name], ["chat"])
+    canonical = with_template_defaults(config, kind, canonical)
+    args = {"kind": kind.value, "request": msgspec.to_builtins(canonical), "with_text": with_text}
+    return await supervisor.call(model, "tokenize", args)
+
+
+@post("/tokenize", status_code=200)
+async def tokenize(request: Request[Any, Any, Any], state: State) -> Response[bytes]:
+    body = decode_body(await request.body(), TokenizeRequest)
+    if (body.prompt is None) == (body.messages is None):
+        raise GatewayError(
+            ErrorCode.INVALID_REQUEST, "send exactly one of `prompt` and `messages`", "prompt"
+        )
+    if body.messages is not None:
+        if not body.messages:
+            raise GatewayError(
+                ErrorCode.INVALID_REQUEST, "`messages` must not be empty", "messages"
+            )
+        kind = RequestKind.CHAT
+        kwargs = dict(body.chat_template_kwargs or {})
+        if body.continue_final_message:
+            kwargs["continue_final_message"] = True
+        canonical = CanonicalRequest(
+            messages=[_message(i, m) for i, m in enumerate(body.messages)],
+            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+            chat_template_kwargs=kwargs,
+        )
+    else:
+        if not body.prompt:
+            raise GatewayError(ErrorCode.INVALID_REQUEST, "`prompt` must not be empty", "prompt")
+        kind = RequestKind.COMPLETION
+        canonical = CanonicalRequest(prompt=body.prompt)
+    result = await tokenize_prompt(
+        state, request, body.model, kind, canonical, body.return_token_strs
+    )
+    out = TokenizeResponse(
+        result["count"], result["max_context"], result["tokens"], result.get("token_strs")
+    )
+    return Response(msgspec.json.encode(out), media_type=JSON)
+
+
+@post("/detokenize", status_code=200)
+async def detokenize(request: Request[Any, Any, Any], state: State) -> Response[bytes]:
+    body = decode_body(await request.body(), DetokenizeRequest)
+    supervisor: Supervisor = state.supervisor
+    authorize_model(context_of(request.scope), body.model, lambda n: supervisor.resolve(n).name)
+    check_capabilities(supervisor.slots[supervisor.resolve(body.model).name], ["tokenize"])
+    result = await supervisor.call(body.model, "detokenize", {"tokens": body.tokens})
+    return Response(msgspec.json.encode({"prompt": result["text"]}), media_type=JSON)

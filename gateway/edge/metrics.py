@@ -1,0 +1,221 @@
+"""Prometheus metrics (`GET /metrics`) and the readiness probe (`GET /ready`).
+
+Request metrics are fed by a finish hook (one call per finished RequestContext); per-model
+worker figures are read from the supervisor at scrape time by a custom collector, so nothing
+runs in the background. Everything lives in the Metrics object's own registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from litestar import Response, get
+from litestar.datastructures import State
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gateway.edge.context import RequestContext
+from gateway.workers.slots import ModelState, Slot
+from gateway.workers.supervisor import Supervisor
+
+UNKNOWN = "-"  # the model label of a request refused before it named one (401, 400)
+
+# LLM serving spans milliseconds (a token) to minutes (a long generation).
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1)
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
+
+
+class Metrics:
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "mlxgw_requests", "Finished API requests", ["model", "status", "key"], registry=r
+        )
+        self.ttft = Histogram(
+            "mlxgw_time_to_first_token_seconds",
+            "Time from request arrival to the first generated token",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "mlxgw_request_queue_seconds",
+            "Time a request waited in its worker for a place in the batch",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.prefill = Histogram(
+            "mlxgw_request_prefill_seconds",
+            "Time from joining the batch to the first token, in the worker",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "mlxgw_inter_token_latency_seconds",
+            "Mean time between tokens after the first, one observation per request",
+            ["model"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "mlxgw_request_duration_seconds",
+            "Time from request arrival to the response's last byte",
+            ["model", "stream"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "mlxgw_prompt_tokens",
+            "Prompt tokens of finished requests",
+            ["model", "key"],
+            registry=r,
+        )
+        self.completion_tokens = Counter(
+            "mlxgw_completion_tokens", "Generated tokens", ["model", "key"], registry=r
+        )
+        self.cached_tokens = Counter(
+            "mlxgw_cached_prompt_tokens",
+            "Prompt tokens of finished requests read from the worker's prefix cache",
+            ["model", "key"],
+            registry=r,
+        )
+        r.register(WorkerCollector(supervisor))
+
+    def observe(self, ctx: RequestContext) -> None:
+        """The finish hook: only API requests count (not /metrics, /health, /admin)."""
+        if not ctx.path.startswith("/v1/"):
+            return
+        model, key = ctx.model or UNKNOWN, ctx.key_name
+        self.requests.labels(model, str(ctx.status), key).inc()
+        self.duration.labels(model, "true" if ctx.stream else "false").observe(ctx.duration_s)
+        if ctx.ttft_s is not None:
+            self.ttft.labels(model).observe(ctx.ttft_s)
+        if ctx.itl_s is not None:
+            self.itl.labels(model).observe(ctx.itl_s)
+        if (timings := ctx.worker_timings) is not None:
+            self.queue.labels(model).observe(timings.queue_s)
+            self.prefill.labels(model).observe(timings.prefill_s)
+        if ctx.prompt_tokens:
+            self.prompt_tokens.labels(model, key).inc(ctx.prompt_tokens)
+        if ctx.completion_tokens:
+            self.completion_tokens.labels(model, key).inc(ctx.completion_tokens)
+        if ctx.cached_tokens:
+            self.cached_tokens.labels(model, key).inc(ctx.cached_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class WorkerCollector(Collector):
+    """Per-model figures from the supervisor's slots and their workers' last heartbeat."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+
+    def collect(self) -> Iterator[Metric]:
+        def gauge(name: str, doc: str, *labels: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=["model", *labels])
+
+        state = gauge("mlxgw_model_state", "1 for the model's current state", "state")
+        running = gauge("mlxgw_running_requests", "Requests generating in the worker")
+        waiting = gauge("mlxgw_waiting_requests", "Requests queued in the worker")
+        in_flight = gauge("mlxgw_in_flight_requests", "Requests the gateway holds for the model")
+        rss = gauge("mlxgw_worker_resident_memory_bytes", "Worker process resident set")
+        active = gauge("mlxgw_mlx_active_bytes", "MLX memory in live arrays")
+        cache = gauge("mlxgw_mlx_cache_bytes", "MLX freed buffers kept for reuse")
+        peak = gauge("mlxgw_mlx_peak_bytes", "MLX high-water mark of active memory")
+        wired = gauge("mlxgw_mlx_wired_limit_bytes", "MLX memory the worker keeps resident")
+        cache_limit = gauge("mlxgw_mlx_cache_limit_bytes", "Bound of MLX's buffer cache")
+        load = gauge("mlxgw_model_load_seconds", "Load time of the current worker")
+        restarts = CounterMetricFamily(
+            "mlxgw_worker_restarts", "Workers restarted after a crash", labels=["model"]
+        )
+        for name, slot in self.supervisor.slots.items():
+            current = slot.state
+            for s in ModelState:
+                state.add_metric([name, s.value], 1.0 if s == current else 0.0)
+            restarts.add_metric([name], slot.restarts)
+            in_flight.add_metric([name], slot.in_flight())
+            handle = slot.handle
+            hb = handle.heartbeat if handle is not None else None
+            running.add_metric([name], hb.running if hb else 0)
+            waiting.add_metric([name], hb.waiting if hb else 0)
+            if hb is not None:
+                rss.add_metric([name], hb.memory_bytes)
+                active.add_metric([name], hb.active_bytes)
+                cache.add_metric([name], hb.cache_bytes)
+                peak.add_metric([name], hb.peak_bytes)
+                wired.add_metric([name], hb.wired_limit_bytes)
+                cache_limit.add_metric([name], hb.cache_limit_bytes)
+            if handle is not None and handle.info is not None:
+                load.add_metric([name], handle.info.load_time_s)
+        yield from (state, running, waiting, in_flight, rss, active, cache, peak, wired)
+        yield from (cache_limit, load, restarts)
+        yield from self.prefix_cache()
+
+    def prefix_cache(self) -> Iterator[Metric]:
+        """The current worker's prefix cache, as its last heartbeat reported it. The worker
+        counts lookups, hits and evictions from its start: counters that a new worker (a
+        restart, a reload) resets, which Prometheus' rate() and increase() expect."""
+
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"mlxgw_prefix_cache_{name}", doc, labels=["model"])
+
+        def counter(name: str, doc: str) -> CounterMetricFamily:
+            return CounterMetricFamily(f"mlxgw_prefix_cache_{name}", doc, labels=["model"])
+
+        # Each family and the PrefixCacheStats field it shows.
+        families: list[tuple[GaugeMetricFamily | CounterMetricFamily, str]] = [
+            (gauge("bytes", "KV cache bytes the prefix cache holds"), "nbytes"),
+            (gauge("capacity_bytes", "The prefix cache's bound"), "capacity_bytes"),
+            (gauge("entries", "Cached prefixes held"), "entries"),
+            (counter("lookups", "Requests that looked for a cached prefix"), "lookups"),
+            (counter("hits", "Requests that reused a cached prefix"), "hits"),
+            (counter("hit_tokens", "Prompt tokens served from the cache"), "hit_tokens"),
+            (counter("evictions", "Cached prefixes evicted"), "evictions"),
+        ]
+        for name, slot in self.supervisor.slots.items():
+            hb = slot.handle.heartbeat if slot.handle is not None else None
+            stats = hb.prefix_cache if hb is not None else None
+            if stats is not None:
+                for family, field in families:
+                    family.add_metric([name], getattr(stats, field))
+        yield from (family for family, _ in families)
+
+
+def model_ready(slot: Slot) -> bool:
+    """Serving now, or able to serve on the first request (loads on demand, not failed)."""
+    state = slot.state
+    if state == ModelState.FAILED:
+        return False
+    return state == ModelState.READY or slot.config.on_demand == "load"
+
+
+@get("/metrics", include_in_schema=False)
+async def metrics_route(state: State) -> Response[bytes]:
+    metrics: Metrics = state.metrics
+    return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@get("/ready", include_in_schema=False)
+async def ready_route(state: State) -> Response[dict[str, object]]:
+    """Readiness: 200 while at least one model can serve, else 503 (same body shape)."""
+    supervisor: Supervisor = state.supervisor
+    slots = supervisor.slots.values()
+    ready = any(model_ready(slot) for slot in slots)
+    body: dict[str, object] = {
+        "status": "ready" if ready else "not_ready",
+        "models": {slot.name: slot.state.value for slot in slots},
+    }
+    return Response(body, status_code=200 if ready else 503)

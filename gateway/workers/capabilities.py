@@ -1,0 +1,67 @@
+"""What a model can serve, checked before a request reaches (or loads) its worker, and the
+model's chat-template defaults merged under a request's."""
+
+from __future__ import annotations
+
+import msgspec
+
+from gateway.api.errors import GatewayError
+from gateway.workers.slots import Slot
+from shared.config import ModelConfig
+from shared.modelinfo import peek
+from shared.protocol import Ready
+from shared.types import CanonicalRequest, ErrorCode, RequestKind, reserved_template_kwarg
+
+# Why a model lacks a capability a request needs, and the request field that asked for it.
+_MISSING = {
+    "chat": "it has no chat template; send a prompt to /v1/completions instead",
+    "completion": "it does not serve text completions",
+    "logprobs": "it does not report log probabilities",
+    "echo": "it does not echo prompts",
+    "tokenize": "it does not expose its tokenizer",
+}
+MISSING_PARAM = {"chat": "messages", "logprobs": "logprobs", "echo": "echo"}
+
+
+def missing_reason(capability: str) -> str:
+    return _MISSING.get(capability, f"it lacks the {capability!r} capability")
+
+
+def with_template_defaults(
+    model: ModelConfig, kind: RequestKind, request: CanonicalRequest
+) -> CanonicalRequest:
+    """The model's configured chat_template_kwargs, overridden key by key by the request's."""
+    reserved = reserved_template_kwarg(request.chat_template_kwargs)
+    if reserved is not None:
+        raise GatewayError(
+            ErrorCode.INVALID_REQUEST,
+            f"chat_template_kwargs.{reserved} is not a template variable (it is a parameter "
+            "of the templating call itself)",
+            f"chat_template_kwargs.{reserved}",
+        )
+    if kind != RequestKind.CHAT or not model.chat_template_kwargs:
+        return request
+    merged = {**model.chat_template_kwargs, **request.chat_template_kwargs}
+    return msgspec.structs.replace(request, chat_template_kwargs=merged)
+
+
+def check_capabilities(slot: Slot, needs: list[str], info: Ready | None = None) -> None:
+    """A 400 before anything is sent (or loaded) when the model cannot serve `needs`:
+    from its last Ready, else from its files; unknown (a hub id not downloaded yet)
+    is checked again once its worker is Ready."""
+    info = info or (slot.handle.info if slot.handle is not None else None) or slot.last_info
+    if info is not None:
+        capabilities: list[str] | None = list(info.capabilities)
+    else:
+        if slot.peeked is None:
+            slot.peeked = peek(slot.config)[1] or []
+        capabilities = slot.peeked or None
+    if capabilities is None:
+        return
+    missing = [need for need in needs if need not in capabilities]
+    if missing:
+        raise GatewayError(
+            ErrorCode.INVALID_REQUEST,
+            f"model {slot.name!r} cannot serve this request: {missing_reason(missing[0])}",
+            MISSING_PARAM.get(missing[0]),
+        )

@@ -1,0 +1,205 @@
+"""A model's slot in the supervisor, and the worker processes it runs: state, not policy."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import os
+import signal
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from gateway.api.stream import RequestStream
+from shared.config import ModelConfig
+from shared.paths import RunDir
+from shared.protocol import Capacity, Heartbeat, Ready
+
+GiB = 2**30
+LOG_TAIL_BYTES = 4000
+
+
+class ModelState(enum.StrEnum):
+    UNLOADED = "unloaded"
+    LOADING = "loading"
+    READY = "ready"
+    UNLOADING = "unloading"
+    FAILED = "failed"
+
+
+@dataclass(slots=True, eq=False)
+class WorkerHandle:
+    config: ModelConfig
+    worker_id: str
+    process: asyncio.subprocess.Process
+    restart: bool = False  # spawned to replace a crashed worker
+    started_at: float = field(default_factory=time.time)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+    streams: dict[str, RequestStream] = field(default_factory=dict)
+    capacity: Capacity | None = None
+    info: Ready | None = None
+    heartbeat: Heartbeat | None = None
+    last_seen: float = field(default_factory=time.monotonic)
+    step: int = -1
+    step_moved_at: float = field(default_factory=time.monotonic)
+    retiring: bool = False  # unload or reload: its exit is expected
+    killed: bool = False  # by the liveness watch
+    error: str | None = None
+    exit_code: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def is_ready(self) -> bool:
+        return self.info is not None and not self.exited.is_set()
+
+    def memory_bytes(self) -> int:
+        """What the worker holds: the larger of its resident set and MLX's own count."""
+        hb = self.heartbeat
+        if hb is None:
+            return 0
+        return max(hb.memory_bytes, hb.active_bytes + hb.cache_bytes)
+
+
+@dataclass(slots=True, eq=False)
+class Slot:
+    config: ModelConfig
+    handle: WorkerHandle | None = None  # takes new requests
+    retiring: list[WorkerHandle] = field(default_factory=list)
+    loading: asyncio.Task[WorkerHandle] | None = None
+    unloading: bool = False
+    restarting: bool = False  # crashed; a new worker is on its way (backoff, then load)
+    restart_pending: bool = False  # a restart is scheduled and has not begun
+    error: str | None = None  # why it failed: set only in the failed state
+    last_error: str | None = None
+    exit_code: int | None = None
+    log_tail: str = ""
+    crashes: deque[float] = field(default_factory=deque)
+    restarts: int = 0
+    served: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    keep_alive_s: float | None = None  # the last request's keep_alive
+    idle_timer: asyncio.TimerHandle | None = None
+    idle_since: float | None = None
+    replay: list[RequestStream] = field(default_factory=list)
+    last_info: Ready | None = None  # the last Ready: capabilities and context stay known
+    peeked: list[str] | None = None  # capabilities its files promise, before its first Ready
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def state(self) -> ModelState:
+        if self.error is not None:
+            return ModelState.FAILED
+        if self.unloading:
+            return ModelState.UNLOADING
+        if self.handle is not None and self.handle.is_ready:
+            return ModelState.READY
+        if self.loading is not None or self.handle is not None or self.restarting:
+            return ModelState.LOADING
+        return ModelState.UNLOADED
+
+    @property
+    def is_evictable(self) -> bool:
+        return self.loading is None and not self.unloading and not self.restarting
+
+    def in_flight(self) -> int:
+        workers = ([self.handle] if self.handle else []) + self.retiring
+        return sum(len(w.streams) for w in workers) + len(self.replay)
+
+
+def estimate_bytes(model: ModelConfig) -> int:
+    """Bytes a model needs once loaded: its memory_gb, which counts everything; or its
+    weights plus a quarter, plus the bound of its prefix cache (which fills over time)."""
+    if model.memory_gb:
+        return int(model.memory_gb * GiB)
+    engine = model.engine
+    cache = int(engine.prefix_cache_gb * GiB) if engine.prefix_cache else 0
+    path = Path(model.source).expanduser()
+    if not path.is_dir():
+        return cache  # a hub id not downloaded yet, or the demo: weights measured once loaded
+    weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    return int(weights * 1.25) + cache
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def tail(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - LOG_TAIL_BYTES))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def consume(task: asyncio.Task[Any]) -> None:
+    """Load tasks are awaited by whoever wants them; nobody may be left: mark it seen."""
+    if not task.cancelled():
+        task.exception()
+
+
+def remove_sockets(run_dir: RunDir) -> None:
+    """After a clean stop: no stale ipc sockets are left in the run directory."""
+    for path in run_dir.root.glob("*.sock"):
+        if path != run_dir.admin_socket:  # the admin server removes its own once it stops
+            path.unlink(missing_ok=True)
+
+
+def status_row(slot: Slot, ttl: float, now: float) -> dict[str, object]:
+    """One model's row of `gatewayctl ps`."""
+    handle = slot.handle
+    row: dict[str, object] = {
+        "model": slot.name,
+        "state": slot.state.value,
+        "aliases": slot.config.aliases,
+        "pid": None,
+        "rss_bytes": None,
+        "memory_bytes": None,
+        "running": 0,
+        "waiting": 0,
+        "in_flight": slot.in_flight(),
+        "served": slot.served,
+        "restarts": slot.restarts,
+        "uptime_s": None,
+        "ttl_s": None if ttl < 0 else ttl,
+        "ttl_left_s": None,
+        "error": slot.error,
+        "last_error": slot.last_error,
+        "exit_code": slot.exit_code,
+        "log_tail": slot.log_tail if slot.state == ModelState.FAILED else None,
+        "draining": [h.pid for h in slot.retiring],
+    }
+    if slot.idle_since is not None and ttl >= 0:
+        row["ttl_left_s"] = round(max(0.0, ttl - (now - slot.idle_since)), 1)
+    if handle is not None:
+        row.update(pid=handle.pid, memory_bytes=handle.memory_bytes() or None)
+        row["uptime_s"] = round(time.time() - handle.started_at, 1)
+        with contextlib.suppress(psutil.Error):
+            row["rss_bytes"] = psutil.Process(handle.pid).memory_info().rss
+        hb = handle.heartbeat
+        if hb is not None:
+            row.update(running=hb.running, waiting=hb.waiting)
+            if not handle.is_ready:
+                row.update(stage=hb.stage, progress=hb.progress)
+    return row

@@ -1,0 +1,98 @@
+"""The gateway's sockets: ROUTER for requests and control, PULL for everything workers say."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from shared.protocol import Codec, FromWorker, ToWorker
+
+log = logging.getLogger("gateway.workers.transport")
+
+SEND_HWM = 10_000
+DRAIN_BATCH = 256  # frames handled per wakeup before yielding to the event loop
+
+
+class Transport:
+    def __init__(self, requests_addr: str, outputs_addr: str) -> None:
+        self.requests_addr = requests_addr
+        self.outputs_addr = outputs_addr
+        # Plain sockets: ROUTER only ever sends, without blocking; PULL is read from the
+        # event loop's reader callback on its FD, every queued frame per wakeup (no Future
+        # and no task switch per frame, as an awaited zmq.asyncio recv would cost).
+        self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.codec = Codec()
+        self.router = self.context.socket(zmq.ROUTER)
+        self.pull = self.context.socket(zmq.PULL)
+        self._decoder = msgspec.msgpack.Decoder(FromWorker)
+        self._on_frame: Callable[[FromWorker], None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd: int | None = None
+
+    def bind(self, on_frame: Callable[[FromWorker], None]) -> None:
+        for addr in (self.requests_addr, self.outputs_addr):
+            if addr.startswith("ipc://"):  # a stale socket file from a crashed gateway
+                Path(addr.removeprefix("ipc://")).unlink(missing_ok=True)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown worker -> error, not a drop
+        self.router.setsockopt(zmq.SNDHWM, SEND_HWM)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.router.bind(self.requests_addr)
+        self.pull.bind(self.outputs_addr)
+        self._on_frame = on_frame
+        self._loop = asyncio.get_running_loop()
+        fd = self.pull.getsockopt(zmq.FD)
+        assert isinstance(fd, int)
+        self._fd = fd
+        self._loop.add_reader(fd, self._drain)
+        self._loop.call_soon(self._drain)  # frames queued before the reader was added
+
+    def send(self, worker_id: str, frame: ToWorker) -> bool:
+        """Queue a frame for a worker; False when the worker is not connected."""
+        try:
+            self.router.send_multipart(
+                [worker_id.encode(), self.codec.encode(frame)], flags=zmq.NOBLOCK
+            )
+            return True
+        except zmq.ZMQError as exc:
+            log.warning("cannot send to worker %s: %s", worker_id, exc)
+            return False
+
+    def _drain(self) -> None:
+        """The PULL socket's FD signals edges, not levels: read until it is empty (or a
+        batch is done, then come back on the next loop iteration)."""
+        on_frame = self._on_frame
+        if on_frame is None:
+            return
+        for _ in range(DRAIN_BATCH):
+            try:
+                raw = self.pull.recv(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:  # closed under us at shutdown
+                return
+            try:
+                frame = self._decoder.decode(raw)
+            except msgspec.DecodeError:
+                log.exception("undecodable frame from a worker")
+                continue
+            try:
+                on_frame(frame)
+            except Exception:
+                log.exception("error handling %s", type(frame).__name__)
+        assert self._loop is not None
+        self._loop.call_soon(self._drain)
+
+    async def close(self) -> None:
+        if self._loop is not None and self._fd is not None:
+            self._loop.remove_reader(self._fd)
+            self._fd = None
+        self._on_frame = None
+        self.router.close()
+        self.pull.close()
+        self.context.term()
