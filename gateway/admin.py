@@ -7,7 +7,7 @@ from litestar import Litestar, Request, Response, Router, get, post
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 
-from gateway.api.errors import GatewayError
+from gateway.errors import GatewayError
 from gateway.workers.slots import Slot
 from gateway.workers.supervisor import Supervisor
 from shared.config import ConfigError, ModelConfig, parse_duration

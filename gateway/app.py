@@ -19,7 +19,7 @@ from litestar.exceptions import HTTPException
 
 from gateway.admin import admin_router, create_admin_app
 from gateway.api.anthropic.routes import anthropic_router
-from gateway.api.errors import GatewayError, error_response
+from gateway.api.errors import error_response
 from gateway.api.openai.routes import openai_router
 from gateway.api.responses.routes import responses_router
 from gateway.api.serve import InFlight
@@ -31,6 +31,7 @@ from gateway.edge.mdns import Advertiser, advertise
 from gateway.edge.metrics import Metrics, metrics_route, ready_route
 from gateway.edge.middleware import ASGIApp, GatewayMiddleware
 from gateway.edge.ratelimit import KeyLimiter
+from gateway.errors import GatewayError
 from gateway.workers.supervisor import Supervisor
 from shared.config import Config
 from shared.paths import RunDir

@@ -16,9 +16,9 @@ from gateway.api.anthropic.translate import (
     prompt_request,
     stop_reason,
 )
-from gateway.api.errors import GatewayError
 from gateway.api.openai.translate import decode_body
 from gateway.api.relay import Choice
+from gateway.errors import GatewayError
 from shared.types import (
     CanonicalRequest,
     ErrorCode,

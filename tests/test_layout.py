@@ -47,3 +47,71 @@ def test_the_gateway_and_shared_never_import_mlx() -> None:
 @pytest.mark.parametrize("path", modules("worker"), ids=lambda p: str(p.relative_to(ROOT)))
 def test_worker_files_stay_under_500_lines(path: Path) -> None:
     assert len(path.read_text(encoding="utf-8").splitlines()) <= 500
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _gateway_imports(path: Path, top_level: bool) -> set[str]:
+    """The gateway modules `path` imports: at module level (TYPE_CHECKING blocks included),
+    or inside functions."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    body = [n for n in tree.body]
+    body += [c for n in tree.body if isinstance(n, ast.If) for c in n.body]
+    nodes = body if top_level else [n for n in ast.walk(tree) if n not in body]
+    names: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return {n for n in names if n.split(".")[0] == "gateway"}
+
+
+def _gateway_graph() -> dict[str, set[str]]:
+    paths = {_module(p): p for p in modules("gateway")}
+    return {
+        name: {m for m in _gateway_imports(path, top_level=True) if m in paths and m != name}
+        for name, path in paths.items()
+    }
+
+
+def test_the_gateway_has_no_import_cycle() -> None:
+    graph = _gateway_graph()
+    done: set[str] = set()
+
+    def visit(name: str, trail: list[str]) -> None:
+        if name in trail:
+            raise AssertionError("import cycle: " + " -> ".join(trail[trail.index(name) :]))
+        if name in done:
+            return
+        for dep in sorted(graph[name]):
+            visit(dep, [*trail, name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+
+
+def test_only_gatewayctl_imports_gateway_modules_lazily() -> None:
+    """Function-level imports would hide a cycle; gatewayctl's keep its commands quick to
+    start (`serve` imports the server only when it runs)."""
+    offenders = [
+        str(path.relative_to(ROOT))
+        for path in modules("gateway")
+        if "ctl" not in path.parts and _gateway_imports(path, top_level=False)
+    ]
+    assert offenders == []
+
+
+def test_nothing_on_the_request_path_imports_gatewayctl() -> None:
+    offenders = sorted(
+        name
+        for name, deps in _gateway_graph().items()
+        if not name.startswith(("gateway.ctl", "gateway.__main__"))
+        and any(dep.startswith("gateway.ctl") for dep in deps)
+    )
+    assert offenders == []

@@ -16,7 +16,6 @@ import pytest
 from litestar import Litestar
 from litestar.datastructures import State
 
-from gateway.api.errors import GatewayError
 from gateway.api.openai.translate import decode_body
 from gateway.api.relay import Choice
 from gateway.api.responses.routes import responses_router, store_of
@@ -35,6 +34,7 @@ from gateway.api.stream import RequestStream
 from gateway.edge.context import RequestContext, new_request_id
 from gateway.edge.keys import ApiKey
 from gateway.edge.middleware import CONTEXT_KEY
+from gateway.errors import GatewayError
 from shared.config import Config, ServerConfig
 from shared.types import (
     CanonicalRequest,

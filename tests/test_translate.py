@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway.api.errors import GatewayError
+from gateway.api.openai.errors import error_body
 from gateway.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.api.openai.translate import (
     ChatFormatter,
@@ -15,9 +15,9 @@ from gateway.api.openai.translate import (
     chat_request,
     completion_request,
     decode_body,
-    error_body,
 )
 from gateway.api.relay import DONE, Choice, total_usage
+from gateway.errors import GatewayError
 from shared.types import (
     CanonicalRequest,
     ErrorCode,

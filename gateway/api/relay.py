@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gateway.api.errors import GatewayError
 from gateway.api.stream import RequestStream
 from gateway.edge.context import RequestContext
+from gateway.errors import GatewayError
 from gateway.workers.supervisor import Supervisor
 from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput, TokenLogprob, Usage
 

@@ -19,11 +19,11 @@ from litestar import Request, Response
 from litestar.datastructures import State
 from litestar.response import Stream
 
-from gateway.api.errors import GatewayError
 from gateway.api.relay import Formatter, Relay
 from gateway.api.stream import RequestStream
 from gateway.edge.context import RequestContext
 from gateway.edge.middleware import authorize_model, context_of
+from gateway.errors import GatewayError
 from gateway.workers.supervisor import Supervisor
 from shared.types import CanonicalRequest, ErrorCode, Priority, RequestKind, SamplingParams
 

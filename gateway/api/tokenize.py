@@ -9,11 +9,11 @@ from litestar import Request, Response, post
 from litestar.datastructures import State
 from msgspec import Meta
 
-from gateway.api.errors import GatewayError
 from gateway.api.openai.schemas import ChatMessage
 from gateway.api.openai.translate import _message, decode_body
 from gateway.api.serve import JSON
 from gateway.edge.middleware import authorize_model, context_of
+from gateway.errors import GatewayError
 from gateway.workers.capabilities import check_capabilities, with_template_defaults
 from gateway.workers.supervisor import Supervisor
 from shared.types import CanonicalRequest, ErrorCode, RequestKind

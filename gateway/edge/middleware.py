@@ -20,10 +20,11 @@ import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from gateway.api.errors import GatewayError, error_json
+from gateway.api.errors import error_json
 from gateway.edge.context import RequestContext, client_request_id, new_request_id
 from gateway.edge.keys import KeyStore
 from gateway.edge.ratelimit import KeyLimiter
+from gateway.errors import GatewayError
 from shared.config import ConfigError
 from shared.types import ErrorCode
 

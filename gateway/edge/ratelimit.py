@@ -17,9 +17,9 @@ from limits import RateLimitItem, RateLimitItemPerMinute
 from limits.storage import MemoryStorage
 from limits.strategies import MovingWindowRateLimiter
 
-from gateway.api.errors import GatewayError
 from gateway.edge.context import RequestContext
 from gateway.edge.keys import ApiKey
+from gateway.errors import GatewayError
 from shared.types import ErrorCode
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from gateway.api.errors import GatewayError
+from gateway.errors import GatewayError
 from gateway.workers.slots import Slot
 from shared.config import ModelConfig
 from shared.modelinfo import peek

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from gateway.api.errors import GatewayError
+from gateway.errors import GatewayError
 from gateway.workers.transport import Transport
 from shared.protocol import Control, ControlReply
 from shared.types import ErrorCode

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable
 from typing import Protocol
 
-from gateway.api.errors import GatewayError
+from gateway.errors import GatewayError
 from gateway.workers.device import Device
 from gateway.workers.slots import GiB, Slot, estimate_bytes
 from shared.config import ServerConfig

@@ -29,8 +29,8 @@ from typing import Any
 
 import msgspec
 
-from gateway.api.errors import GatewayError
 from gateway.api.stream import RequestStream
+from gateway.errors import GatewayError
 from gateway.workers.capabilities import check_capabilities, with_template_defaults
 from gateway.workers.control import ControlCalls
 from gateway.workers.device import detect_device

@@ -10,6 +10,7 @@ from litestar import Request, Response, Router, post
 from litestar.datastructures import State
 from litestar.response import Stream
 
+from gateway.api.anthropic.errors import error_response
 from gateway.api.anthropic.schemas import CountTokensRequest, MessagesRequest
 from gateway.api.anthropic.translate import (
     MessagesFormatter,
@@ -17,12 +18,12 @@ from gateway.api.anthropic.translate import (
     messages_request,
     prompt_request,
 )
-from gateway.api.errors import GatewayError, error_response
 from gateway.api.openai.translate import decode_body
 from gateway.api.serve import JSON, Job, Served, serve
 from gateway.api.tokenize import tokenize_prompt
 from gateway.edge.logs import log_body
 from gateway.edge.middleware import context_of
+from gateway.errors import GatewayError
 from shared.types import RequestKind
 
 

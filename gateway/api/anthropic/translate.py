@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 
+from gateway.api.anthropic.errors import error_json
 from gateway.api.anthropic.schemas import (
     ContentBlockDelta,
     ContentBlockStart,
@@ -27,8 +28,8 @@ from gateway.api.anthropic.schemas import (
     TextDelta,
     UsageBody,
 )
-from gateway.api.errors import GatewayError, error_json, validation_error
 from gateway.api.relay import Choice, sse_event
+from gateway.errors import GatewayError, validation_error
 from shared.types import (
     CanonicalRequest,
     ErrorCode,
@@ -228,7 +229,7 @@ class MessagesFormatter:
         return self._event("message_stop", MessageStop())
 
     def stream_error(self, error: GatewayError) -> bytes:
-        return sse_event("error", error_json(MESSAGES_PATH, error))
+        return sse_event("error", error_json(error))
 
     def response(self, choices: list[Choice], usage: Usage) -> bytes:
         choice = choices[0]

@@ -10,7 +10,7 @@ from litestar.datastructures import State
 from litestar.params import FromPath
 from litestar.response import Stream
 
-from gateway.api.errors import GatewayError, error_response
+from gateway.api.openai.errors import error_response
 from gateway.api.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -28,6 +28,7 @@ from gateway.api.openai.translate import (
 from gateway.api.serve import JSON, InFlight, Job, Served, serve
 from gateway.edge.logs import log_body
 from gateway.edge.middleware import authorize_model, context_of
+from gateway.errors import GatewayError
 from gateway.workers.supervisor import Supervisor
 from shared.modelinfo import peek
 from shared.types import RequestKind

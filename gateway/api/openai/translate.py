@@ -9,7 +9,7 @@ from typing import TypeVar
 
 import msgspec
 
-from gateway.api.errors import GatewayError, validation_error
+from gateway.api.openai.errors import error_body
 from gateway.api.openai.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -24,8 +24,6 @@ from gateway.api.openai.schemas import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
-    ErrorBody,
-    ErrorDetail,
     LogprobContent,
     PromptTokensDetails,
     SamplingFields,
@@ -33,6 +31,7 @@ from gateway.api.openai.schemas import (
     UsageBody,
 )
 from gateway.api.relay import DONE, Choice, sse_data
+from gateway.errors import GatewayError, validation_error
 from shared.config import ConfigError, parse_duration
 from shared.types import (
     CanonicalRequest,
@@ -45,18 +44,6 @@ from shared.types import (
     TopLogprob,
     Usage,
 )
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    499: "request_cancelled",
-    403: "permission_error",
-    404: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable",
-    504: "timeout",
-}
 
 
 def _unsupported(param: str, detail: str = "") -> GatewayError:
@@ -282,11 +269,6 @@ def usage_body(usage: Usage | None) -> UsageBody:
 
 def finish_reason(reason: FinishReason | None) -> str | None:
     return None if reason is None else reason.value
-
-
-def error_body(error: GatewayError) -> ErrorBody:
-    kind = ERROR_TYPES.get(error.status, "server_error")
-    return ErrorBody(ErrorDetail(error.message, kind, error.param, error.code.value))
 
 
 def _bytes(entry: TokenLogprob | TopLogprob) -> list[int]:

@@ -20,7 +20,7 @@ from litestar.datastructures import State
 from litestar.params import FromPath
 from litestar.response import Stream
 
-from gateway.api.errors import GatewayError, error_response
+from gateway.api.openai.errors import error_response
 from gateway.api.openai.translate import decode_body
 from gateway.api.responses.schemas import (
     DeletedResponse,
@@ -44,6 +44,7 @@ from gateway.edge.context import RequestContext
 from gateway.edge.logs import log_body
 from gateway.edge.middleware import authorize_model, context_of
 from gateway.edge.ratelimit import KeyLimiter
+from gateway.errors import GatewayError
 from gateway.workers.supervisor import Supervisor
 from shared.config import parse_duration
 from shared.types import ErrorCode, RequestKind

@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from gateway.api.errors import GatewayError, validation_error
 from gateway.api.relay import Choice, sse_event
 from gateway.api.responses.schemas import (
     IncompleteDetails,
@@ -31,6 +30,7 @@ from gateway.api.responses.schemas import (
     ResponseUsage,
     TextPartIn,
 )
+from gateway.errors import GatewayError, validation_error
 from shared.types import (
     CanonicalRequest,
     ErrorCode,
