@@ -16,7 +16,7 @@ from gateway.api.anthropic.translate import (
     prompt_request,
     stop_reason,
 )
-from gateway.api.openai.translate import decode_body
+from gateway.api.common import decode_body
 from gateway.api.relay import Choice
 from gateway.errors import GatewayError
 from shared.types import (

@@ -16,7 +16,7 @@ import pytest
 from litestar import Litestar
 from litestar.datastructures import State
 
-from gateway.api.openai.translate import decode_body
+from gateway.api.common import decode_body
 from gateway.api.relay import Choice
 from gateway.api.responses.routes import responses_router, store_of
 from gateway.api.responses.schemas import InputText, MessageItem, ResponsesRequest

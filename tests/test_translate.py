@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from gateway.api.common import decode_body
 from gateway.api.openai.errors import error_body
 from gateway.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.api.openai.translate import (
@@ -14,7 +15,6 @@ from gateway.api.openai.translate import (
     CompletionFormatter,
     chat_request,
     completion_request,
-    decode_body,
 )
 from gateway.api.relay import DONE, Choice, total_usage
 from gateway.errors import GatewayError

@@ -9,8 +9,9 @@ from litestar import Request, Response, post
 from litestar.datastructures import State
 from msgspec import Meta
 
+from gateway.api.common import decode_body
 from gateway.api.openai.schemas import ChatMessage
-from gateway.api.openai.translate import _message, decode_body
+from gateway.api.openai.translate import message_of
 from gateway.api.serve import JSON
 from gateway.edge.middleware import authorize_model, context_of
 from gateway.errors import GatewayError
@@ -79,7 +80,7 @@ async def tokenize(request: Request[Any, Any, Any], state: State) -> Response[by
         if body.continue_final_message:
             kwargs["continue_final_message"] = True
         canonical = CanonicalRequest(
-            messages=[_message(i, m) for i, m in enumerate(body.messages)],
+            messages=[message_of(i, m) for i, m in enumerate(body.messages)],
             add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
             chat_template_kwargs=kwargs,
         )

@@ -18,7 +18,7 @@ from gateway.api.anthropic.translate import (
     messages_request,
     prompt_request,
 )
-from gateway.api.openai.translate import decode_body
+from gateway.api.common import decode_body
 from gateway.api.serve import JSON, Job, Served, serve
 from gateway.api.tokenize import tokenize_prompt
 from gateway.edge.logs import log_body

@@ -28,11 +28,11 @@ from gateway.api.anthropic.schemas import (
     TextDelta,
     UsageBody,
 )
+from gateway.api.common import invalid, sampling
 from gateway.api.relay import Choice, sse_event
 from gateway.errors import GatewayError, validation_error
 from shared.types import (
     CanonicalRequest,
-    ErrorCode,
     FinishReason,
     Message,
     RequestOutput,
@@ -57,18 +57,14 @@ _BLOCKS_NOT_SERVED = {
 }
 
 
-def _invalid(message: str, param: str | None = None) -> GatewayError:
-    return GatewayError(ErrorCode.INVALID_REQUEST, message, param)
-
-
 def _block_text(where: str, block: dict[str, Any]) -> str:
     """The text of one content block (`where` names it: messages[i].content[j])."""
     kind = block.get("type")
     if kind != "text":
         if not isinstance(kind, str):
-            raise _invalid(f"`{where}` needs a string `type`", f"{where}.type")
+            raise invalid(f"`{where}` needs a string `type`", f"{where}.type")
         why = _BLOCKS_NOT_SERVED.get(kind, "only text content blocks are served")
-        raise _invalid(f"`{where}` is a content block of type {kind!r}: {why}", where)
+        raise invalid(f"`{where}` is a content block of type {kind!r}: {why}", where)
     try:
         return msgspec.convert(block, TextBlock).text
     except msgspec.ValidationError as exc:
@@ -92,11 +88,11 @@ def _system(system: str | list[TextBlock] | None) -> str:
 
 def _refuse_unserved(req: PromptFields) -> None:
     if req.tools:
-        raise _invalid("`tools`: tool use is not served yet", "tools")
+        raise invalid("`tools`: tool use is not served yet", "tools")
     if req.tool_choice is not None and req.tool_choice.get("type") not in ("auto", "none"):
-        raise _invalid("`tool_choice`: tool use is not served yet", "tool_choice")
+        raise invalid("`tool_choice`: tool use is not served yet", "tool_choice")
     if req.thinking is not None and req.thinking.get("type") != "disabled":
-        raise _invalid(
+        raise invalid(
             '`thinking`: extended thinking is not served; only {"type": "disabled"}', "thinking"
         )
 
@@ -106,7 +102,7 @@ def prompt_request(req: PromptFields) -> CanonicalRequest:
     a prefill: the model continues it (an empty one is no prefill: a new assistant turn)."""
     _refuse_unserved(req)
     if not req.messages:
-        raise _invalid("`messages` must not be empty", "messages")
+        raise invalid("`messages` must not be empty", "messages")
     messages = [Message(role=m.role, content=_content(i, m)) for i, m in enumerate(req.messages)]
     if len(messages) > 1 and messages[-1].role == "assistant" and not messages[-1].content:
         messages.pop()
@@ -124,20 +120,20 @@ def prompt_request(req: PromptFields) -> CanonicalRequest:
 
 def _stop_sequences(stops: list[str] | None) -> list[str]:
     if stops and any(not text for text in stops):
-        raise _invalid("stop_sequences must not contain an empty string", "stop_sequences")
+        raise invalid("stop_sequences must not contain an empty string", "stop_sequences")
     return list(stops or [])
 
 
 def messages_request(req: MessagesRequest) -> tuple[CanonicalRequest, SamplingParams]:
     canonical = prompt_request(req)
-    sampling = SamplingParams(
-        max_tokens=req.max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0,
+    params = sampling(
+        req.max_tokens,
+        req.temperature,
+        req.top_p,
+        req.top_k,
         stop=_stop_sequences(req.stop_sequences),
     )
-    return canonical, sampling
+    return canonical, params
 
 
 # ---- responses ---------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from litestar.datastructures import State
 from litestar.params import FromPath
 from litestar.response import Stream
 
+from gateway.api.common import decode_body
 from gateway.api.openai.errors import error_response
 from gateway.api.openai.schemas import (
     ChatCompletionRequest,
@@ -22,7 +23,6 @@ from gateway.api.openai.translate import (
     CompletionFormatter,
     chat_request,
     completion_request,
-    decode_body,
     keep_alive_of,
 )
 from gateway.api.serve import JSON, InFlight, Job, Served, serve

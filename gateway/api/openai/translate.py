@@ -5,10 +5,10 @@ from __future__ import annotations
 import codecs
 import time
 import uuid
-from typing import TypeVar
 
 import msgspec
 
+from gateway.api.common import sampling, unsupported
 from gateway.api.openai.errors import error_body
 from gateway.api.openai.schemas import (
     AssistantMessage,
@@ -31,7 +31,7 @@ from gateway.api.openai.schemas import (
     UsageBody,
 )
 from gateway.api.relay import DONE, Choice, sse_data
-from gateway.errors import GatewayError, validation_error
+from gateway.errors import GatewayError
 from shared.config import ConfigError, parse_duration
 from shared.types import (
     CanonicalRequest,
@@ -44,25 +44,6 @@ from shared.types import (
     TopLogprob,
     Usage,
 )
-
-
-def _unsupported(param: str, detail: str = "") -> GatewayError:
-    message = f"`{param}` is not supported" + (f": {detail}" if detail else "")
-    return GatewayError(ErrorCode.INVALID_REQUEST, message, param)
-
-
-T = TypeVar("T")
-
-
-def decode_body(body: bytes, type_: type[T]) -> T:
-    if not body:
-        raise GatewayError(ErrorCode.INVALID_REQUEST, "the request body is empty")
-    try:
-        return msgspec.json.decode(body, type=type_)
-    except msgspec.ValidationError as exc:
-        raise validation_error(exc) from exc
-    except msgspec.DecodeError as exc:
-        raise GatewayError(ErrorCode.INVALID_REQUEST, f"the body is not valid JSON: {exc}") from exc
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None) -> SamplingParams:
@@ -80,9 +61,9 @@ def sampling_params(req: SamplingFields, max_tokens: int | None) -> SamplingPara
             )
         bias[token] = value
     if req.store:
-        raise _unsupported("store", "responses are not stored for distillation")
+        raise unsupported("store", "responses are not stored for distillation")
     if req.metadata:
-        raise _unsupported("metadata", "it is kept only with store, which is not served")
+        raise unsupported("metadata", "it is kept only with store, which is not served")
     if req.seed is not None and not -(2**63) <= req.seed < 2**64:
         raise GatewayError(
             ErrorCode.INVALID_REQUEST, "seed must fit in 64 bits (signed or unsigned)", "seed"
@@ -96,11 +77,11 @@ def sampling_params(req: SamplingFields, max_tokens: int | None) -> SamplingPara
             "stream_options is only allowed with stream: true",
             "stream_options",
         )
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=max(0, req.top_k or 0),
+    return sampling(
+        max_tokens,
+        req.temperature,
+        req.top_p,
+        req.top_k,
         min_p=req.min_p or 0.0,
         seed=req.seed,
         stop=stop,
@@ -141,27 +122,27 @@ def chat_request(req: ChatCompletionRequest) -> tuple[CanonicalRequest, Sampling
         raise GatewayError(ErrorCode.INVALID_REQUEST, "`messages` must not be empty", "messages")
     for field, why in _CHAT_REFUSED.items():
         if getattr(req, field) is not None:
-            raise _unsupported(field, why)
+            raise unsupported(field, why)
     if req.top_logprobs and not req.logprobs:
         raise GatewayError(
             ErrorCode.INVALID_REQUEST, "top_logprobs requires logprobs: true", "top_logprobs"
         )
     if req.tools or req.tool_choice not in (None, "none"):
-        raise _unsupported("tools", "tool calling is not served yet")
+        raise unsupported("tools", "tool calling is not served yet")
     if req.response_format is not None and req.response_format.type != "text":
-        raise _unsupported(
+        raise unsupported(
             "response_format",
             f"type {req.response_format.type!r}: structured output is not served yet",
         )
     if req.modalities is not None and req.modalities != ["text"]:
-        raise _unsupported("modalities", "text is the only output modality")
+        raise unsupported("modalities", "text is the only output modality")
     if req.max_tokens and req.max_completion_tokens and req.max_tokens != req.max_completion_tokens:
         raise GatewayError(
             ErrorCode.INVALID_REQUEST,
             "max_tokens and max_completion_tokens disagree",
             "max_completion_tokens",
         )
-    messages = [_message(i, m) for i, m in enumerate(req.messages)]
+    messages = [message_of(i, m) for i, m in enumerate(req.messages)]
     kwargs = dict(req.chat_template_kwargs or {})
     add_generation_prompt = req.add_generation_prompt
     if req.continue_final_message:
@@ -186,13 +167,13 @@ def chat_request(req: ChatCompletionRequest) -> tuple[CanonicalRequest, Sampling
     return canonical, sampling
 
 
-def _message(index: int, message: ChatMessage) -> Message:
+def message_of(index: int, message: ChatMessage) -> Message:
     content = message.content
     if isinstance(content, list):
         texts = []
         for part in content:
             if part.type != "text" or part.text is None:
-                raise _unsupported(
+                raise unsupported(
                     f"messages[{index}].content", f"content part of type {part.type!r}"
                 )
             texts.append(part.text)
@@ -229,9 +210,9 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 def completion_request(req: CompletionRequest) -> list[tuple[CanonicalRequest, SamplingParams]]:
     if req.suffix:
-        raise _unsupported("suffix", "fill-in-the-middle is not served")
+        raise unsupported("suffix", "fill-in-the-middle is not served")
     if req.best_of not in (None, req.n):
-        raise _unsupported("best_of", "best_of must equal n (every choice is returned)")
+        raise unsupported("best_of", "best_of must equal n (every choice is returned)")
     max_tokens = req.max_tokens  # None: 16 (Served.default_max_tokens), within the cap
     if max_tokens == 0 and not req.echo:
         raise GatewayError(

@@ -20,8 +20,8 @@ from litestar.datastructures import State
 from litestar.params import FromPath
 from litestar.response import Stream
 
+from gateway.api.common import decode_body, invalid
 from gateway.api.openai.errors import error_response
-from gateway.api.openai.translate import decode_body
 from gateway.api.responses.schemas import (
     DeletedResponse,
     MessageItem,
@@ -34,7 +34,6 @@ from gateway.api.responses.translate import (
     canonical_of,
     check_request,
     input_items,
-    invalid,
     item_page,
     new_response,
     sampling_of,

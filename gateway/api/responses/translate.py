@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from gateway.api.common import invalid, sampling, unsupported
 from gateway.api.relay import Choice, sse_event
 from gateway.api.responses.schemas import (
     IncompleteDetails,
@@ -33,7 +34,6 @@ from gateway.api.responses.schemas import (
 from gateway.errors import GatewayError, validation_error
 from shared.types import (
     CanonicalRequest,
-    ErrorCode,
     FinishReason,
     Message,
     RequestOutput,
@@ -49,14 +49,6 @@ T = TypeVar("T")
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def invalid(message: str, param: str | None = None) -> GatewayError:
-    return GatewayError(ErrorCode.INVALID_REQUEST, message, param)
-
-
-def unsupported(param: str, detail: str) -> GatewayError:
-    return invalid(f"`{param}` is not supported: {detail}", param)
 
 
 # ---- requests ----------------------------------------------------------------------------
@@ -170,11 +162,7 @@ def messages_of(items: list[MessageItem], instructions: str | None) -> list[Mess
 
 
 def sampling_of(body: ResponsesRequest) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=body.max_output_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-    )
+    return sampling(body.max_output_tokens, body.temperature, body.top_p)
 
 
 def canonical_of(
