@@ -67,7 +67,7 @@ async def ps(state: State) -> list[dict[str, object]]:
     supervisor: Supervisor = state.supervisor
     rows = supervisor.ps()
     for row in rows:
-        row["prefix_cache"] = prefix_cache(supervisor.slots[str(row["model"])])
+        row["prefix_cache"] = prefix_cache(supervisor.slot(str(row["model"])))
     return rows
 
 
@@ -80,7 +80,7 @@ async def status(state: State) -> dict[str, object]:
 @post("/load", status_code=200)
 async def load(state: State, data: LoadBody) -> dict[str, object]:
     supervisor: Supervisor = state.supervisor
-    known = supervisor.slots.get(data.model)
+    known = supervisor.catalog.slots.get(data.model)
     if known is not None and data.source not in (None, known.config.source):
         raise GatewayError(
             ErrorCode.INVALID_REQUEST,

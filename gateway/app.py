@@ -32,6 +32,7 @@ from gateway.edge.metrics import Metrics, metrics_route, ready_route
 from gateway.edge.middleware import ASGIApp, GatewayMiddleware
 from gateway.edge.ratelimit import KeyLimiter
 from gateway.errors import GatewayError
+from gateway.workers.client import WorkerClient
 from gateway.workers.supervisor import Supervisor
 from shared.config import Config
 from shared.paths import RunDir
@@ -46,8 +47,8 @@ WATCH_PARENT_ENV = "MLX_GATEWAY_PARENT_PID"
 
 @get("/health")
 async def health(state: State) -> dict[str, object]:
-    supervisor: Supervisor = state.supervisor
-    models = {name: supervisor.state_of(name).value for name in supervisor.models}
+    workers: WorkerClient = state.workers
+    models = {view.name: view.state.value for view in workers.views()}
     return {"status": "ok", "models": models}
 
 
@@ -166,7 +167,8 @@ def create_app(config: Config) -> GatewayApp:
     state = State(
         {
             "config": config,
-            "supervisor": supervisor,
+            "supervisor": supervisor,  # the control plane: admin API, lifespan
+            "workers": supervisor,  # the request path's face of it (WorkerClient)
             "metrics": metrics,
             "started_at": time.time(),
             "key_store": keys,

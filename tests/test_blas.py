@@ -161,7 +161,7 @@ def test_the_supervisor_spawns_for_the_detected_device(
     preloaded: bool,
 ) -> None:
     """On a CUDA machine (faked) workers get no OpenBLAS; on MLX's CPU they do."""
-    from gateway.workers import device, supervisor
+    from gateway.workers import device, processes, supervisor
     from shared import blas
     from shared.config import Config, ModelConfig
     from shared.paths import RunDir
@@ -179,12 +179,13 @@ def test_the_supervisor_spawns_for_the_detected_device(
         envs.append(kwargs["env"])
         return await real_exec("true", **kwargs)  # exits at once: a load failure
 
-    monkeypatch.setattr(supervisor.asyncio, "create_subprocess_exec", spawn)
+    monkeypatch.setattr(processes.asyncio, "create_subprocess_exec", spawn)
 
     async def main() -> None:
         sup = supervisor.Supervisor(Config(), RunDir(tmp_path / "run"))
         sup.run_dir.create()
-        handle = await sup._spawn(ModelConfig(name="m", source="/nowhere"), restart=False)
+        model = ModelConfig(name="m", source="/nowhere")
+        handle = await sup.processes.spawn(model, restart=False)
         await asyncio.wait_for(handle.exited.wait(), 10)
         assert sup.device.kind == ("gpu" if backend == "cuda" else "cpu")
         assert sup.status()["device"] == f"{sup.device.kind} ({backend})"

@@ -44,8 +44,10 @@ def test_the_gateway_and_shared_never_import_mlx() -> None:
     assert offenders == []
 
 
-@pytest.mark.parametrize("path", modules("worker"), ids=lambda p: str(p.relative_to(ROOT)))
-def test_worker_files_stay_under_500_lines(path: Path) -> None:
+@pytest.mark.parametrize(
+    "path", modules("worker", "gateway"), ids=lambda p: str(p.relative_to(ROOT))
+)
+def test_files_stay_under_500_lines(path: Path) -> None:
     assert len(path.read_text(encoding="utf-8").splitlines()) <= 500
 
 
@@ -113,5 +115,19 @@ def test_nothing_on_the_request_path_imports_gatewayctl() -> None:
         for name, deps in _gateway_graph().items()
         if not name.startswith(("gateway.ctl", "gateway.__main__"))
         and any(dep.startswith("gateway.ctl") for dep in deps)
+    )
+    assert offenders == []
+
+
+def test_the_request_path_reaches_the_workers_only_through_their_client() -> None:
+    """gateway/edge and gateway/api see WorkerClient, its views and streams, never a slot, a
+    process or the supervisor behind them."""
+    graph = _gateway_graph()
+    offenders = sorted(
+        f"{name} -> {dep}"
+        for name, deps in graph.items()
+        if name.startswith(("gateway.edge", "gateway.api"))
+        for dep in deps
+        if dep.startswith("gateway.workers") and dep != "gateway.workers.client"
     )
     assert offenders == []

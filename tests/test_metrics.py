@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.edge.context import RequestContext
 from gateway.edge.metrics import Metrics
+from gateway.workers.client import WorkerClient
 from gateway.workers.slots import Slot
-from gateway.workers.supervisor import Supervisor
 from tests.gateway_proc import GatewayProc, openai_client, running_gateway, wait_for
 from tests.slot_fakes import STATS, heartbeat, ready_slot
 
@@ -160,8 +160,8 @@ def test_not_ready_when_the_only_model_failed(chat_model: Path) -> None:
 
 
 def metrics_of(*slots: Slot) -> Metrics:
-    supervisor = SimpleNamespace(slots={slot.name: slot for slot in slots})
-    return Metrics(cast(Supervisor, supervisor))
+    workers = SimpleNamespace(views=lambda: [slot.view() for slot in slots])
+    return Metrics(cast(WorkerClient, workers))
 
 
 def test_prefix_cache_figures_come_from_the_last_heartbeat() -> None:

@@ -30,11 +30,11 @@ from gateway.api.responses.translate import (
     new_response,
 )
 from gateway.api.serve import InFlight
-from gateway.api.stream import RequestStream
 from gateway.edge.context import RequestContext, new_request_id
 from gateway.edge.keys import ApiKey
 from gateway.edge.middleware import CONTEXT_KEY
 from gateway.errors import GatewayError
+from gateway.workers.client import RequestStream, Submission
 from shared.config import Config, ServerConfig
 from shared.types import (
     CanonicalRequest,
@@ -42,7 +42,6 @@ from shared.types import (
     FinishReason,
     Message,
     RequestOutput,
-    SamplingParams,
     Usage,
 )
 
@@ -384,8 +383,8 @@ def test_store_visibility_by_key() -> None:
 # ---- the routes, in process ----------------------------------------------------------------
 
 
-class ScriptedSupervisor:
-    """Stands in for the Supervisor: each request answers "Hello" in two deltas (prompt
+class ScriptedWorkers:
+    """Stands in for the workers' client: each request answers "Hello" in two deltas (prompt
     tokens = the number of messages, `cached` of them from the prefix cache), or, with
     `hold`, one delta and then nothing."""
 
@@ -403,17 +402,11 @@ class ScriptedSupervisor:
     def must_load(self, name: str) -> bool:
         return False
 
-    async def submit(
-        self,
-        name: str,
-        kind: Any,
-        request: CanonicalRequest,
-        sampling: SamplingParams,
-        keep_alive: float | None = None,
-        **kw: Any,
-    ) -> RequestStream:
+    async def submit(self, submission: Submission) -> RequestStream:
+        request = submission.request
         self.requests.append(request)
-        stream = RequestStream(kw.get("request_id") or new_request_id(), name, "w")
+        rid = submission.request_id or new_request_id()
+        stream = RequestStream(rid, submission.model, "w")
         prompt = len(request.messages)
         loop = asyncio.get_running_loop()
         cached = min(self.cached, prompt)
@@ -430,11 +423,11 @@ class ScriptedSupervisor:
 KEYS = {"k1": _key("k1"), "k2": _key("k2"), "boss": _key("boss", "admin")}
 
 
-def _app(supervisor: ScriptedSupervisor, **server: Any) -> Callable[..., Any]:
+def _app(workers: ScriptedWorkers, **server: Any) -> Callable[..., Any]:
     state = State(
         {
             "config": Config(server=ServerConfig(**server)),
-            "supervisor": supervisor,
+            "workers": workers,
             "inflight": InFlight(),
             "finish_hooks": [],
         }
@@ -455,8 +448,8 @@ def _app(supervisor: ScriptedSupervisor, **server: Any) -> Callable[..., Any]:
 
 
 @pytest.fixture
-async def scripted() -> AsyncIterator[tuple[ScriptedSupervisor, httpx.AsyncClient, State]]:
-    supervisor = ScriptedSupervisor()
+async def scripted() -> AsyncIterator[tuple[ScriptedWorkers, httpx.AsyncClient, State]]:
+    supervisor = ScriptedWorkers()
     app = _app(supervisor)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
@@ -469,7 +462,7 @@ def _as(key: str) -> dict[str, str]:
 
 @pytest.mark.anyio
 async def test_routes_keys_see_only_their_own(
-    scripted: tuple[ScriptedSupervisor, httpx.AsyncClient, State],
+    scripted: tuple[ScriptedWorkers, httpx.AsyncClient, State],
 ) -> None:
     _, client, _ = scripted
     r = await client.post("/v1/responses", json={"model": "m", "input": "hi"}, headers=_as("k1"))
@@ -503,7 +496,7 @@ async def test_routes_keys_see_only_their_own(
 
 @pytest.mark.anyio
 async def test_routes_report_cached_tokens(
-    scripted: tuple[ScriptedSupervisor, httpx.AsyncClient, State],
+    scripted: tuple[ScriptedWorkers, httpx.AsyncClient, State],
 ) -> None:
     """The worker's cached-token count reaches the body and the stream through the relay."""
     supervisor, client, _ = scripted
@@ -520,7 +513,7 @@ async def test_routes_report_cached_tokens(
 
 @pytest.mark.anyio
 async def test_routes_chain_carries_history_not_instructions(
-    scripted: tuple[ScriptedSupervisor, httpx.AsyncClient, State],
+    scripted: tuple[ScriptedWorkers, httpx.AsyncClient, State],
 ) -> None:
     supervisor, client, _ = scripted
     first = (
@@ -555,7 +548,7 @@ async def test_routes_chain_carries_history_not_instructions(
 
 @pytest.mark.anyio
 async def test_routes_background_then_cancel(
-    scripted: tuple[ScriptedSupervisor, httpx.AsyncClient, State],
+    scripted: tuple[ScriptedWorkers, httpx.AsyncClient, State],
 ) -> None:
     supervisor, client, state = scripted
     r = await client.post("/v1/responses", json={"model": "m", "input": "a", "background": True})
@@ -594,7 +587,7 @@ async def test_routes_background_then_cancel(
 
 @pytest.mark.anyio
 async def test_routes_store_bound_and_ttl_from_config() -> None:
-    supervisor = ScriptedSupervisor()
+    supervisor = ScriptedWorkers()
     app = _app(supervisor, responses_max_stored=2, responses_ttl="1m")
     state: State = app.state  # type: ignore[attr-defined]
     store = store_of(state)

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.api.stream import RequestStream
+from gateway.workers.stream import RequestStream
 from shared.types import ErrorCode, FinishReason, RequestOutput, Timings, Usage
 
 

@@ -14,10 +14,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gateway.api.stream import RequestStream
 from gateway.edge.context import RequestContext
 from gateway.errors import GatewayError
-from gateway.workers.supervisor import Supervisor
+from gateway.workers.client import RequestStream, WorkerClient
 from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput, TokenLogprob, Usage
 
 ABORTED_BY_SERVER = RequestError(
@@ -88,14 +87,14 @@ class Relay:
 
     def __init__(
         self,
-        supervisor: Supervisor,
+        workers: WorkerClient,
         streams: list[RequestStream],
         timeout_s: float,
         receive: Callable[[], Awaitable[Any]] | None = None,
         ctx: RequestContext | None = None,
         groups: list[int] | None = None,
     ) -> None:
-        self.supervisor = supervisor
+        self.workers = workers
         self.streams = streams
         self.groups = groups if groups is not None else list(range(len(streams)))
         self.ctx = ctx
@@ -115,7 +114,7 @@ class Relay:
         message = f"the request timed out (server.request_timeout_s={self.timeout_s:g})"
         for stream in self.streams:
             if not stream.finished:
-                self.supervisor.abort(stream)
+                self.workers.abort(stream)
                 stream.fail(ErrorCode.TIMEOUT, message)
 
     async def _watch(self, receive: Callable[[], Awaitable[Any]]) -> None:
@@ -194,7 +193,7 @@ class Relay:
     def _abort_unfinished(self) -> None:
         for stream in self.streams:
             if not stream.finished:
-                self.supervisor.abort(stream)
+                self.workers.abort(stream)
 
     async def collect(self, fmt: Formatter) -> bytes:
         try:

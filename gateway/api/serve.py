@@ -20,11 +20,10 @@ from litestar.datastructures import State
 from litestar.response import Stream
 
 from gateway.api.relay import Formatter, Relay
-from gateway.api.stream import RequestStream
 from gateway.edge.context import RequestContext
 from gateway.edge.middleware import authorize_model, context_of
 from gateway.errors import GatewayError
-from gateway.workers.supervisor import Supervisor
+from gateway.workers.client import RequestStream, Submission, WorkerClient
 from shared.types import CanonicalRequest, ErrorCode, Priority, RequestKind, SamplingParams
 
 JSON = "application/json"
@@ -90,7 +89,7 @@ class InFlight:
         if ctx is not None and self.client_ids.get(ctx.client_request_id) == request_id:
             del self.client_ids[ctx.client_request_id]
 
-    def cancel(self, supervisor: Supervisor, request_id: str, by: RequestContext | None) -> int:
+    def cancel(self, workers: WorkerClient, request_id: str, by: RequestContext | None) -> int:
         """Abort a request's unfinished choices; they end with a `cancelled` error. Only its
         own key (or an admin key) may cancel it; anyone else sees it as unknown (404)."""
         entry = self.requests.get(request_id)
@@ -108,7 +107,7 @@ class InFlight:
         cancelled = 0
         for stream in entry.streams:
             if not stream.finished:
-                supervisor.abort(stream)
+                workers.abort(stream)
                 stream.fail(ErrorCode.CANCELLED, f"request {request_id} was cancelled")
                 cancelled += 1
         return cancelled
@@ -156,7 +155,7 @@ def needs_of(kind: RequestKind, sampling: SamplingParams) -> list[str]:
 
 
 async def submit_all(
-    supervisor: Supervisor,
+    workers: WorkerClient,
     served: Served,
     ctx: RequestContext | None,
     max_tokens_cap: int | None,
@@ -189,51 +188,72 @@ async def submit_all(
                     choice_sampling = msgspec.structs.replace(sampling, seed=seed)
                 index = len(streams)
                 rid = request_id if total == 1 or request_id is None else f"{request_id}-{index}"
-                stream = await supervisor.submit(
+                submission = Submission(
                     served.model,
                     served.kind,
                     job.request,
                     choice_sampling,
-                    served.keep_alive,
                     request_id=rid,
                     priority=priority_of(ctx),
+                    keep_alive=served.keep_alive,
                     needs=needs_of(served.kind, sampling),
                 )
+                stream = await workers.submit(submission)
                 streams.append(stream)
                 groups.append(job_index)
     except BaseException:
         for stream in streams:
-            supervisor.abort(stream)
+            workers.abort(stream)
         raise
     return streams, groups
+
+
+def authorize(request_: Request[Any, Any, Any], state: State, model: str) -> None:
+    """The request's key may use `model` (a 404 for an unknown one, a 403 otherwise)."""
+    workers: WorkerClient = state.workers
+    authorize_model(context_of(request_.scope), model, lambda name: workers.resolve(name).name)
 
 
 async def serve(
     request_: Request[Any, Any, Any], state: State, served: Served, fmt: Formatter
 ) -> Response[bytes] | Stream:
-    supervisor: Supervisor = state.supervisor
+    workers: WorkerClient = state.workers
     server = state.config.server
     ctx = context_of(request_.scope)
-    authorize_model(ctx, served.model, lambda name: supervisor.resolve(name).name)
+    authorize(request_, state, served.model)
     if ctx is not None:
         ctx.stream = served.stream
         if served.user:
             ctx.user = served.user[:128]
-    if served.stream and supervisor.must_load(served.model):
+    if served.stream and workers.must_load(served.model):
         # The model loads first: answer at once and keep the connection alive meanwhile.
-        submit = submit_all(supervisor, served, ctx, server.max_tokens_cap)
+        submit = submit_all(workers, served, ctx, server.max_tokens_cap)
         return Stream(
             _load_then_relay(state, served.model, submit, fmt, ctx),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
-    streams, groups = await submit_all(supervisor, served, ctx, server.max_tokens_cap)
+    streams, groups = await submit_all(workers, served, ctx, server.max_tokens_cap)
     relay = relay_for(state, streams, groups, ctx, request_)
     if not served.stream:
         return Response(await relay.collect(fmt), media_type=JSON)
     first = await relay.first()
     relay.stop_watching()  # from here on, Litestar's Stream watches for the disconnect
     return Stream(relay.sse(fmt, first), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def serve_detached(
+    state: State, served: Served, fmt: Formatter, ctx: RequestContext | None
+) -> None:
+    """A generation no HTTP exchange waits on (a Responses background job), authorized
+    already: submitted, registered and relayed like any other, its events go to `fmt` only.
+    A refusal or a failure before the first output raises."""
+    cap = state.config.server.max_tokens_cap
+    streams, groups = await submit_all(state.workers, served, ctx, cap)
+    relay = relay_for(state, streams, groups, ctx)
+    first = await relay.first()
+    async for _ in relay.sse(fmt, first):
+        pass  # the formatter keeps what it needs as the events go by
 
 
 def relay_for(
@@ -245,7 +265,7 @@ def relay_for(
 ) -> Relay:
     timeout = state.config.server.request_timeout_s
     receive = request_.receive if request_ is not None else None
-    relay = Relay(state.supervisor, streams, timeout, receive, ctx, groups)
+    relay = Relay(state.workers, streams, timeout, receive, ctx, groups)
     if ctx is not None:
         inflight: InFlight = state.inflight
         inflight.add(ctx.request_id, ctx, streams)
@@ -267,7 +287,7 @@ async def _load_then_relay(
 ) -> AsyncIterator[bytes]:
     """SSE comments every KEEPALIVE_S while the model loads, then the usual stream; a
     failure to load is an error event (the status line has gone out)."""
-    supervisor: Supervisor = state.supervisor
+    workers: WorkerClient = state.workers
     task = asyncio.ensure_future(submit)
     handed_over: list[bool] = []
     cancelled: list[bool] = []
@@ -284,7 +304,7 @@ async def _load_then_relay(
             task.cancel()
         elif not handed_over and not task.cancelled() and task.exception() is None:
             for stream in task.result()[0]:
-                supervisor.abort(stream)
+                workers.abort(stream)
 
     if ctx is not None:
         inflight: InFlight = state.inflight

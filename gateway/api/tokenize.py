@@ -15,8 +15,7 @@ from gateway.api.openai.translate import message_of
 from gateway.api.serve import JSON
 from gateway.edge.middleware import authorize_model, context_of
 from gateway.errors import GatewayError
-from gateway.workers.capabilities import check_capabilities, with_template_defaults
-from gateway.workers.supervisor import Supervisor
+from gateway.workers.client import WorkerClient
 from shared.types import CanonicalRequest, ErrorCode, RequestKind
 
 
@@ -52,15 +51,9 @@ async def tokenize_prompt(
 ) -> dict[str, Any]:
     """Template and tokenize as a generation request would be (the model's configured
     chat_template_kwargs included), without generating."""
-    supervisor: Supervisor = state.supervisor
-    authorize_model(context_of(request.scope), model, lambda n: supervisor.resolve(n).name)
-    config = supervisor.resolve(model)
-    check_capabilities(supervisor.slots[config.name], ["tokenize"])
-    if kind == RequestKind.CHAT:
-        check_capabilities(supervisor.slots[config.name], ["chat"])
-    canonical = with_template_defaults(config, kind, canonical)
-    args = {"kind": kind.value, "request": msgspec.to_builtins(canonical), "with_text": with_text}
-    return await supervisor.call(model, "tokenize", args)
+    workers: WorkerClient = state.workers
+    authorize_model(context_of(request.scope), model, lambda n: workers.resolve(n).name)
+    return await workers.tokenize(model, kind, canonical, with_text)
 
 
 @post("/tokenize", status_code=200)
@@ -101,8 +94,8 @@ async def tokenize(request: Request[Any, Any, Any], state: State) -> Response[by
 @post("/detokenize", status_code=200)
 async def detokenize(request: Request[Any, Any, Any], state: State) -> Response[bytes]:
     body = decode_body(await request.body(), DetokenizeRequest)
-    supervisor: Supervisor = state.supervisor
-    authorize_model(context_of(request.scope), body.model, lambda n: supervisor.resolve(n).name)
-    check_capabilities(supervisor.slots[supervisor.resolve(body.model).name], ["tokenize"])
-    result = await supervisor.call(body.model, "detokenize", {"tokens": body.tokens})
+    workers: WorkerClient = state.workers
+    authorize_model(context_of(request.scope), body.model, lambda n: workers.resolve(n).name)
+    workers.check(body.model, ["tokenize"])
+    result = await workers.call(body.model, "detokenize", {"tokens": body.tokens})
     return Response(msgspec.json.encode({"prompt": result["text"]}), media_type=JSON)

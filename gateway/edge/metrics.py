@@ -1,7 +1,7 @@
 """Prometheus metrics (`GET /metrics`) and the readiness probe (`GET /ready`).
 
 Request metrics are fed by a finish hook (one call per finished RequestContext); per-model
-worker figures are read from the supervisor at scrape time by a custom collector, so nothing
+worker figures are read from the workers' client at scrape time by a custom collector, so nothing
 runs in the background. Everything lives in the Metrics object's own registry.
 """
 
@@ -22,8 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gateway.edge.context import RequestContext
-from gateway.workers.slots import ModelState, Slot
-from gateway.workers.supervisor import Supervisor
+from gateway.workers.client import ModelState, WorkerClient
 
 UNKNOWN = "-"  # the model label of a request refused before it named one (401, 400)
 
@@ -34,7 +33,7 @@ DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 6
 
 
 class Metrics:
-    def __init__(self, supervisor: Supervisor) -> None:
+    def __init__(self, workers: WorkerClient) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -90,7 +89,7 @@ class Metrics:
             ["model", "key"],
             registry=r,
         )
-        r.register(WorkerCollector(supervisor))
+        r.register(WorkerCollector(workers))
 
     def observe(self, ctx: RequestContext) -> None:
         """The finish hook: only API requests count (not /metrics, /health, /admin)."""
@@ -118,10 +117,10 @@ class Metrics:
 
 
 class WorkerCollector(Collector):
-    """Per-model figures from the supervisor's slots and their workers' last heartbeat."""
+    """Per-model figures from each model's view and its worker's last heartbeat."""
 
-    def __init__(self, supervisor: Supervisor) -> None:
-        self.supervisor = supervisor
+    def __init__(self, workers: WorkerClient) -> None:
+        self.workers = workers
 
     def collect(self) -> Iterator[Metric]:
         def gauge(name: str, doc: str, *labels: str) -> GaugeMetricFamily:
@@ -141,14 +140,13 @@ class WorkerCollector(Collector):
         restarts = CounterMetricFamily(
             "mlxgw_worker_restarts", "Workers restarted after a crash", labels=["model"]
         )
-        for name, slot in self.supervisor.slots.items():
-            current = slot.state
+        for view in self.workers.views():
+            name, current = view.name, view.state
             for s in ModelState:
                 state.add_metric([name, s.value], 1.0 if s == current else 0.0)
-            restarts.add_metric([name], slot.restarts)
-            in_flight.add_metric([name], slot.in_flight())
-            handle = slot.handle
-            hb = handle.heartbeat if handle is not None else None
+            restarts.add_metric([name], view.restarts)
+            in_flight.add_metric([name], view.in_flight)
+            hb = view.heartbeat
             running.add_metric([name], hb.running if hb else 0)
             waiting.add_metric([name], hb.waiting if hb else 0)
             if hb is not None:
@@ -158,8 +156,8 @@ class WorkerCollector(Collector):
                 peak.add_metric([name], hb.peak_bytes)
                 wired.add_metric([name], hb.wired_limit_bytes)
                 cache_limit.add_metric([name], hb.cache_limit_bytes)
-            if handle is not None and handle.info is not None:
-                load.add_metric([name], handle.info.load_time_s)
+            if view.info is not None:
+                load.add_metric([name], view.info.load_time_s)
         yield from (state, running, waiting, in_flight, rss, active, cache, peak, wired)
         yield from (cache_limit, load, restarts)
         yield from self.prefix_cache()
@@ -185,21 +183,12 @@ class WorkerCollector(Collector):
             (counter("hit_tokens", "Prompt tokens served from the cache"), "hit_tokens"),
             (counter("evictions", "Cached prefixes evicted"), "evictions"),
         ]
-        for name, slot in self.supervisor.slots.items():
-            hb = slot.handle.heartbeat if slot.handle is not None else None
-            stats = hb.prefix_cache if hb is not None else None
+        for view in self.workers.views():
+            stats = view.heartbeat.prefix_cache if view.heartbeat is not None else None
             if stats is not None:
                 for family, field in families:
-                    family.add_metric([name], getattr(stats, field))
+                    family.add_metric([view.name], getattr(stats, field))
         yield from (family for family, _ in families)
-
-
-def model_ready(slot: Slot) -> bool:
-    """Serving now, or able to serve on the first request (loads on demand, not failed)."""
-    state = slot.state
-    if state == ModelState.FAILED:
-        return False
-    return state == ModelState.READY or slot.config.on_demand == "load"
 
 
 @get("/metrics", include_in_schema=False)
@@ -211,11 +200,11 @@ async def metrics_route(state: State) -> Response[bytes]:
 @get("/ready", include_in_schema=False)
 async def ready_route(state: State) -> Response[dict[str, object]]:
     """Readiness: 200 while at least one model can serve, else 503 (same body shape)."""
-    supervisor: Supervisor = state.supervisor
-    slots = supervisor.slots.values()
-    ready = any(model_ready(slot) for slot in slots)
+    workers: WorkerClient = state.workers
+    views = workers.views()
+    ready = any(view.can_serve for view in views)
     body: dict[str, object] = {
         "status": "ready" if ready else "not_ready",
-        "models": {slot.name: slot.state.value for slot in slots},
+        "models": {view.name: view.state.value for view in views},
     }
     return Response(body, status_code=200 if ready else 503)

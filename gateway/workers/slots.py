@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import os
 import signal
 import time
@@ -15,21 +14,17 @@ from typing import Any
 
 import psutil
 
-from gateway.api.stream import RequestStream
+from gateway.errors import GatewayError
+from gateway.workers.client import ModelState, ModelView
+from gateway.workers.stream import RequestStream
+from gateway.workers.transport import Transport
 from shared.config import ModelConfig
 from shared.paths import RunDir
 from shared.protocol import Capacity, Heartbeat, Ready
+from shared.types import ErrorCode
 
 GiB = 2**30
 LOG_TAIL_BYTES = 4000
-
-
-class ModelState(enum.StrEnum):
-    UNLOADED = "unloaded"
-    LOADING = "loading"
-    READY = "ready"
-    UNLOADING = "unloading"
-    FAILED = "failed"
 
 
 @dataclass(slots=True, eq=False)
@@ -116,6 +111,37 @@ class Slot:
     def in_flight(self) -> int:
         workers = ([self.handle] if self.handle else []) + self.retiring
         return sum(len(w.streams) for w in workers) + len(self.replay)
+
+    def view(self) -> ModelView:
+        handle = self.handle
+        return ModelView(
+            self.config,
+            self.state,
+            self.in_flight(),
+            self.restarts,
+            handle.heartbeat if handle is not None else None,
+            handle.info if handle is not None else None,
+            self.last_info,
+            self.error,
+        )
+
+
+def lease(transport: Transport, handle: WorkerHandle, stream: RequestStream) -> bool:
+    """A request's lease on a worker: registered on it, then sent. False (and no lease) if
+    the worker cannot be reached; an unencodable value is a 400 and leaves no lease."""
+    assert stream.add is not None
+    stream.worker_id = handle.worker_id
+    handle.streams[stream.request_id] = stream
+    try:
+        if transport.send(handle.worker_id, stream.add):
+            return True
+    except (OverflowError, TypeError, ValueError) as exc:  # unencodable: never leak it
+        handle.streams.pop(stream.request_id, None)
+        raise GatewayError(
+            ErrorCode.INVALID_REQUEST, f"a value in the request is out of range: {exc}"
+        ) from exc
+    handle.streams.pop(stream.request_id, None)
+    return False
 
 
 def estimate_bytes(model: ModelConfig) -> int:

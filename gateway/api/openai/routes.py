@@ -29,7 +29,7 @@ from gateway.api.serve import JSON, InFlight, Job, Served, serve
 from gateway.edge.logs import log_body
 from gateway.edge.middleware import authorize_model, context_of
 from gateway.errors import GatewayError
-from gateway.workers.supervisor import Supervisor
+from gateway.workers.client import WorkerClient
 from shared.modelinfo import peek
 from shared.types import RequestKind
 
@@ -81,9 +81,10 @@ async def completions(request: Request[Any, Any, Any], state: State) -> Response
 
 
 def model_card(state: State, name: str) -> ModelCard:
-    supervisor: Supervisor = state.supervisor
-    model = supervisor.resolve(name)
-    info = supervisor.worker_info(model.name) or supervisor.slots[model.name].last_info
+    workers: WorkerClient = state.workers
+    model = workers.resolve(name)
+    view = workers.view(model.name)
+    info = view.info or view.last_info
     context: int | None
     capabilities: list[str] | None
     if info is not None:
@@ -94,7 +95,7 @@ def model_card(state: State, name: str) -> ModelCard:
         id=name,
         created=int(state.started_at),
         owned_by="mlx-gateway",
-        state=supervisor.state_of(model.name).value,
+        state=view.state.value,
         aliases=list(model.aliases),
         description=(
             "random-weight demo model: its output is gibberish by design" if model.is_demo else None
@@ -108,8 +109,8 @@ def model_card(state: State, name: str) -> ModelCard:
 
 @get("/models")
 async def list_models(state: State) -> Response[bytes]:
-    supervisor: Supervisor = state.supervisor
-    cards = [model_card(state, name) for name in supervisor.models]
+    workers: WorkerClient = state.workers
+    cards = [model_card(state, name) for name in workers.models]
     return Response(msgspec.json.encode(ModelList(cards)), media_type=JSON)
 
 
@@ -118,9 +119,9 @@ async def get_model(
     request: Request[Any, Any, Any], state: State, model_id: FromPath[str]
 ) -> Response[bytes]:
     name = model_id.lstrip("/")
-    supervisor: Supervisor = state.supervisor
-    supervisor.resolve(name)  # 404 model_not_found in OpenAI's shape
-    authorize_model(context_of(request.scope), name, lambda n: supervisor.resolve(n).name)
+    workers: WorkerClient = state.workers
+    workers.resolve(name)  # 404 model_not_found in OpenAI's shape
+    authorize_model(context_of(request.scope), name, lambda n: workers.resolve(n).name)
     return Response(msgspec.json.encode(model_card(state, name)), media_type=JSON)
 
 
@@ -130,7 +131,7 @@ async def cancel_request(
 ) -> Response[bytes]:
     """Abort a request in flight from another connection (its own key or an admin key)."""
     inflight: InFlight = state.inflight
-    cancelled = inflight.cancel(state.supervisor, request_id, context_of(request.scope))
+    cancelled = inflight.cancel(state.workers, request_id, context_of(request.scope))
     body = {"id": request_id, "object": "request.cancelled", "cancelled_choices": cancelled}
     return Response(msgspec.json.encode(body), media_type=JSON)
 

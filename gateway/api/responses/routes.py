@@ -38,13 +38,12 @@ from gateway.api.responses.translate import (
     new_response,
     sampling_of,
 )
-from gateway.api.serve import JSON, Job, Served, capped, relay_for, serve, submit_all
+from gateway.api.serve import JSON, Job, Served, authorize, capped, serve, serve_detached
 from gateway.edge.context import RequestContext
 from gateway.edge.logs import log_body
-from gateway.edge.middleware import authorize_model, context_of
+from gateway.edge.middleware import context_of
 from gateway.edge.ratelimit import KeyLimiter
 from gateway.errors import GatewayError
-from gateway.workers.supervisor import Supervisor
 from shared.config import parse_duration
 from shared.types import ErrorCode, RequestKind
 
@@ -162,9 +161,8 @@ def _start_background(
     items: list[MessageItem],
     owner: str | None,
 ) -> Response[bytes]:
-    supervisor: Supervisor = state.supervisor
     ctx = context_of(request.scope)
-    authorize_model(ctx, served.model, lambda name: supervisor.resolve(name).name)
+    authorize(request, state, served.model)
     store = store_of(state)
     response = new_response(body, status="queued")
     fmt = ResponsesFormatter(response)
@@ -207,13 +205,7 @@ async def _run_background(
     ctx: RequestContext | None,
 ) -> None:
     try:
-        streams, groups = await submit_all(
-            state.supervisor, served, ctx, state.config.server.max_tokens_cap
-        )
-        relay = relay_for(state, streams, groups, ctx)
-        first = await relay.first()
-        async for _ in relay.sse(fmt, first):
-            pass  # the formatter updates the stored response as it goes
+        await serve_detached(state, served, fmt, ctx)  # fmt updates the stored response
         error = entry.response.error
         if error is not None and error.code == ErrorCode.CANCELLED:  # by request id
             entry.response.status, entry.response.error = "cancelled", None

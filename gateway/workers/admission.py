@@ -1,0 +1,141 @@
+"""Admission: whether a request may go to its model's worker, and sending it there.
+
+A request is refused before anything is sent when the gateway is shutting down, when the
+model cannot serve it (capabilities), or when the model's queue is full (the worker's own
+bound or `server.max_queued`). While a crashed model restarts, requests queue for the new
+worker (bounded the same way). Aborting is idempotent and frees the request's place.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+
+from gateway.errors import GatewayError
+from gateway.workers.capabilities import check_capabilities, with_template_defaults
+from gateway.workers.catalog import Catalog
+from gateway.workers.client import Submission
+from gateway.workers.control import ControlCalls
+from gateway.workers.lifetime import Lifetime
+from gateway.workers.pool import Pool
+from gateway.workers.processes import Processes
+from gateway.workers.slots import Slot, lease
+from gateway.workers.stream import RequestStream
+from gateway.workers.transport import Transport
+from shared.config import ServerConfig
+from shared.protocol import Abort, Add
+from shared.types import CanonicalRequest, ErrorCode, RequestKind
+
+
+def shutting_down() -> GatewayError:
+    return GatewayError(ErrorCode.SHUTTING_DOWN, "the gateway is shutting down", retry_after=5)
+
+
+class Admission:
+    def __init__(
+        self,
+        server: ServerConfig,
+        catalog: Catalog,
+        pool: Pool,
+        processes: Processes,
+        lifetime: Lifetime,
+        transport: Transport,
+        calls: ControlCalls,
+        draining: Callable[[], bool],
+    ) -> None:
+        self.server = server
+        self.catalog = catalog
+        self.pool = pool
+        self.processes = processes
+        self.lifetime = lifetime
+        self.transport = transport
+        self.calls = calls
+        self.draining = draining
+
+    def check(self, name: str, needs: Sequence[str]) -> None:
+        check_capabilities(self.catalog.slot(name), list(needs))
+
+    async def submit(self, sub: Submission) -> RequestStream:
+        """Send one request to its model's worker (loading it on demand)."""
+        slot = self.catalog.slot(sub.model)
+        if self.draining():
+            raise shutting_down()
+        if sub.keep_alive is not None:
+            slot.keep_alive_s = sub.keep_alive
+        request_id = sub.request_id or uuid.uuid4().hex
+        request = with_template_defaults(slot.config, sub.kind, sub.request)
+        needs = list(sub.needs)
+        if needs:
+            check_capabilities(slot, needs)
+        add = Add(request_id, sub.kind, request, sub.sampling, sub.priority)
+        if slot.restarting:  # queued: it runs on the new worker once that is Ready
+            if len(slot.replay) >= self.server.max_queued:
+                raise self._queue_full(slot, len(slot.replay))
+            stream = RequestStream(request_id, slot.name, "")
+            stream.add = add
+            slot.replay.append(stream)
+            slot.served += 1
+            self.lifetime.touch(slot)
+            return stream
+        handle = await self.pool.acquire(slot)
+        if needs:
+            check_capabilities(slot, needs, handle.info)
+        capacity = handle.capacity
+        assert capacity is not None
+        queued = len(handle.streams) - capacity.max_running
+        if queued >= min(capacity.max_waiting, self.server.max_queued):
+            raise self._queue_full(slot, len(handle.streams))
+        stream = RequestStream(request_id, slot.name, handle.worker_id)
+        stream.add = add
+        if not lease(self.transport, handle, stream):
+            raise GatewayError(ErrorCode.WORKER_UNAVAILABLE, f"model {slot.name!r} is unreachable")
+        slot.served += 1
+        self.lifetime.touch(slot)
+        return stream
+
+    def _queue_full(self, slot: Slot, in_flight: int) -> GatewayError:
+        return GatewayError(
+            ErrorCode.OVERLOADED,
+            f"model {slot.name!r} is at capacity ({in_flight} requests in flight, its queue is "
+            f"full: server.max_queued={self.server.max_queued}); retry shortly",
+            retry_after=1,
+        )
+
+    def abort(self, stream: RequestStream) -> None:
+        """The client went away or timed out: free its place in the worker (idempotent)."""
+        slot = self.catalog.slots.get(stream.model)
+        if slot is not None and stream in slot.replay:
+            slot.replay.remove(stream)
+            self.lifetime.released(slot)
+            return
+        handle = self.processes.get(stream.worker_id)
+        if handle is None or handle.streams.pop(stream.request_id, None) is None:
+            return
+        self.transport.send(handle.worker_id, Abort([stream.request_id]))
+        self.lifetime.released(self.catalog.slots.get(handle.config.name))
+
+    async def call(
+        self, name: str, method: str, args: dict[str, Any], timeout: float = 30.0
+    ) -> dict[str, Any]:
+        """A control call to the model's worker (loading it on demand), e.g. tokenize."""
+        if self.draining():
+            raise shutting_down()
+        slot = self.catalog.slot(name)
+        handle = await self.pool.acquire(slot)
+        result = await self.calls.call(
+            self.transport, handle.worker_id, name, method, args, timeout
+        )
+        self.lifetime.touch(slot)
+        return result
+
+    async def tokenize(
+        self, name: str, kind: RequestKind, request: CanonicalRequest, with_text: bool
+    ) -> dict[str, Any]:
+        slot = self.catalog.slot(name)
+        check_capabilities(slot, ["tokenize", "chat"] if kind == RequestKind.CHAT else ["tokenize"])
+        request = with_template_defaults(slot.config, kind, request)
+        args = {"kind": kind.value, "request": msgspec.to_builtins(request), "with_text": with_text}
+        return await self.call(name, "tokenize", args)

@@ -1,0 +1,152 @@
+"""Recovery: what a worker's exit means, and what follows.
+
+An exit asked for (unload, reload) ends whatever that worker still held with a clear error.
+A worker that never got Ready failed to load: its waiters see why. Any other exit is a
+crash: requests that had produced nothing yet wait for the next worker (replay), the others
+end with `worker_died`; the model restarts after an exponential backoff, unless it crashed
+`server.crash_loop_count` times within `server.crash_loop_window_s`: then it is failed,
+with the worker's exit status and the tail of its log, until someone loads it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from gateway.errors import GatewayError
+from gateway.workers.control import ControlCalls
+from gateway.workers.slots import Slot, WorkerHandle, describe_exit, lease, tail
+from gateway.workers.tasks import Tasks
+from gateway.workers.transport import Transport
+from shared.config import ServerConfig
+from shared.paths import RunDir
+from shared.types import ErrorCode
+
+log = logging.getLogger("gateway.workers.recovery")
+
+# Brings a crashed model's next worker up (the pool's load, marked as a restart).
+Restart = Callable[[Slot], Coroutine[Any, Any, WorkerHandle]]
+
+
+def backoff_s(server: ServerConfig, crashes: int) -> float:
+    """The wait before restarting after the `crashes`-th crash in the window."""
+    return min(server.restart_backoff_s * 2 ** max(crashes - 1, 0), server.restart_backoff_max_s)
+
+
+class Recovery:
+    def __init__(
+        self,
+        server: ServerConfig,
+        run_dir: RunDir,
+        transport: Transport,
+        calls: ControlCalls,
+        tasks: Tasks,
+        restart: Restart,
+    ) -> None:
+        self.server = server
+        self.run_dir = run_dir
+        self.transport = transport
+        self.calls = calls
+        self.tasks = tasks
+        self.restart = restart
+
+    def exited(self, slot: Slot, handle: WorkerHandle) -> None:
+        """`handle`'s process has exited (its code is known)."""
+        name = slot.name
+        if handle in slot.retiring:
+            slot.retiring.remove(handle)
+        if handle.retiring:
+            message = f"the request was aborted because model {name!r} was unloaded"
+            for stream in list(handle.streams.values()):
+                stream.fail(ErrorCode.SHUTTING_DOWN, message)
+            handle.streams.clear()
+            return
+        # An exit nobody asked for.
+        if slot.handle is handle:
+            slot.handle = None
+        reason = handle.error or f"the worker exited ({describe_exit(handle.exit_code)})"
+        slot.exit_code = handle.exit_code
+        slot.log_tail = tail(self.run_dir.worker_log(name))
+        slot.last_error = reason
+        if not handle.info and not handle.restart:
+            # It never got Ready: a load failure, not a crash. Its waiters see the reason.
+            log.error("model %s: load failed: %s", name, reason)
+            return
+        self.crashed(slot, handle, reason)
+
+    def crashed(self, slot: Slot, handle: WorkerHandle, reason: str) -> None:
+        now = time.monotonic()
+        slot.crashes.append(now)
+        while slot.crashes and now - slot.crashes[0] > self.server.crash_loop_window_s:
+            slot.crashes.popleft()
+        sent = [s for s in handle.streams.values() if s.received]
+        fresh = [s for s in handle.streams.values() if not s.received]
+        handle.streams.clear()
+        message = f"the worker of model {slot.name!r} died: {reason}"
+        self.calls.fail(handle.worker_id, message)
+        for stream in sent:
+            stream.fail(ErrorCode.WORKER_DIED, message)
+        slot.replay.extend(fresh)
+        if len(slot.crashes) >= self.server.crash_loop_count:
+            slot.restarting = slot.restart_pending = False
+            slot.error = slot.last_error = (
+                f"crash loop: {len(slot.crashes)} crashes within "
+                f"{self.server.crash_loop_window_s:g}s; last: {reason}"
+            )
+            log.error("model %s: %s", slot.name, slot.error)
+            self.fail_replay(slot, message)
+            return
+        slot.restarting = slot.restart_pending = True
+        delay = backoff_s(self.server, len(slot.crashes))
+        log.error(
+            "model %s: %s; restarting in %.1fs (%d request(s) to replay)",
+            slot.name,
+            reason,
+            delay,
+            len(fresh),
+        )
+        self.tasks.spawn(self._restart(slot, delay))
+
+    async def _restart(self, slot: Slot, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if not slot.restart_pending or slot.handle is not None or slot.loading is not None:
+            return
+        slot.restart_pending = False
+        slot.restarts += 1
+        task = asyncio.create_task(self.restart(slot))
+        slot.loading = task
+        task.add_done_callback(lambda _: setattr(slot, "loading", None))
+        try:
+            await task
+            slot.restarting = False
+        except (GatewayError, asyncio.CancelledError) as exc:
+            if not slot.restart_pending and slot.restarting:
+                # Not a crash of the new worker (that schedules the next attempt): give up.
+                reason = getattr(exc, "message", "the restart was cancelled")
+                slot.restarting = False
+                slot.error = slot.last_error = f"restart failed: {reason}"
+                self.fail_replay(slot, slot.error)
+
+    def resubmit(self, slot: Slot, handle: WorkerHandle) -> None:
+        """The requests waiting for a new worker go to `handle`."""
+        replay, slot.replay = slot.replay, []
+        for stream in replay:
+            if stream.finished:
+                continue
+            try:
+                sent = lease(self.transport, handle, stream)
+            except GatewayError as exc:
+                stream.fail(exc.code, exc.message)
+                continue
+            if not sent:
+                stream.fail(ErrorCode.WORKER_UNAVAILABLE, f"model {slot.name!r} is unreachable")
+        if replay:
+            log.info("model %s: replayed %d request(s)", slot.name, len(replay))
+
+    def fail_replay(self, slot: Slot, message: str) -> None:
+        replay, slot.replay = slot.replay, []
+        for stream in replay:
+            stream.fail(ErrorCode.WORKER_DIED, message)

@@ -1,0 +1,97 @@
+"""gateway/workers/processes.py: real child processes (a stand-in command), their exits,
+signals, pid bookkeeping and the wait for Ready."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.errors import GatewayError
+from gateway.workers.control import ControlCalls
+from gateway.workers.processes import Processes
+from gateway.workers.slots import WorkerHandle
+from gateway.workers.tasks import Tasks
+from shared.config import EngineOptions, ModelConfig, ServerConfig
+from shared.paths import RunDir
+from tests.worker_fakes import FakeTransport
+
+pytestmark = pytest.mark.anyio
+
+
+def _processes(
+    tmp_path: Path, script: str, exits: list[WorkerHandle], **server: object
+) -> Processes:
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.create()
+    transport = FakeTransport()
+    return Processes(
+        ServerConfig(**server),  # type: ignore[arg-type]
+        run_dir,
+        transport,  # type: ignore[arg-type]
+        ControlCalls(),
+        Tasks(),
+        "cpu",
+        exits.append,
+        command=lambda worker_id, model_json: [sys.executable, "-c", script, model_json],
+    )
+
+
+async def test_a_spawned_worker_is_known_by_id_and_its_pid_saved(tmp_path: Path) -> None:
+    exits: list[WorkerHandle] = []
+    procs = _processes(tmp_path, "import time; time.sleep(60)", exits)
+    handle = await procs.spawn(ModelConfig(name="m", source="/x"), restart=False)
+    try:
+        assert procs.get(handle.worker_id) is handle and handle.worker_id.startswith("m-1-")
+        assert str(handle.pid) in procs.run_dir.workers_file.read_text()
+    finally:
+        await procs.kill(handle, signal.SIGTERM, grace=5)
+    assert handle.exit_code == -signal.SIGTERM
+    assert exits == [handle] and procs.get(handle.worker_id) is None
+    assert str(handle.pid) not in procs.run_dir.workers_file.read_text()
+
+
+async def test_a_worker_deaf_to_sigterm_is_killed_after_its_grace(tmp_path: Path) -> None:
+    script = (
+        "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('up', flush=True); time.sleep(60)"
+    )
+    procs = _processes(tmp_path, script, [])
+    handle = await procs.spawn(ModelConfig(name="m", source="/x"), restart=False)
+    log = procs.run_dir.worker_log("m")
+    while "up" not in log.read_text():  # its handler is set
+        await asyncio.sleep(0.01)
+    await procs.kill(handle, signal.SIGTERM, grace=0.2)
+    assert handle.exit_code == -signal.SIGKILL
+
+
+async def test_a_worker_that_exits_before_ready_is_a_503_saying_how(tmp_path: Path) -> None:
+    procs = _processes(tmp_path, "import sys; sys.exit(3)", [])
+    handle = await procs.spawn(ModelConfig(name="m", source="/x"), restart=False)
+    with pytest.raises(GatewayError, match=r"failed to load: the worker exited \(exit status 3\)"):
+        await procs.wait_ready(handle, timeout=30)
+
+
+async def test_a_silent_worker_is_a_503_after_the_load_timeout(tmp_path: Path) -> None:
+    procs = _processes(tmp_path, "import time; time.sleep(60)", [])
+    handle = await procs.spawn(ModelConfig(name="m", source="/x"), restart=False)
+    try:
+        with pytest.raises(GatewayError, match="did not load within"):
+            await procs.wait_ready(handle, timeout=0.1)
+    finally:
+        await procs.kill(handle, signal.SIGKILL, grace=0)
+
+
+async def test_the_worker_gets_its_model_with_server_wide_limits_filled_in(
+    tmp_path: Path,
+) -> None:
+    script = "import sys; print(sys.argv[1])"
+    procs = _processes(tmp_path, script, [], max_prompt_tokens=1000)
+    handle = await procs.spawn(ModelConfig(name="m", source="/x"), restart=False)
+    await handle.exited.wait()
+    assert '"max_prompt_tokens":1000' in procs.run_dir.worker_log("m").read_text()
+    own = ModelConfig(name="m", source="/x", engine=EngineOptions(max_prompt_tokens=50))
+    assert procs.worker_model(own).engine.max_prompt_tokens == 50

@@ -1,0 +1,126 @@
+"""gateway/workers/recovery.py: crashes replay what had not started, fail what had, back off
+exponentially, and a crash loop fails the model; expected exits end their requests cleanly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.workers.client import ModelState, Submission
+from gateway.workers.recovery import backoff_s
+from shared.config import ServerConfig
+from shared.protocol import Add
+from shared.types import (
+    CanonicalRequest,
+    ErrorCode,
+    FinishReason,
+    Message,
+    RequestKind,
+    RequestOutput,
+    SamplingParams,
+)
+from tests.worker_fakes import rig, until
+
+pytestmark = pytest.mark.anyio
+
+
+def _chat(request_id: str) -> Submission:
+    request = CanonicalRequest(messages=[Message("user", "hi")])
+    return Submission("m", RequestKind.CHAT, request, SamplingParams(), request_id=request_id)
+
+
+def test_backoff_doubles_per_recent_crash_up_to_its_cap() -> None:
+    server = ServerConfig(restart_backoff_s=0.5, restart_backoff_max_s=3)
+    assert [backoff_s(server, n) for n in range(1, 6)] == [0.5, 1, 2, 3, 3]
+
+
+async def test_a_crash_replays_unstarted_requests_on_the_next_worker_and_fails_the_rest(
+    tmp_path: Path,
+) -> None:
+    r = rig(tmp_path, restart_backoff_s=0.01)
+    await r.pool.load("m")
+    first = r.handle()
+    started = await r.admission.submit(_chat("started"))
+    waiting = await r.admission.submit(_chat("waiting"))
+    started.put(RequestOutput("started", text="Hel", token_ids=[1]))
+    r.processes.exit(first, -9)  # SIGKILL
+    slot = r.catalog.slot("m")
+    assert slot.state == ModelState.LOADING and slot.restarting
+    assert [s.request_id for s in slot.replay] == ["waiting"]
+    assert started.finished
+    await until(lambda: slot.state == ModelState.READY)
+    second = r.handle()
+    assert second is not first and second.restart and slot.restarts == 1
+    assert list(second.streams) == ["waiting"]  # replayed, as it was sent the first time
+    adds = [f for w, f in r.transport.sent if isinstance(f, Add) and w == second.worker_id]
+    assert [a.request_id for a in adds] == ["waiting"]
+    assert slot.last_error == "the worker exited (killed by SIGKILL)"
+    assert not waiting.finished
+
+
+async def test_the_request_that_had_output_ends_with_worker_died(tmp_path: Path) -> None:
+    r = rig(tmp_path, restart_backoff_s=0.01)
+    await r.pool.load("m")
+    stream = await r.admission.submit(_chat("x"))
+    stream.put(RequestOutput("x", text="a", token_ids=[1]))
+    r.processes.exit(r.handle(), 1)
+    outputs = []
+    while not outputs or outputs[-1].finish_reason is None:
+        outputs.append(await stream.get())
+    last = outputs[-1]
+    assert last.finish_reason == FinishReason.ERROR
+    assert last.error is not None and last.error.code == ErrorCode.WORKER_DIED
+    assert "exit status 1" in last.error.message
+
+
+async def test_a_crash_loop_fails_the_model_and_its_queue(tmp_path: Path) -> None:
+    r = rig(tmp_path, restart_backoff_s=0.001, crash_loop_count=3)
+    await r.pool.load("m")
+    slot = r.catalog.slot("m")
+    for _ in range(3):
+        await until(lambda: slot.state == ModelState.READY)
+        r.processes.exit(r.handle(), -11)
+    assert slot.state == ModelState.FAILED
+    assert slot.error is not None and slot.error.startswith("crash loop: 3 crashes within 120s")
+    assert "SIGSEGV" in slot.error
+    assert slot.restarts == 2
+    await r.pool.load("m")  # an explicit load tries again
+    assert slot.state == ModelState.READY and not slot.crashes
+
+
+async def test_a_failed_restart_is_a_crash_and_the_next_one_is_scheduled(tmp_path: Path) -> None:
+    r = rig(tmp_path, restart_backoff_s=0.01, crash_loop_count=5)
+    await r.pool.load("m")
+    slot = r.catalog.slot("m")
+    r.processes.fail_load = "import error"
+    r.processes.exit(r.handle(), 1)
+    await until(lambda: len(slot.crashes) >= 3)
+    r.processes.fail_load = None
+    await until(lambda: slot.state in (ModelState.READY, ModelState.FAILED))
+    assert slot.state == ModelState.READY
+    assert slot.last_error == "import error"
+
+
+async def test_an_unload_ends_the_requests_of_the_worker_it_retires(tmp_path: Path) -> None:
+    r = rig(tmp_path)
+    await r.pool.load("m")
+    handle = r.handle()
+    stream = await r.admission.submit(_chat("x"))
+    handle.retiring = True
+    r.processes.exit(handle, 0)
+    out = await stream.get()
+    assert out.error is not None and out.error.code == ErrorCode.SHUTTING_DOWN
+    assert not r.catalog.slot("m").crashes
+
+
+async def test_a_worker_that_never_got_ready_is_a_load_failure_not_a_crash(
+    tmp_path: Path,
+) -> None:
+    r = rig(tmp_path)
+    r.processes.fail_load = "no such model"
+    with pytest.raises(Exception, match="no such model"):
+        await r.pool.load("m")
+    slot = r.catalog.slot("m")
+    assert slot.state == ModelState.FAILED and slot.error == "no such model"
+    assert not slot.crashes and not slot.restarting
