@@ -49,10 +49,63 @@ class ErrorCode(enum.StrEnum):
     NOT_FOUND = "not_found"  # an unknown or expired id (a stored response, a request)
 
 
+class TextPart(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="text"):
+    text: str
+
+
+class ImagePart(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="image"):
+    """An image: its bytes (a data URL or base64 source, decoded by the gateway), or a URL
+    for the gateway to fetch."""
+
+    data: bytes = b""
+    media_type: str | None = None  # image/png, image/jpeg, ...
+    url: str | None = None  # http(s), when not fetched yet
+    detail: str | None = None  # OpenAI's "low" / "high" / "auto"
+
+
+class AudioPart(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="audio"):
+    data: bytes = b""
+    format: str = ""  # wav, mp3, ...: the container the bytes are in
+    url: str | None = None
+
+
+ContentPart = TextPart | ImagePart | AudioPart
+
+
+class ToolCall(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A call the assistant made: `arguments` is the JSON text of its arguments."""
+
+    id: str
+    name: str
+    arguments: str = "{}"
+
+
 class Message(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    role: str
+    """One turn of a conversation, whatever protocol it came in.
+
+    `content` is the message's text. `parts` is empty for text-only messages; when the
+    message has images or audio it holds every part in order (its text parts too).
+    An assistant turn may carry `tool_calls` and its `reasoning` (thinking text); a `tool`
+    turn answers the call `tool_call_id` with `content`.
+    """
+
+    role: str  # system, user, assistant, tool
     content: str = ""
     name: str | None = None
+    parts: list[ContentPart] = []
+    tool_calls: list[ToolCall] = []
+    tool_call_id: str | None = None
+    reasoning: str | None = None
+
+    def extras(self) -> list[str]:
+        """The fields beyond role, text and name that this message uses."""
+        used = [
+            ("parts", bool(self.parts)),
+            ("tool_calls", bool(self.tool_calls)),
+            ("tool_call_id", self.tool_call_id is not None),
+            ("reasoning", self.reasoning is not None),
+        ]
+        return [name for name, is_used in used if is_used]
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

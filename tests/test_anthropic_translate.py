@@ -152,7 +152,13 @@ def test_count_tokens_builds_the_same_prompt() -> None:
 @pytest.mark.parametrize(
     ("block", "why"),
     [
-        ({"type": "image", "source": {"type": "base64", "data": "x"}}, "image"),
+        (
+            {
+                "type": "image",
+                "source": {"type": "base64", "media_type": "image/png", "data": "iVBO"},
+            },
+            "image",
+        ),
         ({"type": "document", "source": {}}, "document"),
         ({"type": "tool_use", "id": "t", "name": "f", "input": {}}, "tool use"),
         ({"type": "tool_result", "tool_use_id": "t", "content": "x"}, "tool use"),

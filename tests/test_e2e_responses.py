@@ -407,7 +407,16 @@ UNSUPPORTED = [
     ({"input": []}, "input"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "o"}]}, "input[0].type"),
     (
-        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+        {
+            "input": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_image", "image_url": "https://example.com/cat.png"}
+                    ],
+                }
+            ]
+        },
         "input[0].content[0].type",
     ),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),

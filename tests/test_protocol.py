@@ -26,15 +26,19 @@ from shared.protocol import (
     WorkerState,
 )
 from shared.types import (
+    AudioPart,
     CanonicalRequest,
     ErrorCode,
     FinishReason,
+    ImagePart,
     Message,
     RequestError,
     RequestKind,
     RequestOutput,
     SamplingParams,
+    TextPart,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     Usage,
 )
@@ -121,14 +125,62 @@ V2_STEP = (
     "6f729305010093a8696e7465726e616ca4626f6f6da178"
 )
 
+# Protocol 3's bytes for ADD, before Message gained (parts, tool_calls, tool_call_id,
+# reasoning).
+V3_ADD = (
+    "96a3616464a57265712d31a463686174959293a673797374656da942652062726965662ec093a4757365"
+    "72a24869a3626f62c0c0c380dc001220cb3fe0000000000000cb3ff000000000000000cb000000000000"
+    "00000791a20a0a9102c200cb3ff0000000000000cb0000000000000000cb00000000000000008105cbbf"
+    "f8000000000000c2c200c200"
+)
+# Every field protocol 4 appended to Message: images as bytes and as a URL, audio, an
+# assistant's tool call and reasoning, a tool's result.
+ADD_RICH = Add(
+    "req-5",
+    RequestKind.CHAT,
+    CanonicalRequest(
+        messages=[
+            Message(
+                "user",
+                "Look: ",
+                parts=[
+                    TextPart("Look: "),
+                    ImagePart(b"\x89PNG", media_type="image/png"),
+                    ImagePart(url="https://example.com/a.jpg", detail="low"),
+                    AudioPart(b"RIFF", format="wav"),
+                ],
+            ),
+            Message(
+                "assistant",
+                "",
+                tool_calls=[ToolCall("call_1", "get_weather", '{"city": "Oslo"}')],
+                reasoning="They want weather.",
+            ),
+            Message("tool", "12C", tool_call_id="call_1"),
+        ]
+    ),
+    SamplingParams(),
+)
+
 TO_WORKER = {
     "add": (
         ADD,
-        # as V2_ADD, SamplingParams a 18-array (dc0012, was 9f) ending c2 00 c2 (was c2)
-        "96a3616464a57265712d31a463686174959293a673797374656da942652062726965662ec093a4757365"
-        "72a24869a3626f62c0c0c380dc001220cb3fe0000000000000cb3ff000000000000000cb000000000000"
-        "00000791a20a0a9102c200cb3ff0000000000000cb0000000000000000cb00000000000000008105cbbf"
-        "f8000000000000c2c200c200",
+        # as V3_ADD, each Message a 7-array (97, was 93) ending 90 90 c0 c0
+        "96a3616464a57265712d31a463686174959297a673797374656da942652062726965662ec09090c0c097"
+        "a475736572a24869a3626f629090c0c0c0c0c380dc001220cb3fe0000000000000cb3ff0000000000000"
+        "00cb00000000000000000791a20a0a9102c200cb3ff0000000000000cb0000000000000000cb00000000"
+        "000000008105cbbff8000000000000c2c200c200",
+    ),
+    "add_rich_messages": (
+        ADD_RICH,
+        "96a3616464a57265712d35a463686174959397a475736572a64c6f6f6b3a20c09492a474657874a64c6f"
+        "6f6b3a2095a5696d616765c40489504e47a9696d6167652f706e67c0c095a5696d616765c400c0b96874"
+        "7470733a2f2f6578616d706c652e636f6d2f612e6a7067a36c6f7794a5617564696fc40452494646a377"
+        "6176c090c0c097a9617373697374616e74a0c0909193a663616c6c5f31ab6765745f77656174686572"
+        "b07b2263697479223a20224f736c6f227dc0b2546865792077616e7420776561746865722e97a4746f6f"
+        "6ca3313243c09090a663616c6c5f31c0c0c0c380dc0012c0cb3ff0000000000000cb3ff0000000000000"
+        "00cb0000000000000000c09090c200cb3ff0000000000000cb0000000000000000cb0000000000000000"
+        "80c2c200c200",
     ),
     "add_echo_logprobs": (
         ADD_ECHO,
@@ -322,7 +374,7 @@ def test_protocol_2_frames_decode_with_the_new_fields_defaulted() -> None:
 
 def test_protocol_version_is_an_int() -> None:
     assert type(PROTOCOL_VERSION) is int
-    assert PROTOCOL_VERSION == 3  # bumped with the logprobs/echo fields (see V2_ADD)
+    assert PROTOCOL_VERSION == 4  # bumped with the message's parts and tool fields (V3_ADD)
     hello = Codec().from_worker.decode(Codec().encode(Hello("w", PROTOCOL_VERSION, 1, "m")))
     assert isinstance(hello, Hello)
     assert hello.protocol_version == PROTOCOL_VERSION
@@ -373,3 +425,16 @@ def test_shorter_frames_from_an_older_peer_decode_with_defaults() -> None:
     assert hb == Heartbeat("w1", WorkerState.DRAINING, 3, 2, 1, memory_bytes=0)
     shutdown = codec.to_worker.decode(msgspec.msgpack.encode(["shutdown"]))
     assert shutdown == Shutdown(ShutdownMode.ABORT, 10.0)
+
+
+def test_protocol_3_messages_decode_with_the_new_fields_defaulted() -> None:
+    codec = Codec()
+    add = codec.to_worker.decode(bytes.fromhex(V3_ADD))
+    assert add == ADD
+    rich = codec.to_worker.decode(codec.encode(ADD_RICH))
+    assert isinstance(rich, Add)
+    user, assistant, tool = rich.request.messages
+    assert [type(p) for p in user.parts] == [TextPart, ImagePart, ImagePart, AudioPart]
+    assert assistant.tool_calls[0].name == "get_weather"
+    assert (assistant.extras(), tool.extras()) == (["tool_calls", "reasoning"], ["tool_call_id"])
+    assert user.extras() == ["parts"] and Message("user", "hi").extras() == []

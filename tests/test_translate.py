@@ -32,6 +32,8 @@ from shared.types import (
 
 USER = [{"role": "user", "content": "hi"}]
 
+IMG = {"url": "https://example.com/cat.png"}
+
 
 def enc(body: dict[str, Any]) -> bytes:
     return json.dumps(body).encode()
@@ -284,7 +286,7 @@ def test_unknown_field_is_named() -> None:
 
 
 def test_unknown_role() -> None:
-    error = rejected(chat, messages=[{"role": "tool", "content": "x"}])
+    error = rejected(chat, messages=[{"role": "function", "content": "x"}])
     assert "role" in error.message
 
 
@@ -316,8 +318,8 @@ def test_missing_messages() -> None:
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"modalities": ["audio"]}, "modalities"),
         (
-            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-            "messages[0].content",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": IMG}]}]},
+            "messages[0].content[0]",
         ),
     ],
 )

@@ -113,6 +113,13 @@ class Preprocessor:
                     "this model has no chat template: use /v1/completions with a prompt",
                     "messages",
                 )
+            for i, m in enumerate(request.messages):
+                extras = m.extras()
+                if extras:  # the gateway refuses these first; never drop them silently
+                    raise _invalid(
+                        f"messages[{i}].{extras[0]} is not served by a text worker",
+                        f"messages[{i}].{extras[0]}",
+                    )
             messages = [_message_dict(m.role, m.content, m.name) for m in request.messages]
             reserved = reserved_template_kwarg(request.chat_template_kwargs)
             if reserved is not None:

@@ -1,14 +1,20 @@
 """What the three protocols' translators share: their 400s (invalid input, an unsupported
-parameter named), decoding a request body, and the sampling defaults a field left out means."""
+parameter named), decoding a request body, the sampling defaults a field left out means,
+and the neutral message model's pieces (images from URLs or base64, text of parts) with the
+record of what a request uses that no worker serves yet."""
 
 from __future__ import annotations
 
+import base64
+import binascii
+import re
+from collections.abc import Collection, Sequence
 from typing import Any, TypeVar
 
 import msgspec
 
 from gateway.errors import GatewayError, validation_error
-from shared.types import ErrorCode, SamplingParams
+from shared.types import ContentPart, ErrorCode, ImagePart, SamplingParams, TextPart
 
 T = TypeVar("T")
 
@@ -50,3 +56,64 @@ def sampling(
         top_k=max(0, top_k or 0),
         **more,
     )
+
+
+# ---- the neutral message model --------------------------------------------------------
+
+# What a request may use beyond text, once a worker serves it: "image", "audio",
+# "tool_calls" (an assistant's calls in the history), "tool_result", "reasoning". None is
+# served yet: the translators map each onto the neutral message and then refuse it, naming
+# the protocol's field (the capabilities that serve them will land their kind here).
+SERVED: frozenset[str] = frozenset()
+
+_DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,", re.I)
+
+
+class Unserved:
+    """What a request's content uses that workers may not serve, each with the 400 that
+    names it in the request's own protocol; refused once the whole request is mapped."""
+
+    def __init__(self) -> None:
+        self.uses: list[tuple[str, GatewayError]] = []
+
+    def add(self, feature: str, error: GatewayError) -> None:
+        self.uses.append((feature, error))
+
+    @property
+    def features(self) -> list[str]:
+        return [feature for feature, _ in self.uses]
+
+    def refuse(self, served: Collection[str] = SERVED) -> None:
+        for feature, error in self.uses:
+            if feature not in served:
+                raise error
+
+
+def text_of(parts: Sequence[ContentPart]) -> str:
+    return "".join(part.text for part in parts if isinstance(part, TextPart))
+
+
+def media_parts(parts: list[ContentPart]) -> list[ContentPart]:
+    """A message's parts as the neutral model keeps them: none when all are text."""
+    return parts if any(not isinstance(part, TextPart) for part in parts) else []
+
+
+def image_from_url(url: str, where: str, detail: str | None = None) -> ImagePart:
+    """An image given by URL: a data URL is decoded here; http(s) is kept for fetching."""
+    if url.startswith(("http://", "https://")):
+        return ImagePart(url=url, detail=detail)
+    match = _DATA_URL.match(url)
+    if match is None:
+        raise invalid(
+            f"`{where}` must be an http(s) URL or a base64 data URL (data:image/png;base64,...)",
+            where,
+        )
+    data = image_bytes(url[match.end() :], where)
+    return ImagePart(data, media_type=match["type"], detail=detail)
+
+
+def image_bytes(data: str, where: str) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise invalid(f"`{where}` is not valid base64", where) from None

@@ -35,6 +35,43 @@ class TextBlock(_Body):
     citations: list[Any] | None = None
 
 
+class ImageSource(_Body):
+    type: Literal["base64", "url"]
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
+class ImageBlock(_Body):
+    type: Literal["image"]
+    source: ImageSource
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolUseBlock(_Body):
+    """An assistant's call, sent back in the history."""
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolResultBlock(_Body):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[dict[str, Any]] = ""
+    is_error: bool = False
+    cache_control: dict[str, Any] | None = None
+
+
+class ThinkingBlock(_Body):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
 class MessageParam(_Body):
     role: Literal["user", "assistant"]
     # A string, or a list of content blocks (checked one by one in translate).

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -14,6 +15,7 @@ from gateway.api.anthropic.schemas import (
     ContentBlockStop,
     CountTokensBody,
     DeltaUsage,
+    ImageBlock,
     MessageBody,
     MessageDelta,
     MessageParam,
@@ -26,56 +28,142 @@ from gateway.api.anthropic.schemas import (
     TextBlock,
     TextContent,
     TextDelta,
+    ThinkingBlock,
+    ToolResultBlock,
+    ToolUseBlock,
     UsageBody,
 )
-from gateway.api.common import invalid, sampling
+from gateway.api.common import (
+    Unserved,
+    image_bytes,
+    image_from_url,
+    invalid,
+    media_parts,
+    sampling,
+    text_of,
+)
 from gateway.api.relay import Choice, sse_event
 from gateway.errors import GatewayError, validation_error
 from shared.types import (
     CanonicalRequest,
     FinishReason,
+    ImagePart,
     Message,
     RequestOutput,
     SamplingParams,
+    TextPart,
+    ToolCall,
     Usage,
 )
+from shared.types import ContentPart as Part
+
+T = TypeVar("T")
 
 MESSAGES_PATH = "/v1/messages"  # error bodies in Anthropic's shape
 
-# Content block types Anthropic documents that this gateway does not serve, and why.
+# Content block types Anthropic documents that have no place in the neutral message, and why.
 _BLOCKS_NOT_SERVED = {
-    "image": "image input is not served",
     "document": "document input is not served",
     "search_result": "search results are not served",
-    "tool_use": "tool use is not served yet",
-    "tool_result": "tool use is not served yet",
     "server_tool_use": "server tools are not served",
     "web_search_tool_result": "server tools are not served",
-    "thinking": "extended thinking is not served",
     "redacted_thinking": "extended thinking is not served",
     "container_upload": "containers are not served",
 }
+# Blocks the neutral message carries, and why a text model does not serve them yet.
+_NOT_SERVED_YET = {
+    "image": ("image", "image input is not served by text models"),
+    "tool_use": ("tool_calls", "tool use is not served yet"),
+    "tool_result": ("tool_result", "tool use is not served yet"),
+    "thinking": ("reasoning", "extended thinking is not served"),
+}
 
 
-def _block_text(where: str, block: dict[str, Any]) -> str:
-    """The text of one content block (`where` names it: messages[i].content[j])."""
-    kind = block.get("type")
-    if kind != "text":
-        if not isinstance(kind, str):
-            raise invalid(f"`{where}` needs a string `type`", f"{where}.type")
-        why = _BLOCKS_NOT_SERVED.get(kind, "only text content blocks are served")
-        raise invalid(f"`{where}` is a content block of type {kind!r}: {why}", where)
+def _convert(block: dict[str, Any], type_: type[T], where: str) -> T:
     try:
-        return msgspec.convert(block, TextBlock).text
+        return msgspec.convert(block, type_)
     except msgspec.ValidationError as exc:
         raise validation_error(exc, where) from exc
 
 
-def _content(index: int, message: MessageParam) -> str:
+def _image(block: dict[str, Any], where: str) -> ImagePart:
+    source = _convert(block, ImageBlock, where).source
+    if source.type == "url":
+        if not source.url:
+            raise invalid(f"`{where}.source` of type 'url' needs `url`", f"{where}.source.url")
+        return image_from_url(source.url, f"{where}.source.url")
+    if source.data is None or source.media_type is None:
+        raise invalid(
+            f"`{where}.source` of type 'base64' needs `media_type` and `data`", f"{where}.source"
+        )
+    return ImagePart(image_bytes(source.data, f"{where}.source.data"), source.media_type)
+
+
+class _Turn:
+    """One Anthropic message as neutral messages: its tool results (each a `tool` message),
+    then the rest of its content."""
+
+    def __init__(self, role: str, unserved: Unserved) -> None:
+        self.role = role
+        self.unserved = unserved
+        self.parts: list[Part] = []
+        self.calls: list[ToolCall] = []
+        self.reasoning: list[str] = []
+        self.results: list[Message] = []
+
+    def block(self, where: str, block: dict[str, Any]) -> None:
+        kind = block.get("type")
+        if not isinstance(kind, str):
+            raise invalid(f"`{where}` needs a string `type`", f"{where}.type")
+        if kind == "text":
+            self.parts.append(TextPart(_convert(block, TextBlock, where).text))
+            return
+        if kind not in _NOT_SERVED_YET:
+            why = _BLOCKS_NOT_SERVED.get(kind, "only text content blocks are served")
+            raise invalid(f"`{where}` is a content block of type {kind!r}: {why}", where)
+        if kind == "image":
+            self.parts.append(_image(block, where))
+        elif kind == "tool_use":
+            use = _convert(block, ToolUseBlock, where)
+            self.calls.append(ToolCall(use.id, use.name, json.dumps(use.input)))
+        elif kind == "tool_result":
+            result = _convert(block, ToolResultBlock, where)
+            inner = _Turn("tool", self.unserved)
+            if isinstance(result.content, str):
+                inner.parts.append(TextPart(result.content))
+            else:
+                for j, sub in enumerate(result.content):
+                    inner.block(f"{where}.content[{j}]", sub)
+            self.results.append(inner.message(tool_call_id=result.tool_use_id))
+        else:
+            self.reasoning.append(_convert(block, ThinkingBlock, where).thinking)
+        feature, why = _NOT_SERVED_YET[kind]
+        error = invalid(f"`{where}` is a content block of type {kind!r}: {why}", where)
+        self.unserved.add(feature, error)
+
+    def message(self, tool_call_id: str | None = None) -> Message:
+        return Message(
+            role=self.role,
+            content=text_of(self.parts),
+            parts=media_parts(self.parts),
+            tool_calls=self.calls,
+            tool_call_id=tool_call_id,
+            reasoning="".join(self.reasoning) if self.reasoning else None,
+        )
+
+    def messages(self) -> list[Message]:
+        rest = self.parts or self.calls or self.reasoning or not self.results
+        return self.results + ([self.message()] if rest else [])
+
+
+def _messages(index: int, message: MessageParam, unserved: Unserved) -> list[Message]:
     if isinstance(message.content, str):
-        return message.content
+        return [Message(role=message.role, content=message.content)]
+    turn = _Turn(message.role, unserved)
     where = f"messages[{index}].content"
-    return "".join(_block_text(f"{where}[{j}]", b) for j, b in enumerate(message.content))
+    for j, block in enumerate(message.content):
+        turn.block(f"{where}[{j}]", block)
+    return turn.messages()
 
 
 def _system(system: str | list[TextBlock] | None) -> str:
@@ -103,8 +191,11 @@ def prompt_request(req: PromptFields) -> CanonicalRequest:
     _refuse_unserved(req)
     if not req.messages:
         raise invalid("`messages` must not be empty", "messages")
-    messages = [Message(role=m.role, content=_content(i, m)) for i, m in enumerate(req.messages)]
-    if len(messages) > 1 and messages[-1].role == "assistant" and not messages[-1].content:
+    unserved = Unserved()
+    messages = [msg for i, m in enumerate(req.messages) for msg in _messages(i, m, unserved)]
+    unserved.refuse()
+    last = messages[-1]
+    if len(messages) > 1 and last.role == "assistant" and not last.content and not last.extras():
         messages.pop()
     system = _system(req.system)
     if system:

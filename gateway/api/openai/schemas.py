@@ -27,15 +27,42 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     pass
 
 
+class ImageUrl(_Body):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class InputAudio(_Body):
+    data: str  # base64
+    format: str
+
+
 class ContentPart(msgspec.Struct, omit_defaults=True):
     type: str
     text: str | None = None
+    image_url: ImageUrl | None = None
+    input_audio: InputAudio | None = None
+
+
+class FunctionCallIn(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Body):
+    id: str
+    function: FunctionCallIn
+    type: Literal["function"] = "function"
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's thinking (vLLM, DeepSeek)
+    refusal: str | None = None  # an assistant's refusal, as OpenAI returns it
 
 
 class StreamOptions(_Body):

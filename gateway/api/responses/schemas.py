@@ -82,6 +82,43 @@ class MessageItemIn(_Body):
     phase: str | None = None  # an assistant message's label: accepted, not used
 
 
+class ImagePartIn(_Body):
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class FunctionCallIn(_Body):
+    """A call the model made, passed back in the input."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputIn(_Body):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[dict[str, Any]]
+    id: str | None = None
+    status: str | None = None
+
+
+class ReasoningIn(_Body):
+    """A reasoning item passed back: its summary texts (encrypted content is not read)."""
+
+    type: Literal["reasoning"]
+    summary: list[dict[str, Any]] = []
+    content: list[dict[str, Any]] | None = None
+    id: str | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
 class TextPartIn(_Body):
     type: Literal["input_text", "output_text"]
     text: str

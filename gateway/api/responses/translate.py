@@ -14,9 +14,12 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from gateway.api.common import invalid, sampling, unsupported
+from gateway.api.common import Unserved, image_from_url, invalid, sampling, unsupported
 from gateway.api.relay import Choice, sse_event
 from gateway.api.responses.schemas import (
+    FunctionCallIn,
+    FunctionCallOutputIn,
+    ImagePartIn,
     IncompleteDetails,
     InputText,
     InputTokensDetails,
@@ -25,6 +28,7 @@ from gateway.api.responses.schemas import (
     MessageItemIn,
     OutputText,
     OutputTokensDetails,
+    ReasoningIn,
     ResponseError,
     ResponseObject,
     ResponsesRequest,
@@ -35,9 +39,11 @@ from gateway.errors import GatewayError, validation_error
 from shared.types import (
     CanonicalRequest,
     FinishReason,
+    ImagePart,
     Message,
     RequestOutput,
     SamplingParams,
+    ToolCall,
     Usage,
 )
 
@@ -102,17 +108,26 @@ def _convert(value: Any, type_: type[T], where: str) -> T:
         raise validation_error(exc, where) from None
 
 
-def input_items(body_input: str | list[dict[str, Any]]) -> list[MessageItem]:
-    """The request's own input as conversation items (a string is one user message)."""
+def input_items(
+    body_input: str | list[dict[str, Any]], unserved: Unserved | None = None
+) -> list[MessageItem]:
+    """The request's own input as conversation items (a string is one user message). Items
+    and parts the neutral model carries but no worker serves yet (images, function calls
+    and their outputs, reasoning) are mapped and recorded in `unserved` (None: refused)."""
+    uses = unserved if unserved is not None else Unserved()
     if isinstance(body_input, str):
         return [MessageItem(id=new_id("msg"), role="user", content=[InputText(body_input)])]
     items = []
     for i, raw in enumerate(body_input):
         where = f"input[{i}]"
         kind = raw.get("type", "message")
+        if kind in _ITEMS_NOT_SERVED_YET:
+            item_message(raw, where, uses)
+            continue
         if kind != "message":
             raise invalid(
-                f"`{where}.type` {kind!r} is not supported: only message items are served",
+                f"`{where}.type` {kind!r} is not supported: only message, function_call, "
+                "function_call_output and reasoning items are served",
                 f"{where}.type",
             )
         item = _convert(raw, MessageItemIn, where)
@@ -121,11 +136,49 @@ def input_items(body_input: str | list[dict[str, Any]]) -> list[MessageItem]:
                 f"`{where}.role` {item.role!r} is not supported (one of {', '.join(ROLES)})",
                 f"{where}.role",
             )
-        items.append(_message_item(item, where))
+        items.append(_message_item(item, where, uses))
+    if unserved is None:
+        uses.refuse()
     return items
 
 
-def _message_item(item: MessageItemIn, where: str) -> MessageItem:
+# Item types the neutral message carries, and why a text model does not serve them yet.
+_ITEMS_NOT_SERVED_YET = {
+    "function_call": ("tool_calls", "tool calling is not served yet"),
+    "function_call_output": ("tool_result", "tool calling is not served yet"),
+    "reasoning": ("reasoning", "reasoning items are not served yet"),
+}
+
+
+def item_message(raw: dict[str, Any], where: str, unserved: Unserved) -> Message:
+    """A function_call, function_call_output or reasoning item as a neutral message."""
+    kind = raw["type"]
+    if kind == "function_call":
+        call = _convert(raw, FunctionCallIn, where)
+        message = Message(
+            "assistant", tool_calls=[ToolCall(call.call_id, call.name, call.arguments)]
+        )
+    elif kind == "function_call_output":
+        result = _convert(raw, FunctionCallOutputIn, where)
+        output = result.output
+        text = (
+            output
+            if isinstance(output, str)
+            else "".join(str(part.get("text", "")) for part in output if isinstance(part, dict))
+        )
+        message = Message("tool", text, tool_call_id=result.call_id)
+    else:
+        reasoning = _convert(raw, ReasoningIn, where)
+        texts = [str(part.get("text", "")) for part in reasoning.summary]
+        message = Message("assistant", reasoning="".join(texts))
+    feature, why = _ITEMS_NOT_SERVED_YET[kind]
+    unserved.add(
+        feature, invalid(f"`{where}.type` {kind!r} is not supported: {why}", f"{where}.type")
+    )
+    return message
+
+
+def _message_item(item: MessageItemIn, where: str, unserved: Unserved) -> MessageItem:
     output = item.role == "assistant"
     if isinstance(item.content, str):
         texts = [item.content]
@@ -134,10 +187,13 @@ def _message_item(item: MessageItemIn, where: str) -> MessageItem:
         for j, raw in enumerate(item.content):
             part_where = f"{where}.content[{j}]"
             kind = raw.get("type")
+            if kind == "input_image":
+                image_part(raw, part_where, unserved)
+                continue
             if kind not in ("input_text", "output_text"):
                 raise invalid(
-                    f"`{part_where}.type` {kind!r} is not supported: only input_text and "
-                    "output_text content parts are served",
+                    f"`{part_where}.type` {kind!r} is not supported: only input_text, "
+                    "output_text and input_image content parts are served",
                     f"{part_where}.type",
                 )
             texts.append(_convert(raw, TextPartIn, part_where).text)
@@ -146,6 +202,21 @@ def _message_item(item: MessageItemIn, where: str) -> MessageItem:
     ]
     item_id = item.id or new_id("msg")
     return MessageItem(id=item_id, role=item.role, content=content)
+
+
+def image_part(raw: dict[str, Any], where: str, unserved: Unserved) -> ImagePart:
+    """An input_image part as a neutral image (recorded: text models do not serve it)."""
+    part = _convert(raw, ImagePartIn, where)
+    if part.image_url is None:
+        field = "file_id" if part.file_id is not None else "image_url"
+        raise unsupported(f"{where}.{field}", "an image needs `image_url` (files are not served)")
+    image = image_from_url(part.image_url, f"{where}.image_url", part.detail)
+    error = invalid(
+        f"`{where}.type` 'input_image' is not supported: image input is not served by text models",
+        f"{where}.type",
+    )
+    unserved.add("image", error)
+    return image
 
 
 def item_text(item: MessageItem) -> str:

@@ -1,0 +1,210 @@
+"""The neutral message model as each protocol's translator fills it: images (bytes or URL),
+audio, an assistant's tool calls and reasoning, tool results. None is served by a text
+worker yet: each is mapped, recorded in Unserved, and refused with a 400 naming the
+protocol's own field."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import msgspec
+import pytest
+
+from gateway.api.anthropic.schemas import MessageParam
+from gateway.api.anthropic.translate import _messages
+from gateway.api.common import Unserved, image_from_url
+from gateway.api.openai.schemas import ChatMessage
+from gateway.api.openai.translate import message_of
+from gateway.api.responses.translate import input_items, item_message
+from gateway.errors import GatewayError
+from shared.types import AudioPart, ErrorCode, ImagePart, Message, TextPart, ToolCall
+
+PNG = b"\x89PNG\r\n\x1a\n"
+PNG64 = base64.b64encode(PNG).decode()
+
+
+def test_a_data_url_is_decoded_and_an_http_url_kept_for_fetching() -> None:
+    assert image_from_url(f"data:image/png;base64,{PNG64}", "x") == ImagePart(PNG, "image/png")
+    assert image_from_url("https://e.com/a.jpg", "x", "low") == ImagePart(
+        url="https://e.com/a.jpg", detail="low"
+    )
+    for bad in ("file:///etc/passwd", "data:image/png;base64,@@@", "ftp://e.com/a"):
+        with pytest.raises(GatewayError) as err:
+            image_from_url(bad, "messages[0].content[1].image_url.url")
+        assert err.value.param == "messages[0].content[1].image_url.url"
+
+
+def test_unserved_refuses_the_first_use_not_served() -> None:
+    unserved = Unserved()
+    unserved.refuse()  # nothing used: nothing refused
+    unserved.add("tool_calls", _err("a"))
+    unserved.add("image", _err("b"))
+    with pytest.raises(GatewayError, match="b"):
+        unserved.refuse({"tool_calls"})
+    unserved.refuse({"tool_calls", "image"})
+    assert unserved.features == ["tool_calls", "image"]
+
+
+def _err(message: str) -> GatewayError:
+    return GatewayError(ErrorCode.INVALID_REQUEST, message)
+
+
+def _openai(raw: dict[str, Any]) -> tuple[Message, Unserved]:
+    unserved = Unserved()
+    return message_of(2, msgspec.convert(raw, ChatMessage), unserved), unserved
+
+
+def test_openai_content_parts_map_in_order() -> None:
+    message, unserved = _openai(
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is "},
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG64}"}},
+                {"type": "text", "text": "this?"},
+                {"type": "input_audio", "input_audio": {"data": PNG64, "format": "wav"}},
+            ],
+        }
+    )
+    assert message.content == "What is this?"
+    assert message.parts == [
+        TextPart("What is "),
+        ImagePart(PNG, "image/png"),
+        TextPart("this?"),
+        AudioPart(PNG, "wav"),
+    ]
+    assert unserved.features == ["image", "audio"]
+    with pytest.raises(GatewayError) as err:
+        unserved.refuse()
+    assert err.value.param == "messages[2].content[1]"
+
+
+def test_openai_text_parts_alone_stay_plain_text() -> None:
+    message, unserved = _openai({"role": "user", "content": [{"type": "text", "text": "hi"}]})
+    assert message == Message("user", "hi") and unserved.features == []
+
+
+def test_openai_tool_calls_results_and_reasoning_map() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    assistant, unserved = _openai(
+        {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "hm"}
+    )
+    assert assistant.tool_calls == [ToolCall("call_1", "f", "{}")]
+    assert assistant.reasoning == "hm"
+    assert unserved.features == ["tool_calls", "reasoning"]
+    with pytest.raises(GatewayError) as err:
+        unserved.refuse()
+    assert err.value.param == "messages[2].tool_calls"
+    tool, unserved = _openai({"role": "tool", "content": "12C", "tool_call_id": "call_1"})
+    assert tool == Message("tool", "12C", tool_call_id="call_1")
+    assert unserved.features == ["tool_result"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        ({"role": "tool", "content": "x"}, "messages[2].tool_call_id"),
+        ({"role": "user", "content": "x", "tool_call_id": "c"}, "messages[2].tool_call_id"),
+        (
+            {"role": "user", "content": "x", "reasoning_content": "r"},
+            "messages[2].reasoning_content",
+        ),
+        (
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x:y"}}]},
+            "messages[2].content[0].image_url.url",
+        ),
+        ({"role": "user", "content": [{"type": "file", "file": {}}]}, "messages[2].content[0]"),
+    ],
+)
+def test_openai_malformed_messages_are_named(raw: dict[str, Any], param: str) -> None:
+    with pytest.raises(GatewayError) as err:
+        _openai(raw)
+    assert err.value.param == param
+
+
+def _anthropic(raw: dict[str, Any]) -> tuple[list[Message], Unserved]:
+    unserved = Unserved()
+    return _messages(1, msgspec.convert(raw, MessageParam), unserved), unserved
+
+
+def test_anthropic_blocks_map_and_tool_results_become_tool_messages() -> None:
+    messages, unserved = _anthropic(
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "t1", "content": "sunny"},
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "t2",
+                    "content": [{"type": "text", "text": "rain"}],
+                },
+                {"type": "text", "text": "And "},
+                {"type": "image", "source": {"type": "url", "url": "https://e.com/a.png"}},
+            ],
+        }
+    )
+    assert messages == [
+        Message("tool", "sunny", tool_call_id="t1"),
+        Message("tool", "rain", tool_call_id="t2"),
+        Message("user", "And ", parts=[TextPart("And "), ImagePart(url="https://e.com/a.png")]),
+    ]
+    assert unserved.features == ["tool_result", "tool_result", "image"]
+    with pytest.raises(GatewayError) as err:
+        unserved.refuse()
+    assert err.value.param == "messages[1].content[0]"
+
+
+def test_anthropic_assistant_tool_use_and_thinking_map() -> None:
+    messages, unserved = _anthropic(
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "Look it up.", "signature": "s"},
+                {"type": "text", "text": "Checking."},
+                {"type": "tool_use", "id": "t1", "name": "weather", "input": {"city": "Oslo"}},
+            ],
+        }
+    )
+    assert messages == [
+        Message(
+            "assistant",
+            "Checking.",
+            tool_calls=[ToolCall("t1", "weather", '{"city": "Oslo"}')],
+            reasoning="Look it up.",
+        )
+    ]
+    assert unserved.features == ["reasoning", "tool_calls"]
+
+
+def test_anthropic_base64_images_are_decoded() -> None:
+    source = {"type": "base64", "media_type": "image/png", "data": PNG64}
+    messages, _ = _anthropic({"role": "user", "content": [{"type": "image", "source": source}]})
+    assert messages[0].parts == [ImagePart(PNG, "image/png")]
+
+
+def test_responses_items_map() -> None:
+    unserved = Unserved()
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"a": 1}'}
+    assert item_message(call, "input[0]", unserved) == Message(
+        "assistant", tool_calls=[ToolCall("c1", "f", '{"a": 1}')]
+    )
+    output = {"type": "function_call_output", "call_id": "c1", "output": "2"}
+    assert item_message(output, "input[1]", unserved) == Message("tool", "2", tool_call_id="c1")
+    reasoning = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "why"}]}
+    assert item_message(reasoning, "input[2]", unserved) == Message("assistant", reasoning="why")
+    assert unserved.features == ["tool_calls", "tool_result", "reasoning"]
+
+
+def test_responses_images_are_recorded_and_refused_by_their_part() -> None:
+    unserved = Unserved()
+    content = [
+        {"type": "input_text", "text": "what is"},
+        {"type": "input_image", "image_url": f"data:image/png;base64,{PNG64}"},
+    ]
+    items = input_items([{"role": "user", "content": content}], unserved)
+    assert [part.text for part in items[0].content] == ["what is"]
+    assert unserved.features == ["image"]
+    with pytest.raises(GatewayError) as err:
+        input_items([{"role": "user", "content": content}])
+    assert err.value.param == "input[0].content[1].type"
