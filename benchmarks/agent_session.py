@@ -50,13 +50,14 @@ from benchmarks._agent_trace import ChatTokens, Trace, build_trace
 from benchmarks._stats import machine_header, machine_info
 
 SOURCES = ("gateway", "gateway-nocache", "mlx_lm", "vllm_mlx")  # launched by default
-KNOWN = (*SOURCES, "gateway-rows")
+KNOWN = (*SOURCES, "gateway-rows", "gateway-rows-nocache")
 # "gateway" and "gateway-nocache" keep BatchGenerator (the tables measured so far), the rows
-# batch (the default now) is "gateway-rows".
+# batch (the default now) is "gateway-rows" ("gateway-rows-nocache" without the prefix cache).
 GATEWAY_ENGINE: dict[str, dict[str, bool | int | float | str]] = {
     "gateway": {"prefix_cache": True, "batcher": "mlx_lm"},
     "gateway-nocache": {"prefix_cache": False, "batcher": "mlx_lm"},
     "gateway-rows": {"prefix_cache": True, "batcher": "rows"},
+    "gateway-rows-nocache": {"prefix_cache": False, "batcher": "rows"},
 }
 GATEWAY_MODEL_NAME = "bench"
 
@@ -108,7 +109,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument(
         "--ignore-eos",
-        default="gateway,gateway-nocache,gateway-rows",
+        default="gateway,gateway-nocache,gateway-rows,gateway-rows-nocache",
         metavar="NAMES",
         help="sources sent ignore_eos (mlx_lm server and vllm-mlx ignore it)",
     )

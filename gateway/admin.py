@@ -53,22 +53,10 @@ def _summary(slot: Slot) -> dict[str, object]:
     }
 
 
-def prefix_cache(slot: Slot) -> dict[str, int] | None:
-    """The current worker's prefix cache as its last heartbeat reported it (None: no worker,
-    or one that reports none): held now, and counted since the worker started."""
-    hb = slot.handle.heartbeat if slot.handle is not None else None
-    if hb is None or hb.prefix_cache is None:
-        return None
-    return msgspec.structs.asdict(hb.prefix_cache)
-
-
 @get("/ps")
 async def ps(state: State) -> list[dict[str, object]]:
     supervisor: Supervisor = state.supervisor
-    rows = supervisor.ps()
-    for row in rows:
-        row["prefix_cache"] = prefix_cache(supervisor.slot(str(row["model"])))
-    return rows
+    return supervisor.ps()
 
 
 @get("/status")

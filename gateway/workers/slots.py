@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import psutil
 
 from gateway.errors import GatewayError
@@ -215,6 +216,9 @@ def status_row(slot: Slot, ttl: float, now: float) -> dict[str, object]:
         "exit_code": slot.exit_code,
         "log_tail": slot.log_tail if slot.state == ModelState.FAILED else None,
         "draining": [h.pid for h in slot.retiring],
+        # The current worker's prefix cache as its last heartbeat reported it (None: no
+        # worker, or one that reports none): held now, and counted since it started.
+        "prefix_cache": None,
     }
     if slot.idle_since is not None and ttl >= 0:
         row["ttl_left_s"] = round(max(0.0, ttl - (now - slot.idle_since)), 1)
@@ -226,6 +230,8 @@ def status_row(slot: Slot, ttl: float, now: float) -> dict[str, object]:
         hb = handle.heartbeat
         if hb is not None:
             row.update(running=hb.running, waiting=hb.waiting)
+            if hb.prefix_cache is not None:
+                row["prefix_cache"] = msgspec.structs.asdict(hb.prefix_cache)
             if not handle.is_ready:
                 row.update(stage=hb.stage, progress=hb.progress)
     return row

@@ -22,19 +22,24 @@ class Transport:
     def __init__(self, requests_addr: str, outputs_addr: str) -> None:
         self.requests_addr = requests_addr
         self.outputs_addr = outputs_addr
-        # Plain sockets: ROUTER only ever sends, without blocking; PULL is read from the
-        # event loop's reader callback on its FD, every queued frame per wakeup (no Future
-        # and no task switch per frame, as an awaited zmq.asyncio recv would cost).
-        self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.codec = Codec()
-        self.router = self.context.socket(zmq.ROUTER)
-        self.pull = self.context.socket(zmq.PULL)
         self._decoder = msgspec.msgpack.Decoder(FromWorker)
         self._on_frame: Callable[[FromWorker], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd: int | None = None
+        self.context: zmq.Context[zmq.Socket[bytes]] | None = None
+        self.router: zmq.Socket[bytes]
+        self.pull: zmq.Socket[bytes]
 
     def bind(self, on_frame: Callable[[FromWorker], None]) -> None:
+        # Plain sockets: ROUTER only ever sends, without blocking; PULL is read from the
+        # event loop's reader callback on its FD, every queued frame per wakeup (no Future
+        # and no task switch per frame, as an awaited zmq.asyncio recv would cost). Made
+        # here, not before: a context that the garbage collector finalizes with sockets
+        # still open blocks in term() forever, and a transport never bound has none.
+        self.context = zmq.Context()
+        self.router = self.context.socket(zmq.ROUTER)
+        self.pull = self.context.socket(zmq.PULL)
         for addr in (self.requests_addr, self.outputs_addr):
             if addr.startswith("ipc://"):  # a stale socket file from a crashed gateway
                 Path(addr.removeprefix("ipc://")).unlink(missing_ok=True)
@@ -54,6 +59,8 @@ class Transport:
 
     def send(self, worker_id: str, frame: ToWorker) -> bool:
         """Queue a frame for a worker; False when the worker is not connected."""
+        if self._fd is None:  # not bound, or closed
+            return False
         try:
             self.router.send_multipart(
                 [worker_id.encode(), self.codec.encode(frame)], flags=zmq.NOBLOCK
@@ -93,6 +100,8 @@ class Transport:
             self._loop.remove_reader(self._fd)
             self._fd = None
         self._on_frame = None
-        self.router.close()
-        self.pull.close()
-        self.context.term()
+        if self.context is not None:
+            self.router.close()
+            self.pull.close()
+            self.context.term()
+            self.context = None
