@@ -14,8 +14,8 @@ import pytest
 from gateway.api.anthropic.schemas import MessageParam
 from gateway.api.anthropic.translate import _messages
 from gateway.api.common import Unserved, image_from_url
+from gateway.api.openai.messages import message_of
 from gateway.api.openai.schemas import ChatMessage
-from gateway.api.openai.translate import message_of
 from gateway.api.responses.translate import input_items, item_message
 from gateway.errors import GatewayError
 from shared.types import AudioPart, ErrorCode, ImagePart, Message, TextPart, ToolCall

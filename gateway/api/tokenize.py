@@ -10,8 +10,8 @@ from litestar.datastructures import State
 from msgspec import Meta
 
 from gateway.api.common import decode_body
+from gateway.api.openai.messages import message_of
 from gateway.api.openai.schemas import ChatMessage
-from gateway.api.openai.translate import message_of
 from gateway.api.serve import JSON
 from gateway.edge.middleware import authorize_model, context_of
 from gateway.errors import GatewayError
