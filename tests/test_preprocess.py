@@ -1,0 +1,194 @@
+"""worker/preprocess.py over a real tiny model: templating, tokenizing and the checks a
+request meets before the engine (context, max_tokens, token ids, template variables, fields
+a text worker does not serve)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from shared.config import EngineOptions
+from shared.protocol import Add
+from shared.types import (
+    CanonicalRequest,
+    ErrorCode,
+    ImagePart,
+    Message,
+    RequestKind,
+    SamplingParams,
+    ToolCall,
+)
+from tests.engine_fixtures import Loaded, drive, load, token_ids
+from worker.modelgen import IM_START_ID, TinyModelSpec, build_tiny_model
+from worker.preprocess import PreprocessError, Preprocessor, capabilities
+
+
+def test_preprocess_allows_zero_max_tokens_with_echo(preprocess: Preprocessor) -> None:
+    frame = add_frame(
+        RequestKind.COMPLETION, CanonicalRequest(prompt="Hi"), max_tokens=0, echo=True
+    )
+    assert preprocess(frame).max_tokens == 0
+
+
+# ---- Preprocessor -------------------------------------------------------------------------
+
+
+def add_frame(kind: RequestKind, request: CanonicalRequest, **sampling: object) -> Add:
+    return Add("r1", kind, request, SamplingParams(**sampling))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def preprocess(chat: Loaded) -> Preprocessor:
+    return Preprocessor(chat.tokenizer, EngineOptions(default_max_tokens=8), max_context=64)
+
+
+def test_preprocess_chat(chat: Loaded, preprocess: Preprocessor) -> None:
+    request = CanonicalRequest(messages=[Message("system", "Be brief."), Message("user", "Hi")])
+    result = preprocess(add_frame(RequestKind.CHAT, request, max_tokens=5))
+    expected = chat.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        add_generation_prompt=True,
+    )
+    assert result.prompt == list(expected)
+    assert result.prompt[0] == IM_START_ID
+    assert result.max_tokens == 5
+    assert result.request_id == "r1"
+
+
+def test_preprocess_completion_and_defaults(chat: Loaded, preprocess: Preprocessor) -> None:
+    result = preprocess(add_frame(RequestKind.COMPLETION, CanonicalRequest(prompt="Hello there")))
+    assert result.prompt == chat.tokenizer.encode("Hello there")
+    assert result.max_tokens == 8  # default_max_tokens
+    ids = CanonicalRequest(prompt_token_ids=[5, 6, 7])
+    no_default = Preprocessor(chat.tokenizer, EngineOptions(), max_context=64)
+    result = no_default(add_frame(RequestKind.COMPLETION, ids))
+    assert result.prompt == [5, 6, 7]
+    assert result.max_tokens == 61  # all the room left
+
+
+def preprocess_error(preprocess: Preprocessor, frame: Add) -> PreprocessError:
+    with pytest.raises(PreprocessError) as info:
+        preprocess(frame)
+    return info.value
+
+
+def test_prompt_too_long(preprocess: Preprocessor) -> None:
+    frame = add_frame(RequestKind.COMPLETION, CanonicalRequest(prompt_token_ids=[5] * 64))
+    error = preprocess_error(preprocess, frame).error
+    assert error.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED
+    assert "64" in error.message
+
+
+def test_max_tokens_beyond_room(preprocess: Preprocessor) -> None:
+    request = CanonicalRequest(prompt_token_ids=[5] * 60)
+    assert preprocess(add_frame(RequestKind.COMPLETION, request, max_tokens=4)).max_tokens == 4
+    frame = add_frame(RequestKind.COMPLETION, request, max_tokens=5)
+    error = preprocess_error(preprocess, frame).error
+    assert error.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED
+    assert "65 tokens" in error.message
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        CanonicalRequest(prompt=""),
+        CanonicalRequest(prompt_token_ids=[]),
+        CanonicalRequest(messages=[], add_generation_prompt=False),
+    ],
+)
+def test_empty_prompt(preprocess: Preprocessor, request_: CanonicalRequest) -> None:
+    kind = (
+        RequestKind.CHAT
+        if request_.prompt is None and request_.prompt_token_ids is None
+        else (RequestKind.COMPLETION)
+    )
+    error = preprocess_error(preprocess, add_frame(kind, request_)).error
+    assert error.code is ErrorCode.INVALID_REQUEST
+    assert "empty" in error.message
+
+
+@pytest.mark.parametrize("bad", [512, -1, 10**9])
+def test_token_id_outside_the_vocabulary(preprocess: Preprocessor, bad: int) -> None:
+    frame = add_frame(RequestKind.COMPLETION, CanonicalRequest(prompt_token_ids=[5, bad, 6]))
+    error = preprocess_error(preprocess, frame).error
+    assert error.code is ErrorCode.INVALID_REQUEST
+    assert error.param == "prompt"
+    assert str(bad) in error.message
+
+
+def test_min_tokens_above_max_tokens(preprocess: Preprocessor) -> None:
+    frame = add_frame(
+        RequestKind.COMPLETION, CanonicalRequest(prompt="Hi"), max_tokens=3, min_tokens=4
+    )
+    error = preprocess_error(preprocess, frame).error
+    assert error.code is ErrorCode.INVALID_REQUEST
+    assert error.param == "min_tokens"
+
+
+def test_zero_max_tokens_is_rejected(preprocess: Preprocessor) -> None:
+    frame = add_frame(RequestKind.COMPLETION, CanonicalRequest(prompt="Hi"), max_tokens=0)
+    assert preprocess_error(preprocess, frame).error.code is ErrorCode.INVALID_REQUEST
+
+
+USER_HI = [Message("user", "Hi")]
+
+
+def test_preprocess_chat_template_kwargs(chat: Loaded, preprocess: Preprocessor) -> None:
+    """The tiny models' template honours enable_thinking (off when absent or false)."""
+
+    def prompt(**kwargs: str | bool | int | float) -> list[int]:
+        request = CanonicalRequest(messages=USER_HI, chat_template_kwargs=kwargs)
+        return preprocess(add_frame(RequestKind.CHAT, request, max_tokens=1)).prompt
+
+    plain = prompt()
+    thinking = prompt(enable_thinking=True)
+    assert thinking[: len(plain)] == plain
+    assert chat.tokenizer.decode(thinking[len(plain) :]) == "<think>\n"
+    assert prompt(enable_thinking=False) == plain
+    # the tokenize control call templates the same way
+    request = CanonicalRequest(messages=USER_HI, chat_template_kwargs={"enable_thinking": True})
+    call = {"kind": "chat", "request": msgspec.to_builtins(request), "with_text": True}
+    result = preprocess.tokenize_call(call)
+    assert result["tokens"] == thinking and result["count"] == len(thinking)
+    assert "".join(result["token_strs"]).endswith("<|im_start|>assistant\n<think>\n")
+    assert result["max_context"] == 64
+
+
+@pytest.fixture(scope="module")
+def no_template(tmp_path_factory: pytest.TempPathFactory) -> Loaded:
+    spec = TinyModelSpec(hidden_size=32, num_layers=1, vocab_size=300, chat_template=False)
+    return load(build_tiny_model(tmp_path_factory.mktemp("base") / "base", spec))
+
+
+def test_model_without_chat_template(no_template: Loaded) -> None:
+    assert capabilities(no_template.tokenizer) == ["completion", "logprobs", "echo", "tokenize"]
+    preprocess = Preprocessor(no_template.tokenizer, EngineOptions(), max_context=64)
+    chat_frame = add_frame(RequestKind.CHAT, CanonicalRequest(messages=USER_HI), max_tokens=1)
+    error = preprocess_error(preprocess, chat_frame).error
+    assert error.code is ErrorCode.INVALID_REQUEST
+    assert error.param == "messages"
+    assert "chat template" in error.message
+    prompt = CanonicalRequest(prompt="Once upon a time")
+    ready = preprocess(add_frame(RequestKind.COMPLETION, prompt, max_tokens=3, temperature=0.0))
+    out = drive(no_template.engine(), [ready])["r1"]
+    assert 1 <= len(token_ids(out)) <= 3
+
+
+@pytest.mark.parametrize(
+    ("message", "field"),
+    [
+        (Message("user", "look", parts=[ImagePart(b"\x89PNG", "image/png")]), "parts"),
+        (Message("assistant", "", tool_calls=[ToolCall("c1", "f", "{}")]), "tool_calls"),
+        (Message("tool", "12C", tool_call_id="c1"), "tool_call_id"),
+        (Message("assistant", "ok", reasoning="because"), "reasoning"),
+    ],
+)
+def test_a_text_worker_refuses_what_it_cannot_template(
+    preprocess: Preprocessor, message: Message, field: str
+) -> None:
+    """The gateway refuses these first; a frame that carries one anyway is a 400 naming it,
+    never a prompt with the part silently left out."""
+    request = CanonicalRequest(messages=[Message("user", "Hi"), message])
+    error = preprocess_error(preprocess, add_frame(RequestKind.CHAT, request)).error
+    assert error.code is ErrorCode.INVALID_REQUEST
+    assert error.param == f"messages[1].{field}"
