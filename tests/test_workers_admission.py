@@ -17,22 +17,14 @@ from shared.types import (
     RequestKind,
     SamplingParams,
 )
-from tests.worker_fakes import rig
+from tests.worker_fakes import chat, rig
 
 pytestmark = pytest.mark.anyio
 
 
-def _chat(request_id: str, **sampling: object) -> Submission:
-    request = CanonicalRequest(messages=[Message("user", "hi")])
-    params = SamplingParams(**sampling)  # type: ignore[arg-type]
-    return Submission(
-        "m", RequestKind.CHAT, request, params, request_id=request_id, needs=("chat",)
-    )
-
-
 async def test_a_request_is_leased_to_the_worker_and_sent(tmp_path: Path) -> None:
     r = rig(tmp_path)
-    stream = await r.admission.submit(_chat("a"))
+    stream = await r.admission.submit(chat("a"))
     handle = r.handle()
     assert handle.streams == {"a": stream} and stream.worker_id == handle.worker_id
     (add,) = r.transport.frames(Add)
@@ -43,9 +35,9 @@ async def test_a_request_is_leased_to_the_worker_and_sent(tmp_path: Path) -> Non
 async def test_a_full_queue_is_a_429_with_retry_after(tmp_path: Path) -> None:
     r = rig(tmp_path, capacity=Capacity(max_running=2, max_waiting=1, max_context=4096))
     for i in range(3):  # 2 running + 1 waiting
-        await r.admission.submit(_chat(str(i)))
+        await r.admission.submit(chat(str(i)))
     with pytest.raises(GatewayError) as err:
-        await r.admission.submit(_chat("3"))
+        await r.admission.submit(chat("3"))
     assert err.value.code == ErrorCode.OVERLOADED and err.value.retry_after == 1
     assert "3 requests in flight" in err.value.message
 
@@ -54,7 +46,7 @@ async def test_the_gateway_shutting_down_refuses_new_requests(tmp_path: Path) ->
     r = rig(tmp_path)
     r.draining.append(True)
     with pytest.raises(GatewayError) as err:
-        await r.admission.submit(_chat("a"))
+        await r.admission.submit(chat("a"))
     assert err.value.code == ErrorCode.SHUTTING_DOWN
     assert not r.processes.spawned  # nothing loaded for it
 
@@ -64,7 +56,7 @@ async def test_an_unreachable_worker_leaves_no_lease(tmp_path: Path) -> None:
     await r.pool.load("m")
     r.transport.reachable = False
     with pytest.raises(GatewayError, match="unreachable"):
-        await r.admission.submit(_chat("a"))
+        await r.admission.submit(chat("a"))
     assert r.handle().streams == {}
 
 
@@ -73,7 +65,7 @@ async def test_an_unencodable_value_is_a_400_and_leaves_no_lease(tmp_path: Path)
     await r.pool.load("m")
     r.transport.send = lambda *_: (_ for _ in ()).throw(OverflowError("int too big"))  # type: ignore[method-assign]
     with pytest.raises(GatewayError) as err:
-        await r.admission.submit(_chat("a"))
+        await r.admission.submit(chat("a"))
     assert err.value.code == ErrorCode.INVALID_REQUEST and "int too big" in err.value.message
     assert r.handle().streams == {}
 
@@ -85,10 +77,10 @@ async def test_while_a_model_restarts_requests_queue_for_its_next_worker(
     await r.pool.load("m")
     r.processes.exit(r.handle(), -9)
     slot = r.catalog.slot("m")
-    queued = await r.admission.submit(_chat("q"))
+    queued = await r.admission.submit(chat("q"))
     assert slot.replay == [queued] and queued.worker_id == ""
     with pytest.raises(GatewayError) as err:
-        await r.admission.submit(_chat("q2"))
+        await r.admission.submit(chat("q2"))
     assert err.value.code == ErrorCode.OVERLOADED
     r.admission.abort(queued)  # leaves the queue, nothing to tell a worker
     assert slot.replay == [] and not r.transport.frames(Abort)
@@ -96,7 +88,7 @@ async def test_while_a_model_restarts_requests_queue_for_its_next_worker(
 
 async def test_abort_tells_the_worker_once(tmp_path: Path) -> None:
     r = rig(tmp_path)
-    stream = await r.admission.submit(_chat("a"))
+    stream = await r.admission.submit(chat("a"))
     r.admission.abort(stream)
     r.admission.abort(stream)
     assert r.transport.frames(Abort) == [Abort(["a"])]

@@ -7,24 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from gateway.workers.client import ModelState, Submission
+from gateway.workers.client import ModelState
 from shared.config import ModelConfig
 from shared.types import (
-    CanonicalRequest,
     FinishReason,
-    Message,
-    RequestKind,
     RequestOutput,
-    SamplingParams,
 )
-from tests.worker_fakes import rig, until
+from tests.worker_fakes import chat, rig, until
 
 pytestmark = pytest.mark.anyio
-
-
-def _chat(**kw: object) -> Submission:
-    request = CanonicalRequest(messages=[Message("user", "hi")])
-    return Submission("m", RequestKind.CHAT, request, SamplingParams(), **kw)  # type: ignore[arg-type]
 
 
 async def test_an_idle_model_unloads_when_its_ttl_runs_out(tmp_path: Path) -> None:
@@ -40,7 +31,7 @@ async def test_a_request_in_flight_holds_the_model_and_its_end_restarts_the_ttl(
 ) -> None:
     r = rig(tmp_path, ModelConfig(name="m", source="/nowhere", ttl="50ms"))
     await r.pool.load("m")
-    stream = await r.admission.submit(_chat())
+    stream = await r.admission.submit(chat())
     slot = r.catalog.slot("m")
     assert slot.idle_timer is None and slot.idle_since is None
     handle = r.handle()
@@ -56,7 +47,7 @@ async def test_keep_alive_overrides_the_ttl_and_a_negative_one_keeps_the_model(
     await r.pool.load("m")
     slot = r.catalog.slot("m")
     assert r.lifetime.ttl_of(slot) == 3600
-    stream = await r.admission.submit(_chat(keep_alive=-1.0))
+    stream = await r.admission.submit(chat(keep_alive=-1.0))
     r.output(r.handle(), RequestOutput(stream.request_id, finish_reason=FinishReason.STOP))
     assert r.lifetime.ttl_of(slot) == -1
     assert slot.idle_timer is None  # never expires

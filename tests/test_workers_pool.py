@@ -9,26 +9,17 @@ from pathlib import Path
 import pytest
 
 from gateway.errors import GatewayError
-from gateway.workers.client import ModelState, Submission
+from gateway.workers.client import ModelState
 from shared.config import ModelConfig
 from shared.protocol import Shutdown, ShutdownMode
 from shared.types import (
-    CanonicalRequest,
     ErrorCode,
     FinishReason,
-    Message,
-    RequestKind,
     RequestOutput,
-    SamplingParams,
 )
-from tests.worker_fakes import rig, until
+from tests.worker_fakes import chat, rig, until
 
 pytestmark = pytest.mark.anyio
-
-
-def _chat(request_id: str) -> Submission:
-    request = CanonicalRequest(messages=[Message("user", "hi")])
-    return Submission("m", RequestKind.CHAT, request, SamplingParams(), request_id=request_id)
 
 
 async def test_concurrent_loads_start_one_worker(tmp_path: Path) -> None:
@@ -72,7 +63,7 @@ async def test_a_reload_swaps_workers_once_the_new_one_is_ready(tmp_path: Path) 
     r = rig(tmp_path)
     await r.pool.load("m")
     old = r.handle()
-    stream = await r.admission.submit(_chat("old"))
+    stream = await r.admission.submit(chat("old"))
     new = await r.pool.reload("m")
     assert r.handle() is new and new is not old
     await until(lambda: old.worker_id in r.processes.draining)  # told to drain

@@ -7,27 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from gateway.workers.client import ModelState, Submission
+from gateway.workers.client import ModelState
 from gateway.workers.recovery import backoff_s
 from shared.config import ServerConfig
 from shared.protocol import Add
 from shared.types import (
-    CanonicalRequest,
     ErrorCode,
     FinishReason,
-    Message,
-    RequestKind,
     RequestOutput,
-    SamplingParams,
 )
-from tests.worker_fakes import rig, until
+from tests.worker_fakes import chat, rig, until
 
 pytestmark = pytest.mark.anyio
-
-
-def _chat(request_id: str) -> Submission:
-    request = CanonicalRequest(messages=[Message("user", "hi")])
-    return Submission("m", RequestKind.CHAT, request, SamplingParams(), request_id=request_id)
 
 
 def test_backoff_doubles_per_recent_crash_up_to_its_cap() -> None:
@@ -41,8 +32,8 @@ async def test_a_crash_replays_unstarted_requests_on_the_next_worker_and_fails_t
     r = rig(tmp_path, restart_backoff_s=0.01)
     await r.pool.load("m")
     first = r.handle()
-    started = await r.admission.submit(_chat("started"))
-    waiting = await r.admission.submit(_chat("waiting"))
+    started = await r.admission.submit(chat("started"))
+    waiting = await r.admission.submit(chat("waiting"))
     started.put(RequestOutput("started", text="Hel", token_ids=[1]))
     r.processes.exit(first, -9)  # SIGKILL
     slot = r.catalog.slot("m")
@@ -62,7 +53,7 @@ async def test_a_crash_replays_unstarted_requests_on_the_next_worker_and_fails_t
 async def test_the_request_that_had_output_ends_with_worker_died(tmp_path: Path) -> None:
     r = rig(tmp_path, restart_backoff_s=0.01)
     await r.pool.load("m")
-    stream = await r.admission.submit(_chat("x"))
+    stream = await r.admission.submit(chat("x"))
     stream.put(RequestOutput("x", text="a", token_ids=[1]))
     r.processes.exit(r.handle(), 1)
     outputs = []
@@ -106,7 +97,7 @@ async def test_an_unload_ends_the_requests_of_the_worker_it_retires(tmp_path: Pa
     r = rig(tmp_path)
     await r.pool.load("m")
     handle = r.handle()
-    stream = await r.admission.submit(_chat("x"))
+    stream = await r.admission.submit(chat("x"))
     handle.retiring = True
     r.processes.exit(handle, 0)
     out = await stream.get()

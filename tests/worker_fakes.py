@@ -11,6 +11,7 @@ from typing import Any, cast
 
 from gateway.workers.admission import Admission
 from gateway.workers.catalog import Catalog
+from gateway.workers.client import Submission
 from gateway.workers.control import ControlCalls
 from gateway.workers.device import Device
 from gateway.workers.lifetime import Lifetime
@@ -24,10 +25,18 @@ from gateway.workers.transport import Transport
 from shared.config import ModelConfig, ServerConfig
 from shared.paths import RunDir
 from shared.protocol import Capacity, Ready, Shutdown, ShutdownMode, ToWorker
-from shared.types import RequestOutput
+from shared.types import CanonicalRequest, Message, RequestKind, RequestOutput, SamplingParams
 
 GiB = 2**30
 HOST = Device("cpu", "cpu", 64 * GiB, "host RAM")
+
+
+def chat(request_id: str | None = None, **fields: Any) -> Submission:
+    """A one-message chat request for model "m"; `fields` are Submission's other fields."""
+    request = CanonicalRequest(messages=[Message("user", "hi")])
+    sampling = fields.pop("sampling", SamplingParams())
+    fields.setdefault("needs", ("chat",))
+    return Submission("m", RequestKind.CHAT, request, sampling, request_id=request_id, **fields)
 
 
 class FakeProcess:

@@ -41,7 +41,6 @@ class ModelView:
     heartbeat: Heartbeat | None  # the serving worker's last
     info: Ready | None  # the serving worker's Ready
     last_info: Ready | None  # the last Ready of any of its workers: what it can do
-    error: str | None = None
 
     @property
     def name(self) -> str:

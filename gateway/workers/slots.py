@@ -123,7 +123,6 @@ class Slot:
             handle.heartbeat if handle is not None else None,
             handle.info if handle is not None else None,
             self.last_info,
-            self.error,
         )
 
 

@@ -187,12 +187,6 @@ class Supervisor:
 
     # ---- control: gatewayctl and the admin API --------------------------------------
 
-    def slot(self, name: str) -> Slot:
-        return self.catalog.slot(name)
-
-    def state_of(self, name: str) -> ModelState:
-        return self.catalog.slot(name).state
-
     def add_model(self, model: ModelConfig) -> None:
         self.catalog.add(model)
 

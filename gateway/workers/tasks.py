@@ -22,6 +22,3 @@ class Tasks:
     def cancel_all(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-
-    def __len__(self) -> int:
-        return len(self._tasks)
