@@ -21,7 +21,7 @@ from typing import Any
 
 from gateway.workers.admission import Admission
 from gateway.workers.catalog import Catalog
-from gateway.workers.client import ModelState, ModelView, Submission
+from gateway.workers.client import ModelView, Submission
 from gateway.workers.control import ControlCalls
 from gateway.workers.device import detect_device
 from gateway.workers.leftovers import reap_leftovers
