@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 
@@ -22,6 +23,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
+    TOOL_CALLS = "tool_calls"  # the model called tools (its turn ends with the calls)
 
 
 class Priority(enum.IntEnum):
@@ -135,11 +137,59 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     echo: bool = False
 
 
+class Tool(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A function the model may call: `parameters` is its arguments' JSON schema."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = {}
+    strict: bool = False
+
+
+class ToolChoiceMode(enum.StrEnum):
+    AUTO = "auto"  # the model decides
+    NONE = "none"  # no calls (the tools still go into the prompt)
+    REQUIRED = "required"  # at least one call (with `name`: a call of that tool)
+
+
+class ToolChoice(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    mode: ToolChoiceMode = ToolChoiceMode.AUTO
+    name: str | None = None  # REQUIRED: the one tool to call
+    parallel: bool = True  # False: at most one call per turn
+
+
+class OutputFormat(enum.StrEnum):
+    TEXT = "text"
+    JSON_OBJECT = "json_object"  # any JSON object
+    JSON_SCHEMA = "json_schema"  # JSON valid against `schema`
+
+
+class ResponseFormat(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Structured output: the answer is constrained token by token (worker/constraints)."""
+
+    type: OutputFormat = OutputFormat.TEXT
+    schema: dict[str, Any] | None = None
+    name: str | None = None
+    strict: bool = False
+    param: str = "response_format"  # the request field that asked, for its 400s
+
+
+class Reasoning(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Thinking, for models whose template has it: on or off (None: the template's
+    default), at most `budget_tokens` of it, and an effort level for templates that take
+    one (gpt-oss's `reasoning_effort`)."""
+
+    enabled: bool | None = None
+    budget_tokens: int | None = None
+    effort: str | None = None
+
+
 class CanonicalRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A generation request, independent of the HTTP protocol it arrived in.
 
     Chat requests carry `messages` (the worker applies the model's chat template);
-    completion requests carry `prompt` text or `prompt_token_ids`.
+    completion requests carry `prompt` text or `prompt_token_ids`. `tools` go into the
+    prompt through the template; `tool_choice` and `response_format` constrain the output.
     """
 
     messages: list[Message] = []
@@ -147,6 +197,23 @@ class CanonicalRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     prompt_token_ids: list[int] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, str | bool | int | float] = {}
+    tools: list[Tool] = []
+    tool_choice: ToolChoice | None = None  # None: AUTO when there are tools
+    response_format: ResponseFormat | None = None
+    reasoning: Reasoning | None = None
+
+    def needs(self) -> list[str]:
+        """The model capabilities this request uses beyond plain text."""
+        needs = []
+        choice = self.tool_choice
+        if self.tools and (choice is None or choice.mode is not ToolChoiceMode.NONE):
+            needs.append("tools")
+        fmt = self.response_format
+        if fmt is not None and fmt.type is not OutputFormat.TEXT:
+            needs.append("structured_output")
+        if self.reasoning is not None and self.reasoning != Reasoning(enabled=False):
+            needs.append("reasoning")
+        return needs
 
 
 # apply_chat_template's own parameters: `chat_template_kwargs` may only set template
@@ -217,8 +284,19 @@ class TokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     token_bytes: bytes = b""
 
 
+class ToolCallDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A piece of the `index`th tool call of a turn: its first delta has its id and name,
+    the next ones more of its arguments' JSON text (in order; joined they are the whole)."""
+
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
 class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """One step's delta for one request. Terminal when finish_reason is set."""
+    """One step's delta for one request. Terminal when finish_reason is set. `text` is the
+    answer; thinking goes to `reasoning` and tool calls to `tool_calls`, never into it."""
 
     request_id: str
     text: str = ""
@@ -231,3 +309,5 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     prompt_text: str | None = None  # echo: the prompt as the tokenizer decodes it (first delta)
     stop: str | None = None  # the stop string that ended generation (finish_reason "stop")
     timings: Timings | None = None  # with the first token: the worker's share of its wait
+    reasoning: str = ""
+    tool_calls: list[ToolCallDelta] = []

@@ -32,13 +32,20 @@ from shared.types import (
     FinishReason,
     ImagePart,
     Message,
+    OutputFormat,
+    Reasoning,
     RequestError,
     RequestKind,
     RequestOutput,
+    ResponseFormat,
     SamplingParams,
     TextPart,
     TokenLogprob,
+    Tool,
     ToolCall,
+    ToolCallDelta,
+    ToolChoice,
+    ToolChoiceMode,
     TopLogprob,
     Usage,
 )
@@ -162,31 +169,82 @@ ADD_RICH = Add(
     SamplingParams(),
 )
 
+# Protocol 4's bytes for ADD and STEP, before CanonicalRequest gained (tools, tool_choice,
+# response_format, reasoning) and RequestOutput (reasoning, tool_calls).
+V4_ADD = (
+    "96a3616464a57265712d31a463686174959297a673797374656da942652062726965662ec09090c0c097"
+    "a475736572a24869a3626f629090c0c0c0c0c380dc001220cb3fe0000000000000cb3ff0000000000000"
+    "00cb00000000000000000791a20a0a9102c200cb3ff0000000000000cb0000000000000000cb00000000"
+    "000000008105cbbff8000000000000c2c200c200"
+)
+V4_STEP = (
+    "94a473746570a2773111929ba57265712d31a368c3a99268cce9c0c0c09090c0c0c09ba57265712d32a0"
+    "90a56572726f729305010093a8696e7465726e616ca4626f6f6da1789090c0c0c0"
+)
+
+# Protocol 5: tools with a forced choice, a JSON schema, a thinking budget; a delta with
+# reasoning text and a tool call's first and later pieces.
+ADD_TOOLS = Add(
+    "req-6",
+    RequestKind.CHAT,
+    CanonicalRequest(
+        messages=[Message("user", "Weather?")],
+        tools=[Tool("get_weather", "Look it up", {"type": "object"}, strict=True)],
+        tool_choice=ToolChoice(ToolChoiceMode.REQUIRED, "get_weather", parallel=False),
+        response_format=ResponseFormat(OutputFormat.JSON_SCHEMA, {"type": "object"}, "w"),
+        reasoning=Reasoning(True, 64),
+    ),
+    SamplingParams(),
+)
+STEP_TOOLS = StepOutputs(
+    "w1",
+    19,
+    [
+        RequestOutput("req-6", reasoning="hm", tool_calls=[ToolCallDelta(0, "call_1", "f")]),
+        RequestOutput(
+            "req-6",
+            token_ids=[7],
+            finish_reason=FinishReason.TOOL_CALLS,
+            tool_calls=[ToolCallDelta(0, arguments='{"a": 1}')],
+        ),
+    ],
+)
+
 TO_WORKER = {
     "add": (
         ADD,
-        # as V3_ADD, each Message a 7-array (97, was 93) ending 90 90 c0 c0
-        "96a3616464a57265712d31a463686174959297a673797374656da942652062726965662ec09090c0c097"
-        "a475736572a24869a3626f629090c0c0c0c0c380dc001220cb3fe0000000000000cb3ff0000000000000"
-        "00cb00000000000000000791a20a0a9102c200cb3ff0000000000000cb0000000000000000cb00000000"
-        "000000008105cbbff8000000000000c2c200c200",
+        # as V3_ADD, each Message a 7-array (97, was 93) ending 90 90 c0 c0; the request a
+        # 9-array (99, was 95) ending 90 c0 c0 c0 (protocol 5)
+        "96a3616464a57265712d31a463686174999297a673797374656da942652062726965662ec09090c0c097"
+        "a475736572a24869a3626f629090c0c0c0c0c38090c0c0c0dc001220cb3fe0000000000000cb3ff00000"
+        "0000000000cb00000000000000000791a20a0a9102c200cb3ff0000000000000cb0000000000000000cb"
+        "00000000000000008105cbbff8000000000000c2c200c200",
     ),
     "add_rich_messages": (
         ADD_RICH,
-        "96a3616464a57265712d35a463686174959397a475736572a64c6f6f6b3a20c09492a474657874a64c6f"
+        "96a3616464a57265712d35a463686174999397a475736572a64c6f6f6b3a20c09492a474657874a64c6f"
         "6f6b3a2095a5696d616765c40489504e47a9696d6167652f706e67c0c095a5696d616765c400c0b96874"
         "7470733a2f2f6578616d706c652e636f6d2f612e6a7067a36c6f7794a5617564696fc40452494646a377"
-        "6176c090c0c097a9617373697374616e74a0c0909193a663616c6c5f31ab6765745f77656174686572"
-        "b07b2263697479223a20224f736c6f227dc0b2546865792077616e7420776561746865722e97a4746f6f"
-        "6ca3313243c09090a663616c6c5f31c0c0c0c380dc0012c0cb3ff0000000000000cb3ff0000000000000"
-        "00cb0000000000000000c09090c200cb3ff0000000000000cb0000000000000000cb0000000000000000"
-        "80c2c200c200",
+        "6176c090c0c097a9617373697374616e74a0c0909193a663616c6c5f31ab6765745f77656174686572b0"
+        "7b2263697479223a20224f736c6f227dc0b2546865792077616e7420776561746865722e97a4746f6f6c"
+        "a3313243c09090a663616c6c5f31c0c0c0c38090c0c0c0dc0012c0cb3ff0000000000000cb3ff0000000"
+        "00000000cb0000000000000000c09090c200cb3ff0000000000000cb0000000000000000cb0000000000"
+        "00000080c2c200c200",
     ),
     "add_echo_logprobs": (
         ADD_ECHO,
-        "96a3616464a57265712d33aa636f6d706c6574696f6e9590c09300112ac380dc001200cb000000000000"
-        "0000cb3ff000000000000000cb0000000000000000c09090c200cb3ff0000000000000cb000000000000"
-        "0000cb000000000000000080c2c305c301",
+        "96a3616464a57265712d33aa636f6d706c6574696f6e9990c09300112ac38090c0c0c0dc001200cb0000"
+        "000000000000cb3ff000000000000000cb0000000000000000c09090c200cb3ff0000000000000cb0000"
+        "000000000000cb000000000000000080c2c305c301",
+    ),
+    "add_tools": (
+        ADD_TOOLS,
+        "96a3616464a57265712d36a463686174999197a475736572a8576561746865723fc09090c0c0c0c0c380"
+        "9194ab6765745f77656174686572aa4c6f6f6b20697420757081a474797065a66f626a656374c393a872"
+        "65717569726564ab6765745f77656174686572c295ab6a736f6e5f736368656d6181a474797065a66f62"
+        "6a656374a177c2af726573706f6e73655f666f726d617493c340c0dc0012c0cb3ff0000000000000cb3f"
+        "f000000000000000cb0000000000000000c09090c200cb3ff0000000000000cb0000000000000000cb00"
+        "0000000000000080c2c200c200",
     ),
     "abort": (Abort(["req-1", "req-2"]), "92a561626f727492a57265712d31a57265712d32"),
     "control": (
@@ -229,18 +287,24 @@ FROM_WORKER = {
     ),
     "step": (
         STEP,
-        # as V2_STEP, each RequestOutput an 11-array (9b; 96 in v2, 9a before timings were
+        # as V2_STEP, each RequestOutput a 13-array (9d; 9b in v4, 96 in v2, 9a before timings were
         # appended) ending 90 90 c0 c0 c0
-        "94a473746570a2773111929ba57265712d31a368c3a99268cce9c0c0c09090c0c0c09ba57265712d32a0"
-        "90a56572726f729305010093a8696e7465726e616ca4626f6f6da1789090c0c0c0",
+        "94a473746570a2773111929da57265712d31a368c3a99268cce9c0c0c09090c0c0c0a0909da57265712d"
+        "32a090a56572726f729305010093a8696e7465726e616ca4626f6f6da1789090c0c0c0a090",
     ),
     "step_logprobs": (
         STEP_LOGPROBS,
-        "94a473746570a2773112929ba57265712d33a090a66c656e67746893030000c090929500a26162c090c4"
+        "94a473746570a2773112929da57265712d33a090a66c656e67746893030000c090929500a26162c090c4"
         "009511a22063cbbff8000000000000929409a178cbbfe0000000000000c4009411a22063cbbff8000000"
-        "000000c400c400a461622063c0c09ba57265712d34a164910ca473746f7093040200c092950ca164cbbf"
-        "d000000000000091940ca164cbbfd0000000000000c40164c40164950da3efbfbdcbbfe0000000000000"
-        "90c401c390c0a20a0ac0",
+        "000000c400c400a461622063c0c0a0909da57265712d34a164910ca473746f7093040200c092950ca164"
+        "cbbfd000000000000091940ca164cbbfd0000000000000c40164c40164950da3efbfbdcbbfe000000000"
+        "000090c401c390c0a20a0ac0a090",
+    ),
+    "step_tools": (
+        STEP_TOOLS,
+        "94a473746570a2773113929da57265712d36a090c0c0c09090c0c0c0a2686d919400a663616c6c5f31a1"
+        "66a09da57265712d36a09107aa746f6f6c5f63616c6c73c0c09090c0c0c0a0919400a0a0a87b2261223a"
+        "20317d",
     ),
     "heartbeat": (
         heartbeat(),
@@ -369,12 +433,12 @@ def test_protocol_2_frames_decode_with_the_new_fields_defaulted() -> None:
     old = msgspec.msgpack.decode(bytes.fromhex(V2_STEP))
     for new_output, old_output in zip(new[3], old[3], strict=True):
         assert new_output[: len(old_output)] == old_output
-        assert new_output[len(old_output) :] == [[], [], None, None, None]
+        assert new_output[len(old_output) :] == [[], [], None, None, None, "", []]
 
 
 def test_protocol_version_is_an_int() -> None:
     assert type(PROTOCOL_VERSION) is int
-    assert PROTOCOL_VERSION == 4  # bumped with the message's parts and tool fields (V3_ADD)
+    assert PROTOCOL_VERSION == 5  # bumped with tools, structured output, reasoning (V4_ADD)
     hello = Codec().from_worker.decode(Codec().encode(Hello("w", PROTOCOL_VERSION, 1, "m")))
     assert isinstance(hello, Hello)
     assert hello.protocol_version == PROTOCOL_VERSION
@@ -438,3 +502,17 @@ def test_protocol_3_messages_decode_with_the_new_fields_defaulted() -> None:
     assert assistant.tool_calls[0].name == "get_weather"
     assert (assistant.extras(), tool.extras()) == (["tool_calls", "reasoning"], ["tool_call_id"])
     assert user.extras() == ["parts"] and Message("user", "hi").extras() == []
+
+
+def test_protocol_4_frames_decode_with_the_new_fields_defaulted() -> None:
+    codec = Codec()
+    assert codec.to_worker.decode(bytes.fromhex(V4_ADD)) == ADD
+    assert codec.from_worker.decode(bytes.fromhex(V4_STEP)) == STEP
+    tools = codec.to_worker.decode(codec.encode(ADD_TOOLS))
+    assert isinstance(tools, Add)
+    assert tools.request.needs() == ["tools", "structured_output", "reasoning"]
+    assert tools.request.tool_choice == ToolChoice(ToolChoiceMode.REQUIRED, "get_weather", False)
+    step = codec.from_worker.decode(codec.encode(STEP_TOOLS))
+    assert isinstance(step, StepOutputs)
+    assert step.outputs[1].finish_reason is FinishReason.TOOL_CALLS
+    assert step.outputs[0].tool_calls == [ToolCallDelta(0, "call_1", "f")]

@@ -17,7 +17,15 @@ from typing import Any, Protocol
 from gateway.edge.context import RequestContext
 from gateway.errors import GatewayError
 from gateway.workers.client import RequestStream, WorkerClient
-from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput, TokenLogprob, Usage
+from shared.types import (
+    ErrorCode,
+    FinishReason,
+    RequestError,
+    RequestOutput,
+    TokenLogprob,
+    ToolCall,
+    Usage,
+)
 
 ABORTED_BY_SERVER = RequestError(
     ErrorCode.SHUTTING_DOWN, "the request was aborted because its model is being unloaded"
@@ -37,9 +45,17 @@ class Choice:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     stop: str | None = None  # the stop string that ended it
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)  # in index order
 
     def add(self, output: RequestOutput) -> None:
         self.text += output.text
+        self.reasoning += output.reasoning
+        for delta in output.tool_calls:
+            if delta.index == len(self.tool_calls):
+                self.tool_calls.append(ToolCall(delta.id, delta.name, ""))
+            call = self.tool_calls[delta.index]
+            call.arguments += delta.arguments
         self.token_ids += output.token_ids
         self.logprobs += output.logprobs
         if output.prompt_text is not None:

@@ -144,13 +144,17 @@ def capped(sampling: SamplingParams, cap: int | None, param: str = "max_tokens")
     return sampling
 
 
-def needs_of(kind: RequestKind, sampling: SamplingParams) -> list[str]:
+def needs_of(
+    kind: RequestKind, sampling: SamplingParams, request: CanonicalRequest | None = None
+) -> list[str]:
     """The model capabilities a request relies on (checked against the worker's Ready)."""
     needs = ["chat" if kind == RequestKind.CHAT else "completion"]
     if sampling.logprobs:
         needs.append("logprobs")
     if sampling.echo:
         needs.append("echo")
+    if request is not None:
+        needs += request.needs()
     return needs
 
 
@@ -196,7 +200,7 @@ async def submit_all(
                     request_id=rid,
                     priority=priority_of(ctx),
                     keep_alive=served.keep_alive,
-                    needs=needs_of(served.kind, sampling),
+                    needs=needs_of(served.kind, sampling, job.request),
                 )
                 stream = await workers.submit(submission)
                 streams.append(stream)

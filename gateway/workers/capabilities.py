@@ -19,8 +19,19 @@ _MISSING = {
     "logprobs": "it does not report log probabilities",
     "echo": "it does not echo prompts",
     "tokenize": "it does not expose its tokenizer",
+    "tools": "its chat template does not render tools (no tool-call format is known for it;"
+    " set tool_parser in its config if it has one)",
+    "reasoning": "its chat template has no thinking",
+    "structured_output": "it does not serve constrained (structured) output",
 }
-MISSING_PARAM = {"chat": "messages", "logprobs": "logprobs", "echo": "echo"}
+MISSING_PARAM = {
+    "chat": "messages",
+    "logprobs": "logprobs",
+    "echo": "echo",
+    "tools": "tools",
+    "reasoning": "reasoning",
+    "structured_output": "response_format",
+}
 
 
 def missing_reason(capability: str) -> str:

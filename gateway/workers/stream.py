@@ -35,7 +35,7 @@ class RequestStream:
             return  # exactly one terminal event per request
         if output.finish_reason is not None:
             self.finished = True
-        if output.token_ids or output.text:
+        if output.token_ids or output.text or output.reasoning or output.tool_calls:
             self.received = True
         pending = self._pending
         if pending is None:
@@ -55,6 +55,8 @@ class RequestStream:
                 else output.prompt_text,
                 stop=output.stop,
                 timings=pending.timings or output.timings,
+                reasoning=pending.reasoning + output.reasoning,
+                tool_calls=pending.tool_calls + output.tool_calls,
             )
         waiter = self._waiter
         if waiter is not None and not waiter.done():
