@@ -61,10 +61,10 @@ def sampling(
 # ---- the neutral message model --------------------------------------------------------
 
 # What a request may use beyond text, once a worker serves it: "image", "audio",
-# "tool_calls" (an assistant's calls in the history), "tool_result", "reasoning". None is
-# served yet: the translators map each onto the neutral message and then refuse it, naming
-# the protocol's field (the capabilities that serve them will land their kind here).
-SERVED: frozenset[str] = frozenset()
+# "tool_calls" (an assistant's calls in the history), "tool_result", "reasoning". The
+# translators map each onto the neutral message and refuse those not served yet, naming the
+# protocol's field (the capabilities that serve them land their kind here).
+SERVED: frozenset[str] = frozenset({"tool_calls", "tool_result", "reasoning"})
 
 _DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,", re.I)
 
