@@ -104,6 +104,10 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # clients), at most as long as a small group waits. 0: it starts at once. Experimental:
     # docs/benchmarks.md has what it was measured at.
     join_settle_steps: int = 0
+    # The model's tool-call format: the name of one of mlx-lm's tool parsers
+    # (mlx_lm/tool_parsers: json_tools, qwen3_coder, mistral, pythonic, glm47, ...).
+    # Default: the one mlx-lm infers from the model's chat template, if any.
+    tool_parser: str | None = None
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -200,10 +204,17 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     models: list[ModelConfig] = []
 
     def with_defaults(self) -> Config:
-        """The embedded default: the random-weight demo model when no model is configured."""
+        """The embedded default: the random-weight demo model when no model is configured.
+        Its template thinks unless told not to, and a random model's output would then all be
+        reasoning: thinking is off by default (a request's chat_template_kwargs turns it on)."""
         if self.models:
             return self
-        demo = ModelConfig(name="demo", source=DEMO_SOURCE, aliases=["default"])
+        demo = ModelConfig(
+            name="demo",
+            source=DEMO_SOURCE,
+            aliases=["default"],
+            chat_template_kwargs={"enable_thinking": False},
+        )
         return msgspec.structs.replace(self, models=[demo])
 
 

@@ -13,21 +13,33 @@ from shared.protocol import Add
 from shared.types import (
     CanonicalRequest,
     ErrorCode,
+    Message,
     RequestError,
     RequestKind,
     SamplingParams,
+    ToolChoiceMode,
     reserved_template_kwarg,
 )
+from worker.parsing.formats import ModelFormats, arguments_object, model_formats, template_tools
+from worker.parsing.response import ResponseParser
+from worker.structured.grammars import GrammarError, response_grammar, tool_grammar
+from worker.structured.guide import Grammars, Guide
 
 
 def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def capabilities(tokenizer: Any) -> list[str]:
+def capabilities(tokenizer: Any, formats: ModelFormats | None = None) -> list[str]:
     """What this text model serves (Ready.capabilities; the gateway checks requests against
-    it): chat needs a chat template; the rest every mlx-lm model does."""
-    return text_capabilities(has_chat_template(tokenizer))
+    it): chat needs a chat template, tools a known call format, reasoning a think block;
+    the rest every mlx-lm model does (structured output: llguidance's grammars)."""
+    chat = has_chat_template(tokenizer)
+    found = [*text_capabilities(chat), "structured_output"]
+    if formats is not None and chat:
+        found += ["tools"] if formats.tools is not None else []
+        found += ["reasoning"] if formats.thinking else []
+    return found
 
 
 class PreprocessError(Exception):
@@ -45,18 +57,36 @@ class PreparedRequest:
     priority: int = 0
     received_at: float = 0.0  # perf_counter when the worker got it, and once prepared
     prepared_at: float = 0.0
+    guide: Guide | None = None  # a grammar and/or a thinking budget over its tokens
+    parser: ResponseParser | None = None  # its output split into answer, thinking, calls
 
 
 class Preprocessor:
-    def __init__(self, tokenizer: Any, options: EngineOptions, max_context: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        options: EngineOptions,
+        max_context: int,
+        formats: ModelFormats | None = None,
+        grammars: Grammars | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.options = options
         self.max_context = max_context
         self.vocab_size = len(tokenizer)
+        self.formats = formats or model_formats(tokenizer, options.tool_parser)
+        self._grammars = grammars
+
+    @property
+    def grammars(self) -> Grammars:
+        if self._grammars is None:  # built on first use: a tokenizer's map takes a moment
+            self._grammars = Grammars(self.tokenizer)
+        return self._grammars
 
     def __call__(self, frame: Add) -> PreparedRequest:
         param = _prompt_param(frame)
         self._check_token_ids(frame.sampling)
+        self._check_features(frame.kind, frame.request)
         prompt = self._tokenize(frame.kind, frame.request)
         if not prompt:
             raise _invalid("the prompt is empty after tokenization", param)
@@ -68,7 +98,84 @@ class Preprocessor:
                 param,
             )
         max_tokens = self._max_tokens(len(prompt), frame.sampling, param)
-        return PreparedRequest(frame.request_id, prompt, max_tokens, frame.sampling, frame.priority)
+        prepared = PreparedRequest(
+            frame.request_id, prompt, max_tokens, frame.sampling, frame.priority
+        )
+        if frame.kind == RequestKind.CHAT:
+            self._shape_output(prepared, frame.request)
+        elif frame.request.response_format is not None:
+            grammar = self._grammar(lambda: response_grammar(frame.request.response_format))
+            if grammar is not None:
+                matcher = self._matcher(grammar, "response_format")
+                prepared.guide = Guide(matcher, words=self.grammars.words)
+        return prepared
+
+    # ---- tools, thinking, structured output ------------------------------------------
+
+    def _check_features(self, kind: RequestKind, request: CanonicalRequest) -> None:
+        """A 400 naming what this model cannot do (the gateway checks first, from Ready)."""
+        if kind != RequestKind.CHAT:
+            if request.tools or request.tool_choice is not None:
+                raise _invalid("tools are served by chat requests only", "tools")
+            if request.reasoning is not None:
+                raise _invalid("reasoning is served by chat requests only", "reasoning")
+            return
+        needs = request.needs()
+        if "tools" in needs and self.formats.tools is None:
+            raise _invalid(
+                "this model has no known tool-call format (its chat template names none "
+                "mlx-lm knows; set engine.tool_parser if it has one)",
+                "tools",
+            )
+        reasoning = request.reasoning
+        if reasoning is not None and reasoning.enabled and not self.formats.thinking:
+            raise _invalid("this model's chat template has no thinking", "reasoning")
+        if reasoning is not None and reasoning.effort is not None and not self.formats.takes_effort:
+            raise _invalid(
+                "this model's chat template takes no reasoning effort", "reasoning_effort"
+            )
+
+    def _shape_output(self, prepared: PreparedRequest, request: CanonicalRequest) -> None:
+        """The parser of its output, and the guide over its tokens when something is
+        forced: a tool call (required or named), a response format, a thinking budget."""
+        formats = self.formats
+        choice = request.tool_choice
+        calls = bool(request.tools) and (choice is None or choice.mode is not ToolChoiceMode.NONE)
+        tools = template_tools(request.tools) if calls else None
+        initial = formats.initial(prepared.prompt, self.tokenizer)
+        single = choice is not None and not choice.parallel
+        prepared.parser = ResponseParser(formats, initial, tools, single)
+        grammar = None
+        if calls and choice is not None:
+            grammar = self._grammar(lambda: tool_grammar(request.tools, choice, formats.tools))
+        if grammar is None and request.response_format is not None:
+            grammar = self._grammar(lambda: response_grammar(request.response_format))
+        budget = request.reasoning.budget_tokens if request.reasoning is not None else None
+        if grammar is None and budget is None:
+            return
+        matcher = (
+            self._matcher(grammar, "tools" if calls else "response_format") if grammar else None
+        )
+        prepared.guide = Guide(
+            matcher,
+            thinking=initial == "reasoning",
+            end_tokens=formats.think_end_tokens or (),
+            budget=budget,
+            start_tokens=formats.think_start_tokens or (),
+            words=self.grammars.words,
+        )
+
+    def _grammar(self, build: Any) -> str | None:
+        try:
+            return build()
+        except GrammarError as exc:
+            raise _invalid(str(exc), exc.param) from None
+
+    def _matcher(self, grammar: str, param: str) -> Any:
+        try:
+            return self.grammars.matcher(grammar)
+        except ValueError as exc:
+            raise _invalid(f"the constraint cannot be compiled: {exc}", param) from None
 
     def _check_token_ids(self, sampling: SamplingParams) -> None:
         for param, ids in (
@@ -114,13 +221,21 @@ class Preprocessor:
                     "messages",
                 )
             for i, m in enumerate(request.messages):
-                extras = m.extras()
-                if extras:  # the gateway refuses these first; never drop them silently
+                if m.parts:  # the gateway refuses these first; never drop them silently
                     raise _invalid(
-                        f"messages[{i}].{extras[0]} is not served by a text worker",
-                        f"messages[{i}].{extras[0]}",
+                        f"messages[{i}].parts: images and audio are not served by a text worker",
+                        f"messages[{i}].parts",
                     )
-            messages = [_message_dict(m.role, m.content, m.name) for m in request.messages]
+            messages = [_message_dict(m) for m in request.messages]
+            kwargs: dict[str, Any] = dict(request.chat_template_kwargs)
+            choice = request.tool_choice
+            if request.tools and (choice is None or choice.mode is not ToolChoiceMode.NONE):
+                kwargs["tools"] = template_tools(request.tools)
+            reasoning = request.reasoning
+            if reasoning is not None and reasoning.enabled is not None:
+                kwargs["enable_thinking"] = reasoning.enabled
+            if reasoning is not None and reasoning.effort is not None:
+                kwargs["reasoning_effort"] = reasoning.effort
             reserved = reserved_template_kwarg(request.chat_template_kwargs)
             if reserved is not None:
                 raise _invalid(
@@ -132,7 +247,7 @@ class Preprocessor:
                     messages,
                     add_generation_prompt=request.add_generation_prompt,
                     tokenize=True,
-                    **request.chat_template_kwargs,
+                    **kwargs,
                 )
             except Exception as exc:  # jinja errors carry the template's own message
                 raise _invalid(
@@ -184,10 +299,25 @@ def _prompt_param(frame: Add) -> str:
     return "messages" if frame.kind == RequestKind.CHAT else "prompt"
 
 
-def _message_dict(role: str, content: str, name: str | None) -> dict[str, str]:
-    message = {"role": role, "content": content}
-    if name:
-        message["name"] = name
+def _message_dict(m: Message) -> dict[str, Any]:
+    """A message as chat templates read it (OpenAI's shape, as Hugging Face's templates
+    expect: tool_calls with their arguments as objects, tool_call_id, reasoning_content)."""
+    message: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.name:
+        message["name"] = m.name
+    if m.tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": arguments_object(call.arguments)},
+            }
+            for call in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    if m.reasoning is not None:
+        message["reasoning_content"] = m.reasoning
     return message
 
 

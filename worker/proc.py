@@ -44,6 +44,7 @@ from worker.engine.core import EngineCore
 from worker.faults import Faults, FaultyEngine
 from worker.loader import LoadedModel, load_model
 from worker.memory import IdleRelease, MemoryLimits, device_memory, kv_budget, own_memory
+from worker.parsing.formats import ModelFormats, model_formats
 from worker.preprocess import PreparedRequest, PreprocessError, Preprocessor, capabilities
 from worker.steptrace import StepTrace
 
@@ -101,13 +102,15 @@ class WorkerProc:
             loaded = load_model(self.args.model, self._progress)
             self.engine = self._engine(loaded)
             self._probe()
-            preprocess = Preprocessor(loaded.tokenizer, self.args.model.engine, loaded.max_context)
+            opts = self.args.model.engine
+            formats = model_formats(loaded.tokenizer, opts.tool_parser)
+            preprocess = Preprocessor(loaded.tokenizer, opts, loaded.max_context, formats)
             self.inputs_thread = threading.Thread(
                 target=self._input_loop, args=(preprocess,), name="input", daemon=True
             )
             self.inputs_thread.start()
             self.state = WorkerState.READY
-            self._send(self._ready(loaded, time.monotonic() - started))
+            self._send(self._ready(loaded, time.monotonic() - started, formats))
             log.info("ready in %.1fs (probe passed)", time.monotonic() - started)
             if self.faults.crash_after_ready_s is not None:
                 threading.Timer(self.faults.crash_after_ready_s, Faults.die).start()
@@ -170,7 +173,7 @@ class WorkerProc:
         except Exception as exc:
             raise RuntimeError(f"the model loaded but cannot generate: {exc}") from exc
 
-    def _ready(self, loaded: LoadedModel, load_time: float) -> Ready:
+    def _ready(self, loaded: LoadedModel, load_time: float, formats: ModelFormats) -> Ready:
         from importlib.metadata import version
 
         opts = self.args.model.engine
@@ -180,7 +183,8 @@ class WorkerProc:
             self.worker_id,
             Capacity(opts.max_running, opts.max_waiting, loaded.max_context),
             versions={"mlx": version("mlx"), "mlx_lm": version("mlx-lm")},
-            capabilities=capabilities(loaded.tokenizer) + (["demo"] if loaded.is_demo else []),
+            capabilities=capabilities(loaded.tokenizer, formats)
+            + (["demo"] if loaded.is_demo else []),
             load_time_s=load_time,
             device=self.engine.backend.device,
             device_memory_bytes=device_memory(),

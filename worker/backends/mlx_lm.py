@@ -22,7 +22,7 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokeni
 
 from shared.config import EngineOptions
 from worker.backends.rows import RowBatch
-from worker.backends.sampling import make_processors, make_sampler
+from worker.backends.sampling import guide_processors, make_processors, make_sampler
 from worker.engine.backend import Insertion, Sampled
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,9 @@ class MlxLmBackend:
             caches=[i.cache if i.cache is not None else self.new_cache() for i in items],
             all_tokens=[list(i.prefix) for i in items],
             samplers=[make_sampler(i.sampling, self.vocab_size) for i in items],
-            logits_processors=[make_processors(i.sampling, i.stop_ids) for i in items],
+            logits_processors=[
+                make_processors(i.sampling, i.stop_ids) + guide_processors(i.guide) for i in items
+            ],
         )
         self.uids.update(uids)
         return uids
@@ -225,6 +227,7 @@ class MlxRowsBackend(MlxLmBackend):
             [list(i.prefix) for i in items],
             [make_sampler(i.sampling, self.vocab_size) for i in items],
             [make_processors(i.sampling, i.stop_ids) for i in items],
+            [i.guide for i in items],
         )
 
     def step(self, keep_caches: bool, logprobs: bool = True) -> list[Sampled]:

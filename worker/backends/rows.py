@@ -39,6 +39,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
 from worker.backends.sampling import LogitsProcessor, Sampler
+from worker.structured.guide import Guide, apply_bitmask
 
 # Compact the batch once this share of its rows has left (and whenever rows join).
 COMPACT_SHARE = 0.25
@@ -59,6 +60,7 @@ class Row:
     last: int  # the prompt's last token: the row's first input
     history: TokenBuffer | None = None  # the processors' view: every token so far
     dead: bool = False
+    guide: Guide | None = None  # masks its next tokens (a grammar, a thinking budget)
 
 
 @dataclass(slots=True, eq=False)
@@ -135,18 +137,21 @@ class RowBatch:
         prefixes: list[list[int]],
         samplers: list[Sampler],
         processors: list[list[LogitsProcessor]],
+        guides: list[Guide | None] | None = None,
     ) -> list[int]:
         """Rows to start: the prompt tokens to run after the `prefix` tokens whose KV each
         cache holds (at least one token each)."""
         uids = []
-        for prompt, cache, prefix, sampler, procs in zip(
-            prompts, caches, prefixes, samplers, processors, strict=True
+        guides = guides or [None] * len(prompts)
+        for prompt, cache, prefix, sampler, procs, guide in zip(
+            prompts, caches, prefixes, samplers, processors, guides, strict=True
         ):
             if not prompt:
                 raise ValueError("a row needs at least one prompt token to run")
             uid, self.uid_count = self.uid_count, self.uid_count + 1
             held = list(prefix) + list(prompt[:-1])
             row = Row(uid, sampler, procs, held, prompt[-1], TokenBuffer(held) if procs else None)
+            row.guide = guide
             self.waiting.append(Waiting(row, list(prompt[:-1]), cache, self.steps))
             uids.append(uid)
         return uids
@@ -318,6 +323,14 @@ class RowBatch:
         inputs = self.inputs
         assert inputs is not None
         logits = self.model(inputs[:, None], cache=self.step_caches)[:, -1, :]
+        tokens: list[int] | None = None
+        if self.guided:
+            # a guide needs the previous token to mask this step's: the forward pass is
+            # queued first, so the device runs it while the host computes the masks
+            mx.async_eval(logits)
+            tokens = inputs.tolist()  # type: ignore[assignment]  # waits for step n-1
+            assert tokens is not None
+            logits = self._guide(logits, tokens)
         if any(r.processors for r in self.rows):
             logits = self._process(inputs, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -337,7 +350,9 @@ class RowBatch:
             mx.async_eval(sampled)
         previous = self.logprobs
         self.inputs, self.logprobs = sampled, rows_logprobs
-        tokens: list[int] = inputs.tolist()  # type: ignore[assignment]  # waits for step n-1
+        if tokens is None:
+            tokens = inputs.tolist()  # type: ignore[assignment]  # waits for step n-1
+            assert tokens is not None
         out = []
         for row, token, row_logprobs in zip(self.rows, tokens, previous, strict=True):
             row.held.append(token)
@@ -347,6 +362,28 @@ class RowBatch:
             if not row.dead:
                 out.append((row.uid, token, row_logprobs))
         return out
+
+    @property
+    def guided(self) -> bool:
+        return any(r.guide is not None for r in self.rows)
+
+    def _guide(self, logits: mx.array, tokens: list[int]) -> mx.array:
+        """Each guided row takes the token it produced (not its prompt's last) and masks
+        its next one; the other rows' bits stay set."""
+        bitmask = None
+        for i, row in enumerate(self.rows):
+            guide = row.guide
+            if guide is None:
+                continue
+            if row.uid not in self.fresh:
+                guide.consume(tokens[i])
+            if row.dead:
+                continue
+            if bitmask is None:
+                bitmask = guide.bitmask(len(self.rows))
+            if not guide.fill(bitmask, i):
+                bitmask[i] = -1
+        return logits if bitmask is None else apply_bitmask(logits, bitmask)
 
     def _process(self, inputs: mx.array, logits: mx.array) -> mx.array:
         """Each row's logits processors, given every token it has seen, this step's input

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import cast
 
 import mlx.core as mx
 from mlx_lm.sample_utils import (
@@ -13,6 +14,7 @@ from mlx_lm.sample_utils import (
 )
 
 from shared.types import SamplingParams
+from worker.structured.guide import Guide, apply_bitmask
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -69,6 +71,26 @@ def make_processors(params: SamplingParams, eos_ids: Iterable[int]) -> list[Logi
     if params.min_tokens > 0 and banned:
         processors.append(_min_tokens_processor(params.min_tokens, banned))
     return processors
+
+
+def guide_processors(guide: Guide | None) -> list[LogitsProcessor]:
+    """A guide as a logits processor for BatchGenerator: each call after the first (the
+    prompt's) hands it the row's last token, then masks. Reading that token waits for the
+    step that made it, so a guided row costs the generator its overlap of host and device
+    (the rows batch keeps it: worker/backends/rows.py)."""
+    if guide is None:
+        return []
+    first = [True]
+
+    def processor(tokens: mx.array, logits: mx.array) -> mx.array:
+        if first[0]:
+            first[0] = False
+        else:
+            guide.consume(cast(int, tokens[-1].item()))
+        bitmask = guide.bitmask(1)
+        return apply_bitmask(logits, bitmask) if guide.fill(bitmask, 0) else logits
+
+    return [processor]
 
 
 def _min_tokens_processor(min_tokens: int, banned: list[int]) -> LogitsProcessor:

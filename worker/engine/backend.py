@@ -21,6 +21,7 @@ class Insertion:
     max_tokens: int
     sampling: SamplingParams
     stop_ids: frozenset[int]
+    guide: Any = None  # worker.structured.guide.Guide: masks its next tokens
 
 
 @dataclass(slots=True)

@@ -99,6 +99,8 @@ class EngineCore:
             stop_ids=frozenset(stop_ids),
             stop=StopStringMatcher(params.stop, params.include_stop_str_in_output),
             prompt_text=self.backend.tokenizer.decode(prepared.prompt) if params.echo else None,
+            guide=prepared.guide,
+            parser=prepared.parser,
         )
         now = time.perf_counter()
         request.prepared_at = prepared.prepared_at or now
@@ -176,6 +178,7 @@ class EngineCore:
                     request.max_tokens,
                     request.sampling,
                     request.stop_ids,
+                    request.guide,
                 )
             )
         for request, uid in zip(admitted, self.backend.insert(items), strict=True):

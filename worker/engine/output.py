@@ -9,7 +9,9 @@ from typing import Any, cast
 import mlx.core as mx
 
 from shared.types import (
+    ErrorCode,
     FinishReason,
+    RequestError,
     RequestOutput,
     Timings,
     TokenLogprob,
@@ -19,6 +21,7 @@ from shared.types import (
 from worker.engine.detokenize import detokenizer_factory
 from worker.engine.request import Request, RequestStatus
 from worker.engine.tokens import TokenInfo
+from worker.parsing.response import ResponseParser
 
 
 class OutputProcessor:
@@ -57,6 +60,12 @@ class OutputProcessor:
         text, hit = request.stop.feed(detokenizer.add(token))
         if hit:
             return self.finish(request, FinishReason.STOP, token, text, logprob=logprob)
+        guide = request.guide
+        if guide is not None and guide.error is not None:
+            error = RequestError(ErrorCode.INTERNAL, f"the output constraint failed: {guide.error}")
+            return self.finish(request, FinishReason.ERROR, token, text, True, logprob, error)
+        if guide is not None and guide.stopped:  # the grammar is complete
+            return self.finish(request, FinishReason.STOP, token, text, True, logprob)
         if request.completion_tokens >= request.max_tokens:
             return self.finish(
                 request, FinishReason.LENGTH, token, text, flush=True, logprob=logprob
@@ -67,6 +76,15 @@ class OutputProcessor:
         if logprob is not None:
             output.logprobs = [logprob]
         _attach_prompt(request, output)
+        parser = request.parser
+        if parser is not None:
+            _parse(parser, output)
+            if parser.single and parser.calls:  # parallel_tool_calls false: one call
+                last = self.finish(request, FinishReason.STOP, flush=True)
+                output.text += last.text
+                output.reasoning += last.reasoning
+                output.tool_calls += last.tool_calls
+                output.finish_reason, output.usage = last.finish_reason, last.usage
         return output
 
     def finish(
@@ -77,8 +95,10 @@ class OutputProcessor:
         text: str = "",
         flush: bool = False,
         logprob: TokenLogprob | None = None,
+        error: RequestError | None = None,
     ) -> RequestOutput:
-        """The terminal delta; `flush` releases text held back for UTF-8 or stop matching."""
+        """The terminal delta; `flush` releases text held back for UTF-8 or stop matching.
+        A turn that made tool calls and stopped ends with TOOL_CALLS."""
         request.status = RequestStatus.FINISHED
         if flush and request.detokenizer is not None:
             tail, hit = request.stop.feed(request.detokenizer.finish())
@@ -90,10 +110,16 @@ class OutputProcessor:
             finish_reason=reason,
             usage=_usage(request),
             stop=request.stop.matched if reason == FinishReason.STOP else None,
+            error=error,
         )
         if logprob is not None:
             output.logprobs = [logprob]
         _attach_prompt(request, output)
+        parser = request.parser
+        if parser is not None and reason is not FinishReason.ABORT:
+            _parse(parser, output, final=True)
+            if reason is FinishReason.STOP and parser.calls:
+                output.finish_reason, output.stop = FinishReason.TOOL_CALLS, None
         return output
 
     # ---- log probabilities ------------------------------------------------------------
@@ -171,6 +197,18 @@ def _timings(request: Request, now: float) -> Timings:
         preprocess_s=max(0.0, request.prepared_at - request.received_at),
         queue_s=max(0.0, admitted - request.prepared_at),
         prefill_s=max(0.0, now - admitted),
+    )
+
+
+def _parse(parser: ResponseParser, output: RequestOutput, final: bool = False) -> None:
+    """The delta's text split into answer, thinking and tool calls."""
+    parsed = parser.feed(output.text)
+    if final:
+        parsed += parser.finish()
+    output.text, output.reasoning, output.tool_calls = (
+        parsed.content,
+        parsed.reasoning,
+        parsed.calls,
     )
 
 

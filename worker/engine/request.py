@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from shared.types import SamplingParams, TokenLogprob
 from worker.engine.detokenize import Detokenizer
 from worker.engine.stop import StopStringMatcher
+from worker.parsing.response import ResponseParser
+from worker.structured.guide import Guide
 
 
 class RequestStatus(enum.Enum):
@@ -45,6 +47,8 @@ class Request:
     # echo: the prompt's text and logprobs, sent with the first delta and then dropped
     prompt_text: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    guide: Guide | None = None  # a grammar / thinking budget over its tokens (the batch's)
+    parser: ResponseParser | None = None  # answer, thinking and tool calls of its text
 
     @property
     def wants_logprobs(self) -> bool:

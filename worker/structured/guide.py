@@ -1,0 +1,151 @@
+"""A request's guide over its next tokens: a grammar its answer must follow (llguidance)
+and a thinking budget. The batch asks each constrained row for its mask before sampling
+and hands it every token the row produced; rows without a guide are left alone.
+
+Thinking comes first: while the row is inside its think block the grammar waits (the
+budget, if any, counts those tokens and then forces the block's end marker); from the
+token after the marker on, the grammar decides.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import llguidance
+import llguidance.numpy as llg_numpy
+import numpy as np
+
+
+class Grammars:
+    """The model's llguidance tokenizer and compiled grammars, one prototype matcher per
+    grammar text (least recently used out): a request gets a copy, not a new compile."""
+
+    def __init__(self, tokenizer: Any, capacity: int = 128) -> None:
+        eos = sorted(tokenizer.eos_token_ids) or None
+        self.tokenizer = llguidance.LLTokenizer(
+            tokenizer.backend_tokenizer.to_str(), n_vocab=len(tokenizer), eos_token=eos
+        )
+        self.capacity = capacity
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+
+    def matcher(self, grammar: str) -> Any:
+        """A fresh matcher for `grammar`; ValueError with llguidance's message if the
+        grammar cannot be compiled."""
+        proto = self._compiled.get(grammar)
+        if proto is None:
+            proto = llguidance.LLMatcher(self.tokenizer, grammar)
+            if proto.is_error():
+                raise ValueError(proto.get_error())
+            self._compiled[grammar] = proto
+            if len(self._compiled) > self.capacity:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(grammar)
+        return proto.deep_copy()
+
+    @property
+    def words(self) -> int:
+        """32-bit words of a row of the bitmask."""
+        return (self.tokenizer.vocab_size + 31) // 32
+
+
+class Guide:
+    __slots__ = (
+        "_forcing",
+        "_tail",
+        "budget",
+        "end_tokens",
+        "error",
+        "matcher",
+        "spent",
+        "start_tokens",
+        "thinking",
+        "words",
+    )
+
+    def __init__(
+        self,
+        matcher: Any | None,
+        thinking: bool = False,
+        end_tokens: tuple[int, ...] = (),
+        budget: int | None = None,
+        start_tokens: tuple[int, ...] = (),
+        words: int = 0,
+    ) -> None:
+        self.matcher = matcher  # llguidance.LLMatcher, or None: no grammar
+        self.words = words  # of a bitmask row (Grammars.words)
+        self.thinking = thinking and bool(end_tokens)  # inside the think block now
+        self.end_tokens = end_tokens
+        # without a grammar, a model may open its think block itself: the budget counts
+        # from there
+        self.start_tokens = start_tokens if matcher is None and end_tokens else ()
+        self.budget = budget  # thinking tokens allowed (None: no limit)
+        self.spent = 0
+        self.error: str | None = None
+        self._forcing = 0  # budget spent: end marker tokens forced so far
+        self._tail: list[int] = []
+
+    @property
+    def stopped(self) -> bool:
+        """The grammar is complete: nothing may follow."""
+        return self.matcher is not None and not self.thinking and self.matcher.is_stopped()
+
+    @property
+    def constrains(self) -> bool:
+        return self.matcher is not None or self.budget is not None
+
+    def bitmask(self, rows: int) -> np.ndarray:
+        """A bitmask for `rows` rows, every token allowed."""
+        return np.full((rows, self.words), -1, dtype=np.int32)
+
+    def consume(self, token: int) -> None:
+        if self.thinking:
+            self.spent += 1
+            if self._forcing:
+                self._forcing += 1
+            self._tail = [*self._tail, token][-len(self.end_tokens) :]
+            if tuple(self._tail) == self.end_tokens:
+                self.thinking = False
+            return
+        if self.start_tokens:
+            self._tail = [*self._tail, token][-len(self.start_tokens) :]
+            if tuple(self._tail) == self.start_tokens:
+                self.thinking, self._tail = True, []
+            return
+        matcher = self.matcher
+        if matcher is not None and self.error is None and not matcher.consume_token(token):
+            self.error = matcher.get_error() or f"token {token} was not allowed"
+
+    def fill(self, bitmask: np.ndarray, row: int) -> bool:
+        """This step's allowed tokens into bitmask[row]; False: none forbidden."""
+        if self.thinking:
+            if self.budget is None or self.spent < self.budget:
+                return False
+            if not self._forcing:
+                self._forcing = 1
+            token = self.end_tokens[min(self._forcing - 1, len(self.end_tokens) - 1)]
+            bitmask[row] = 0
+            bitmask.view(np.uint32)[row, token >> 5] = np.uint32(1 << (token & 31))
+            return True
+        if self.matcher is None or self.error is not None:
+            return False
+        llg_numpy.fill_next_token_bitmask(self.matcher, bitmask, row)
+        return True
+
+
+def apply_bitmask(logits: Any, bitmask: np.ndarray) -> Any:
+    """logits (rows, vocab) with every token whose bit is clear in `bitmask` (rows, words
+    of 32 bits, llguidance's layout) set to -inf; plain MLX ops, so any device."""
+    import mlx.core as mx
+
+    rows, vocab = logits.shape
+    bits = mx.array(bitmask.view(np.uint32))
+    shifts = mx.arange(32, dtype=mx.uint32)
+    allowed = ((bits[:, :, None] >> shifts) & 1).reshape(rows, -1)
+    width = allowed.shape[1]
+    if width < vocab:
+        allowed = mx.concatenate([allowed, mx.zeros((rows, vocab - width), allowed.dtype)], 1)
+    elif width > vocab:
+        allowed = allowed[:, :vocab]
+    return mx.where(allowed.astype(mx.bool_), logits, mx.array(-float("inf"), logits.dtype))
