@@ -16,6 +16,9 @@ from worker.modelgen import TinyModelSpec, build_tiny_model, byte_token_id
 CHAT_SPEC = TinyModelSpec(hidden_size=64, num_layers=2, vocab_size=512, logit_scale=8.0, seed=1)
 # A second, different model for the two-worker tests.
 OTHER_SPEC = TinyModelSpec(hidden_size=48, num_layers=1, vocab_size=384, logit_scale=4.0, seed=2)
+# Tool calling and thinking, in each tool-call format mlx-lm parses (worker/chat_templates.py).
+HERMES_SPEC = TinyModelSpec(logit_scale=8.0, seed=3, tool_format="hermes", thinking=True)
+CODER_SPEC = TinyModelSpec(logit_scale=8.0, seed=4, tool_format="qwen3_coder", thinking=True)
 
 
 def bytes_spec(model_dir: Path) -> TinyModelSpec:
@@ -61,6 +64,18 @@ def other_model(model_root: Path) -> Path:
 def bytes_model(model_root: Path) -> Path:
     path = model_root / "bytes"
     return build_tiny_model(path, bytes_spec(path))
+
+
+@pytest.fixture(scope="session")
+def hermes_model_dir(model_root: Path) -> Path:
+    """Hermes/Qwen JSON tool calls (mlx-lm's json_tools) and <think> reasoning."""
+    return build_tiny_model(model_root / "hermes", HERMES_SPEC)
+
+
+@pytest.fixture(scope="session")
+def coder_model_dir(model_root: Path) -> Path:
+    """Qwen3-Coder XML tool calls (mlx-lm's qwen3_coder) and <think> reasoning."""
+    return build_tiny_model(model_root / "coder", CODER_SPEC)
 
 
 @pytest.fixture(scope="session")

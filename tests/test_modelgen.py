@@ -15,6 +15,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 
 from worker import modelgen
+from worker.chat_templates import chat_template
 from worker.modelgen import (
     IM_END_ID,
     IM_START_ID,
@@ -196,6 +197,9 @@ def test_ensure_demo_model_is_idempotent(tmp_path: Path, monkeypatch: pytest.Mon
     model, tokenizer = load(str(path))
     assert IM_END_ID in tokenizer.eos_token_ids
     assert generate(model, tokenizer, "Hi", max_tokens=4)
+    # Tools and thinking to try out with no config (worker/chat_templates.py).
+    assert tokenizer.tool_parser.__module__ == "mlx_lm.tool_parsers.json_tools"
+    assert tokenizer.has_thinking
 
 
 def test_ensure_demo_model_loses_race_gracefully(
@@ -235,3 +239,6 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = json.loads((out / "config.json").read_text())
     assert (config["hidden_size"], config["num_key_value_heads"]) == (32, 1)
     assert config["torch_dtype"] == "float16"
+    assert modelgen.main([*argv, "--tool-format", "qwen3_coder", "--thinking"]) == 0
+    template = json.loads((out / "tokenizer_config.json").read_text())["chat_template"]
+    assert template == chat_template("qwen3_coder", thinking=True)

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shared.paths import cache_dir
+from worker.chat_templates import CHAT_TEMPLATE as CHAT_TEMPLATE  # re-exported
+from worker.chat_templates import TOOL_FORMATS, chat_template, format_tokens
 from worker.corpus import builtin_corpus
 from worker.engine.tokens import byte_to_unicode
 
@@ -44,22 +46,7 @@ RMS_NORM_EPS = 1e-5
 ROPE_THETA = 10000.0
 DTYPES = ("float32", "bfloat16", "float16")
 # Bump when the generator or DEMO_SPEC changes, so cached demo models are rebuilt.
-DEMO_VERSION = "v2"
-
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-    # As Qwen3-style templates: a thinking switch, off (and invisible) unless passed.
-    "{% if enable_thinking is defined and enable_thinking %}{{ '<think>\\n' }}{% endif %}"
-    "{% endif %}"
-)
+DEMO_VERSION = "v3"
 
 MODEL_FILES = (
     "config.json",
@@ -89,6 +76,11 @@ class TinyModelSpec:
     dtype: str = "float32"
     # False: no chat template at all (a base model: completions only, chat is refused).
     chat_template: bool = True
+    # Tool calls in the template ("hermes" JSON or "qwen3_coder" XML, worker/chat_templates.py)
+    # with <tool_call> and <tool_response> tokens; thinking: <think> tokens and a template
+    # whose generation prompt opens the reasoning unless enable_thinking is false.
+    tool_format: str | None = None
+    thinking: bool = False
 
 
 DEFAULT_SPEC = TinyModelSpec()
@@ -101,6 +93,8 @@ DEMO_SPEC = TinyModelSpec(
     vocab_size=1024,
     logit_scale=2.0,
     seed=0,
+    tool_format="hermes",
+    thinking=True,
 )
 
 
@@ -142,7 +136,15 @@ def _printable_only(text: str) -> str:
 
 
 def _train_tokenizer(spec: TinyModelSpec, corpus: str | None) -> Tokenizer:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     text = (
         corpus
@@ -166,6 +168,10 @@ def _train_tokenizer(spec: TinyModelSpec, corpus: str | None) -> Tokenizer:
         show_progress=False,
     )
     tokenizer.train_from_iterator([text], trainer)
+    # The template's markers, after the trained vocab: whole tokens, but text (not special),
+    # so that decoding keeps them, as in Qwen's tokenizers.
+    markers = format_tokens(spec.tool_format, spec.thinking)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in markers])
     _check_vocab(tokenizer, spec.byte_fallback)
     return tokenizer
 
@@ -196,7 +202,7 @@ def _tokenizer_config(spec: TinyModelSpec) -> dict[str, Any]:
         "model_max_length": spec.max_position_embeddings,
     }
     if spec.chat_template:
-        config["chat_template"] = CHAT_TEMPLATE
+        config["chat_template"] = chat_template(spec.tool_format, spec.thinking)
     return config
 
 
@@ -316,6 +322,10 @@ def _validate(spec: TinyModelSpec) -> None:
         raise ValueError("num_heads must be a multiple of num_kv_heads")
     if min(spec.hidden_size, spec.num_layers, spec.intermediate_size, spec.vocab_size) < 1:
         raise ValueError("sizes must be positive")
+    if spec.tool_format is not None and spec.tool_format not in TOOL_FORMATS:
+        raise ValueError(f"tool_format must be one of {TOOL_FORMATS}, not {spec.tool_format!r}")
+    if (spec.tool_format or spec.thinking) and not spec.chat_template:
+        raise ValueError("tool_format and thinking need a chat template")
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -328,7 +338,8 @@ def build_tiny_model(
     """Write a loadable random model into `path` (created; existing files are overwritten).
 
     `corpus` replaces the built-in tokenizer training text; without byte_fallback its
-    non-printable characters are dropped. The model's vocab_size is the trained vocab's size.
+    non-printable characters are dropped. The model's vocab_size is the trained vocab's size,
+    plus the template's marker tokens (tool_format, thinking) added after it.
     """
     _validate(spec)
     out = Path(path)
@@ -429,6 +440,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--byte-fallback", action="store_true", help="full 256-byte alphabet")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--dtype", choices=DTYPES, default=d.dtype)
+    p.add_argument("--tool-format", choices=TOOL_FORMATS, help="tool calls in the template")
+    p.add_argument("--thinking", action="store_true", help="<think> tokens and template")
     return p
 
 
@@ -446,6 +459,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         logit_scale=args.logit_scale,
         seed=args.seed,
         dtype=args.dtype,
+        tool_format=args.tool_format,
+        thinking=args.thinking,
     )
     start = time.perf_counter()
     out = build_tiny_model(args.out_dir, spec)
