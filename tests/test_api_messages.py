@@ -1,7 +1,7 @@
 """The neutral message model as each protocol's translator fills it: images (bytes or URL),
-audio, an assistant's tool calls and reasoning, tool results. None is served by a text
-worker yet: each is mapped, recorded in Unserved, and refused with a 400 naming the
-protocol's own field."""
+audio, an assistant's tool calls and reasoning, tool results. Each is mapped and recorded in
+Unserved; what a text worker does not serve (images, audio) is refused with a 400 naming the
+protocol's own field, the rest (tool calls, tool results, reasoning) passes."""
 
 from __future__ import annotations
 
@@ -93,12 +93,11 @@ def test_openai_tool_calls_results_and_reasoning_map() -> None:
     assert assistant.tool_calls == [ToolCall("call_1", "f", "{}")]
     assert assistant.reasoning == "hm"
     assert unserved.features == ["tool_calls", "reasoning"]
-    with pytest.raises(GatewayError) as err:
-        unserved.refuse()
-    assert err.value.param == "messages[2].tool_calls"
+    unserved.refuse()  # served
     tool, unserved = _openai({"role": "tool", "content": "12C", "tool_call_id": "call_1"})
     assert tool == Message("tool", "12C", tool_call_id="call_1")
     assert unserved.features == ["tool_result"]
+    unserved.refuse()
 
 
 @pytest.mark.parametrize(
@@ -151,8 +150,8 @@ def test_anthropic_blocks_map_and_tool_results_become_tool_messages() -> None:
     ]
     assert unserved.features == ["tool_result", "tool_result", "image"]
     with pytest.raises(GatewayError) as err:
-        unserved.refuse()
-    assert err.value.param == "messages[1].content[0]"
+        unserved.refuse()  # the tool results are served, the image is not
+    assert err.value.param == "messages[1].content[3]"
 
 
 def test_anthropic_assistant_tool_use_and_thinking_map() -> None:

@@ -62,7 +62,7 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, str], bool]] = {
     ),
     "openai-chat-unsupported": (
         "/v1/chat/completions",
-        {"model": "bytes", "messages": COUNT, "tools": [{"type": "function", "function": {}}]},
+        {"model": "bytes", "messages": COUNT, "functions": [{"name": "f"}]},
         {},
         False,
     ),

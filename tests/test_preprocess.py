@@ -4,6 +4,8 @@ a text worker does not serve)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import pytest
 
@@ -14,9 +16,15 @@ from shared.types import (
     ErrorCode,
     ImagePart,
     Message,
+    OutputFormat,
+    Reasoning,
     RequestKind,
+    ResponseFormat,
     SamplingParams,
+    Tool,
     ToolCall,
+    ToolChoice,
+    ToolChoiceMode,
 )
 from tests.engine_fixtures import Loaded, drive, load, token_ids
 from worker.modelgen import IM_START_ID, TinyModelSpec, build_tiny_model
@@ -161,7 +169,13 @@ def no_template(tmp_path_factory: pytest.TempPathFactory) -> Loaded:
 
 
 def test_model_without_chat_template(no_template: Loaded) -> None:
-    assert capabilities(no_template.tokenizer) == ["completion", "logprobs", "echo", "tokenize"]
+    assert capabilities(no_template.tokenizer) == [
+        "completion",
+        "logprobs",
+        "echo",
+        "tokenize",
+        "structured_output",
+    ]
     preprocess = Preprocessor(no_template.tokenizer, EngineOptions(), max_context=64)
     chat_frame = add_frame(RequestKind.CHAT, CanonicalRequest(messages=USER_HI), max_tokens=1)
     error = preprocess_error(preprocess, chat_frame).error
@@ -174,21 +188,120 @@ def test_model_without_chat_template(no_template: Loaded) -> None:
     assert 1 <= len(token_ids(out)) <= 3
 
 
-@pytest.mark.parametrize(
-    ("message", "field"),
-    [
-        (Message("user", "look", parts=[ImagePart(b"\x89PNG", "image/png")]), "parts"),
-        (Message("assistant", "", tool_calls=[ToolCall("c1", "f", "{}")]), "tool_calls"),
-        (Message("tool", "12C", tool_call_id="c1"), "tool_call_id"),
-        (Message("assistant", "ok", reasoning="because"), "reasoning"),
-    ],
-)
-def test_a_text_worker_refuses_what_it_cannot_template(
-    preprocess: Preprocessor, message: Message, field: str
-) -> None:
+def test_a_text_worker_refuses_images_and_audio(preprocess: Preprocessor) -> None:
     """The gateway refuses these first; a frame that carries one anyway is a 400 naming it,
     never a prompt with the part silently left out."""
+    message = Message("user", "look", parts=[ImagePart(b"\x89PNG", "image/png")])
     request = CanonicalRequest(messages=[Message("user", "Hi"), message])
     error = preprocess_error(preprocess, add_frame(RequestKind.CHAT, request)).error
     assert error.code is ErrorCode.INVALID_REQUEST
-    assert error.param == f"messages[1].{field}"
+    assert error.param == "messages[1].parts"
+
+
+# ---- tools, thinking, structured output ---------------------------------------------------
+
+WEATHER = Tool(
+    "get_weather",
+    "The weather in a city",
+    {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+)
+
+
+@pytest.fixture(scope="module")
+def hermes(hermes_model_dir: Path) -> Loaded:
+    return load(hermes_model_dir)
+
+
+def prompt_text(loaded: Loaded, request: CanonicalRequest, **options: object) -> str:
+    preprocess = Preprocessor(loaded.tokenizer, EngineOptions(**options), max_context=4096)  # type: ignore[arg-type]
+    return str(loaded.tokenizer.decode(preprocess(add_frame(RequestKind.CHAT, request)).prompt))
+
+
+def test_history_tool_calls_results_and_reasoning_go_through_the_template(
+    hermes: Loaded,
+) -> None:
+    call = ToolCall("c1", "get_weather", '{"city": "Oslo"}')
+    request = CanonicalRequest(
+        messages=[
+            Message("user", "Weather in Oslo?"),
+            Message("assistant", "", tool_calls=[call], reasoning="Look it up."),
+            Message("tool", "12C and rain", tool_call_id="c1"),
+        ],
+        tools=[WEATHER],
+    )
+    text = prompt_text(hermes, request)
+    assert '"name": "get_weather"' in text  # the tool, rendered by the template
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}' in text
+    assert "<tool_response>\n12C and rain\n</tool_response>" in text
+    assert "<think>\nLook it up.\n</think>" in text
+
+
+def test_thinking_switch_and_tool_choice_none(hermes: Loaded) -> None:
+    user = [Message("user", "Hi")]
+    on = prompt_text(hermes, CanonicalRequest(messages=user, reasoning=Reasoning(enabled=True)))
+    off = prompt_text(hermes, CanonicalRequest(messages=user, reasoning=Reasoning(enabled=False)))
+    assert on.endswith("<think>\n") and off.endswith("</think>\n\n")
+    none = ToolChoice(ToolChoiceMode.NONE)
+    quiet = prompt_text(hermes, CanonicalRequest(messages=user, tools=[WEATHER], tool_choice=none))
+    assert "get_weather" not in quiet  # tool_choice none: the tools stay out of the prompt
+
+
+def test_guides_and_parsers_follow_the_request(hermes: Loaded) -> None:
+    preprocess = Preprocessor(hermes.tokenizer, EngineOptions(), max_context=4096)
+    user = [Message("user", "Hi")]
+    plain = preprocess(add_frame(RequestKind.CHAT, CanonicalRequest(messages=user)))
+    assert plain.guide is None and plain.parser is not None  # thinking is still parsed
+    forced = CanonicalRequest(
+        messages=user, tools=[WEATHER], tool_choice=ToolChoice(ToolChoiceMode.REQUIRED)
+    )
+    prepared = preprocess(add_frame(RequestKind.CHAT, forced))
+    assert prepared.guide is not None and prepared.guide.matcher is not None
+    assert prepared.guide.thinking  # the prompt opened a think block: the grammar waits
+    budget = CanonicalRequest(messages=user, reasoning=Reasoning(enabled=True, budget_tokens=3))
+    guide = preprocess(add_frame(RequestKind.CHAT, budget)).guide
+    assert guide is not None and guide.matcher is None and guide.budget == 3
+    fmt = ResponseFormat(OutputFormat.JSON_OBJECT)
+    completion = CanonicalRequest(prompt="Hi", response_format=fmt)
+    assert preprocess(add_frame(RequestKind.COMPLETION, completion)).guide is not None
+
+
+@pytest.mark.parametrize(
+    ("request_", "param"),
+    [
+        (CanonicalRequest(messages=USER_HI, tools=[WEATHER]), "tools"),
+        (CanonicalRequest(messages=USER_HI, reasoning=Reasoning(enabled=True)), "reasoning"),
+        (
+            CanonicalRequest(messages=USER_HI, reasoning=Reasoning(effort="high")),
+            "reasoning_effort",
+        ),
+        (
+            CanonicalRequest(
+                messages=USER_HI,
+                response_format=ResponseFormat(
+                    OutputFormat.JSON_SCHEMA,
+                    {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}},
+                    param="response_format.json_schema.schema",
+                    strict=True,
+                ),
+            ),
+            "response_format.json_schema.schema",
+        ),
+    ],
+)
+def test_what_the_model_cannot_do_is_a_400_naming_it(
+    preprocess: Preprocessor, request_: CanonicalRequest, param: str
+) -> None:
+    error = preprocess_error(preprocess, add_frame(RequestKind.CHAT, request_)).error
+    assert error.code is ErrorCode.INVALID_REQUEST
+    assert error.param == param, error.message
+
+
+def test_forced_calls_name_a_tool_of_the_request(hermes: Loaded) -> None:
+    preprocess = Preprocessor(hermes.tokenizer, EngineOptions(), max_context=4096)
+    named = ToolChoice(ToolChoiceMode.REQUIRED, "nope")
+    request = CanonicalRequest(messages=USER_HI, tools=[WEATHER], tool_choice=named)
+    error = preprocess_error(preprocess, add_frame(RequestKind.CHAT, request)).error
+    assert error.param == "tool_choice" and "nope" in error.message
+    completion = CanonicalRequest(prompt="Hi", tools=[WEATHER])
+    error = preprocess_error(preprocess, add_frame(RequestKind.COMPLETION, completion)).error
+    assert error.param == "tools"

@@ -301,10 +301,6 @@ def test_missing_messages() -> None:
     [
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "required"}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
         ({"store": True}, "store"),
         ({"metadata": {"k": "v"}}, "metadata"),
@@ -312,7 +308,6 @@ def test_missing_messages() -> None:
         ({"function_call": "auto"}, "function_call"),
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
-        ({"reasoning_effort": "low"}, "reasoning_effort"),
         ({"verbosity": "low"}, "verbosity"),
         ({"web_search_options": {}}, "web_search_options"),
         ({"modalities": ["text", "audio"]}, "modalities"),
@@ -329,8 +324,9 @@ def test_chat_unsupported(fields: dict[str, Any], param: str) -> None:
     assert param.split("[")[0] in error.message
 
 
-def test_reasoning_effort_points_at_chat_template_kwargs() -> None:
-    assert "enable_thinking" in rejected(chat, reasoning_effort="high").message
+def test_legacy_function_calling_points_at_tools() -> None:
+    assert "use `tools`" in rejected(chat, functions=[{"name": "f"}]).message
+    assert "use `tool_choice`" in rejected(chat, function_call="auto").message
 
 
 def test_chat_allowed_neutral_values() -> None:

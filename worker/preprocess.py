@@ -20,7 +20,7 @@ from shared.types import (
     ToolChoiceMode,
     reserved_template_kwarg,
 )
-from worker.parsing.formats import ModelFormats, arguments_object, model_formats, template_tools
+from worker.backends.formats import ModelFormats, arguments_object, model_formats, template_tools
 from worker.parsing.response import ResponseParser
 from worker.structured.grammars import GrammarError, response_grammar, tool_grammar
 from worker.structured.guide import Grammars, Guide
@@ -103,10 +103,10 @@ class Preprocessor:
         )
         if frame.kind == RequestKind.CHAT:
             self._shape_output(prepared, frame.request)
-        elif frame.request.response_format is not None:
-            grammar = self._grammar(lambda: response_grammar(frame.request.response_format))
+        elif (fmt := frame.request.response_format) is not None:
+            grammar = self._grammar(lambda: response_grammar(fmt))
             if grammar is not None:
-                matcher = self._matcher(grammar, "response_format")
+                matcher = self._matcher(grammar, fmt.param)
                 prepared.guide = Guide(matcher, words=self.grammars.words)
         return prepared
 
@@ -145,17 +145,19 @@ class Preprocessor:
         initial = formats.initial(prepared.prompt, self.tokenizer)
         single = choice is not None and not choice.parallel
         prepared.parser = ResponseParser(formats, initial, tools, single)
-        grammar = None
+        grammar, param = None, "tools"
         if calls and choice is not None:
-            grammar = self._grammar(lambda: tool_grammar(request.tools, choice, formats.tools))
-        if grammar is None and request.response_format is not None:
-            grammar = self._grammar(lambda: response_grammar(request.response_format))
+            literal = self.grammars.literal
+            grammar = self._grammar(
+                lambda: tool_grammar(request.tools, choice, formats.tools, literal)
+            )
+        fmt = request.response_format
+        if grammar is None and fmt is not None:
+            grammar, param = self._grammar(lambda: response_grammar(fmt)), fmt.param
         budget = request.reasoning.budget_tokens if request.reasoning is not None else None
         if grammar is None and budget is None:
             return
-        matcher = (
-            self._matcher(grammar, "tools" if calls else "response_format") if grammar else None
-        )
+        matcher = self._matcher(grammar, param) if grammar else None
         prepared.guide = Guide(
             matcher,
             thinking=initial == "reasoning",

@@ -38,13 +38,13 @@ from shared.protocol import (
     WorkerState,
 )
 from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput
+from worker.backends.formats import ModelFormats, model_formats
 from worker.backends.mlx_lm import make_backend
 from worker.channels import WorkerChannels
 from worker.engine.core import EngineCore
 from worker.faults import Faults, FaultyEngine
 from worker.loader import LoadedModel, load_model
 from worker.memory import IdleRelease, MemoryLimits, device_memory, kv_budget, own_memory
-from worker.parsing.formats import ModelFormats, model_formats
 from worker.preprocess import PreparedRequest, PreprocessError, Preprocessor, capabilities
 from worker.steptrace import StepTrace
 

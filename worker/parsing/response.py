@@ -1,10 +1,11 @@
 """One request's output split into answer, thinking and tool calls, as it streams.
 
-mlx-lm's TextStateMachine follows the model's markers in the decoded text (holding back
-what may be the start of one) and says which state each piece of text belongs to; this
-turns the pieces into the deltas clients see. Call markup never reaches the answer: a call
-in a JSON body streams its name and arguments as they are generated (call_stream.py);
-any other format sends each call whole when it is complete, parsed by mlx-lm's parser.
+mlx-lm's TextStateMachine (built in worker/backends/formats.py) follows the model's markers
+in the decoded text (holding back what may be the start of one) and says which state each
+piece of text belongs to; this turns the pieces into the deltas clients see. Call markup
+never reaches the answer: a call in a JSON body streams its name and arguments as they are
+generated (call_stream.py); any other format sends each call whole when it is complete,
+parsed by mlx-lm's parser.
 """
 
 from __future__ import annotations
@@ -14,11 +15,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_lm.generate import TextStateMachine
-
 from shared.types import ToolCallDelta
+from worker.backends.formats import ModelFormats
 from worker.parsing.call_stream import CallStream
-from worker.parsing.formats import ModelFormats
 
 
 @dataclass(slots=True)
@@ -49,12 +48,14 @@ class ResponseParser:
         self.single = single
         self.tool_format = formats.tools if tools is not None else None
         self.tools = tools
-        self.state = formats.machine(self.tool_format is not None).make_state(initial)
+        self.machine = formats.machine(self.tool_format is not None)
+        self.state = self.machine.make_state(initial)
         self.calls = 0  # complete calls so far
         self._body = ""  # the open call's text
         self._stream: CallStream | None = None
         self._id = ""
         self._in_call = False
+        self._blank = ""  # whitespace after a call, held back
 
     @property
     def in_reasoning(self) -> bool:
@@ -64,7 +65,7 @@ class ResponseParser:
         parsed = Parsed()
         if not text:
             return parsed
-        self.state, segments = TextStateMachine.split(self.state, text)
+        self.state, segments = self.machine.split(self.state, text)
         last = len(segments) - 1
         for i, (state, piece) in enumerate(segments):
             if state == "tool":
@@ -74,22 +75,32 @@ class ResponseParser:
             elif state == "reasoning":
                 parsed.reasoning += piece
             else:
-                parsed.content += piece
+                parsed.content += self._answer(piece)
         return parsed
+
+    def _answer(self, piece: str) -> str:
+        """Answer text; blank text after a call (between calls, before the end) is held
+        until more answer follows: a turn of calls has no blank answer."""
+        if self.calls and not (self._blank + piece).strip():
+            self._blank += piece
+            return ""
+        piece, self._blank = self._blank + piece, ""
+        return piece
 
     def finish(self) -> Parsed:
         """The end of the output: text held back as a possible marker, and a call still
         open (a format without an end marker, or a call cut short)."""
-        self.state, tail, state = TextStateMachine.flush(self.state)
+        self.state, tail, state = self.machine.flush(self.state)
         parsed = Parsed()
         if state == "tool":
             parsed += self._call_text(tail)
         elif state == "reasoning":
             parsed.reasoning += tail
         else:
-            parsed.content += tail
+            parsed.content += self._answer(tail)
         if self._in_call:
-            parsed += self._close_call()
+            fmt = self.tool_format
+            parsed += self._close_call(cut=fmt is not None and bool(fmt.end))
         return parsed
 
     # ---- calls ------------------------------------------------------------------------
@@ -113,8 +124,10 @@ class ResponseParser:
                 parsed.calls.append(ToolCallDelta(self.calls, arguments=fragment))
         return parsed
 
-    def _close_call(self) -> Parsed:
-        """The open call is complete: parsed by mlx-lm's parser for the model's format."""
+    def _close_call(self, cut: bool = False) -> Parsed:
+        """The open call is complete (or `cut` short: the output ended before its end
+        marker): parsed by mlx-lm's parser for the model's format. A call cut short that
+        cannot be parsed is dropped: its markup never reaches the answer."""
         self._in_call = False
         body, stream = self._body, self._stream
         parsed = Parsed()
@@ -128,6 +141,8 @@ class ResponseParser:
             rest = calls[1:]  # a body holding more than one call (rare)
             self.calls += 1
         else:
+            if not calls and cut:
+                return parsed
             if not calls:  # not a call after all: the text goes to the answer
                 fmt = self.tool_format
                 assert fmt is not None

@@ -11,12 +11,13 @@ JSON Schema.
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import llguidance
 
 from shared.types import OutputFormat, ResponseFormat, Tool, ToolChoice, ToolChoiceMode
-from worker.parsing.formats import JSON_CALL_FORMATS, XML_CALL_FORMATS, ToolFormat
+from worker.backends.formats import JSON_CALL_FORMATS, XML_CALL_FORMATS, ToolFormat
 
 # Formats whose calls this module can force; others serve tool_choice "auto" and "none".
 FORCEABLE = JSON_CALL_FORMATS | XML_CALL_FORMATS | {"mistral"}
@@ -55,7 +56,7 @@ def response_grammar(fmt: ResponseFormat) -> str | None:
 def json_grammar(schema: dict[str, Any], param: str, strict: bool) -> str:
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(
-            schema, overrides={**JSON_STYLE, "lenient": not strict}
+            schema, overrides=cast(Any, {**JSON_STYLE, "lenient": not strict})
         )
     except (ValueError, TypeError) as exc:
         raise GrammarError(f"the JSON schema is not usable: {exc}", param) from None
@@ -66,9 +67,15 @@ def _styled(schema: dict[str, Any], strict: bool) -> dict[str, Any]:
     return {**schema, "x-guidance": {**JSON_STYLE, "lenient": not strict}}
 
 
-def tool_grammar(tools: list[Tool], choice: ToolChoice, fmt: ToolFormat | None) -> str | None:
+def tool_grammar(
+    tools: list[Tool],
+    choice: ToolChoice,
+    fmt: ToolFormat | None,
+    literal: Callable[[str], str] = json.dumps,
+) -> str | None:
     """A required or named tool choice -> the model's call markup, forced (None: the
-    model decides, AUTO / NONE)."""
+    model decides, AUTO / NONE). `literal` writes the markers as lark (Grammars.literal:
+    a marker that is one added token is that token)."""
     if choice.mode is not ToolChoiceMode.REQUIRED:
         return None
     if fmt is None:
@@ -80,18 +87,18 @@ def tool_grammar(tools: list[Tool], choice: ToolChoice, fmt: ToolFormat | None) 
         )
     if fmt.parser in JSON_CALL_FORMATS:
         body = json.dumps(_styled(_json_call(chosen), _strict(chosen)))
-        call = f"{_lit(fmt.start + NL)} %json {body} {_lit(NL + fmt.end)}"
+        call = f"{literal(fmt.start)} {_lit(NL)} %json {body} {_lit(NL)} {literal(fmt.end)}"
         return _lark(call, choice.parallel, "\n")
     if fmt.parser in XML_CALL_FORMATS:
         rules = [f"call: {' | '.join(f'call{i}' for i in range(len(chosen)))}"]
-        rules += [_xml_call(i, tool, fmt) for i, tool in enumerate(chosen)]
+        rules += [_xml_call(i, tool, fmt, literal) for i, tool in enumerate(chosen)]
         return _lark("call", choice.parallel, "\n", rules)
     if fmt.parser == "mistral":  # [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
         items: dict[str, Any] = {"type": "array", "items": _json_call(chosen), "minItems": 1}
         if not choice.parallel:
             items["maxItems"] = 1
         body = json.dumps(_styled(items, _strict(chosen)))
-        return _lark(f"{_lit(fmt.start)} %json {body}", False, "")
+        return _lark(f"{literal(fmt.start)} %json {body}", False, "")
     raise GrammarError(
         f"a required or named tool_choice is not served for this model's tool-call format "
         f"({fmt.parser or 'unnamed'}); its calls cannot be constrained: use tool_choice auto",
@@ -119,19 +126,19 @@ def _json_call(tools: list[Tool]) -> dict[str, Any]:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def _xml_call(index: int, tool: Tool, fmt: ToolFormat) -> str:
+def _xml_call(index: int, tool: Tool, fmt: ToolFormat, literal: Callable[[str], str]) -> str:
     """One tool's call in Qwen3-Coder's XML: each parameter in the schema's order,
     required ones always, optional ones optionally; strings raw, the rest as JSON."""
     schema = tool.parameters or {}
     properties: dict[str, Any] = schema.get("properties") or {}
     required = set(schema.get("required") or [])
-    parts = [_lit(f"{fmt.start}\n<function={tool.name}>\n")]
+    parts = [literal(fmt.start), _lit(f"\n<function={tool.name}>\n")]
     for key, sub in properties.items():
         value = _xml_value(sub if isinstance(sub, dict) else {}, tool.strict)
         opening, closing = _lit(f"<parameter={key}>\n"), _lit("\n</parameter>\n")
         param = f"({opening} {value} {closing})"
         parts.append(param if key in required else param + "?")
-    parts.append(_lit(f"</function>\n{fmt.end}"))
+    parts += [_lit("</function>\n"), literal(fmt.end)]
     return f"call{index}: " + " ".join(parts)
 
 
@@ -139,6 +146,9 @@ def _xml_value(schema: dict[str, Any], strict: bool) -> str:
     kind = schema.get("type")
     if kind == "string" and "enum" in schema:
         return "(" + " | ".join(_lit(str(v)) for v in schema["enum"]) + ")"
+    if kind == "string" and isinstance(schema.get("maxLength"), int):
+        low, high = max(1, schema.get("minLength") or 1), max(1, schema["maxLength"])
+        return f"/[^<\\n]{{{low},{high}}}/"
     if kind == "string":
         return _XML_TEXT
     return f"%json {json.dumps(_styled(schema, strict))}"

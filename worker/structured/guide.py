@@ -9,6 +9,7 @@ token after the marker on, the grammar decides.
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from typing import Any
 
@@ -26,8 +27,27 @@ class Grammars:
         self.tokenizer = llguidance.LLTokenizer(
             tokenizer.backend_tokenizer.to_str(), n_vocab=len(tokenizer), eos_token=eos
         )
+        self.hf = tokenizer
         self.capacity = capacity
         self._compiled: OrderedDict[str, Any] = OrderedDict()
+
+    def literal(self, text: str) -> str:
+        """Fixed text (a tool-call marker) as a lark expression. llguidance treats every
+        added token as special, reachable only by its id: `<tool_call>` in Qwen's vocabulary
+        is `<[151657]>`, not the characters."""
+        parts: list[str] = []
+        pending = b""
+        for token in self.hf.encode(text, add_special_tokens=False):
+            if self.tokenizer.is_special_token(token):
+                if pending:
+                    parts.append(json.dumps(pending.decode("utf-8", "replace")))
+                    pending = b""
+                parts.append(f"<[{token}]>")
+            else:
+                pending += self.tokenizer.decode_bytes([token])
+        if pending:
+            parts.append(json.dumps(pending.decode("utf-8", "replace")))
+        return " ".join(parts) if parts else '""'
 
     def matcher(self, grammar: str) -> Any:
         """A fresh matcher for `grammar`; ValueError with llguidance's message if the

@@ -1,6 +1,7 @@
 """OpenAI chat messages onto the neutral message model: text and content parts (images as
 data or http(s) URLs, audio), an assistant's tool calls, reasoning and refusal, tool
-results. What no worker serves yet is recorded in `Unserved`, with the 400 naming its field."""
+results. Each use beyond text is recorded in `Unserved`, with the 400 naming its field for
+when it is not served (today: images and audio, which text models do not take)."""
 
 from __future__ import annotations
 
@@ -45,13 +46,13 @@ def message_of(index: int, message: ChatMessage, unserved: Unserved | None = Non
         for call in message.tool_calls or []
     ]
     if calls:
-        uses.add("tool_calls", unsupported(f"{where}.tool_calls", "tool calling is not served yet"))
+        uses.add("tool_calls", unsupported(f"{where}.tool_calls", "tool calls in the history"))
     if message.role == "tool":
-        uses.add("tool_result", unsupported(f"{where}.role", "tool results are not served yet"))
+        uses.add("tool_result", unsupported(f"{where}.role", "tool results in the history"))
     if message.reasoning_content is not None:
         uses.add(
             "reasoning",
-            unsupported(f"{where}.reasoning_content", "reasoning in the history is not served yet"),
+            unsupported(f"{where}.reasoning_content", "reasoning in the history"),
         )
     if message.refusal is not None:
         uses.add(

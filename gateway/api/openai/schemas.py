@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
-from msgspec import Meta
+from msgspec import UNSET, Meta, UnsetType
 
 # Integers are bounded: a value beyond what the wire (msgpack) carries is a 400, not a 500.
 INT32 = 2**31 - 1
@@ -71,8 +71,48 @@ class StreamOptions(_Body):
     include_obfuscation: bool | None = None
 
 
-class ResponseFormat(msgspec.Struct):
+class FunctionDef(_Body):
+    """A function tool: its arguments' JSON schema in `parameters`."""
+
+    name: str = ""  # checked in tools.py, so a missing name is named like a bad one
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolParam(_Body):
+    """A tool: only "function" is served; a custom tool is read only to be refused by its
+    type (in tools.py) rather than by its fields."""
+
     type: str
+    function: FunctionDef | None = None
+    custom: Any | None = None
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class ToolChoiceParam(_Body):
+    """{"type": "function", "function": {"name": ...}}; allowed_tools and custom are read
+    only to be refused by their type (in tools.py)."""
+
+    type: str
+    function: FunctionName | None = None
+    allowed_tools: Any | None = None
+    custom: Any | None = None
+
+
+class JsonSchemaParam(_Body):
+    name: str
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Body):
+    type: str
+    json_schema: JsonSchemaParam | None = None
 
 
 class SamplingFields(_Body):
@@ -116,16 +156,16 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: str | ToolChoiceParam | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
     modalities: list[str] | None = None
     # Documented OpenAI fields this gateway cannot honour: a 400 naming each.
     functions: Any | None = None
     function_call: Any | None = None
     audio: Any | None = None
     prediction: Any | None = None
-    reasoning_effort: Any | None = None
     verbosity: Any | None = None
     web_search_options: Any | None = None
     add_generation_prompt: bool = True
@@ -141,6 +181,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: PosInt | None = None
     logprobs: TopLogprobs | None = None
+    response_format: ResponseFormat | None = None  # json_object / json_schema, as vLLM
 
 
 # ---- responses --------------------------------------------------------------------------
@@ -157,9 +198,25 @@ class UsageBody(msgspec.Struct):
     prompt_tokens_details: PromptTokensDetails
 
 
+class FunctionDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None  # a call's first chunk only
+    arguments: str | None = None  # always set: "" or the next fragment of the JSON text
+
+
+class ToolCallChunk(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """A call's first chunk has its id, type and name; later ones more arguments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionDelta
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallChunk] | None = None
 
 
 class TopLogprobBody(msgspec.Struct):
@@ -204,9 +261,25 @@ class ChatCompletionChunk(msgspec.Struct):
     usage: UsageBody | None = None
 
 
+class FunctionCallOut(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
 class AssistantMessage(msgspec.Struct):
-    content: str
+    """`content` is null when the turn is only calls; the keys it does not use are left
+    out (UNSET), so a plain answer keeps its bytes."""
+
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCallOut] | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
 
 
 class ChatChoice(msgspec.Struct):

@@ -10,11 +10,13 @@ import msgspec
 
 from gateway.api.common import (
     Unserved,
+    invalid,
     sampling,
     unsupported,
 )
 from gateway.api.openai.errors import error_body
 from gateway.api.openai.messages import message_of
+from gateway.api.openai.response_format import response_format_of
 from gateway.api.openai.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -34,6 +36,7 @@ from gateway.api.openai.schemas import (
     TopLogprobBody,
     UsageBody,
 )
+from gateway.api.openai.tools import call_chunks, calls_out, tool_choice_of, tools_of
 from gateway.api.relay import DONE, Choice, sse_data
 from gateway.errors import GatewayError
 from shared.config import ConfigError, parse_duration
@@ -41,6 +44,7 @@ from shared.types import (
     CanonicalRequest,
     ErrorCode,
     FinishReason,
+    Reasoning,
     RequestOutput,
     SamplingParams,
     TokenLogprob,
@@ -109,15 +113,31 @@ def keep_alive_of(req: ChatCompletionRequest | CompletionRequest) -> float | Non
 
 
 _CHAT_REFUSED = {
-    "functions": "function calling is not served yet",
-    "function_call": "function calling is not served yet",
+    "functions": "the legacy function-calling fields are not served: use `tools`",
+    "function_call": "the legacy function-calling fields are not served: use `tool_choice`",
     "audio": "audio output is not served",
     "prediction": "predicted outputs are not served",
-    "reasoning_effort": "this gateway has no reasoning-effort control; use "
-    "chat_template_kwargs (e.g. enable_thinking) where the model's template has one",
     "verbosity": "not served",
     "web_search_options": "web search is not served",
 }
+
+
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+
+
+def reasoning_of(effort: str | None) -> Reasoning | None:
+    """`reasoning_effort`: a level for templates that take one; "none" turns thinking off."""
+    if effort is None:
+        return None
+    if effort == "none":
+        return Reasoning(enabled=False)
+    if effort not in REASONING_EFFORTS:
+        raise invalid(
+            f"`reasoning_effort` must be one of none, {', '.join(REASONING_EFFORTS)}; "
+            f"not {effort!r}",
+            "reasoning_effort",
+        )
+    return Reasoning(effort=effort)
 
 
 def chat_request(req: ChatCompletionRequest) -> tuple[CanonicalRequest, SamplingParams]:
@@ -129,13 +149,6 @@ def chat_request(req: ChatCompletionRequest) -> tuple[CanonicalRequest, Sampling
     if req.top_logprobs and not req.logprobs:
         raise GatewayError(
             ErrorCode.INVALID_REQUEST, "top_logprobs requires logprobs: true", "top_logprobs"
-        )
-    if req.tools or req.tool_choice not in (None, "none"):
-        raise unsupported("tools", "tool calling is not served yet")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise unsupported(
-            "response_format",
-            f"type {req.response_format.type!r}: structured output is not served yet",
         )
     if req.modalities is not None and req.modalities != ["text"]:
         raise unsupported("modalities", "text is the only output modality")
@@ -159,10 +172,15 @@ def chat_request(req: ChatCompletionRequest) -> tuple[CanonicalRequest, Sampling
             )
         kwargs["continue_final_message"] = True
         add_generation_prompt = False
+    tools = tools_of(req.tools)
     canonical = CanonicalRequest(
         messages=messages,
         add_generation_prompt=add_generation_prompt,
         chat_template_kwargs=kwargs,
+        tools=tools,
+        tool_choice=tool_choice_of(req.tool_choice, req.parallel_tool_calls, tools),
+        response_format=response_format_of(req.response_format),
+        reasoning=reasoning_of(req.reasoning_effort),
     )
     sampling = sampling_params(req, req.max_completion_tokens or req.max_tokens)
     if req.logprobs:
@@ -215,12 +233,13 @@ def completion_request(req: CompletionRequest) -> list[tuple[CanonicalRequest, S
         top_logprobs=req.logprobs or 0,
         echo=req.echo,
     )
+    response_format = response_format_of(req.response_format)
     jobs = []
     for prompt in completion_prompts(req):
         if isinstance(prompt, str):
-            canonical = CanonicalRequest(prompt=prompt)
+            canonical = CanonicalRequest(prompt=prompt, response_format=response_format)
         else:
-            canonical = CanonicalRequest(prompt_token_ids=prompt)
+            canonical = CanonicalRequest(prompt_token_ids=prompt, response_format=response_format)
         jobs.append((canonical, sampling))
     return jobs
 
@@ -281,6 +300,15 @@ def completion_logprobs(
     return CompletionLogprobs(tokens, values, tops, offsets), offset
 
 
+def assistant_message(choice: Choice) -> AssistantMessage:
+    """The choice's answer: content null when the turn is only calls."""
+    return AssistantMessage(
+        choice.text if choice.text or not choice.tool_calls else None,
+        tool_calls=calls_out(choice.tool_calls) if choice.tool_calls else msgspec.UNSET,
+        reasoning_content=choice.reasoning or msgspec.UNSET,
+    )
+
+
 class ChatFormatter:
     """Builds one chat completion's response bodies (encoded once, sent as is)."""
 
@@ -307,9 +335,16 @@ class ChatFormatter:
 
     def stream_delta(self, index: int, output: RequestOutput) -> bytes:
         logprobs = chat_logprobs(output.logprobs) if self.logprobs and output.logprobs else None
-        if not output.text and logprobs is None:
+        calls = call_chunks(output.tool_calls) if output.tool_calls else None
+        more = output.reasoning or calls
+        if not output.text and logprobs is None and not more:
             return b""
-        return self._chunk(ChunkChoice(index, ChatDelta(content=output.text), None, logprobs))
+        delta = ChatDelta(
+            content=output.text if output.text or not more else None,
+            reasoning_content=output.reasoning or None,
+            tool_calls=calls,
+        )
+        return self._chunk(ChunkChoice(index, delta, None, logprobs))
 
     def stream_finish(self, index: int, output: RequestOutput) -> bytes:
         return self._chunk(ChunkChoice(index, ChatDelta(), finish_reason(output.finish_reason)))
@@ -331,7 +366,7 @@ class ChatFormatter:
             [
                 ChatChoice(
                     c.index,
-                    AssistantMessage(c.text),
+                    assistant_message(c),
                     finish_reason(c.finish_reason),
                     chat_logprobs(c.logprobs) if self.logprobs else None,
                 )
