@@ -11,13 +11,9 @@ from litestar.datastructures import State
 from litestar.response import Stream
 
 from gateway.api.anthropic.errors import error_response
+from gateway.api.anthropic.formatter import count_tokens_body
 from gateway.api.anthropic.schemas import CountTokensRequest, MessagesRequest
-from gateway.api.anthropic.translate import (
-    MessagesFormatter,
-    count_tokens_body,
-    messages_request,
-    prompt_request,
-)
+from gateway.api.anthropic.translate import messages_formatter, messages_request, prompt_request
 from gateway.api.common import decode_body
 from gateway.api.serve import JSON, Job, Served, serve
 from gateway.api.tokenize import tokenize_prompt
@@ -38,7 +34,7 @@ async def create_message(request: Request[Any, Any, Any], state: State) -> Respo
     served = Served(
         body.model, RequestKind.CHAT, [Job(canonical, sampling)], stream=body.stream, user=user
     )
-    response = await serve(request, state, served, MessagesFormatter(body.model))
+    response = await serve(request, state, served, messages_formatter(body, canonical))
     if ctx is not None:  # Anthropic's SDKs read it as the response's _request_id
         response.headers["request-id"] = ctx.request_id
     return response

@@ -1,8 +1,9 @@
 """Anthropic Messages request and response bodies as msgspec Structs.
 
 Requests forbid unknown fields, so a parameter this gateway does not implement is a 400 naming
-it, never silently ignored. Message content blocks are decoded as plain objects and checked
-in translate: a `text` block is served, any other block type is a 400 naming its position.
+it, never silently ignored. Message content blocks and tool definitions are decoded as plain
+objects and checked one by one in translate, so that a block or tool of a type not served is a
+400 naming its position.
 """
 
 from __future__ import annotations
@@ -78,6 +79,60 @@ class MessageParam(_Body):
     content: str | list[dict[str, Any]]
 
 
+class ToolDef(_Body):
+    """A client tool: the model calls it, the client runs it (server tools have other
+    `type`s and are refused in translate)."""
+
+    name: str
+    input_schema: dict[str, Any]
+    description: str = ""
+    type: Literal["custom"] | None = None
+    strict: bool = False
+    cache_control: dict[str, Any] | None = None  # a caching breakpoint: ignored, as on blocks
+
+
+# tool_choice, by its `type`
+class ToolChoiceAuto(_Body, tag="auto", tag_field="type"):
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceAny(_Body, tag="any", tag_field="type"):
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceTool(_Body, tag="tool", tag_field="type"):
+    name: str
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceNone(_Body, tag="none", tag_field="type"):
+    pass
+
+
+ToolChoiceParam = ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone
+
+
+# thinking, by its `type`; `display` "omitted" sends thinking blocks without their text
+ThinkingDisplay = Literal["summarized", "omitted"]
+
+
+class ThinkingEnabled(_Body, tag="enabled", tag_field="type"):
+    # Anthropic asks for at least 1024; any positive budget is served (small local models).
+    budget_tokens: PosInt
+    display: ThinkingDisplay | None = None
+
+
+class ThinkingAdaptive(_Body, tag="adaptive", tag_field="type"):
+    display: ThinkingDisplay | None = None
+
+
+class ThinkingDisabled(_Body, tag="disabled", tag_field="type"):
+    pass
+
+
+ThinkingParam = ThinkingEnabled | ThinkingAdaptive | ThinkingDisabled
+
+
 class Metadata(_Body):
     user_id: str | None = None  # an opaque end-user id: accepted, not used
 
@@ -88,9 +143,9 @@ class PromptFields(_Body):
     model: str
     messages: list[MessageParam]
     system: str | list[TextBlock] | None = None
-    tools: list[Any] | None = None  # an empty list is fine; tool use is not served yet
-    tool_choice: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None  # {"type": "disabled"} only
+    tools: list[dict[str, Any]] | None = None  # ToolDef each, or a server tool (refused)
+    tool_choice: ToolChoiceParam | None = None
+    thinking: ThinkingParam | None = None
     # Automatic prompt caching's request-level breakpoint: accepted and ignored, as on blocks.
     cache_control: dict[str, Any] | None = None
 
@@ -113,9 +168,22 @@ class CountTokensRequest(PromptFields):
 # ---- responses --------------------------------------------------------------------------
 
 
-class TextContent(msgspec.Struct, kw_only=True):
-    type: str = "text"
+class TextContent(msgspec.Struct, tag="text", tag_field="type"):
     text: str
+
+
+class ThinkingContent(msgspec.Struct, tag="thinking", tag_field="type"):
+    thinking: str
+    signature: str = ""  # no signature: nothing here is encrypted or verified
+
+
+class ToolUseContent(msgspec.Struct, tag="tool_use", tag_field="type"):
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+ContentBlock = TextContent | ThinkingContent | ToolUseContent
 
 
 class UsageBody(msgspec.Struct):
@@ -134,7 +202,7 @@ class MessageBody(msgspec.Struct, kw_only=True):
     type: str = "message"
     role: str = "assistant"
     model: str
-    content: list[TextContent]
+    content: list[ContentBlock]
     stop_reason: str | None
     stop_sequence: str | None
     usage: UsageBody
@@ -153,7 +221,7 @@ class MessageStart(msgspec.Struct, tag="message_start", tag_field="type"):
 
 class ContentBlockStart(msgspec.Struct, tag="content_block_start", tag_field="type"):
     index: int
-    content_block: TextContent
+    content_block: ContentBlock
 
 
 class Ping(msgspec.Struct, tag="ping", tag_field="type"):
@@ -164,9 +232,24 @@ class TextDelta(msgspec.Struct, tag="text_delta", tag_field="type"):
     text: str
 
 
+class ThinkingDelta(msgspec.Struct, tag="thinking_delta", tag_field="type"):
+    thinking: str
+
+
+class SignatureDelta(msgspec.Struct, tag="signature_delta", tag_field="type"):
+    signature: str
+
+
+class InputJsonDelta(msgspec.Struct, tag="input_json_delta", tag_field="type"):
+    partial_json: str
+
+
+BlockDelta = TextDelta | ThinkingDelta | SignatureDelta | InputJsonDelta
+
+
 class ContentBlockDelta(msgspec.Struct, tag="content_block_delta", tag_field="type"):
     index: int
-    delta: TextDelta
+    delta: BlockDelta
 
 
 class ContentBlockStop(msgspec.Struct, tag="content_block_stop", tag_field="type"):

@@ -1,38 +1,29 @@
-"""Pure translation between Anthropic Messages bodies and the canonical types. No I/O here."""
+"""Pure translation of Anthropic Messages requests into the canonical types (the responses
+are formatter.py's). No I/O here."""
 
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any, TypeVar
 
 import msgspec
 
-from gateway.api.anthropic.errors import error_json
+from gateway.api.anthropic.formatter import MessagesFormatter
 from gateway.api.anthropic.schemas import (
-    ContentBlockDelta,
-    ContentBlockStart,
-    ContentBlockStop,
-    CountTokensBody,
-    DeltaUsage,
     ImageBlock,
-    MessageBody,
-    MessageDelta,
     MessageParam,
     MessagesRequest,
-    MessageStart,
-    MessageStop,
-    Ping,
     PromptFields,
-    StopDelta,
     TextBlock,
-    TextContent,
-    TextDelta,
+    ThinkingAdaptive,
     ThinkingBlock,
+    ThinkingDisabled,
+    ThinkingEnabled,
+    ThinkingParam,
     ToolResultBlock,
     ToolUseBlock,
-    UsageBody,
 )
+from gateway.api.anthropic.tools import tool_choice_of, tools_of
 from gateway.api.common import (
     Unserved,
     image_bytes,
@@ -42,18 +33,15 @@ from gateway.api.common import (
     sampling,
     text_of,
 )
-from gateway.api.relay import Choice, sse_event
-from gateway.errors import GatewayError, validation_error
+from gateway.errors import validation_error
 from shared.types import (
     CanonicalRequest,
-    FinishReason,
     ImagePart,
     Message,
-    RequestOutput,
+    Reasoning,
     SamplingParams,
     TextPart,
     ToolCall,
-    Usage,
 )
 from shared.types import ContentPart as Part
 
@@ -67,15 +55,16 @@ _BLOCKS_NOT_SERVED = {
     "search_result": "search results are not served",
     "server_tool_use": "server tools are not served",
     "web_search_tool_result": "server tools are not served",
-    "redacted_thinking": "extended thinking is not served",
+    "redacted_thinking": "it is encrypted by Anthropic; send `thinking` blocks",
     "container_upload": "containers are not served",
 }
-# Blocks the neutral message carries, and why a text model does not serve them yet.
-_NOT_SERVED_YET = {
+# Blocks the neutral message carries: the feature each uses (refused while the gateway does
+# not serve it, see common.SERVED), and why.
+_FEATURES = {
     "image": ("image", "image input is not served by text models"),
-    "tool_use": ("tool_calls", "tool use is not served yet"),
-    "tool_result": ("tool_result", "tool use is not served yet"),
-    "thinking": ("reasoning", "extended thinking is not served"),
+    "tool_use": ("tool_calls", "tool use in the history is not served"),
+    "tool_result": ("tool_result", "tool results are not served"),
+    "thinking": ("reasoning", "thinking in the history is not served"),
 }
 
 
@@ -118,7 +107,7 @@ class _Turn:
         if kind == "text":
             self.parts.append(TextPart(_convert(block, TextBlock, where).text))
             return
-        if kind not in _NOT_SERVED_YET:
+        if kind not in _FEATURES:
             why = _BLOCKS_NOT_SERVED.get(kind, "only text content blocks are served")
             raise invalid(f"`{where}` is a content block of type {kind!r}: {why}", where)
         if kind == "image":
@@ -137,7 +126,7 @@ class _Turn:
             self.results.append(inner.message(tool_call_id=result.tool_use_id))
         else:
             self.reasoning.append(_convert(block, ThinkingBlock, where).thinking)
-        feature, why = _NOT_SERVED_YET[kind]
+        feature, why = _FEATURES[kind]
         error = invalid(f"`{where}` is a content block of type {kind!r}: {why}", where)
         self.unserved.add(feature, error)
 
@@ -174,21 +163,22 @@ def _system(system: str | list[TextBlock] | None) -> str:
     return "".join(block.text for block in system)
 
 
-def _refuse_unserved(req: PromptFields) -> None:
-    if req.tools:
-        raise invalid("`tools`: tool use is not served yet", "tools")
-    if req.tool_choice is not None and req.tool_choice.get("type") not in ("auto", "none"):
-        raise invalid("`tool_choice`: tool use is not served yet", "tool_choice")
-    if req.thinking is not None and req.thinking.get("type") != "disabled":
-        raise invalid(
-            '`thinking`: extended thinking is not served; only {"type": "disabled"}', "thinking"
-        )
+def _reasoning(thinking: ThinkingParam | None) -> Reasoning | None:
+    """`enabled` (with its budget) and `adaptive` turn thinking on, `disabled` off; left
+    out, the model's template decides."""
+    if thinking is None:
+        return None
+    if isinstance(thinking, ThinkingDisabled):
+        return Reasoning(enabled=False)
+    if isinstance(thinking, ThinkingEnabled):
+        return Reasoning(enabled=True, budget_tokens=thinking.budget_tokens)
+    return Reasoning(enabled=True)
 
 
 def prompt_request(req: PromptFields) -> CanonicalRequest:
-    """The chat request the messages (and system prompt) make. A last assistant message is
-    a prefill: the model continues it (an empty one is no prefill: a new assistant turn)."""
-    _refuse_unserved(req)
+    """The chat request the messages, system prompt, tools and thinking make. A last
+    assistant message is a prefill: the model continues it (an empty one is no prefill: a
+    new assistant turn)."""
     if not req.messages:
         raise invalid("`messages` must not be empty", "messages")
     unserved = Unserved()
@@ -200,13 +190,16 @@ def prompt_request(req: PromptFields) -> CanonicalRequest:
     system = _system(req.system)
     if system:
         messages.insert(0, Message(role="system", content=system))
-    if messages[-1].role == "assistant":
-        return CanonicalRequest(
-            messages=messages,
-            add_generation_prompt=False,
-            chat_template_kwargs={"continue_final_message": True},
-        )
-    return CanonicalRequest(messages=messages)
+    prefill = messages[-1].role == "assistant"
+    tools = tools_of(req.tools)
+    return CanonicalRequest(
+        messages=messages,
+        add_generation_prompt=not prefill,
+        chat_template_kwargs={"continue_final_message": True} if prefill else {},
+        tools=tools,
+        tool_choice=tool_choice_of(req.tool_choice, tools),
+        reasoning=_reasoning(req.thinking),
+    )
 
 
 def _stop_sequences(stops: list[str] | None) -> list[str]:
@@ -215,7 +208,19 @@ def _stop_sequences(stops: list[str] | None) -> list[str]:
     return list(stops or [])
 
 
+def _check_budget(req: MessagesRequest) -> None:
+    """Thinking counts toward max_tokens: its budget must leave room for the answer."""
+    thinking = req.thinking
+    if isinstance(thinking, ThinkingEnabled) and thinking.budget_tokens >= req.max_tokens:
+        raise invalid(
+            f"`thinking.budget_tokens` ({thinking.budget_tokens}) must be less than "
+            f"`max_tokens` ({req.max_tokens}): thinking counts toward max_tokens",
+            "thinking.budget_tokens",
+        )
+
+
 def messages_request(req: MessagesRequest) -> tuple[CanonicalRequest, SamplingParams]:
+    _check_budget(req)
     canonical = prompt_request(req)
     params = sampling(
         req.max_tokens,
@@ -227,102 +232,13 @@ def messages_request(req: MessagesRequest) -> tuple[CanonicalRequest, SamplingPa
     return canonical, params
 
 
-# ---- responses ---------------------------------------------------------------------------
-
-
-def stop_reason(reason: FinishReason | None, stop: str | None) -> tuple[str | None, str | None]:
-    """(stop_reason, stop_sequence): EOS is end_turn, a matched stop string stop_sequence."""
-    if reason == FinishReason.STOP:
-        return ("stop_sequence", stop) if stop is not None else ("end_turn", None)
-    if reason == FinishReason.LENGTH:
-        return "max_tokens", None
-    return None, None
-
-
-def usage_body(usage: Usage) -> UsageBody:
-    """The prompt split as Anthropic counts it: tokens read from the cache are not input."""
-    cached = min(usage.cached_tokens, usage.prompt_tokens)
-    return UsageBody(
-        input_tokens=usage.prompt_tokens - cached,
-        cache_creation_input_tokens=0,
-        cache_read_input_tokens=cached,
-        output_tokens=usage.completion_tokens,
+def messages_formatter(req: MessagesRequest, canonical: CanonicalRequest) -> MessagesFormatter:
+    """The request's formatter. A stream opens its text block at once (as for plain text
+    always) unless the answer may begin with thinking or a tool call."""
+    needs = canonical.needs()
+    text_first = "tools" not in needs and "reasoning" not in needs
+    thinking = req.thinking
+    omitted = isinstance(thinking, ThinkingEnabled | ThinkingAdaptive) and (
+        thinking.display == "omitted"
     )
-
-
-def delta_usage(usage: Usage | None) -> DeltaUsage:
-    if usage is None:
-        return DeltaUsage(0)
-    body = usage_body(usage)
-    return DeltaUsage(
-        body.output_tokens,
-        body.input_tokens,
-        body.cache_creation_input_tokens,
-        body.cache_read_input_tokens,
-    )
-
-
-def count_tokens_body(count: int) -> bytes:
-    return msgspec.json.encode(CountTokensBody(count))
-
-
-class MessagesFormatter:
-    """Builds one Messages response: a message body, or its stream of named SSE events."""
-
-    def __init__(self, model: str) -> None:
-        self.id = f"msg_{uuid.uuid4().hex}"
-        self.model = model
-        self.encode = msgspec.json.Encoder().encode
-
-    def _event(self, name: str, body: msgspec.Struct) -> bytes:
-        return sse_event(name, self.encode(body))
-
-    def _message(
-        self, text: str | None, reason: tuple[str | None, str | None], usage: UsageBody
-    ) -> MessageBody:
-        content = [] if text is None else [TextContent(text=text)]
-        return MessageBody(
-            id=self.id,
-            model=self.model,
-            content=content,
-            stop_reason=reason[0],
-            stop_sequence=reason[1],
-            usage=usage,
-        )
-
-    def stream_start(self, first: RequestOutput) -> bytes:
-        usage = first.usage or Usage()
-        usage = msgspec.structs.replace(usage, completion_tokens=min(1, usage.completion_tokens))
-        start = self._message(None, (None, None), usage_body(usage))
-        return (
-            self._event("message_start", MessageStart(start))
-            + self._event("content_block_start", ContentBlockStart(0, TextContent(text="")))
-            + self._event("ping", Ping())
-        )
-
-    def stream_delta(self, index: int, output: RequestOutput) -> bytes:
-        if not output.text:
-            return b""
-        return self._event("content_block_delta", ContentBlockDelta(0, TextDelta(output.text)))
-
-    def stream_finish(self, index: int, output: RequestOutput) -> bytes:
-        reason, sequence = stop_reason(output.finish_reason, output.stop)
-        return self._event("content_block_stop", ContentBlockStop(0)) + self._event(
-            "message_delta",
-            MessageDelta(StopDelta(reason, sequence), delta_usage(output.usage)),
-        )
-
-    def stream_end(self, usage: Usage) -> bytes:
-        return self._event("message_stop", MessageStop())
-
-    def stream_error(self, error: GatewayError) -> bytes:
-        return sse_event("error", error_json(error))
-
-    def response(self, choices: list[Choice], usage: Usage) -> bytes:
-        choice = choices[0]
-        body = self._message(
-            choice.text,
-            stop_reason(choice.finish_reason, choice.stop),
-            usage_body(usage),
-        )
-        return self.encode(body)
+    return MessagesFormatter(req.model, text_first, show_thinking=not omitted)
