@@ -18,11 +18,11 @@ from litestar.datastructures import State
 
 from gateway.api.common import decode_body
 from gateway.api.relay import Choice
+from gateway.api.responses.formatter import ResponsesFormatter
 from gateway.api.responses.routes import responses_router, store_of
-from gateway.api.responses.schemas import InputText, MessageItem, ResponsesRequest
+from gateway.api.responses.schemas import InputText, Item, MessageItem, ResponsesRequest
 from gateway.api.responses.store import ResponseStore, StoredResponse
 from gateway.api.responses.translate import (
-    ResponsesFormatter,
     check_request,
     input_items,
     item_page,
@@ -66,6 +66,7 @@ def _refusal(fields: dict[str, Any]) -> GatewayError:
 
 def test_input_string_and_messages() -> None:
     (item,) = input_items("Hello")
+    assert isinstance(item, MessageItem)
     assert item.role == "user" and item.content == [InputText("Hello")]
     assert item.id.startswith("msg_") and item.type == "message" and item.status == "completed"
     items = input_items(
@@ -89,10 +90,13 @@ def test_input_string_and_messages() -> None:
             },
         ]
     )
-    assert items[2].id == "msg_1"
-    assert msgspec.to_builtins(items[2].content) == [
-        {"type": "output_text", "text": "c", "annotations": []}
-    ]
+    assert msgspec.to_builtins(items[2]) == {  # passed back as it came
+        "id": "msg_1",
+        "type": "message",
+        "status": "completed",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": "c", "annotations": []}],
+    }
     assert messages_of(items, "Rules.") == [
         Message("system", "Rules."),
         Message("system", "Be brief."),
@@ -125,13 +129,13 @@ def test_input_string_and_messages() -> None:
         ({"input": [{"role": "user"}]}, "input[0]"),
         ({"input": ["hi"]}, "input[0]"),
         ({"input": None}, "input"),
-        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"reasoning": {"effort": "xhigh"}}, "reasoning.effort"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"truncation": "auto"}, "truncation"),
-        ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
         ({"background": True, "stream": True}, "background"),
         ({"background": True, "store": False}, "store"),
@@ -176,7 +180,9 @@ def test_accepted_fields_echo() -> None:
 
 
 def test_item_page() -> None:
-    items = [MessageItem(id=f"m{i}", role="user", content=[InputText(str(i))]) for i in range(5)]
+    items: list[Item] = [
+        MessageItem(id=f"m{i}", role="user", content=[InputText(str(i))]) for i in range(5)
+    ]
     page = item_page(items, None, 2, "desc")
     assert page is not None
     assert [i.id for i in page.data] == ["m4", "m3"]

@@ -143,7 +143,8 @@ class Preprocessor:
         calls = bool(request.tools) and (choice is None or choice.mode is not ToolChoiceMode.NONE)
         tools = template_tools(request.tools) if calls else None
         initial = formats.initial(prepared.prompt, self.tokenizer)
-        single = choice is not None and not choice.parallel
+        # one call: parallel_tool_calls false, or a named choice (that tool, once)
+        single = choice is not None and (not choice.parallel or choice.name is not None)
         prepared.parser = ResponseParser(formats, initial, tools, single)
         grammar, param = None, "tools"
         if calls and choice is not None:

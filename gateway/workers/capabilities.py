@@ -34,6 +34,11 @@ MISSING_PARAM = {
 }
 
 
+# What only a loaded worker can say (its tokenizer's formats); until then its own 400s
+# name what a request needs and the model lacks.
+KNOWN_ONCE_LOADED = frozenset({"tools", "reasoning", "structured_output"})
+
+
 def missing_reason(capability: str) -> str:
     return _MISSING.get(capability, f"it lacks the {capability!r} capability")
 
@@ -69,6 +74,8 @@ def check_capabilities(slot: Slot, needs: list[str], info: Ready | None = None) 
         capabilities = slot.peeked or None
     if capabilities is None:
         return
+    if info is None:  # read from files: what the template renders is known once loaded
+        needs = [need for need in needs if need not in KNOWN_ONCE_LOADED]
     missing = [need for need in needs if need not in capabilities]
     if missing:
         raise GatewayError(

@@ -81,6 +81,7 @@ def tool_grammar(
     if fmt is None:
         raise GrammarError("this model has no known tool-call format", "tool_choice")
     chosen = [t for t in tools if choice.name is None or t.name == choice.name]
+    repeat = choice.parallel and choice.name is None  # a named choice is one call
     if not chosen:
         raise GrammarError(
             f"tool_choice names {choice.name!r}, which is not in tools", "tool_choice"
@@ -88,14 +89,14 @@ def tool_grammar(
     if fmt.parser in JSON_CALL_FORMATS:
         body = json.dumps(_styled(_json_call(chosen), _strict(chosen)))
         call = f"{literal(fmt.start)} {_lit(NL)} %json {body} {_lit(NL)} {literal(fmt.end)}"
-        return _lark(call, choice.parallel, "\n")
+        return _lark(call, repeat, "\n")
     if fmt.parser in XML_CALL_FORMATS:
         rules = [f"call: {' | '.join(f'call{i}' for i in range(len(chosen)))}"]
         rules += [_xml_call(i, tool, fmt, literal) for i, tool in enumerate(chosen)]
-        return _lark("call", choice.parallel, "\n", rules)
+        return _lark("call", repeat, "\n", rules)
     if fmt.parser == "mistral":  # [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
         items: dict[str, Any] = {"type": "array", "items": _json_call(chosen), "minItems": 1}
-        if not choice.parallel:
+        if not repeat:
             items["maxItems"] = 1
         body = json.dumps(_styled(items, _strict(chosen)))
         return _lark(f"{literal(fmt.start)} %json {body}", False, "")

@@ -57,6 +57,10 @@ class ToolUseBlock(_Body):
     name: str
     input: dict[str, Any]
     cache_control: dict[str, Any] | None = None
+    # Sent back as the SDK received them (None for a direct call): a call made from a
+    # code-execution tool (a caller of another type) is refused by the translator.
+    caller: dict[str, Any] | None = None
+    toolset_name: str | None = None
 
 
 class ToolResultBlock(_Body):

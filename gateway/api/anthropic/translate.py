@@ -114,6 +114,11 @@ class _Turn:
             self.parts.append(_image(block, where))
         elif kind == "tool_use":
             use = _convert(block, ToolUseBlock, where)
+            if use.caller is not None and use.caller.get("type") != "direct":
+                raise invalid(
+                    f"`{where}.caller`: calls made by server tools are not served",
+                    f"{where}.caller",
+                )
             self.calls.append(ToolCall(use.id, use.name, json.dumps(use.input)))
         elif kind == "tool_result":
             result = _convert(block, ToolResultBlock, where)

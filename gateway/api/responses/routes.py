@@ -22,15 +22,15 @@ from litestar.response import Stream
 
 from gateway.api.common import decode_body, invalid
 from gateway.api.openai.errors import error_response
+from gateway.api.responses.formatter import ResponsesFormatter
 from gateway.api.responses.schemas import (
     DeletedResponse,
-    MessageItem,
+    Item,
     ResponseObject,
     ResponsesRequest,
 )
 from gateway.api.responses.store import ResponseStore, StoredResponse
 from gateway.api.responses.translate import (
-    ResponsesFormatter,
     canonical_of,
     check_request,
     input_items,
@@ -52,7 +52,12 @@ log = logging.getLogger("gateway")
 CANCEL_WAIT_S = 5.0  # how long a cancel waits for the generation's task to wind down
 MAX_PAGE = 100
 # Canonical parameter names in worker errors, as this API names them.
-_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens"}
+_PARAMS = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "reasoning_effort": "reasoning.effort",
+}
 
 
 def store_of(state: State) -> ResponseStore:
@@ -110,11 +115,11 @@ async def create_response(
     ctx = context_of(request.scope)
     log_body(state.config.server.log_bodies, ctx, raw)
     body = decode_body(raw, ResponsesRequest)
-    check_request(body)
+    options = check_request(body)
     assert body.input is not None
     store = store_of(state)
     key = ctx.key if ctx else None
-    history: list[MessageItem] = []
+    history: list[Item] = []
     if body.previous_response_id is not None:
         previous = store.get(body.previous_response_id, key)
         if previous is None:
@@ -128,7 +133,7 @@ async def create_response(
     own = input_items(body.input)
     items = history + own
     sampling = capped(sampling_of(body), state.config.server.max_tokens_cap, "max_output_tokens")
-    job = Job(canonical_of(body, history, own), sampling)
+    job = Job(canonical_of(body, history, own, options), sampling)
     served = Served(
         body.model,
         RequestKind.CHAT,
@@ -138,7 +143,8 @@ async def create_response(
     )
     owner = key.id if key else None
     if body.background:
-        return _start_background(request, state, served, body, items, owner)
+        response = new_response(body, "queued", options)
+        return _start_background(request, state, served, response, items, owner)
 
     def keep(response: ResponseObject) -> None:
         if body.store:
@@ -146,7 +152,7 @@ async def create_response(
             _keep(store, entry)
             store.ended(entry)
 
-    fmt = ResponsesFormatter(new_response(body), keep)
+    fmt = ResponsesFormatter(new_response(body, options=options), keep)
     try:
         return await serve(request, state, served, fmt)
     except GatewayError as exc:
@@ -157,14 +163,13 @@ def _start_background(
     request: Request[Any, Any, Any],
     state: State,
     served: Served,
-    body: ResponsesRequest,
-    items: list[MessageItem],
+    response: ResponseObject,
+    items: list[Item],
     owner: str | None,
 ) -> Response[bytes]:
     ctx = context_of(request.scope)
     authorize(request, state, served.model)
     store = store_of(state)
-    response = new_response(body, status="queued")
     fmt = ResponsesFormatter(response)
     entry = StoredResponse(response, owner, items, cancel=fmt.cancel)
     _keep(store, entry)

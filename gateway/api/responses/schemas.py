@@ -1,8 +1,13 @@
 """OpenAI Responses API bodies as msgspec Structs.
 
 The request forbids unknown fields, so a parameter this gateway does not implement is a 400
-naming it. Input items are decoded loosely (as JSON objects) and checked one by one in
-`translate`, so that an unsupported item or content part is a 400 naming `input[i]...`.
+naming it. Input items, tools and `text.format` are decoded loosely (as JSON objects) and
+checked one by one in `translate` and `options`, so that an unsupported item, part or tool
+is a 400 naming `input[i]...` / `tools[i]...`.
+
+A conversation is a list of items (messages, function calls, their outputs, reasoning): a
+response's input, stored, and its output. Items are untagged Structs whose `type` field is
+written where OpenAI writes it; they are only ever encoded.
 """
 
 from __future__ import annotations
@@ -27,14 +32,41 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 # ---- requests ----------------------------------------------------------------------------
 
 
-class TextFormat(msgspec.Struct):
-    """`text.format`: only {"type": "text"} is served (other types carry more fields)."""
-
-    type: str
-
-
 class TextConfig(_Body):
-    format: TextFormat | None = None
+    format: dict[str, Any] | None = None  # text, json_object or json_schema (see options)
+
+
+class JsonSchemaFormatIn(_Body):
+    """`text.format` of type json_schema."""
+
+    type: Literal["json_schema"]
+    name: str
+    schema: dict[str, Any]
+    strict: bool | None = None
+    description: str | None = None
+
+
+class FunctionToolIn(_Body):
+    """One entry of `tools`: a function the model may call."""
+
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+Effort = Literal["none", "minimal", "low", "medium", "high"]
+Summary = Literal["auto", "concise", "detailed"]
+
+
+class ReasoningConfig(_Body):
+    """`reasoning`: an effort level; a summary is accepted (the reasoning text itself is
+    returned: the gateway has nothing to summarize it with)."""
+
+    effort: Effort | None = None
+    summary: Summary | None = None
+    generate_summary: Summary | None = None  # the older name of `summary`
 
 
 class StreamOptions(_Body):
@@ -63,8 +95,8 @@ class ResponsesRequest(_Body):
     parallel_tool_calls: bool | None = None
     tools: list[Any] | None = None
     tool_choice: Any | None = None
+    reasoning: ReasoningConfig | None = None
     # Documented fields this gateway cannot honour (beyond their empty values): a 400 each.
-    reasoning: Any | None = None
     include: list[str] | None = None
     top_logprobs: Any | None = None
     conversation: Any | None = None
@@ -109,11 +141,12 @@ class FunctionCallOutputIn(_Body):
 
 
 class ReasoningIn(_Body):
-    """A reasoning item passed back: its summary texts (encrypted content is not read)."""
+    """A reasoning item passed back: its reasoning text, or else its summary texts
+    (encrypted content is not read)."""
 
     type: Literal["reasoning"]
-    summary: list[dict[str, Any]] = []
-    content: list[dict[str, Any]] | None = None
+    summary: list[SummaryText] = []
+    content: list[ReasoningText] | None = None
     id: str | None = None
     encrypted_content: str | None = None
     status: str | None = None
@@ -151,6 +184,49 @@ class MessageItem(msgspec.Struct, kw_only=True):
     content: list[TextPart]
 
 
+class ReasoningText(msgspec.Struct, tag_field="type", tag="reasoning_text"):
+    text: str
+
+
+class SummaryText(msgspec.Struct, tag_field="type", tag="summary_text"):
+    text: str
+
+
+class ReasoningItem(msgspec.Struct, kw_only=True):
+    """The model's thinking: its text in `content` (never summarized here)."""
+
+    id: str
+    type: str = "reasoning"
+    status: str = "completed"
+    summary: list[SummaryText] = []
+    content: list[ReasoningText] = []
+
+
+class FunctionCallItem(msgspec.Struct, kw_only=True):
+    """A call the model made: `arguments` is its arguments' JSON text."""
+
+    id: str
+    type: str = "function_call"
+    status: str = "completed"
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(msgspec.Struct, kw_only=True):
+    """A call's result, as the client sent it (its text)."""
+
+    id: str
+    type: str = "function_call_output"
+    status: str = "completed"
+    call_id: str
+    output: str
+
+
+OutputItem = MessageItem | ReasoningItem | FunctionCallItem
+Item = MessageItem | ReasoningItem | FunctionCallItem | FunctionCallOutputItem
+
+
 # ---- the response object -------------------------------------------------------------------
 
 
@@ -179,12 +255,12 @@ class ResponseUsage(msgspec.Struct):
     total_tokens: int
 
 
-class TextFormatOut(msgspec.Struct):
-    type: str = "text"
+def _plain_text() -> dict[str, Any]:
+    return {"type": "text"}
 
 
 class TextOut(msgspec.Struct):
-    format: TextFormatOut = msgspec.field(default_factory=TextFormatOut)
+    format: dict[str, Any] = msgspec.field(default_factory=_plain_text)
 
 
 class ResponseObject(msgspec.Struct, kw_only=True):
@@ -202,17 +278,17 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     max_tool_calls: int | None = None
     metadata: dict[str, str] = {}
     model: str
-    output: list[MessageItem] = []
+    output: list[OutputItem] = []
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
-    reasoning: None = None
+    reasoning: dict[str, Any] | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     service_tier: str = "default"
     store: bool = True
     temperature: float = 1.0
     text: TextOut = msgspec.field(default_factory=TextOut)
-    tool_choice: str = "auto"
+    tool_choice: str | dict[str, Any] = "auto"
     tools: list[Any] = []
     top_p: float = 1.0
     truncation: str = "disabled"
@@ -228,7 +304,7 @@ class DeletedResponse(msgspec.Struct):
 
 
 class ItemList(msgspec.Struct):
-    data: list[MessageItem]
+    data: list[Item]
     first_id: str | None
     last_id: str | None
     has_more: bool

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gateway.api.responses.schemas import MessageItem, ResponseObject
+from gateway.api.responses.schemas import Item, ResponseObject
 from gateway.api.responses.translate import RUNNING
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 class StoredResponse:
     response: ResponseObject
     owner: str | None  # the id of the key that made it (None: an open gateway)
-    items: list[MessageItem]  # its input: the history it was chained onto, then its own
+    items: list[Item]  # its input: the history it was chained onto, then its own
     expires_at: float | None = None  # set when it ends
     task: asyncio.Task[Any] | None = None  # a background response's generation
     cancel: Callable[[], None] | None = field(default=None, repr=False)
@@ -41,9 +41,10 @@ class StoredResponse:
     def running(self) -> bool:
         return self.response.status in RUNNING
 
-    def conversation(self) -> list[MessageItem]:
-        """What a response chained onto this one continues: its input, then its output."""
-        return self.items + self.response.output
+    def conversation(self) -> list[Item]:
+        """What a response chained onto this one continues: its input, then its output
+        (reasoning, messages and function calls: the next turn answers the calls)."""
+        return [*self.items, *self.response.output]
 
 
 def visible(entry: StoredResponse, key: ApiKey | None) -> bool:

@@ -1,47 +1,57 @@
-"""Pure translation between Responses API bodies and the canonical types. No I/O here.
+"""Pure translation of Responses API requests into the canonical types. No I/O here.
 
-A response's conversation is a list of MessageItems: the history it was chained onto (the
-previous response's conversation and output), then its own input. `instructions` become a
-system message first and are never carried to a chained response (as OpenAI documents).
+A response's conversation is a list of items: the history it was chained onto (the previous
+response's conversation and output), then its own input. `instructions` become a system
+message first and are never carried to a chained response (as OpenAI documents).
+
+Items become chat messages in order: a message item is a message; function_call items join
+the assistant message right before them (or start one); a function_call_output is a `tool`
+message answering its call; a reasoning item's text is the reasoning of the next assistant
+message, and is dropped when a user, system or tool message comes first.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 
 from gateway.api.common import Unserved, image_from_url, invalid, sampling, unsupported
-from gateway.api.relay import Choice, sse_event
+from gateway.api.responses.options import (
+    Options,
+    convert,
+    options_of,
+    reasoning_echo,
+    tools_echo,
+)
 from gateway.api.responses.schemas import (
     FunctionCallIn,
+    FunctionCallItem,
     FunctionCallOutputIn,
+    FunctionCallOutputItem,
     ImagePartIn,
-    IncompleteDetails,
     InputText,
     InputTokensDetails,
+    Item,
     ItemList,
     MessageItem,
     MessageItemIn,
     OutputText,
     OutputTokensDetails,
     ReasoningIn,
-    ResponseError,
+    ReasoningItem,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
+    TextOut,
     TextPartIn,
 )
-from gateway.errors import GatewayError, validation_error
 from shared.types import (
     CanonicalRequest,
-    FinishReason,
     ImagePart,
     Message,
-    RequestOutput,
     SamplingParams,
     ToolCall,
     Usage,
@@ -50,7 +60,12 @@ from shared.types import (
 ROLES = ("user", "assistant", "system", "developer")
 # Statuses of a response whose generation has not ended (background mode).
 RUNNING = ("queued", "in_progress")
-T = TypeVar("T")
+# What each item type other than a message uses of the neutral message, for Unserved.
+_ITEM_FEATURES = {
+    "function_call": "tool_calls",
+    "function_call_output": "tool_result",
+    "reasoning": "reasoning",
+}
 
 
 def new_id(prefix: str) -> str:
@@ -60,25 +75,15 @@ def new_id(prefix: str) -> str:
 # ---- requests ----------------------------------------------------------------------------
 
 
-def check_request(body: ResponsesRequest) -> None:
-    """Every documented field this gateway cannot honour is a 400 naming it."""
-    if body.tools:
-        raise unsupported("tools", "tool calling is not served yet")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise unsupported("tool_choice", "tool calling is not served yet")
-    if _set(body.reasoning):
-        raise unsupported("reasoning", "this gateway has no reasoning controls")
+def check_request(body: ResponsesRequest) -> Options:
+    """Every documented field this gateway cannot honour is a 400 naming it; the options
+    it does honour (tools, formats, reasoning) are checked and returned."""
     if body.include:
         raise unsupported("include", "no extra output data is served")
     if body.top_logprobs:
         raise unsupported("top_logprobs", "logprobs are not served on the Responses API yet")
     if body.truncation == "auto":
         raise unsupported("truncation", "'auto' is not served; only 'disabled'")
-    if body.text is not None and body.text.format is not None and body.text.format.type != "text":
-        raise unsupported(
-            "text.format",
-            f"type {body.text.format.type!r}: structured output is not served yet",
-        )
     if body.conversation is not None:
         raise unsupported("conversation", "conversations are not served; use previous_response_id")
     if body.prompt is not None:
@@ -91,38 +96,25 @@ def check_request(body: ResponsesRequest) -> None:
         raise invalid("`input` is required", "input")
     if isinstance(body.input, list) and not body.input:
         raise invalid("`input` must not be empty", "input")
-
-
-def _set(value: Any) -> bool:
-    """Anything but an empty value (None, {}, a dict of Nones) asks for something."""
-    if isinstance(value, dict):
-        return any(v is not None for v in value.values())
-    return value is not None
-
-
-def _convert(value: Any, type_: type[T], where: str) -> T:
-    """msgspec.convert, with a failure as a 400 naming the path below `where`."""
-    try:
-        return msgspec.convert(value, type_)
-    except msgspec.ValidationError as exc:
-        raise validation_error(exc, where) from None
+    return options_of(body)
 
 
 def input_items(
     body_input: str | list[dict[str, Any]], unserved: Unserved | None = None
-) -> list[MessageItem]:
-    """The request's own input as conversation items (a string is one user message). Items
-    and parts the neutral model carries but no worker serves yet (images, function calls
-    and their outputs, reasoning) are mapped and recorded in `unserved` (None: refused)."""
+) -> list[Item]:
+    """The request's own input as conversation items (a string is one user message), one
+    per input entry. What the neutral model carries but a worker may not serve (images,
+    function calls and their outputs, reasoning) is recorded in `unserved` (None: refused
+    here unless served)."""
     uses = unserved if unserved is not None else Unserved()
     if isinstance(body_input, str):
         return [MessageItem(id=new_id("msg"), role="user", content=[InputText(body_input)])]
-    items = []
+    items: list[Item] = []
     for i, raw in enumerate(body_input):
         where = f"input[{i}]"
         kind = raw.get("type", "message")
-        if kind in _ITEMS_NOT_SERVED_YET:
-            item_message(raw, where, uses)
+        if kind in _ITEM_FEATURES:
+            items.append(item_of(raw, where, uses))
             continue
         if kind != "message":
             raise invalid(
@@ -130,7 +122,7 @@ def input_items(
                 "function_call_output and reasoning items are served",
                 f"{where}.type",
             )
-        item = _convert(raw, MessageItemIn, where)
+        item = convert(raw, MessageItemIn, where)
         if item.role not in ROLES:
             raise invalid(
                 f"`{where}.role` {item.role!r} is not supported (one of {', '.join(ROLES)})",
@@ -142,40 +134,52 @@ def input_items(
     return items
 
 
-# Item types the neutral message carries, and why a text model does not serve them yet.
-_ITEMS_NOT_SERVED_YET = {
-    "function_call": ("tool_calls", "tool calling is not served yet"),
-    "function_call_output": ("tool_result", "tool calling is not served yet"),
-    "reasoning": ("reasoning", "reasoning items are not served yet"),
-}
+def item_of(raw: dict[str, Any], where: str, unserved: Unserved) -> Item:
+    """A function_call, function_call_output or reasoning input item, as stored."""
+    kind = raw["type"]
+    unserved.add(
+        _ITEM_FEATURES[kind],
+        invalid(f"`{where}.type` {kind!r} is not served by this model", f"{where}.type"),
+    )
+    if kind == "function_call":
+        call = convert(raw, FunctionCallIn, where)
+        return FunctionCallItem(
+            id=call.id or new_id("fc"),
+            call_id=call.call_id,
+            name=call.name,
+            arguments=call.arguments,
+        )
+    if kind == "function_call_output":
+        result = convert(raw, FunctionCallOutputIn, where)
+        output = result.output
+        if not isinstance(output, str):
+            output = "".join(
+                _output_text(part, f"{where}.output[{j}]") for j, part in enumerate(output)
+            )
+        return FunctionCallOutputItem(
+            id=result.id or new_id("fco"), call_id=result.call_id, output=output
+        )
+    reasoning = convert(raw, ReasoningIn, where)
+    return ReasoningItem(
+        id=reasoning.id or new_id("rs"),
+        summary=reasoning.summary,
+        content=reasoning.content or [],
+    )
+
+
+def _output_text(part: dict[str, Any], where: str) -> str:
+    if part.get("type") != "input_text":
+        raise invalid(
+            f"`{where}.type` {part.get('type')!r} is not supported: a function's output is "
+            "text (a string, or input_text parts)",
+            f"{where}.type",
+        )
+    return convert(part, TextPartIn, where).text
 
 
 def item_message(raw: dict[str, Any], where: str, unserved: Unserved) -> Message:
-    """A function_call, function_call_output or reasoning item as a neutral message."""
-    kind = raw["type"]
-    if kind == "function_call":
-        call = _convert(raw, FunctionCallIn, where)
-        message = Message(
-            "assistant", tool_calls=[ToolCall(call.call_id, call.name, call.arguments)]
-        )
-    elif kind == "function_call_output":
-        result = _convert(raw, FunctionCallOutputIn, where)
-        output = result.output
-        text = (
-            output
-            if isinstance(output, str)
-            else "".join(str(part.get("text", "")) for part in output if isinstance(part, dict))
-        )
-        message = Message("tool", text, tool_call_id=result.call_id)
-    else:
-        reasoning = _convert(raw, ReasoningIn, where)
-        texts = [str(part.get("text", "")) for part in reasoning.summary]
-        message = Message("assistant", reasoning="".join(texts))
-    feature, why = _ITEMS_NOT_SERVED_YET[kind]
-    unserved.add(
-        feature, invalid(f"`{where}.type` {kind!r} is not supported: {why}", f"{where}.type")
-    )
-    return message
+    """A function_call, function_call_output or reasoning item as a neutral message alone."""
+    return message_of(item_of(raw, where, unserved))
 
 
 def _message_item(item: MessageItemIn, where: str, unserved: Unserved) -> MessageItem:
@@ -196,7 +200,7 @@ def _message_item(item: MessageItemIn, where: str, unserved: Unserved) -> Messag
                     "output_text and input_image content parts are served",
                     f"{part_where}.type",
                 )
-            texts.append(_convert(raw, TextPartIn, part_where).text)
+            texts.append(convert(raw, TextPartIn, part_where).text)
     content: list[InputText | OutputText] = [
         OutputText(text) if output else InputText(text) for text in texts
     ]
@@ -206,7 +210,7 @@ def _message_item(item: MessageItemIn, where: str, unserved: Unserved) -> Messag
 
 def image_part(raw: dict[str, Any], where: str, unserved: Unserved) -> ImagePart:
     """An input_image part as a neutral image (recorded: text models do not serve it)."""
-    part = _convert(raw, ImagePartIn, where)
+    part = convert(raw, ImagePartIn, where)
     if part.image_url is None:
         field = "file_id" if part.file_id is not None else "image_url"
         raise unsupported(f"{where}.{field}", "an image needs `image_url` (files are not served)")
@@ -223,13 +227,59 @@ def item_text(item: MessageItem) -> str:
     return "".join(part.text for part in item.content)
 
 
-def messages_of(items: list[MessageItem], instructions: str | None) -> list[Message]:
-    """The chat messages the model sees: instructions as a system message first."""
+def reasoning_text(item: ReasoningItem) -> str:
+    """Its reasoning text; an item with none (OpenAI's own) has its summaries."""
+    parts = item.content or item.summary
+    return "".join(part.text for part in parts)
+
+
+def message_of(item: Item) -> Message:
+    """One item as a neutral message on its own."""
+    if isinstance(item, MessageItem):
+        return Message("system" if item.role == "developer" else item.role, item_text(item))
+    if isinstance(item, FunctionCallItem):
+        return Message("assistant", tool_calls=[ToolCall(item.call_id, item.name, item.arguments)])
+    if isinstance(item, FunctionCallOutputItem):
+        return Message("tool", item.output, tool_call_id=item.call_id)
+    return Message("assistant", reasoning=reasoning_text(item))
+
+
+def messages_of(items: list[Item], instructions: str | None) -> list[Message]:
+    """The chat messages the model sees: instructions as a system message first, then the
+    items (see the module's docstring)."""
     messages = [Message("system", instructions)] if instructions else []
+    thinking: list[str] = []  # reasoning items waiting for their assistant message
+    joinable = False  # the item before was an assistant message or call: calls join it
     for item in items:
-        role = "system" if item.role == "developer" else item.role
-        messages.append(Message(role, item_text(item)))
+        message = message_of(item)
+        if isinstance(item, ReasoningItem):
+            thinking.append(message.reasoning or "")
+            joinable = False
+            continue
+        if isinstance(item, FunctionCallItem) and joinable:
+            last = messages[-1]
+            calls = last.tool_calls + message.tool_calls
+            messages[-1] = msgspec.structs.replace(last, tool_calls=calls)
+            continue
+        if message.role == "assistant" and thinking:
+            message = msgspec.structs.replace(message, reasoning="\n".join(thinking))
+        thinking = []
+        messages.append(message)
+        joinable = message.role == "assistant"
     return messages
+
+
+def check_results(history: list[Item], own: list[Item]) -> None:
+    """Each function_call_output of the input answers a call made before it."""
+    calls = {item.call_id for item in history if isinstance(item, FunctionCallItem)}
+    for i, item in enumerate(own):
+        if isinstance(item, FunctionCallItem):
+            calls.add(item.call_id)
+        elif isinstance(item, FunctionCallOutputItem) and item.call_id not in calls:
+            raise invalid(
+                f"`input[{i}].call_id` {item.call_id!r} answers no function call made before it",
+                f"input[{i}].call_id",
+            )
 
 
 def sampling_of(body: ResponsesRequest) -> SamplingParams:
@@ -237,13 +287,28 @@ def sampling_of(body: ResponsesRequest) -> SamplingParams:
 
 
 def canonical_of(
-    body: ResponsesRequest, history: list[MessageItem], own: list[MessageItem]
+    body: ResponsesRequest,
+    history: list[Item],
+    own: list[Item],
+    options: Options | None = None,
 ) -> CanonicalRequest:
-    return CanonicalRequest(messages=messages_of(history + own, body.instructions))
+    options = options or options_of(body)
+    check_results(history, own)
+    return CanonicalRequest(
+        messages=messages_of(history + own, body.instructions),
+        tools=options.tools,
+        tool_choice=options.tool_choice,
+        response_format=options.response_format,
+        reasoning=options.reasoning,
+    )
 
 
-def new_response(body: ResponsesRequest, status: str = "in_progress") -> ResponseObject:
+def new_response(
+    body: ResponsesRequest, status: str = "in_progress", options: Options | None = None
+) -> ResponseObject:
     """The response object for a request, echoing its settings; no output yet."""
+    options = options or options_of(body)
+    text = body.text.format if body.text is not None else None
     return ResponseObject(
         id=new_id("resp"),
         created_at=int(time.time()),
@@ -255,11 +320,14 @@ def new_response(body: ResponsesRequest, status: str = "in_progress") -> Respons
         model=body.model,
         parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls,
         previous_response_id=body.previous_response_id,
+        reasoning=reasoning_echo(body.reasoning),
         safety_identifier=body.safety_identifier,
         prompt_cache_key=body.prompt_cache_key,
         store=body.store,
         temperature=1.0 if body.temperature is None else body.temperature,
-        tool_choice=body.tool_choice or "auto",
+        text=TextOut() if text is None else TextOut(text),
+        tool_choice="auto" if body.tool_choice is None else body.tool_choice,
+        tools=tools_echo(options.tools),
         top_p=1.0 if body.top_p is None else body.top_p,
         user=body.user,
     )
@@ -276,9 +344,7 @@ def usage_of(usage: Usage | None) -> ResponseUsage:
     )
 
 
-def item_page(
-    items: list[MessageItem], after: str | None, limit: int, order: str
-) -> ItemList | None:
+def item_page(items: list[Item], after: str | None, limit: int, order: str) -> ItemList | None:
     """A page of a response's input items (OpenAI's cursor list); None: `after` is unknown."""
     ordered = list(reversed(items)) if order == "desc" else list(items)
     if after is not None:
@@ -293,164 +359,3 @@ def item_page(
         last_id=page[-1].id if page else None,
         has_more=len(ordered) > limit,
     )
-
-
-# ---- responses ---------------------------------------------------------------------------
-
-
-class ResponsesFormatter:
-    """Builds one response: the JSON body, or the stream's events. The ResponseObject it is
-    given is updated in place as the generation goes (a background response's stored copy
-    is that object); `on_done` sees it once, when it has ended (completed, incomplete or
-    failed)."""
-
-    def __init__(
-        self,
-        response: ResponseObject,
-        on_done: Callable[[ResponseObject], None] | None = None,
-    ) -> None:
-        self.resp = response
-        self.on_done = on_done
-        self.item = MessageItem(
-            id=new_id("msg"), status="in_progress", role="assistant", content=[]
-        )
-        self.pieces: list[str] = []
-        self.sequence = 0
-        self.started = False  # created and in progress
-        self.opened = False  # its message item exists (the first delta came)
-        self.ended = False
-        self.finish: FinishReason | None = None
-        self.usage: Usage | None = None  # the latest a delta carried (the first has the prompt's)
-        self.output_tokens = 0
-        self.encode = msgspec.json.Encoder().encode
-
-    # -- state ---------------------------------------------------------------------------
-
-    def start(self) -> None:
-        self.started = True
-        self.resp.status = "in_progress"
-
-    def _output(self, status: str) -> None:
-        """The message so far as the response's output."""
-        text = "".join(self.pieces)
-        self.item.status = status
-        self.item.content = [OutputText(text)]
-        self.resp.output = [self.item]
-
-    def _end(self, status: str) -> None:
-        self.ended = True
-        self.resp.status = status
-        if status == "completed":  # OpenAI: only present when completed
-            self.resp.completed_at = int(time.time())
-        if self.on_done is not None:
-            self.on_done(self.resp)
-
-    def complete(self, finish: FinishReason | None, usage: Usage | None) -> None:
-        length = finish == FinishReason.LENGTH
-        self._output("incomplete" if length else "completed")
-        self.resp.usage = usage_of(usage)
-        if length:
-            self.resp.incomplete_details = IncompleteDetails("max_output_tokens")
-        self._end("incomplete" if length else "completed")
-
-    def _partial(self) -> None:
-        """An end before the finish: the text and the tokens so far."""
-        if not self.opened:
-            return
-        self._output("incomplete")
-        prompt = self.usage.prompt_tokens if self.usage is not None else 0
-        cached = self.usage.cached_tokens if self.usage is not None else 0
-        self.resp.usage = usage_of(Usage(prompt, self.output_tokens, cached))
-
-    def fail(self, error: GatewayError) -> None:
-        self._partial()
-        self.resp.error = ResponseError(error.code.value, error.message)
-        self._end("failed")
-
-    def cancel(self) -> None:
-        """A background response cancelled: what it had generated stays."""
-        if self.ended:
-            return
-        self._partial()
-        self._end("cancelled")
-
-    # -- the stream ------------------------------------------------------------------------
-
-    def _event(self, name: str, **fields: Any) -> bytes:
-        data = {"type": name, "sequence_number": self.sequence, **fields}
-        self.sequence += 1
-        return sse_event(name, self.encode(data))
-
-    def _opening(self) -> bytes:
-        self.start()
-        return self._event("response.created", response=self.resp) + self._event(
-            "response.in_progress", response=self.resp
-        )
-
-    def stream_start(self, first: RequestOutput) -> bytes:
-        opening = self._opening()
-        self.opened = True
-        item = MessageItem(id=self.item.id, status="in_progress", role="assistant", content=[])
-        return (
-            opening
-            + self._event("response.output_item.added", output_index=0, item=item)
-            + self._event(
-                "response.content_part.added",
-                item_id=self.item.id,
-                output_index=0,
-                content_index=0,
-                part=OutputText(""),
-            )
-        )
-
-    def stream_delta(self, index: int, output: RequestOutput) -> bytes:
-        if output.usage is not None:
-            self.usage = output.usage
-        self.output_tokens += len(output.token_ids)
-        if not output.text:
-            return b""
-        self.pieces.append(output.text)
-        return self._event(
-            "response.output_text.delta",
-            item_id=self.item.id,
-            output_index=0,
-            content_index=0,
-            delta=output.text,
-            logprobs=[],
-        )
-
-    def stream_finish(self, index: int, output: RequestOutput) -> bytes:
-        self.finish = output.finish_reason
-        if output.usage is not None:
-            self.usage = output.usage
-        text = "".join(self.pieces)
-        status = "incomplete" if self.finish == FinishReason.LENGTH else "completed"
-        self._output(status)
-        where = {"item_id": self.item.id, "output_index": 0, "content_index": 0}
-        return (
-            self._event("response.output_text.done", **where, text=text, logprobs=[])
-            + self._event("response.content_part.done", **where, part=OutputText(text))
-            + self._event("response.output_item.done", output_index=0, item=self.item)
-        )
-
-    def stream_end(self, usage: Usage) -> bytes:
-        self.complete(self.finish, usage)
-        incomplete = self.resp.status == "incomplete"
-        name = "response.incomplete" if incomplete else "response.completed"
-        return self._event(name, response=self.resp)
-
-    def stream_error(self, error: GatewayError) -> bytes:
-        opening = b"" if self.started else self._opening()
-        self.fail(error)
-        return (
-            opening
-            + self._event("error", code=error.code.value, message=error.message, param=error.param)
-            + self._event("response.failed", response=self.resp)
-        )
-
-    def response(self, choices: list[Choice], usage: Usage) -> bytes:
-        choice = choices[0]
-        self.started = True
-        self.pieces = [choice.text]
-        self.complete(choice.finish_reason, usage)
-        return self.encode(self.resp)

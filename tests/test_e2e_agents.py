@@ -1,0 +1,351 @@
+"""Tools, thinking and structured output end to end: the official openai and anthropic SDKs,
+a real gateway, real worker processes over tiny models whose templates render tools and
+thinking in two formats (Hermes/Qwen JSON calls, Qwen3-Coder XML calls).
+
+The weights are random, so a model never decides to call a tool: every call here is forced
+(a required or named tool choice), and every JSON output is forced by its schema. That is
+the point: constrained decoding gives valid output from any weights."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.gateway_proc import GatewayProc, openai_client, running_gateway
+
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "units": {"type": "string", "enum": ["metric", "imperial"]},
+    },
+    "required": ["city", "days", "units"],
+    "additionalProperties": False,
+}
+ADD_SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["a"],
+    "additionalProperties": False,
+}
+OPENAI_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_SCHEMA}},
+    {"type": "function", "function": {"name": "add", "parameters": ADD_SCHEMA}},
+]
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "maxLength": 20},
+        "score": {"type": "integer", "minimum": 0, "maximum": 10},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["answer", "score", "tags", "ok"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+MODELS = ("hermes", "coder")
+
+
+@pytest.fixture(scope="module")
+def agents(hermes_model_dir: Path, coder_model_dir: Path) -> Iterator[GatewayProc]:
+    # thinking off unless a request asks (as the demo model): random weights never end it
+    off = {"enable_thinking": False}
+    models = [
+        {"name": "hermes", "source": str(hermes_model_dir), "chat_template_kwargs": off},
+        {"name": "coder", "source": str(coder_model_dir), "chat_template_kwargs": off},
+    ]
+    with running_gateway(models, request_timeout_s=60.0) as gw:
+        yield gw
+
+
+@pytest.fixture(scope="module")
+def oai(agents: GatewayProc) -> openai.OpenAI:
+    return openai_client(agents)
+
+
+@pytest.fixture(scope="module")
+def claude(agents: GatewayProc) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=agents.base_url, api_key="x", max_retries=0)
+
+
+def streamed_calls(chunks: list[Any]) -> list[tuple[str, str, str]]:
+    """(id, name, arguments) per call, joined from the stream's tool-call deltas."""
+    calls: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            entry = calls.setdefault(delta.index, ["", "", ""])
+            entry[0] += delta.id or ""
+            if delta.function is not None:
+                entry[1] += delta.function.name or ""
+                entry[2] += delta.function.arguments or ""
+    return [(i, n, a) for i, n, a in (calls[k] for k in sorted(calls))]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_openai_forced_call_stream_and_non_stream_agree(oai: openai.OpenAI, model: str) -> None:
+    args: dict[str, Any] = {
+        "model": model,
+        "messages": ASK,
+        "tools": OPENAI_TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "temperature": 0,
+        "max_tokens": 120,
+        "extra_body": NO_THINKING,
+    }
+    whole = oai.chat.completions.create(**args)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = choice.message.tool_calls or []
+    assert len(calls) >= 1 and not choice.message.content
+    call = calls[0]
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_SCHEMA)
+
+    chunks = list(oai.chat.completions.create(**args, stream=True))
+    streamed = streamed_calls(chunks)
+    assert [(n, a) for _, n, a in streamed] == [
+        (c.function.name, c.function.arguments) for c in calls
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert all(not c.choices[0].delta.content for c in chunks if c.choices)
+    if model == "hermes":  # JSON calls stream their arguments as they are generated
+        pieces = [
+            d.function.arguments
+            for c in chunks
+            if c.choices
+            for d in c.choices[0].delta.tool_calls or []
+            if d.function is not None and d.function.arguments
+        ]
+        assert len(pieces) > 1
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_openai_required_one_call_then_a_tool_result_turn(oai: openai.OpenAI, model: str) -> None:
+    first = oai.chat.completions.create(
+        model=model,
+        messages=ASK,
+        tools=OPENAI_TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=1.0,
+        max_tokens=120,
+        extra_body=NO_THINKING,
+    )
+    calls = first.choices[0].message.tool_calls or []
+    assert first.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    schema = {"get_weather": WEATHER_SCHEMA, "add": ADD_SCHEMA}[calls[0].function.name]
+    jsonschema.validate(json.loads(calls[0].function.arguments), schema)
+    history = [
+        *ASK,
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "12C and rain"},
+    ]
+    second = oai.chat.completions.create(
+        model=model, messages=history, tools=OPENAI_TOOLS, max_tokens=8, extra_body=NO_THINKING
+    )
+    assert second.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    usage = second.usage
+    assert usage is not None and usage.prompt_tokens > (first.usage or usage).prompt_tokens
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_anthropic_forced_tool_use_stream_and_non_stream_agree(
+    claude: anthropic.Anthropic, model: str
+) -> None:
+    args: dict[str, Any] = {
+        "model": model,
+        "max_tokens": 120,
+        "messages": ASK,
+        "tools": [{"name": "get_weather", "input_schema": WEATHER_SCHEMA}],
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+        "thinking": {"type": "disabled"},
+        "extra_body": {"temperature": 0},
+    }
+    message = claude.messages.create(**args)
+    assert message.stop_reason == "tool_use"
+    uses = [b for b in message.content if b.type == "tool_use"]
+    assert uses and uses[0].name == "get_weather"
+    jsonschema.validate(uses[0].input, WEATHER_SCHEMA)
+    with claude.messages.stream(**args) as stream:
+        events = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert "input_json" in events or "content_block_delta" in events
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [
+        (u.name, u.input) for u in uses
+    ]
+    # the result turn continues the conversation
+    reply = claude.messages.create(
+        model=model,
+        max_tokens=8,
+        tools=args["tools"],
+        thinking={"type": "disabled"},
+        messages=[
+            *ASK,
+            {"role": "assistant", "content": [u.model_dump() for u in uses]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "12C"}],
+            },
+        ],
+    )
+
+    def prompt(usage: anthropic.types.Usage) -> int:  # input_tokens leaves out cache reads
+        return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+    assert prompt(reply.usage) > prompt(message.usage)
+
+
+def test_responses_forced_function_call(oai: openai.OpenAI) -> None:
+    args: dict[str, Any] = {
+        "model": "hermes",
+        "input": "What is the weather in Oslo?",
+        "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER_SCHEMA}],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "temperature": 0,
+        "max_output_tokens": 120,
+    }
+    response = oai.responses.create(**args)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER_SCHEMA)
+    deltas, done = "", ""
+    for event in oai.responses.create(**args, stream=True):
+        if event.type == "response.function_call_arguments.delta":
+            deltas += event.delta
+        elif event.type == "response.function_call_arguments.done":
+            done = event.arguments
+    assert deltas == done == calls[0].arguments
+    follow = oai.responses.create(
+        model="hermes",
+        previous_response_id=response.id,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "12C"}],
+        tools=args["tools"],
+        max_output_tokens=8,
+    )
+    assert follow.usage is not None and response.usage is not None
+    assert follow.usage.input_tokens > response.usage.input_tokens
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_output_validates_stream_and_non_stream(
+    oai: openai.OpenAI, temperature: float
+) -> None:
+    args: dict[str, Any] = {
+        "model": "hermes",
+        "messages": ASK,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA, "strict": True},
+        },
+        "temperature": temperature,
+        "seed": 7,
+        "max_tokens": 200,
+        "extra_body": NO_THINKING,
+    }
+    whole = oai.chat.completions.create(**args)
+    assert whole.choices[0].finish_reason == "stop"
+    text = whole.choices[0].message.content or ""
+    jsonschema.validate(json.loads(text), ANSWER_SCHEMA)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in oai.chat.completions.create(**args, stream=True)
+        if c.choices
+    )
+    assert streamed == text  # seeded: the same tokens either way
+    completion = oai.completions.create(
+        model="hermes",
+        prompt="Answer:",
+        max_tokens=200,
+        temperature=temperature,
+        extra_body={"response_format": args["response_format"]},
+    )
+    jsonschema.validate(json.loads(completion.choices[0].text), ANSWER_SCHEMA)
+
+
+def test_json_mode_gives_an_object(agents: GatewayProc, oai: openai.OpenAI) -> None:
+    """Any JSON object: a random model wanders inside strings for long, so the test leans
+    it towards closing them (logit_bias applies before the grammar's mask)."""
+    tok = httpx.post(f"{agents.base_url}/tokenize", json={"model": "hermes", "prompt": '"}'})
+    quote, close = tok.json()["tokens"]
+    bias = {str(quote): 40, str(close): 40}
+    r = oai.chat.completions.create(
+        model="hermes",
+        messages=ASK,
+        response_format={"type": "json_object"},
+        max_tokens=200,
+        logit_bias=bias,
+        extra_body=NO_THINKING,
+    )
+    assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_thinking_never_reaches_the_answer(
+    oai: openai.OpenAI, claude: anthropic.Anthropic, model: str
+) -> None:
+    r = oai.chat.completions.create(
+        model=model,
+        messages=ASK,
+        max_tokens=30,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+    )
+    message = r.choices[0].message
+    reasoning = (message.model_extra or {}).get("reasoning_content") or ""
+    assert reasoning  # the prompt opened the think block: the output starts inside it
+    assert "<think>" not in (message.content or "") and "</think>" not in (message.content or "")
+    assert reasoning not in (message.content or "")
+    budget = claude.messages.create(
+        model=model,
+        max_tokens=30,
+        messages=ASK,
+        thinking={"type": "enabled", "budget_tokens": 5},
+        extra_body={"temperature": 0},
+    )
+    kinds = [b.type for b in budget.content]
+    assert kinds[0] == "thinking" and "text" in kinds  # the budget ended the thinking
+    thinking = budget.content[0]
+    assert thinking.type == "thinking" and thinking.thinking
+    text = "".join(b.text for b in budget.content if b.type == "text")
+    assert "</think>" not in text and thinking.thinking not in text
+
+
+def test_capabilities_and_refusals(oai: openai.OpenAI, gateway_refusal: None = None) -> None:
+    models = {m.id: m.model_extra or {} for m in oai.models.list().data}
+    for name in MODELS:
+        caps = models[name]["capabilities"]
+        assert {"tools", "reasoning", "structured_output"} <= set(caps)
+    with pytest.raises(openai.BadRequestError) as bad:
+        oai.chat.completions.create(
+            model="hermes",
+            messages=ASK,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "strict": True,
+                    "schema": {"type": "integer", "minimum": 5, "maximum": 1},
+                },
+            },
+        )
+    assert bad.value.body["param"] == "response_format.json_schema.schema"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as unknown:
+        oai.chat.completions.create(
+            model="hermes",
+            messages=ASK,
+            tools=OPENAI_TOOLS,
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
+    assert unknown.value.body["param"] == "tool_choice"  # type: ignore[index]

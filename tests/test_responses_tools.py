@@ -1,0 +1,604 @@
+"""The Responses API's tools, structured output and reasoning without worker processes: the
+request's mapping onto the canonical request (and each 400, naming its field), function
+calls and reasoning in the input, the formatter's items and events (checked against the
+official openai SDK's types), and chaining a stored response's calls into the next turn."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import openai.types.responses as sdk
+import pytest
+from litestar.datastructures import State
+from pydantic import TypeAdapter
+
+from gateway.api.common import decode_body
+from gateway.api.relay import Choice
+from gateway.api.responses.formatter import ResponsesFormatter
+from gateway.api.responses.options import NO_PARAMETERS
+from gateway.api.responses.schemas import ResponsesRequest
+from gateway.api.responses.translate import (
+    canonical_of,
+    check_request,
+    input_items,
+    new_response,
+)
+from gateway.errors import GatewayError
+from gateway.workers.client import RequestStream, Submission
+from shared.types import (
+    CanonicalRequest,
+    ErrorCode,
+    FinishReason,
+    Message,
+    OutputFormat,
+    Reasoning,
+    RequestOutput,
+    ResponseFormat,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolChoice,
+    ToolChoiceMode,
+    Usage,
+)
+from tests.test_responses_unit import ScriptedWorkers, _app, _parse
+
+_EVENT = TypeAdapter(sdk.ResponseStreamEvent)
+WEATHER: dict[str, Any] = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+
+
+def _strict(value: Any, key: str = "") -> Any:
+    """A body as the SDK's strict validation wants it. Its client reads bodies leniently;
+    `model_validate` also wants `usage.input_tokens_details.cache_write_tokens` (absent here:
+    the golden bytes pin the usage as it is) and one of OpenAI's own error codes in a failed
+    response (the gateway's codes are its own)."""
+    if isinstance(value, list):
+        return [_strict(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    value = {k: _strict(v, k) for k, v in value.items()}
+    if key == "input_tokens_details":
+        value.setdefault("cache_write_tokens", 0)
+    if key == "response" and isinstance(value.get("error"), dict):
+        value["error"] = {**value["error"], "code": "server_error"}
+    return value
+
+
+def _event(data: dict[str, Any]) -> Any:
+    return _EVENT.validate_python(_strict(data))
+
+
+def _response(body: bytes | dict[str, Any]) -> sdk.Response:
+    data = json.loads(body) if isinstance(body, bytes) else body
+    return sdk.Response.model_validate(_strict(data, "response"))
+
+
+def _request(**fields: Any) -> ResponsesRequest:
+    body = {"model": "m", "input": "hi", **fields}
+    return decode_body(json.dumps(body).encode(), ResponsesRequest)
+
+
+def _canonical(**fields: Any) -> CanonicalRequest:
+    body = _request(**fields)
+    options = check_request(body)
+    assert body.input is not None
+    return canonical_of(body, [], input_items(body.input), options)
+
+
+# ---- the request ---------------------------------------------------------------------------
+
+
+def test_tools_and_choices_map() -> None:
+    bare = {"type": "function", "name": "now"}
+    request = _canonical(tools=[WEATHER, bare])
+    assert request.tools == [
+        Tool("get_weather", "The weather in a city.", WEATHER["parameters"]),
+        Tool("now", "", NO_PARAMETERS),
+    ]
+    assert request.tool_choice is None and request.needs() == ["tools"]
+    cases: list[tuple[Any, bool | None, ToolChoice | None]] = [
+        ("auto", None, ToolChoice(ToolChoiceMode.AUTO)),
+        ("none", None, ToolChoice(ToolChoiceMode.NONE)),
+        ("required", False, ToolChoice(ToolChoiceMode.REQUIRED, parallel=False)),
+        ({"type": "function", "name": "now"}, None, ToolChoice(ToolChoiceMode.REQUIRED, "now")),
+        (None, False, ToolChoice(ToolChoiceMode.AUTO, parallel=False)),
+    ]
+    for choice, parallel, expected in cases:
+        fields: dict[str, Any] = {"tools": [WEATHER, bare], "tool_choice": choice}
+        if parallel is not None:
+            fields["parallel_tool_calls"] = parallel
+        assert _canonical(**fields).tool_choice == expected, choice
+    strict = _canonical(tools=[{**bare, "strict": True}]).tools[0]
+    assert strict.strict is True
+    # Nothing to choose from: "auto" and "none" ask for nothing.
+    assert _canonical(tool_choice="none").tool_choice is None
+    assert _canonical(tools=[WEATHER], tool_choice="none").needs() == []
+
+
+def test_formats_and_reasoning_map() -> None:
+    assert _canonical(text={"format": {"type": "text"}}).response_format is None
+    fmt = _canonical(text={"format": {"type": "json_object"}}).response_format
+    assert fmt == ResponseFormat(OutputFormat.JSON_OBJECT, param="text.format")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    request = _canonical(
+        text={"format": {"type": "json_schema", "name": "A", "schema": schema, "strict": True}}
+    )
+    assert request.response_format == ResponseFormat(
+        OutputFormat.JSON_SCHEMA, schema, "A", True, param="text.format.schema"
+    )
+    assert request.needs() == ["structured_output"]
+    for effort in ("minimal", "low", "medium", "high"):
+        assert _canonical(reasoning={"effort": effort}).reasoning == Reasoning(effort=effort)
+    assert _canonical(reasoning={"effort": "none"}).reasoning == Reasoning(enabled=False)
+    assert _canonical(reasoning={"effort": "none"}).needs() == []
+    # A summary alone asks for nothing (the reasoning text comes back, not summarized).
+    assert _canonical(reasoning={"summary": "auto"}).reasoning is None
+    assert _canonical(reasoning={"effort": "low", "summary": "detailed"}).needs() == ["reasoning"]
+
+
+def test_settings_echo() -> None:
+    schema_format = {"type": "json_schema", "name": "A", "schema": {"type": "object"}}
+    body = _request(
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        text={"format": schema_format},
+        reasoning={"effort": "low", "summary": "auto"},
+    )
+    response = new_response(body, options=check_request(body))
+    echoed = _response(ResponsesFormatter(response).encode(response))
+    assert echoed.tools[0].type == "function" and echoed.tools[0].name == "get_weather"
+    assert echoed.tools[0].strict is False
+    assert echoed.tool_choice.type == "function"  # type: ignore[union-attr]
+    assert echoed.text is not None and echoed.text.format is not None
+    assert echoed.text.format.type == "json_schema"
+    assert echoed.reasoning is not None
+    assert (echoed.reasoning.effort, echoed.reasoning.summary) == ("low", "auto")
+
+
+TOOL_TYPES = [
+    "web_search",
+    "web_search_preview",
+    "file_search",
+    "computer_use_preview",
+    "mcp",
+    "code_interpreter",
+    "image_generation",
+    "custom",
+    "local_shell",
+]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        *(({"tools": [{"type": kind}]}, "tools[0].type") for kind in TOOL_TYPES),
+        ({"tools": [WEATHER, {"name": "f"}]}, "tools[1].type"),
+        ({"tools": ["f"]}, "tools[0]"),
+        ({"tools": [{"type": "function"}]}, "tools[0]"),
+        ({"tools": [{**WEATHER, "name": "get weather"}]}, "tools[0].name"),
+        ({"tools": [{**WEATHER, "name": "x" * 65}]}, "tools[0].name"),
+        ({"tools": [WEATHER, WEATHER]}, "tools[1].name"),
+        ({"tools": [{**WEATHER, "parameters": []}]}, "tools[0].parameters"),
+        ({"tools": [{**WEATHER, "defer_loading": True}]}, "tools[0].defer_loading"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+        ({"text": {"format": {"type": "json_object", "schema": {}}}}, "text.format.schema"),
+        ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "a", "schema": 1}}},
+            "text.format.schema",
+        ),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "a b", "schema": {}}}},
+            "text.format.name",
+        ),
+        ({"reasoning": {"effort": "xhigh"}}, "reasoning.effort"),
+        ({"reasoning": {"summary": "long"}}, "reasoning.summary"),
+        ({"reasoning": {"context": "all_turns"}}, "reasoning.context"),
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0]"),
+        (
+            {"input": [{"type": "function_call_output", "call_id": "c9", "output": "1"}]},
+            "input[0].call_id",
+        ),
+        (
+            {
+                "input": [
+                    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                    {
+                        "type": "function_call_output",
+                        "call_id": "c1",
+                        "output": [{"type": "input_file"}],
+                    },
+                ]
+            },
+            "input[1].output[0].type",
+        ),
+        (
+            {"input": [{"type": "reasoning", "summary": [{"type": "x", "text": "t"}]}]},
+            "input[0].summary[0].type",
+        ),
+    ],
+)
+def test_refusals_name_the_field(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(GatewayError) as exc:
+        _canonical(**fields)
+    assert exc.value.code == ErrorCode.INVALID_REQUEST and exc.value.status == 400
+    assert exc.value.param == param, exc.value.message
+
+
+def test_input_calls_results_and_reasoning_become_messages() -> None:
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"a":1}'}
+    request = _canonical(
+        input=[
+            {"role": "user", "content": "go"},
+            {
+                "type": "reasoning",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "hm"}],
+            },
+            {"role": "assistant", "content": "Calling."},
+            call,
+            {**call, "call_id": "c2", "id": "fc_2"},
+            {"type": "function_call_output", "call_id": "c1", "output": "1"},
+            {
+                "type": "function_call_output",
+                "call_id": "c2",
+                "output": [{"type": "input_text", "text": "2"}],
+            },
+            # OpenAI's own reasoning item: its summary stands for the reasoning.
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [{"type": "summary_text", "text": "so"}],
+            },
+            {**call, "call_id": "c3"},
+            {"type": "function_call_output", "call_id": "c3", "output": "3"},
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "dropped"}]},
+            {"role": "user", "content": "and?"},
+        ]
+    )
+    assert request.messages == [
+        Message("user", "go"),
+        Message(
+            "assistant",
+            "Calling.",
+            tool_calls=[ToolCall("c1", "f", '{"a":1}'), ToolCall("c2", "f", '{"a":1}')],
+            reasoning="hm",
+        ),
+        Message("tool", "1", tool_call_id="c1"),
+        Message("tool", "2", tool_call_id="c2"),
+        Message("assistant", tool_calls=[ToolCall("c3", "f", '{"a":1}')], reasoning="so"),
+        Message("tool", "3", tool_call_id="c3"),
+        Message("user", "and?"),
+    ]
+
+
+# ---- the output ----------------------------------------------------------------------------
+
+
+def _out(text: str = "", finish: FinishReason | None = None, **kw: Any) -> RequestOutput:
+    return RequestOutput("r", text=text, token_ids=[1], finish_reason=finish, **kw)
+
+
+def _call(index: int, args: str, call_id: str = "", name: str = "") -> ToolCallDelta:
+    return ToolCallDelta(index, call_id, name, args)
+
+
+def _stream(outputs: list[RequestOutput]) -> tuple[list[tuple[str, dict[str, Any]]], Any]:
+    """Every event of a stream of these deltas (the last one terminal), each parsed by the
+    SDK, and the final response as the SDK reads it."""
+    fmt = ResponsesFormatter(new_response(_request()))
+    raw = fmt.stream_start(outputs[0])
+    for output in outputs:
+        raw += fmt.stream_delta(0, output)
+    raw += fmt.stream_finish(0, outputs[-1]) + fmt.stream_end(Usage(5, len(outputs), 0))
+    events = _parse(raw)
+    for _, data in events:
+        _event(data)
+    assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+    final = _response(events[-1][1]["response"])
+    return events, final
+
+
+def test_stream_reasoning_text_and_calls() -> None:
+    events, final = _stream(
+        [
+            _out(reasoning="Let me ", usage=Usage(5, 0, 0)),
+            _out(reasoning="see.", text="Checking."),
+            _out(tool_calls=[_call(0, "", "call_a", "get_weather"), _call(0, '{"city":')]),
+            _out(tool_calls=[_call(0, '"Oslo"}'), _call(1, "{}", "call_b", "now")]),
+            _out(finish=FinishReason.TOOL_CALLS),
+        ]
+    )
+    assert [n for n, _ in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",  # reasoning
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",  # message
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",  # call 0
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.output_item.added",  # call 1
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    data = [d for _, d in events]
+    assert data[2]["item"]["type"] == "reasoning" and data[2]["item"]["status"] == "in_progress"
+    assert data[3]["part"] == {"type": "reasoning_text", "text": ""}
+    assert data[6]["text"] == "Let me see." and data[6]["output_index"] == 0
+    assert data[11]["output_index"] == 1 and data[11]["delta"] == "Checking."
+    added = data[15]["item"]
+    assert added["type"] == "function_call" and added["arguments"] == ""
+    assert (added["call_id"], added["name"], added["status"]) == (
+        "call_a",
+        "get_weather",
+        "in_progress",
+    )
+    assert data[16]["item_id"] == added["id"] and data[16]["output_index"] == 2
+    assert data[18]["arguments"] == '{"city":"Oslo"}'
+    assert data[19]["item"]["status"] == "completed" and data[23]["output_index"] == 3
+    assert final.status == "completed" and final.output_text == "Checking."
+    assert [item.type for item in final.output] == [
+        "reasoning",
+        "message",
+        "function_call",
+        "function_call",
+    ]
+    reasoning, _, first, second = final.output
+    assert isinstance(reasoning, sdk.ResponseReasoningItem) and reasoning.summary == []
+    assert reasoning.content is not None and reasoning.content[0].text == "Let me see."
+    assert isinstance(first, sdk.ResponseFunctionToolCall)
+    assert isinstance(second, sdk.ResponseFunctionToolCall)
+    assert (first.call_id, first.name, first.arguments) == (
+        "call_a",
+        "get_weather",
+        '{"city":"Oslo"}',
+    )
+    assert (second.call_id, second.arguments, second.status) == ("call_b", "{}", "completed")
+    assert first.id is not None and first.id.startswith("fc_") and reasoning.id.startswith("rs_")
+
+
+def test_stream_calls_only_have_no_message() -> None:
+    _, final = _stream(
+        [
+            _out(tool_calls=[_call(0, "{}", "c", "now")], usage=Usage(5, 0, 0)),
+            _out(finish=FinishReason.TOOL_CALLS),
+        ]
+    )
+    assert [item.type for item in final.output] == ["function_call"]
+    assert final.output_text == ""
+
+
+def test_stream_reasoning_only_and_out_of_tokens() -> None:
+    """A turn that runs out in its thinking: the reasoning is incomplete, then an empty
+    answer (a message item is there whenever no call was made)."""
+    events, final = _stream(
+        [_out(reasoning="Hmm", usage=Usage(5, 0, 0)), _out(finish=FinishReason.LENGTH)]
+    )
+    names = [n for n, _ in events]
+    assert names[-9:] == [
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert final.status == "incomplete"
+    assert [(item.type, item.status) for item in final.output] == [
+        ("reasoning", "incomplete"),
+        ("message", "incomplete"),
+    ]
+
+
+def test_stream_error_mid_call_keeps_what_came() -> None:
+    fmt = ResponsesFormatter(new_response(_request()))
+    first = _out(tool_calls=[_call(0, '{"a', "c", "f")], usage=Usage(5, 0, 0))
+    raw = fmt.stream_start(first) + fmt.stream_delta(0, first)
+    raw += fmt.stream_error(GatewayError(ErrorCode.WORKER_DIED, "the worker died"))
+    events = _parse(raw)
+    for _, data in events:
+        _event(data)
+    failed = _response(events[-1][1]["response"])
+    assert failed.status == "failed"
+    call = failed.output[0]
+    assert isinstance(call, sdk.ResponseFunctionToolCall)
+    assert (call.arguments, call.status) == ('{"a', "incomplete")
+
+
+def test_body_with_reasoning_and_calls() -> None:
+    fmt = ResponsesFormatter(new_response(_request()))
+    choice = Choice(
+        0,
+        text="",
+        reasoning="think",
+        tool_calls=[ToolCall("c1", "f", '{"x":1}'), ToolCall("c2", "g", "{}")],
+        finish_reason=FinishReason.TOOL_CALLS,
+    )
+    body = fmt.response([choice], Usage(5, 9, 0))
+    response = _response(body)
+    assert response.status == "completed"
+    assert [item.type for item in response.output] == [
+        "reasoning",
+        "function_call",
+        "function_call",
+    ]
+    assert json.loads(body)["output"][0]["content"] == [{"type": "reasoning_text", "text": "think"}]
+    with_text = Choice(0, text="Hi", reasoning="r", finish_reason=FinishReason.STOP)
+    response = _response(
+        ResponsesFormatter(new_response(_request())).response([with_text], Usage(5, 2, 0))
+    )
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert response.output_text == "Hi"
+
+
+# ---- the routes: chaining calls, background ------------------------------------------------
+
+
+class CallingWorkers(ScriptedWorkers):
+    """Thinks, then calls get_weather (call id call_<n>); answers "Sunny." once the last
+    message is a tool result. Structured output and a reasoning effort are refused as by a
+    model without them (naming the chat completions' fields)."""
+
+    async def submit(self, submission: Submission) -> RequestStream:
+        request = submission.request
+        for need, param in (
+            ("structured_output", "response_format"),
+            ("reasoning", "reasoning_effort"),
+        ):
+            if need in submission.needs:
+                raise GatewayError(ErrorCode.INVALID_REQUEST, f"no {need}", param)
+        self.requests.append(request)
+        stream = RequestStream(submission.request_id or "r", submission.model, "w")
+        usage = Usage(len(request.messages), 2, 0)
+        if request.messages[-1].role == "tool":
+            script = [_out("Sunny.", FinishReason.STOP, usage=usage)]
+        else:
+            call = _call(0, '{"city":"Oslo"}', f"call_{len(self.requests)}", "get_weather")
+            script = [
+                _out(reasoning="Weather?", usage=Usage(len(request.messages), 0, 0)),
+                _out(tool_calls=[call], finish=FinishReason.TOOL_CALLS, usage=usage),
+            ]
+        loop = asyncio.get_running_loop()
+        for i, output in enumerate(script):
+            loop.call_later(0.001 * i, stream.put, output)
+        return stream
+
+
+@pytest.fixture
+async def calling() -> AsyncIterator[tuple[CallingWorkers, httpx.AsyncClient, State]]:
+    workers = CallingWorkers()
+    app = _app(workers)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        yield workers, client, app.state  # type: ignore[attr-defined]
+
+
+@pytest.mark.anyio
+async def test_chained_calls_complete_the_history(
+    calling: tuple[CallingWorkers, httpx.AsyncClient, State],
+) -> None:
+    workers, client, _ = calling
+    first = await client.post(
+        "/v1/responses", json={"model": "m", "input": "Weather in Oslo?", "tools": [WEATHER]}
+    )
+    made = _response(first.content)
+    call = made.output[-1]
+    assert isinstance(call, sdk.ResponseFunctionToolCall) and call.call_id == "call_1"
+    assert workers.requests[0].tools[0].name == "get_weather"
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "12C"}
+    second = await client.post(
+        "/v1/responses",
+        json={"model": "m", "input": [result], "previous_response_id": made.id, "tools": [WEATHER]},
+    )
+    assert second.status_code == 200, second.text
+    assert _response(second.content).output_text == "Sunny."
+    assert workers.requests[-1].messages == [
+        Message("user", "Weather in Oslo?"),
+        Message(
+            "assistant",
+            tool_calls=[ToolCall("call_1", "get_weather", '{"city":"Oslo"}')],
+            reasoning="Weather?",
+        ),
+        Message("tool", "12C", tool_call_id="call_1"),
+    ]
+    listed = await client.get(f"/v1/responses/{second.json()['id']}/input_items?order=asc")
+    items = sdk.ResponseItemList.model_validate_json(listed.content)
+    assert [item.type for item in items.data] == [
+        "message",
+        "reasoning",
+        "function_call",
+        "function_call_output",
+    ]
+    # A result for a call nobody made.
+    stray = await client.post(
+        "/v1/responses",
+        json={
+            "model": "m",
+            "input": [{**result, "call_id": "call_9"}],
+            "previous_response_id": made.id,
+        },
+    )
+    assert stray.status_code == 400 and stray.json()["error"]["param"] == "input[0].call_id"
+
+
+@pytest.mark.anyio
+async def test_streamed_and_background_calls(
+    calling: tuple[CallingWorkers, httpx.AsyncClient, State],
+) -> None:
+    _, client, _ = calling
+    body = {"model": "m", "input": "Weather?", "tools": [WEATHER]}
+    streamed = await client.post("/v1/responses", json={**body, "stream": True})
+    events = _parse(streamed.content)
+    for _, data in events:
+        _event(data)
+    assert events[-1][0] == "response.completed"
+    assert [i["type"] for i in events[-1][1]["response"]["output"]] == [
+        "reasoning",
+        "function_call",
+    ]
+    made = (await client.post("/v1/responses", json={**body, "background": True})).json()
+    for _ in range(100):
+        got = (await client.get(f"/v1/responses/{made['id']}")).json()
+        if got["status"] == "completed":
+            break
+        await asyncio.sleep(0.01)
+    stored = _response(got)
+    assert [item.type for item in stored.output] == ["reasoning", "function_call"]
+    call = stored.output[1]
+    assert isinstance(call, sdk.ResponseFunctionToolCall)
+    chained = await client.post(
+        "/v1/responses",
+        json={
+            "model": "m",
+            "input": [{"type": "function_call_output", "call_id": call.call_id, "output": "1"}],
+            "previous_response_id": made["id"],
+        },
+    )
+    assert chained.status_code == 200, chained.text
+
+
+@pytest.mark.anyio
+async def test_refusals_downstream_name_this_apis_fields(
+    calling: tuple[CallingWorkers, httpx.AsyncClient, State],
+) -> None:
+    _, client, _ = calling
+    for fields, param in (
+        ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+        ({"reasoning": {"effort": "low"}}, "reasoning.effort"),
+    ):
+        r = await client.post("/v1/responses", json={"model": "m", "input": "x", **fields})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
