@@ -15,8 +15,10 @@ _CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "n_positions"
 
 
 def text_capabilities(chat_template: bool) -> list[str]:
-    """What a text model served by mlx-lm can do: chat needs a chat template."""
-    return [*(["chat"] if chat_template else []), "completion", "logprobs", "echo", "tokenize"]
+    """What a text model served by mlx-lm can do: chat needs a chat template; structured
+    output is llguidance's (tools and reasoning depend on the template: the worker says)."""
+    chat = ["chat"] if chat_template else []
+    return [*chat, "completion", "logprobs", "echo", "tokenize", "structured_output"]
 
 
 def context_length(path: Path, config: ModelConfig) -> int:

@@ -262,9 +262,12 @@ def _bad(claude: anthropic.Anthropic, **fields: Any) -> dict[str, Any]:
     [
         ({"speed": "fast"}, "speed"),
         ({"extra_body": {"logprobs": True}}, "logprobs"),
-        ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tool use"),
-        ({"tool_choice": {"type": "any"}}, "tool use"),
-        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+        # the chat model's template renders no tools and has no thinking
+        ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tool"),
+        ({"tool_choice": {"type": "any"}}, "tool_choice"),
+        ({"tools": [{"type": "web_search_20250305", "name": "w"}]}, "tools[0].type"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 2}}, "thinking"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking.budget_tokens"),
         ({"extra_body": {"max_tokens": "8"}}, "max_tokens"),
         ({"extra_body": {"temperature": -1}}, "temperature"),
         ({"messages": []}, "messages"),
@@ -301,14 +304,17 @@ def test_unknown_model_is_not_found(claude: anthropic.Anthropic) -> None:
         claude.messages.count_tokens(model="no-such-model", messages=MESSAGES)
 
 
-def test_count_tokens_refuses_tools(claude: anthropic.Anthropic) -> None:
+def test_count_tokens_counts_tools_where_the_template_renders_them(
+    claude: anthropic.Anthropic,
+) -> None:
+    """The chat model's template has no tools: counting a prompt with tools says so."""
     with pytest.raises(anthropic.BadRequestError) as info:
         claude.messages.count_tokens(
             model="chat",
             messages=MESSAGES,
             tools=[{"name": "f", "input_schema": {"type": "object"}}],
         )
-    assert "tool use is not served yet" in str(info.value.body)
+    assert "tool" in str(info.value.body)
 
 
 def test_error_before_the_first_byte_is_a_plain_http_error(claude: anthropic.Anthropic) -> None:

@@ -513,7 +513,8 @@ def test_tokenize_errors(
 
 # ---- models and capabilities -----------------------------------------------------------------
 
-FULL = ["chat", "completion", "logprobs", "echo", "tokenize"]
+FULL = ["chat", "completion", "logprobs", "echo", "tokenize", "structured_output"]
+BASE = ["completion", "logprobs", "echo", "tokenize", "structured_output"]
 
 
 def test_model_by_id_and_alias(client: openai.OpenAI) -> None:
@@ -539,7 +540,7 @@ def test_models_list_capabilities(client: openai.OpenAI, extra_client: openai.Op
     assert cards["other"]["context_length"] == 256
     assert all(card["context_length"] for card in cards.values())
     extra = {m.id: m.model_extra or {} for m in extra_client.models.list().data}
-    assert extra["base"]["capabilities"] == ["completion", "logprobs", "echo", "tokenize"]
+    assert extra["base"]["capabilities"] == BASE
     assert extra["think"]["capabilities"] == FULL
 
 
@@ -548,7 +549,7 @@ def test_an_unloaded_model_is_described_and_checked_from_its_files(
 ) -> None:
     card = extra_client.models.retrieve("lazy-base").model_extra or {}
     assert card["state"] == "unloaded"
-    assert card["capabilities"] == ["completion", "logprobs", "echo", "tokenize"]
+    assert card["capabilities"] == BASE
     assert card["context_length"] == 2048  # the tiny model's max_position_embeddings
     with pytest.raises(openai.BadRequestError) as info:
         extra_client.chat.completions.create(model="lazy-base", messages=MESSAGES, max_tokens=2)
@@ -680,16 +681,11 @@ CHAT_UNSUPPORTED = [
     ({"function_call": "auto"}, "function_call"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
-    ({"reasoning_effort": "low"}, "reasoning_effort"),
     ({"verbosity": "low"}, "verbosity"),
     ({"web_search_options": {}}, "web_search_options"),
     ({"modalities": ["text", "audio"]}, "modalities"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    (
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-        "response_format",
-    ),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"tools": [{"type": "web_search", "function": {"name": "f"}}]}, "tools[0].type"),
     ({"extra_body": {"fancy_knob": 1}}, "fancy_knob"),
 ]
 
@@ -703,6 +699,25 @@ def test_chat_unsupported_field(client: openai.OpenAI, fields: dict[str, Any], p
     assert info.value.param == param
     assert param in info.value.message
     assert info.value.code == "invalid_request"
+
+
+MISSING_CAPABILITY = [
+    ({"reasoning_effort": "low"}, "reasoning_effort", "thinking"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool"),
+]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"), MISSING_CAPABILITY, ids=[p for _, p, _ in MISSING_CAPABILITY]
+)
+def test_what_the_model_lacks_is_named(
+    client: openai.OpenAI, fields: dict[str, Any], param: str, words: str
+) -> None:
+    """The chat model's template has neither tools nor thinking: Ready says so."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=2, **fields)
+    assert info.value.param == param
+    assert words in info.value.message
 
 
 COMPLETION_UNSUPPORTED = [

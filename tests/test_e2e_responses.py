@@ -389,13 +389,14 @@ def test_background_failure_and_refusals(client: openai.OpenAI, gateway: Gateway
 
 
 UNSUPPORTED = [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"tools": [{"type": "web_search", "name": "f"}]}, "tools[0].type"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"truncation": "auto"}, "truncation"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 3}}}, "text.format.schema"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
@@ -405,7 +406,10 @@ UNSUPPORTED = [
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"temperature": 3}, "temperature"),
     ({"input": []}, "input"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "o"}]}, "input[0].type"),
+    (
+        {"input": [{"type": "function_call_output", "call_id": "c", "output": "o"}]},
+        "input[0].call_id",
+    ),
     (
         {
             "input": [

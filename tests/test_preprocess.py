@@ -175,7 +175,7 @@ def test_model_without_chat_template(no_template: Loaded) -> None:
         "echo",
         "tokenize",
         "structured_output",
-    ]
+    ]  # no tools or reasoning without a template
     preprocess = Preprocessor(no_template.tokenizer, EngineOptions(), max_context=64)
     chat_frame = add_frame(RequestKind.CHAT, CanonicalRequest(messages=USER_HI), max_tokens=1)
     error = preprocess_error(preprocess, chat_frame).error

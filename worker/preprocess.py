@@ -35,7 +35,7 @@ def capabilities(tokenizer: Any, formats: ModelFormats | None = None) -> list[st
     it): chat needs a chat template, tools a known call format, reasoning a think block;
     the rest every mlx-lm model does (structured output: llguidance's grammars)."""
     chat = has_chat_template(tokenizer)
-    found = [*text_capabilities(chat), "structured_output"]
+    found = text_capabilities(chat)
     if formats is not None and chat:
         found += ["tools"] if formats.tools is not None else []
         found += ["reasoning"] if formats.thinking else []
@@ -198,6 +198,7 @@ class Preprocessor:
             request = msgspec.convert(args["request"], CanonicalRequest)
         except (KeyError, ValueError, msgspec.ValidationError) as exc:
             raise _invalid(f"bad tokenize call: {exc}") from exc
+        self._check_features(kind, request)  # counted as a request would be served
         tokens = self._tokenize(kind, request)
         result: dict[str, Any] = {"tokens": tokens, "count": len(tokens)}
         result["max_context"] = self.max_context

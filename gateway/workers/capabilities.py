@@ -29,7 +29,7 @@ MISSING_PARAM = {
     "logprobs": "logprobs",
     "echo": "echo",
     "tools": "tools",
-    "reasoning": "reasoning",
+    "reasoning": "reasoning_effort",  # OpenAI's name (Anthropic's errors name no field)
     "structured_output": "response_format",
 }
 
