@@ -43,6 +43,7 @@ class ModelFormats:
     takes_effort: bool  # the template reads `reasoning_effort`
     initial_state: str | None  # a response format's first state (mlx-lm's chat_templates)
     transitions: dict[str, list[tuple[str, str]]]
+    markers: tuple[str, ...] = ()  # structural markers stripped from the answer (XTML)
 
     @property
     def thinking(self) -> bool:
@@ -74,6 +75,8 @@ class ModelFormats:
             if self.thinking:
                 transitions["reasoning"].append((self.tools.start, "tool"))
             transitions["tool"] = [(self.tools.end, "normal")] if self.tools.end else []
+        for marker in self.markers:
+            transitions.setdefault("normal", []).append((marker, "normal"))
         for state, edges in self.transitions.items():
             if not with_tools:
                 edges = [(text, dst) for text, dst in edges if dst != "tool"]
@@ -95,6 +98,7 @@ def model_formats(tokenizer: Any, tool_parser: str | None = None) -> ModelFormat
         takes_effort=isinstance(template, str) and "reasoning_effort" in template,
         initial_state=getattr(tokenizer, "response_initial_state", None),
         transitions=dict(getattr(tokenizer, "response_transitions", None) or {}),
+        markers=tuple(getattr(tokenizer, "structural_markers", None) or ()),
     )
 
 

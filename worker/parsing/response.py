@@ -74,8 +74,9 @@ class ResponseParser:
                     parsed += self._close_call()
             elif state == "reasoning":
                 parsed.reasoning += piece
-            else:
+            elif state == "normal":
                 parsed.content += self._answer(piece)
+            # other states are a response format's own (headers): not the answer
         return parsed
 
     def _answer(self, piece: str) -> str:
@@ -96,7 +97,7 @@ class ResponseParser:
             parsed += self._call_text(tail)
         elif state == "reasoning":
             parsed.reasoning += tail
-        else:
+        elif state == "normal":
             parsed.content += self._answer(tail)
         if self._in_call:
             fmt = self.tool_format
@@ -135,6 +136,9 @@ class ResponseParser:
         if stream is not None and stream.name is not None:
             # streamed already: its pieces are the call (a parse failure here means the
             # output was cut short; the client has what was generated)
+            if not stream.complete and calls and not stream.arguments:
+                # a call without arguments: what the parser read ({})
+                parsed.calls.append(ToolCallDelta(self.calls, arguments=calls[0][1]))
             if not stream.complete or not calls:
                 self.calls += 1
                 return parsed
@@ -146,7 +150,7 @@ class ResponseParser:
             if not calls:  # not a call after all: the text goes to the answer
                 fmt = self.tool_format
                 assert fmt is not None
-                parsed.content += fmt.start + body + (fmt.end if fmt.end else "")
+                parsed.content += self._answer(fmt.start + body + (fmt.end if fmt.end else ""))
                 return parsed
             rest = calls
         for call in rest:
@@ -171,7 +175,12 @@ class ResponseParser:
             if not isinstance(item, dict) or not isinstance(item.get("name"), str):
                 return []
             arguments = item.get("arguments", {})
-            if not isinstance(arguments, str):
+            if isinstance(arguments, str):
+                try:  # a parser that returns the arguments' text: kept when it is JSON
+                    json.loads(arguments)
+                except ValueError:
+                    arguments = json.dumps(arguments, ensure_ascii=False)
+            else:
                 arguments = json.dumps(arguments, ensure_ascii=False)
             calls.append((item["name"], arguments))
         return calls

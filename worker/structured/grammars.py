@@ -31,8 +31,10 @@ JSON_STYLE: dict[str, Any] = {
     "item_separator": ", ",
     "key_separator": ": ",
 }
-# A string parameter's value in the XML form: any text without "<", not ending in a newline.
-_XML_TEXT = r"/[^<\n]+(\n+[^<\n]+)*/"
+# A string parameter's value in the XML form and its closing tag, as one lexeme: any text
+# without "<" (newlines too), then the tag. (llguidance's lexer does not backtrack: a value
+# lexeme of its own would swallow the newline that starts the tag.)
+_XML_TEXT_CLOSE = r"/[^<]+\n<\/parameter>\n/"
 NL = "\n"
 
 
@@ -136,23 +138,24 @@ def _xml_call(index: int, tool: Tool, fmt: ToolFormat, literal: Callable[[str], 
     parts = [literal(fmt.start), _lit(f"\n<function={tool.name}>\n")]
     for key, sub in properties.items():
         value = _xml_value(sub if isinstance(sub, dict) else {}, tool.strict)
-        opening, closing = _lit(f"<parameter={key}>\n"), _lit("\n</parameter>\n")
-        param = f"({opening} {value} {closing})"
+        param = f"({_lit(f'<parameter={key}>' + NL)} {value})"
         parts.append(param if key in required else param + "?")
     parts += [_lit("</function>\n"), literal(fmt.end)]
     return f"call{index}: " + " ".join(parts)
 
 
 def _xml_value(schema: dict[str, Any], strict: bool) -> str:
+    """A parameter's value and its closing tag."""
     kind = schema.get("type")
+    closing = _lit("\n</parameter>\n")
     if kind == "string" and "enum" in schema:
-        return "(" + " | ".join(_lit(str(v)) for v in schema["enum"]) + ")"
+        return "(" + " | ".join(_lit(str(v)) for v in schema["enum"]) + f") {closing}"
     if kind == "string" and isinstance(schema.get("maxLength"), int):
         low, high = max(1, schema.get("minLength") or 1), max(1, schema["maxLength"])
-        return f"/[^<\\n]{{{low},{high}}}/"
+        return f"/[^<\\n]{{{low},{high}}}\\n<\\/parameter>\\n/"
     if kind == "string":
-        return _XML_TEXT
-    return f"%json {json.dumps(_styled(schema, strict))}"
+        return _XML_TEXT_CLOSE
+    return f"%json {json.dumps(_styled(schema, strict))} {closing}"
 
 
 def _lark(call: str, repeat: bool, separator: str, rules: list[str] | None = None) -> str:

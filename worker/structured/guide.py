@@ -142,8 +142,8 @@ class Guide:
         if self.thinking:
             if self.budget is None or self.spent < self.budget:
                 return False
-            if not self._forcing:
-                self._forcing = 1
+            if not self._forcing:  # continue a marker the model began, if it did
+                self._forcing = 1 + _begun(self._tail, self.end_tokens)
             token = self.end_tokens[min(self._forcing - 1, len(self.end_tokens) - 1)]
             bitmask[row] = 0
             bitmask.view(np.uint32)[row, token >> 5] = np.uint32(1 << (token & 31))
@@ -152,6 +152,14 @@ class Guide:
             return False
         llg_numpy.fill_next_token_bitmask(self.matcher, bitmask, row)
         return True
+
+
+def _begun(tail: list[int], marker: tuple[int, ...]) -> int:
+    """How many of the marker's first tokens the tail ends with (not the whole marker)."""
+    for k in range(min(len(tail), len(marker) - 1), 0, -1):
+        if tuple(tail[-k:]) == marker[:k]:
+            return k
+    return 0
 
 
 def apply_bitmask(logits: Any, bitmask: np.ndarray) -> Any:

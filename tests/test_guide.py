@@ -1,0 +1,281 @@
+"""Guide: a thinking budget that forces the think block's end marker, then the grammar over
+the answer; and apply_bitmask, the mask as plain MLX ops on the logits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+from shared.types import OutputFormat, ResponseFormat
+from worker.structured.grammars import response_grammar
+from worker.structured.guide import Grammars, Guide, apply_bitmask
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "integer"}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(hermes_model_dir: Path) -> TokenizerWrapper:
+    return load_tokenizer(hermes_model_dir)
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer: TokenizerWrapper) -> Grammars:
+    return Grammars(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def grammar() -> str:
+    text = response_grammar(ResponseFormat(OutputFormat.JSON_SCHEMA, SCHEMA, strict=True))
+    assert text is not None
+    return text
+
+
+def encode(tokenizer: TokenizerWrapper, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def allowed(bitmask: np.ndarray, row: int = 0) -> set[int]:
+    bits = np.unpackbits(bitmask[row].view(np.uint8), bitorder="little")
+    return {int(i) for i in np.flatnonzero(bits)}
+
+
+def step(guide: Guide, rows: int = 1, row: int = 0) -> set[int] | None:
+    """This step's allowed tokens (None: nothing forbidden)."""
+    bitmask = guide.bitmask(rows)
+    if not guide.fill(bitmask, row):
+        assert (bitmask == -1).all()  # untouched
+        return None
+    return allowed(bitmask, row)
+
+
+def test_budget_forces_the_end_marker_token_by_token_then_the_grammar_applies(
+    tokenizer: TokenizerWrapper, grammars: Grammars, grammar: str
+) -> None:
+    end = tuple(encode(tokenizer, "</think>\n"))  # a marker of several tokens
+    assert len(end) >= 2
+    guide = Guide(grammars.matcher(grammar), True, end, 3, words=grammars.words)
+    assert guide.constrains and guide.thinking
+    for token in encode(tokenizer, "hmm well")[:3]:
+        assert step(guide) is None  # within the budget: anything goes
+        guide.consume(token)
+    for token in end:
+        assert step(guide) == {token}
+        guide.consume(token)
+    assert not guide.thinking
+    first = step(guide)  # the answer: the grammar decides
+    assert first is not None
+    assert encode(tokenizer, "{")[0] in first
+    assert not first & set(encode(tokenizer, "[hmm"))
+    answer = encode(tokenizer, json.dumps({"answer": 42}))
+    for token in answer:
+        mask = step(guide)
+        assert mask is not None and token in mask
+        guide.consume(token)
+    assert guide.error is None
+    assert guide.stopped
+
+
+def test_thinking_without_budget_is_never_masked(
+    tokenizer: TokenizerWrapper, grammars: Grammars, grammar: str
+) -> None:
+    end = tuple(encode(tokenizer, "</think>"))
+    guide = Guide(grammars.matcher(grammar), True, end, None, words=grammars.words)
+    for token in encode(tokenizer, "a long think about [everything] " * 5):
+        assert step(guide) is None
+        guide.consume(token)
+    assert not guide.stopped  # the grammar waits while thinking
+    for token in end:
+        guide.consume(token)
+    assert not guide.thinking
+    assert step(guide) is not None
+
+
+def test_thinking_that_ends_within_the_budget_is_not_forced(
+    tokenizer: TokenizerWrapper, grammars: Grammars, grammar: str
+) -> None:
+    end = tuple(encode(tokenizer, "</think>"))
+    guide = Guide(grammars.matcher(grammar), True, end, 100, words=grammars.words)
+    for token in encode(tokenizer, "short") + list(end):
+        assert step(guide) is None
+        guide.consume(token)
+    assert not guide.thinking
+    mask = step(guide)
+    assert mask is not None and encode(tokenizer, "{")[0] in mask
+
+
+def test_budget_of_zero_forces_the_end_at_once(tokenizer: TokenizerWrapper) -> None:
+    end = tuple(encode(tokenizer, "</think>"))
+    guide = Guide(None, True, end, 0, words=(len(tokenizer) + 31) // 32)
+    assert step(guide) == {end[0]}
+    guide.consume(end[0])
+    assert not guide.thinking
+    assert step(guide) is None  # no grammar: the answer is free
+    assert not guide.stopped
+
+
+def test_start_tokens_open_a_think_block_later(tokenizer: TokenizerWrapper) -> None:
+    start = tuple(encode(tokenizer, "<think>"))
+    end = tuple(encode(tokenizer, "</think>"))
+    words = (len(tokenizer) + 31) // 32
+    guide = Guide(None, False, end, 2, start_tokens=start, words=words)
+    assert not guide.thinking and guide.start_tokens == start
+    for token in encode(tokenizer, "Let me think. "):
+        assert step(guide) is None
+        guide.consume(token)
+    assert guide.spent == 0  # the budget counts from the block's start
+    for token in start:
+        guide.consume(token)
+    assert guide.thinking
+    for token in encode(tokenizer, "hm ok")[:2]:
+        assert step(guide) is None
+        guide.consume(token)
+    assert step(guide) == {end[0]}
+    guide.consume(end[0])
+    assert not guide.thinking
+    assert step(guide) is None
+
+
+def test_start_tokens_are_ignored_under_a_grammar(
+    tokenizer: TokenizerWrapper, grammars: Grammars, grammar: str
+) -> None:
+    start = tuple(encode(tokenizer, "<think>"))
+    end = tuple(encode(tokenizer, "</think>"))
+    guide = Guide(grammars.matcher(grammar), False, end, 2, start, grammars.words)
+    assert guide.start_tokens == ()
+    assert step(guide) is not None  # the grammar applies from the first token
+
+
+def test_no_end_marker_means_no_thinking() -> None:
+    guide = Guide(None, thinking=True, end_tokens=(), budget=5, words=4)
+    assert not guide.thinking
+    assert guide.constrains  # the budget still marks it as constrained
+    assert step(guide) is None
+
+
+def test_nothing_to_constrain() -> None:
+    guide = Guide(None, words=4)
+    assert not guide.constrains
+    assert not guide.stopped
+    guide.consume(7)
+    assert step(guide) is None and guide.error is None
+
+
+def test_a_refused_token_is_an_error(
+    tokenizer: TokenizerWrapper, grammars: Grammars, grammar: str
+) -> None:
+    guide = Guide(grammars.matcher(grammar), words=grammars.words)
+    guide.consume(encode(tokenizer, "{")[0])
+    assert guide.error is None
+    bad = encode(tokenizer, "]")[0]
+    mask = step(guide)
+    assert mask is not None and bad not in mask
+    guide.consume(bad)
+    assert guide.error
+    first = guide.error
+    assert step(guide) is None  # an errored grammar masks nothing more
+    guide.consume(bad)
+    assert guide.error == first  # the first error is kept
+
+
+def test_fill_touches_its_row_only(grammars: Grammars, grammar: str) -> None:
+    guide = Guide(grammars.matcher(grammar), words=grammars.words)
+    bitmask = guide.bitmask(3)
+    assert bitmask.shape == (3, grammars.words) and bitmask.dtype == np.int32
+    assert guide.fill(bitmask, 1)
+    assert (bitmask[0] == -1).all() and (bitmask[2] == -1).all()
+    assert 0 < len(allowed(bitmask, 1)) < grammars.tokenizer.vocab_size
+
+
+def test_forced_token_in_a_row_of_a_batch() -> None:
+    end = (40, 63, 64)  # bits 8 and 31 of word 1, bit 0 of word 2
+    guide = Guide(None, True, end, 0, words=3)
+    for token in end:
+        bitmask = guide.bitmask(2)
+        assert guide.fill(bitmask, 1)
+        assert allowed(bitmask, 1) == {token}
+        assert (bitmask[0] == -1).all()
+        guide.consume(token)
+
+
+def test_forcing_continues_a_marker_the_model_began() -> None:
+    end = (40, 41, 42)
+    guide = Guide(None, True, end, 2, words=2)
+    guide.consume(7)
+    guide.consume(40)  # the model starts the end marker as the budget runs out
+    assert step(guide) == {41}
+
+
+# ---- apply_bitmask ------------------------------------------------------------------------------
+
+
+def mask_of(rows: list[set[int]], words: int) -> np.ndarray:
+    bitmask = np.zeros((len(rows), words), dtype=np.int32)
+    view = bitmask.view(np.uint32)
+    for r, tokens in enumerate(rows):
+        for t in tokens:
+            view[r, t >> 5] |= np.uint32(1 << (t & 31))
+    return bitmask
+
+
+def check(logits: mx.array, out: mx.array, rows: list[set[int]]) -> None:
+    got = np.array(out.astype(mx.float32))
+    want = np.array(logits.astype(mx.float32))
+    assert out.shape == logits.shape and out.dtype == logits.dtype
+    for r, tokens in enumerate(rows):
+        for t in range(logits.shape[1]):
+            if t in tokens:
+                assert got[r, t] == want[r, t]
+            else:
+                assert got[r, t] == -np.inf
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_masked_logits_are_minus_infinity(dtype: mx.Dtype) -> None:
+    vocab = 64
+    logits = (mx.arange(2 * vocab).reshape(2, vocab) - 50).astype(dtype)
+    rows = [{0, 5, 31, 32, 63}, {17}]
+    out = apply_bitmask(logits, mask_of(rows, 2))
+    check(logits, out, rows)
+
+
+def test_a_bitmask_narrower_than_the_vocab_forbids_the_rest() -> None:
+    # the model's embedding has more rows than the tokenizer's vocabulary
+    logits = mx.ones((1, 40))
+    rows = [{1, 31}]
+    out = apply_bitmask(logits, mask_of(rows, 1))
+    check(logits, out, rows)
+    assert np.isinf(np.array(out)[0, 32:]).all()
+
+
+def test_a_bitmask_wider_than_the_vocab_is_cut() -> None:
+    logits = mx.zeros((2, 20))
+    rows = [{0, 19}, {3}]
+    wide = mask_of([{0, 19, 20, 45}, {3, 63}], 2)
+    check(logits, apply_bitmask(logits, wide), rows)
+
+
+def test_all_allowed_changes_nothing() -> None:
+    logits = mx.random.normal((3, 70), key=mx.random.key(0))
+    out = apply_bitmask(logits, np.full((3, 3), -1, dtype=np.int32))
+    assert mx.array_equal(out, logits).item()
+
+
+def test_the_forced_token_is_the_argmax(tokenizer: TokenizerWrapper) -> None:
+    vocab = len(tokenizer)
+    end = tuple(encode(tokenizer, "</think>"))
+    guide = Guide(None, True, end, 0, words=(vocab + 31) // 32)
+    bitmask = guide.bitmask(1)
+    guide.fill(bitmask, 0)
+    logits = mx.random.normal((1, vocab), key=mx.random.key(1))
+    assert mx.argmax(apply_bitmask(logits, bitmask), axis=-1).item() == end[0]
