@@ -369,21 +369,26 @@ class RowBatch:
 
     def _guide(self, logits: mx.array, tokens: list[int]) -> mx.array:
         """Each guided row takes the token it produced (not its prompt's last) and masks
-        its next one; the other rows' bits stay set."""
-        bitmask = None
+        its next one; only the rows whose guide forbids something are touched."""
+        guided: list[tuple[int, Guide]] = []
         for i, row in enumerate(self.rows):
             guide = row.guide
             if guide is None:
                 continue
             if row.uid not in self.fresh:
                 guide.consume(tokens[i])
-            if row.dead:
-                continue
-            if bitmask is None:
-                bitmask = guide.bitmask(len(self.rows))
-            if not guide.fill(bitmask, i):
-                bitmask[i] = -1
-        return logits if bitmask is None else apply_bitmask(logits, bitmask)
+            if not row.dead:
+                guided.append((i, guide))
+        if not guided:
+            return logits
+        bitmask = guided[0][1].bitmask(len(guided))
+        filled = [guide.fill(bitmask, j) for j, (_, guide) in enumerate(guided)]
+        masked = [i for (i, _), forbids in zip(guided, filled, strict=True) if forbids]
+        if not masked:
+            return logits
+        if len(masked) < len(guided):
+            bitmask = bitmask[[j for j, forbids in enumerate(filled) if forbids]]
+        return apply_bitmask(logits, bitmask, None if len(masked) == len(self.rows) else masked)
 
     def _process(self, inputs: mx.array, logits: mx.array) -> mx.array:
         """Each row's logits processors, given every token it has seen, this step's input

@@ -162,18 +162,34 @@ def _begun(tail: list[int], marker: tuple[int, ...]) -> int:
     return 0
 
 
-def apply_bitmask(logits: Any, bitmask: np.ndarray) -> Any:
-    """logits (rows, vocab) with every token whose bit is clear in `bitmask` (rows, words
-    of 32 bits, llguidance's layout) set to -inf; plain MLX ops, so any device."""
+def apply_bitmask(logits: Any, bitmask: np.ndarray, rows: list[int] | None = None) -> Any:
+    """logits (batch, vocab) with every token whose bit is clear in `bitmask` (one row of
+    32-bit words, llguidance's layout, per masked row) set to -inf: of every row, or of
+    `rows` only (bitmask[j] masks logits[rows[j]]). Plain MLX ops, so any device: the bits'
+    bytes index a table of each byte's eight additive masks (0 or -inf), one gather."""
     import mlx.core as mx
 
-    rows, vocab = logits.shape
-    bits = mx.array(bitmask.view(np.uint32))
-    shifts = mx.arange(32, dtype=mx.uint32)
-    allowed = ((bits[:, :, None] >> shifts) & 1).reshape(rows, -1)
-    width = allowed.shape[1]
-    if width < vocab:
-        allowed = mx.concatenate([allowed, mx.zeros((rows, vocab - width), allowed.dtype)], 1)
+    vocab = logits.shape[-1]
+    masked = bitmask.shape[0]
+    table = _byte_table(logits.dtype)
+    add = table[mx.array(bitmask.view(np.uint8))].reshape(masked, -1)  # (masked, words * 32)
+    width = add.shape[1]
+    if width < vocab:  # tokens llguidance does not know (a padded embedding): never allowed
+        pad = mx.full((masked, vocab - width), -float("inf"), dtype=add.dtype)
+        add = mx.concatenate([add, pad], axis=1)
     elif width > vocab:
-        allowed = allowed[:, :vocab]
-    return mx.where(allowed.astype(mx.bool_), logits, mx.array(-float("inf"), logits.dtype))
+        add = add[:, :vocab]
+    if rows is None:
+        return logits + add
+    return logits.at[mx.array(rows)].add(add)
+
+
+def _byte_table(dtype: Any) -> Any:
+    """(256, 8): bit b of byte value v clear -> -inf at [v, b], else 0 (little-endian bits,
+    as llguidance packs them)."""
+    import mlx.core as mx
+
+    values = np.arange(256, dtype=np.uint8)[:, None]
+    bits = (values >> np.arange(8, dtype=np.uint8)) & 1
+    table = np.where(bits == 1, 0.0, -np.inf).astype(np.float32)
+    return mx.array(table).astype(dtype)
