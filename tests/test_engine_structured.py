@@ -1,0 +1,139 @@
+"""Constrained rows inside a running batch, over each continuous batch: a schema's output
+validates at any temperature, a forced call is valid, a thinking budget ends the thinking,
+and the unconstrained rows beside them make exactly the tokens they make alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from shared.config import EngineOptions
+from shared.protocol import Add
+from shared.types import (
+    CanonicalRequest,
+    FinishReason,
+    Message,
+    OutputFormat,
+    Reasoning,
+    RequestKind,
+    RequestOutput,
+    ResponseFormat,
+    SamplingParams,
+    Tool,
+    ToolChoice,
+    ToolChoiceMode,
+)
+from tests.engine_fixtures import Loaded, drive, load, text, token_ids
+from worker.preprocess import PreparedRequest, Preprocessor
+
+pytestmark = pytest.mark.usefixtures("batcher")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "n": {"type": "integer", "minimum": -5, "maximum": 500},
+        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3},
+    },
+    "required": ["name", "n", "tags"],
+    "additionalProperties": False,
+}
+TOOL = Tool(
+    "lookup",
+    "Look a word up",
+    {
+        "type": "object",
+        "properties": {
+            "word": {"type": "string", "maxLength": 8},
+            "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
+        "required": ["word", "n"],
+        "additionalProperties": False,
+    },
+)
+OFF = {"enable_thinking": False}
+
+
+@pytest.fixture(scope="module")
+def hermes(hermes_model_dir: Path) -> Loaded:
+    return load(hermes_model_dir)
+
+
+def prepare(
+    loaded: Loaded, rid: str, request: CanonicalRequest, **sampling: object
+) -> PreparedRequest:
+    preprocess = Preprocessor(loaded.tokenizer, EngineOptions(), max_context=4096)
+    params = SamplingParams(**sampling)  # type: ignore[arg-type]
+    return preprocess(Add(rid, RequestKind.CHAT, request, params))
+
+
+def chat(**fields: object) -> CanonicalRequest:
+    return CanonicalRequest(messages=[Message("user", "Hello there")], **fields)  # type: ignore[arg-type]
+
+
+def calls(deltas: list[RequestOutput]) -> list[tuple[str, str, str]]:
+    joined: dict[int, list[str]] = {}
+    for delta in deltas:
+        for piece in delta.tool_calls:
+            entry = joined.setdefault(piece.index, ["", "", ""])
+            entry[0] += piece.id
+            entry[1] += piece.name
+            entry[2] += piece.arguments
+    return [(i, n, a) for i, n, a in (joined[k] for k in sorted(joined))]
+
+
+def test_constrained_rows_leave_their_neighbours_alone(hermes: Loaded) -> None:
+    plain = chat(chat_template_kwargs=OFF)
+    alone = drive(
+        hermes.engine(),
+        [prepare(hermes, "p", plain, max_tokens=24, temperature=0.0, ignore_eos=True)],
+    )["p"]
+    fmt = ResponseFormat(OutputFormat.JSON_SCHEMA, SCHEMA, strict=True)
+    batch = [
+        prepare(hermes, "p", plain, max_tokens=24, temperature=0.0, ignore_eos=True),
+        *(
+            prepare(
+                hermes,
+                f"j{i}",
+                chat(response_format=fmt, chat_template_kwargs=OFF),
+                max_tokens=120,
+                temperature=1.0,
+                seed=i,
+            )
+            for i in range(3)
+        ),
+    ]
+    out = drive(hermes.engine(), batch)
+    assert token_ids(out["p"]) == token_ids(alone)  # the same greedy tokens as alone
+    for i in range(3):
+        deltas = out[f"j{i}"]
+        assert deltas[-1].finish_reason is FinishReason.STOP  # the grammar completed
+        jsonschema.validate(json.loads(text(deltas)), SCHEMA)
+
+
+def test_a_forced_call_is_valid_and_ends_the_turn(hermes: Loaded) -> None:
+    request = chat(
+        tools=[TOOL],
+        tool_choice=ToolChoice(ToolChoiceMode.REQUIRED, "lookup"),
+        chat_template_kwargs=OFF,
+    )
+    out = drive(hermes.engine(), [prepare(hermes, "c", request, max_tokens=80, temperature=0.0)])
+    deltas = out["c"]
+    assert deltas[-1].finish_reason is FinishReason.TOOL_CALLS
+    assert text(deltas) == ""  # the markup never reaches the answer
+    [(call_id, name, arguments)] = calls(deltas)
+    assert call_id.startswith("call_") and name == "lookup"
+    jsonschema.validate(json.loads(arguments), TOOL.parameters)
+
+
+def test_a_thinking_budget_ends_the_thinking(hermes: Loaded) -> None:
+    request = chat(reasoning=Reasoning(enabled=True, budget_tokens=4))
+    out = drive(hermes.engine(), [prepare(hermes, "t", request, max_tokens=16, temperature=0.0)])
+    deltas = out["t"]
+    reasoning = "".join(d.reasoning for d in deltas)
+    assert reasoning and "<think>" not in text(deltas) and "</think>" not in text(deltas)
+    end = hermes.tokenizer.convert_tokens_to_ids("</think>")
+    assert token_ids(deltas)[4] == end  # forced right after the fourth thinking token
