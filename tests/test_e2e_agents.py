@@ -280,15 +280,19 @@ def test_json_mode_gives_an_object(agents: GatewayProc, oai: openai.OpenAI) -> N
     tok = httpx.post(f"{agents.base_url}/tokenize", json={"model": "hermes", "prompt": '"}'})
     quote, close = tok.json()["tokens"]
     bias = {str(quote): 40, str(close): 40}
-    r = oai.chat.completions.create(
-        model="hermes",
-        messages=ASK,
-        response_format={"type": "json_object"},
-        max_tokens=200,
-        logit_bias=bias,
-        extra_body=NO_THINKING,
-    )
-    assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
+    args: dict[str, Any] = {
+        "model": "hermes",
+        "messages": ASK,
+        "response_format": {"type": "json_object"},
+        "max_tokens": 200,
+        "logit_bias": bias,
+        "temperature": 0,
+    }
+    r = oai.chat.completions.create(**args)
+    text = r.choices[0].message.content or ""
+    assert isinstance(json.loads(text), dict)
+    chunks = list(oai.chat.completions.create(**args, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
 
 
 @pytest.mark.parametrize("model", MODELS)
