@@ -248,6 +248,7 @@ class Usage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, those spent thinking
 
 
 class Timings(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -311,6 +311,8 @@ def test_thinking_never_reaches_the_answer(
     assert reasoning  # the prompt opened the think block: the output starts inside it
     assert "<think>" not in (message.content or "") and "</think>" not in (message.content or "")
     assert reasoning not in (message.content or "")
+    details = r.usage.completion_tokens_details if r.usage is not None else None
+    assert details is not None and details.reasoning_tokens  # counted apart
     budget = claude.messages.create(
         model=model,
         max_tokens=30,

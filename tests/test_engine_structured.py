@@ -137,3 +137,5 @@ def test_a_thinking_budget_ends_the_thinking(hermes: Loaded) -> None:
     assert reasoning and "<think>" not in text(deltas) and "</think>" not in text(deltas)
     end = hermes.tokenizer.convert_tokens_to_ids("</think>")
     assert token_ids(deltas)[4] == end  # forced right after the fourth thinking token
+    usage = deltas[-1].usage
+    assert usage is not None and usage.reasoning_tokens == 5  # the marker is thinking too

@@ -84,14 +84,15 @@ def total_usage(usages: list[Usage | None], groups: list[int]) -> Usage:
     """Prompt tokens once per prompt (choices of one prompt share it), completions summed.
     A prompt's cached tokens come from the same choice as its count, so they never exceed it."""
     prompts: dict[int, Usage] = {}
-    completion = 0
+    completion = reasoning = 0
     for usage, group in zip(usages, groups, strict=True):
         if usage is None:
             continue
         prompts.setdefault(group, usage)
         completion += usage.completion_tokens
+        reasoning += usage.reasoning_tokens
     prompt = sum(u.prompt_tokens for u in prompts.values())
-    return Usage(prompt, completion, sum(u.cached_tokens for u in prompts.values()))
+    return Usage(prompt, completion, sum(u.cached_tokens for u in prompts.values()), reasoning)
 
 
 class Relay:

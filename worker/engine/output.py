@@ -41,6 +41,8 @@ class OutputProcessor:
         A terminal delta marks the request finished; the first token's delta carries
         where the request's wait went."""
         request.completion_tokens += 1
+        if request.parser is not None and request.parser.in_reasoning:
+            request.reasoning_tokens += 1  # made inside the think block (its end marker too)
         request.status = RequestStatus.RUNNING
         output = self._on_token(request, token, logprob)
         if request.completion_tokens == 1:
@@ -188,6 +190,7 @@ def _usage(request: Request) -> Usage:
         prompt_tokens=len(request.prompt),
         completion_tokens=request.completion_tokens,
         cached_tokens=request.cached_tokens,
+        reasoning_tokens=request.reasoning_tokens,
     )
 
 

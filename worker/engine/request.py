@@ -35,6 +35,7 @@ class Request:
     uid: int | None = None  # the backend's id while in its batch
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache
     completion_tokens: int = 0
+    reasoning_tokens: int = 0  # of them, made while thinking
     stop_ids: frozenset[int] = frozenset()  # tokens that end it (EOS unless ignored, stop ids)
     block_keys: list[int] | None = None  # its prompt's block chain, once the prefix plan asks
     # perf_counter: the worker got it, had it prepared, started it in the batch

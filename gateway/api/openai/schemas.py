@@ -191,11 +191,17 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0  # prompt tokens the worker's prefix cache served (no prefill)
 
 
-class UsageBody(msgspec.Struct):
+class CompletionTokensDetails(msgspec.Struct):
+    reasoning_tokens: int
+
+
+class UsageBody(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int  # all of the prompt, cached tokens included
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # only when the model thought: of completion_tokens, those spent thinking
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class FunctionDelta(msgspec.Struct, omit_defaults=True):

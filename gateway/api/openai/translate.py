@@ -30,6 +30,7 @@ from gateway.api.openai.schemas import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
+    CompletionTokensDetails,
     LogprobContent,
     PromptTokensDetails,
     SamplingFields,
@@ -254,6 +255,7 @@ def usage_body(usage: Usage | None) -> UsageBody:
         usage.completion_tokens,
         usage.prompt_tokens + usage.completion_tokens,
         PromptTokensDetails(usage.cached_tokens),
+        CompletionTokensDetails(usage.reasoning_tokens) if usage.reasoning_tokens else None,
     )
 
 

@@ -339,7 +339,7 @@ def usage_of(usage: Usage | None) -> ResponseUsage:
         input_tokens=usage.prompt_tokens,
         input_tokens_details=InputTokensDetails(usage.cached_tokens),
         output_tokens=usage.completion_tokens,
-        output_tokens_details=OutputTokensDetails(0),
+        output_tokens_details=OutputTokensDetails(usage.reasoning_tokens),
         total_tokens=usage.prompt_tokens + usage.completion_tokens,
     )
 
