@@ -52,6 +52,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=150, help="steps timed per mix and size")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--batcher", choices=("rows", "mlx_lm"), default="rows")
+    p.add_argument(
+        "--parallel-rows",
+        type=int,
+        default=None,
+        help="rows batch: fill masks on llguidance's threads from this many grammar rows "
+        "(default: the worker's)",
+    )
     args = p.parse_args(argv)
     if args.steps < 1 or args.repeats < 1:
         p.error("--steps and --repeats must be at least 1")
@@ -63,7 +70,14 @@ def constrained(mix: str, rows: int) -> int:
 
 
 def run_mix(
-    model: Any, tokenizer: Any, preprocess: Any, batcher: str, rows: int, guided: int, steps: int
+    model: Any,
+    tokenizer: Any,
+    preprocess: Any,
+    batcher: str,
+    rows: int,
+    guided: int,
+    steps: int,
+    parallel_rows: int | None = None,
 ) -> float:
     """The median step (ms) of `rows` rows of which `guided` are constrained."""
     from shared.config import EngineOptions
@@ -84,7 +98,10 @@ def run_mix(
         batcher=batcher,  # type: ignore[arg-type]
         prefix_cache=False,
     )
-    core = EngineCore(make_backend(model, tokenizer, options), options)
+    backend = make_backend(model, tokenizer, options)
+    if parallel_rows is not None and hasattr(backend, "batch"):
+        backend.batch.masks.parallel_rows = parallel_rows
+    core = EngineCore(backend, options)
     budget = steps + WARM_STEPS + 8
     sampling = SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True)
     fmt = ResponseFormat(OutputFormat.JSON_SCHEMA, SCHEMA)
@@ -134,7 +151,14 @@ def main(argv: list[str] | None = None) -> int:
                 if mix != "plain" and (guided == 0 or (mix != "json" and guided == rows)):
                     continue  # the same as another mix at this size
                 line[mix] = run_mix(
-                    model, tokenizer, preprocess, args.batcher, rows, guided, args.steps
+                    model,
+                    tokenizer,
+                    preprocess,
+                    args.batcher,
+                    rows,
+                    guided,
+                    args.steps,
+                    args.parallel_rows,
                 )
                 if mix != "plain":
                     line[f"{mix}/plain"] = line[mix] / line["plain"]

@@ -24,6 +24,7 @@ from shared.config import EngineOptions
 from worker.backends.rows import RowBatch
 from worker.backends.sampling import guide_processors, make_processors, make_sampler
 from worker.engine.backend import Insertion, Sampled
+from worker.structured.guide import Masks
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class MlxLmBackend:
             prefill_step_size=options.prefill_step_size,
         )
         self.uids: set[int] = set()  # in the generator
+        self.masks = Masks()  # guided rows' mask tables
 
     def _setup(self, model: Any, tokenizer: Any, options: EngineOptions) -> None:
         self.model = model
@@ -87,7 +89,8 @@ class MlxLmBackend:
             all_tokens=[list(i.prefix) for i in items],
             samplers=[make_sampler(i.sampling, self.vocab_size) for i in items],
             logits_processors=[
-                make_processors(i.sampling, i.stop_ids) + guide_processors(i.guide) for i in items
+                make_processors(i.sampling, i.stop_ids) + guide_processors(i.guide, self.masks)
+                for i in items
             ],
         )
         self.uids.update(uids)

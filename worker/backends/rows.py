@@ -39,7 +39,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
 from worker.backends.sampling import LogitsProcessor, Sampler
-from worker.structured.guide import Guide, apply_bitmask
+from worker.structured.guide import Guide, Masks
 
 # Compact the batch once this share of its rows has left (and whenever rows join).
 COMPACT_SHARE = 0.25
@@ -127,6 +127,7 @@ class RowBatch:
         self.groups: list[Group] = []  # prefilling, at most MAX_GROUPS
         self.uid_count = 0
         self.steps = 0
+        self.masks = Masks()  # guided rows' masks
 
     # ---- rows in and out ------------------------------------------------------------
 
@@ -381,14 +382,14 @@ class RowBatch:
                 guided.append((i, guide))
         if not guided:
             return logits
-        bitmask = guided[0][1].bitmask(len(guided))
-        filled = [guide.fill(bitmask, j) for j, (_, guide) in enumerate(guided)]
+        bitmask, filled = self.masks.fill([guide for _, guide in guided])
         masked = [i for (i, _), forbids in zip(guided, filled, strict=True) if forbids]
         if not masked:
             return logits
         if len(masked) < len(guided):
             bitmask = bitmask[[j for j, forbids in enumerate(filled) if forbids]]
-        return apply_bitmask(logits, bitmask, None if len(masked) == len(self.rows) else masked)
+        rows = None if len(masked) == len(self.rows) else masked
+        return self.masks.apply(logits, bitmask, rows)
 
     def _process(self, inputs: mx.array, logits: mx.array) -> mx.array:
         """Each row's logits processors, given every token it has seen, this step's input

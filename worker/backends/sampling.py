@@ -14,7 +14,7 @@ from mlx_lm.sample_utils import (
 )
 
 from shared.types import SamplingParams
-from worker.structured.guide import Guide, apply_bitmask
+from worker.structured.guide import Guide, Masks
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -73,13 +73,14 @@ def make_processors(params: SamplingParams, eos_ids: Iterable[int]) -> list[Logi
     return processors
 
 
-def guide_processors(guide: Guide | None) -> list[LogitsProcessor]:
+def guide_processors(guide: Guide | None, masks: Masks | None = None) -> list[LogitsProcessor]:
     """A guide as a logits processor for BatchGenerator: each call after the first (the
     prompt's) hands it the row's last token, then masks. Reading that token waits for the
     step that made it, so a guided row costs the generator its overlap of host and device
     (the rows batch keeps it: worker/backends/rows.py)."""
     if guide is None:
         return []
+    masks = masks or Masks()
     first = [True]
 
     def processor(tokens: mx.array, logits: mx.array) -> mx.array:
@@ -88,7 +89,7 @@ def guide_processors(guide: Guide | None) -> list[LogitsProcessor]:
         else:
             guide.consume(cast(int, tokens[-1].item()))
         bitmask = guide.bitmask(1)
-        return apply_bitmask(logits, bitmask) if guide.fill(bitmask, 0) else logits
+        return masks.apply(logits, bitmask) if guide.fill(bitmask, 0) else logits
 
     return [processor]
 

@@ -112,6 +112,11 @@ class Guide:
         return self.matcher is not None and not self.thinking and self.matcher.is_stopped()
 
     @property
+    def grammar_due(self) -> bool:
+        """The grammar decides this step's mask (thinking is over, no error)."""
+        return self.matcher is not None and not self.thinking and self.error is None
+
+    @property
     def constrains(self) -> bool:
         return self.matcher is not None or self.budget is not None
 
@@ -162,26 +167,58 @@ def _begun(tail: list[int], marker: tuple[int, ...]) -> int:
     return 0
 
 
-def apply_bitmask(logits: Any, bitmask: np.ndarray, rows: list[int] | None = None) -> Any:
-    """logits (batch, vocab) with every token whose bit is clear in `bitmask` (one row of
-    32-bit words, llguidance's layout, per masked row) set to -inf: of every row, or of
-    `rows` only (bitmask[j] masks logits[rows[j]]). Plain MLX ops, so any device: the bits'
-    bytes index a table of each byte's eight additive masks (0 or -inf), one gather."""
-    import mlx.core as mx
+class Masks:
+    """A batch's masks for one step: the guided rows' bitmask (llguidance's matchers fill
+    theirs in parallel, on its executor's threads, once there are `parallel_rows` of them),
+    applied to the logits with one gather from a table kept per dtype."""
 
-    vocab = logits.shape[-1]
-    masked = bitmask.shape[0]
-    table = _byte_table(logits.dtype)
-    add = table[mx.array(bitmask.view(np.uint8))].reshape(masked, -1)  # (masked, words * 32)
-    width = add.shape[1]
-    if width < vocab:  # tokens llguidance does not know (a padded embedding): never allowed
-        pad = mx.full((masked, vocab - width), -float("inf"), dtype=add.dtype)
-        add = mx.concatenate([add, pad], axis=1)
-    elif width > vocab:
-        add = add[:, :vocab]
-    if rows is None:
-        return logits + add
-    return logits.at[mx.array(rows)].add(add)
+    def __init__(self, parallel_rows: int = 8) -> None:
+        self.parallel_rows = parallel_rows
+        self._executor: Any = None
+        self._tables: dict[Any, Any] = {}
+
+    def fill(self, guides: list[Guide]) -> tuple[np.ndarray, list[bool]]:
+        """(bitmask, filled): row j is guides[j]'s; filled[j] False: it forbids nothing."""
+        bitmask = guides[0].bitmask(len(guides))
+        grammar: list[tuple[Any, int]] = [
+            (g.matcher, j) for j, g in enumerate(guides) if g.grammar_due
+        ]
+        if len(grammar) >= self.parallel_rows:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            llg_numpy.fill_next_token_bitmask_par(self._executor, grammar, bitmask)
+            done = {j for _, j in grammar}
+            filled = [j in done or g.fill(bitmask, j) for j, g in enumerate(guides)]
+        else:
+            filled = [g.fill(bitmask, j) for j, g in enumerate(guides)]
+        return bitmask, filled
+
+    def apply(self, logits: Any, bitmask: np.ndarray, rows: list[int] | None = None) -> Any:
+        """logits (batch, vocab) with every token whose bit is clear in `bitmask` (one row
+        of 32-bit words, llguidance's layout, per masked row) set to -inf: of every row, or
+        of `rows` only (bitmask[j] masks logits[rows[j]]). Plain MLX ops, so any device."""
+        import mlx.core as mx
+
+        table = self._tables.get(logits.dtype)
+        if table is None:
+            table = self._tables[logits.dtype] = _byte_table(logits.dtype)
+        vocab = logits.shape[-1]
+        masked = bitmask.shape[0]
+        add = table[mx.array(bitmask.view(np.uint8))].reshape(masked, -1)  # (masked, words*32)
+        width = add.shape[1]
+        if width < vocab:  # tokens llguidance does not know (a padded embedding): never
+            pad = mx.full((masked, vocab - width), -float("inf"), dtype=add.dtype)
+            add = mx.concatenate([add, pad], axis=1)
+        elif width > vocab:
+            add = add[:, :vocab]
+        if rows is None:
+            return logits + add
+        return logits.at[mx.array(rows)].add(add)
+
+
+def apply_bitmask(logits: Any, bitmask: np.ndarray, rows: list[int] | None = None) -> Any:
+    """Masks().apply, for one-off use (tests, a single row)."""
+    return Masks().apply(logits, bitmask, rows)
 
 
 def _byte_table(dtype: Any) -> Any:
