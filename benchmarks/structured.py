@@ -52,13 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=150, help="steps timed per mix and size")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--batcher", choices=("rows", "mlx_lm"), default="rows")
-    p.add_argument(
-        "--parallel-rows",
-        type=int,
-        default=None,
-        help="rows batch: fill masks on llguidance's threads from this many grammar rows "
-        "(default: the worker's)",
-    )
+
     args = p.parse_args(argv)
     if args.steps < 1 or args.repeats < 1:
         p.error("--steps and --repeats must be at least 1")
@@ -77,7 +71,6 @@ def run_mix(
     rows: int,
     guided: int,
     steps: int,
-    parallel_rows: int | None = None,
 ) -> float:
     """The median step (ms) of `rows` rows of which `guided` are constrained."""
     from shared.config import EngineOptions
@@ -98,10 +91,7 @@ def run_mix(
         batcher=batcher,  # type: ignore[arg-type]
         prefix_cache=False,
     )
-    backend = make_backend(model, tokenizer, options)
-    if parallel_rows is not None and hasattr(backend, "batch"):
-        backend.batch.masks.parallel_rows = parallel_rows
-    core = EngineCore(backend, options)
+    core = EngineCore(make_backend(model, tokenizer, options), options)
     budget = steps + WARM_STEPS + 8
     sampling = SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True)
     fmt = ResponseFormat(OutputFormat.JSON_SCHEMA, SCHEMA)
@@ -158,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
                     rows,
                     guided,
                     args.steps,
-                    args.parallel_rows,
                 )
                 if mix != "plain":
                     line[f"{mix}/plain"] = line[mix] / line["plain"]

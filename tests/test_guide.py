@@ -14,7 +14,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from shared.types import OutputFormat, ResponseFormat
 from worker.structured.grammars import response_grammar
-from worker.structured.guide import Grammars, Guide, Masks, apply_bitmask
+from worker.structured.guide import Grammars, Guide, apply_bitmask
 
 SCHEMA = {
     "type": "object",
@@ -279,22 +279,3 @@ def test_the_forced_token_is_the_argmax(tokenizer: TokenizerWrapper) -> None:
     guide.fill(bitmask, 0)
     logits = mx.random.normal((1, vocab), key=mx.random.key(1))
     assert mx.argmax(apply_bitmask(logits, bitmask), axis=-1).item() == end[0]
-
-
-def test_masks_fill_in_parallel_as_one_by_one(
-    grammars: Grammars, grammar: str, tokenizer: TokenizerWrapper
-) -> None:
-    """llguidance's executor fills the same bits as the matchers one by one."""
-    brace = tokenizer.encode("{", add_special_tokens=False)[0]
-
-    def guides() -> list[Guide]:
-        made = [Guide(grammars.matcher(grammar), words=grammars.words) for _ in range(5)]
-        for guide in made[1:4]:
-            guide.consume(brace)
-        return [*made, Guide(None, words=grammars.words)]  # no grammar: forbids nothing
-
-    one, filled_one = Masks(parallel_rows=1000).fill(guides())
-    many, filled_many = Masks(parallel_rows=1).fill(guides())
-    assert filled_one == filled_many == [True] * 5 + [False]
-    assert (one == many).all()
-    assert not (one[0] == one[1]).all()  # before and after the brace: different masks

@@ -112,11 +112,6 @@ class Guide:
         return self.matcher is not None and not self.thinking and self.matcher.is_stopped()
 
     @property
-    def grammar_due(self) -> bool:
-        """The grammar decides this step's mask (thinking is over, no error)."""
-        return self.matcher is not None and not self.thinking and self.error is None
-
-    @property
     def constrains(self) -> bool:
         return self.matcher is not None or self.budget is not None
 
@@ -168,30 +163,17 @@ def _begun(tail: list[int], marker: tuple[int, ...]) -> int:
 
 
 class Masks:
-    """A batch's masks for one step: the guided rows' bitmask (llguidance's matchers fill
-    theirs in parallel, on its executor's threads, once there are `parallel_rows` of them),
-    applied to the logits with one gather from a table kept per dtype."""
+    """A batch's masks for one step: the guided rows' bitmask, filled row by row
+    (llguidance's parallel executor was measured slower, on 2 cores and on the H200's
+    host), applied to the logits with one gather from a table kept per dtype."""
 
-    def __init__(self, parallel_rows: int = 8) -> None:
-        self.parallel_rows = parallel_rows
-        self._executor: Any = None
+    def __init__(self) -> None:
         self._tables: dict[Any, Any] = {}
 
     def fill(self, guides: list[Guide]) -> tuple[np.ndarray, list[bool]]:
         """(bitmask, filled): row j is guides[j]'s; filled[j] False: it forbids nothing."""
         bitmask = guides[0].bitmask(len(guides))
-        grammar: list[tuple[Any, int]] = [
-            (g.matcher, j) for j, g in enumerate(guides) if g.grammar_due
-        ]
-        if len(grammar) >= self.parallel_rows:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor()
-            llg_numpy.fill_next_token_bitmask_par(self._executor, grammar, bitmask)
-            done = {j for _, j in grammar}
-            filled = [j in done or g.fill(bitmask, j) for j, g in enumerate(guides)]
-        else:
-            filled = [g.fill(bitmask, j) for j, g in enumerate(guides)]
-        return bitmask, filled
+        return bitmask, [g.fill(bitmask, j) for j, g in enumerate(guides)]
 
     def apply(self, logits: Any, bitmask: np.ndarray, rows: list[int] | None = None) -> Any:
         """logits (batch, vocab) with every token whose bit is clear in `bitmask` (one row
