@@ -110,7 +110,9 @@ def test_name_and_raw_arguments_in_every_chunking(
     assert stream.name == name
     assert stream.complete
     assert stream.arguments == arguments
-    assert taken == arguments
+    # an object or array streams as written; a string or scalar is held back (the call's
+    # end sends what the parser made of it)
+    assert taken == (arguments if arguments.startswith(("{", "[")) else "")
     assert stream.take() == ""
     if arguments.startswith(("{", "[")):  # what the model wrote is JSON
         assert json.loads(taken) == json.loads(body)[_key(body)]

@@ -305,3 +305,18 @@ def test_forced_calls_name_a_tool_of_the_request(hermes: Loaded) -> None:
     completion = CanonicalRequest(prompt="Hi", tools=[WEATHER])
     error = preprocess_error(preprocess, add_frame(RequestKind.COMPLETION, completion)).error
     assert error.param == "tools"
+
+
+def test_a_response_format_beside_callable_tools_is_refused(hermes: Loaded) -> None:
+    """The answer's grammar would forbid every call from the first token: a 400, not a
+    tool set silently ignored."""
+    preprocess = Preprocessor(hermes.tokenizer, EngineOptions(), max_context=4096)
+    fmt = ResponseFormat(OutputFormat.JSON_OBJECT, param="response_format")
+    request = CanonicalRequest(messages=USER_HI, tools=[WEATHER], response_format=fmt)
+    error = preprocess_error(preprocess, add_frame(RequestKind.CHAT, request)).error
+    assert error.param == "response_format" and "tool_choice" in error.message
+    none = ToolChoice(ToolChoiceMode.NONE)
+    constrained = CanonicalRequest(
+        messages=USER_HI, tools=[WEATHER], tool_choice=none, response_format=fmt
+    )
+    assert preprocess(add_frame(RequestKind.CHAT, constrained)).guide is not None

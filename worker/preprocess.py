@@ -14,6 +14,7 @@ from shared.types import (
     CanonicalRequest,
     ErrorCode,
     Message,
+    OutputFormat,
     RequestError,
     RequestKind,
     SamplingParams,
@@ -153,6 +154,13 @@ class Preprocessor:
                 lambda: tool_grammar(request.tools, choice, formats.tools, literal)
             )
         fmt = request.response_format
+        if grammar is None and calls and fmt is not None and fmt.type is not OutputFormat.TEXT:
+            # "a call or else this JSON" is not one grammar yet: never drop either silently
+            raise _invalid(
+                "a response format with tools the model may call (tool_choice auto) is not "
+                "served: constrain the answer (tool_choice none) or the call (required)",
+                fmt.param,
+            )
         if grammar is None and fmt is not None:
             grammar, param = self._grammar(lambda: response_grammar(fmt)), fmt.param
         budget = request.reasoning.budget_tokens if request.reasoning is not None else None

@@ -58,8 +58,11 @@ class CallStream:
             self._char(ch)
 
     def take(self) -> str:
-        """The arguments' text not handed out yet (only once the name is known)."""
+        """The arguments' text not handed out yet (only once the name is known, and only
+        for an object or array: a string or scalar is sent normalized when the call ends)."""
         if self.name is None or self.sent == len(self.arguments):
+            return ""
+        if not self.arguments.startswith(("{", "[")):
             return ""
         piece, self.sent = self.arguments[self.sent :], len(self.arguments)
         return piece

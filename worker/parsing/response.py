@@ -136,8 +136,8 @@ class ResponseParser:
         if stream is not None and stream.name is not None:
             # streamed already: its pieces are the call (a parse failure here means the
             # output was cut short; the client has what was generated)
-            if not stream.complete and calls and not stream.arguments:
-                # a call without arguments: what the parser read ({})
+            if calls and not stream.sent:
+                # arguments not streamed (none, a string, a scalar): what the parser read
                 parsed.calls.append(ToolCallDelta(self.calls, arguments=calls[0][1]))
             if not stream.complete or not calls:
                 self.calls += 1
@@ -175,11 +175,14 @@ class ResponseParser:
             if not isinstance(item, dict) or not isinstance(item.get("name"), str):
                 return []
             arguments = item.get("arguments", {})
+            if arguments is None:
+                arguments = {}
             if isinstance(arguments, str):
-                try:  # a parser that returns the arguments' text: kept when it is JSON
-                    json.loads(arguments)
+                try:  # the arguments' JSON text (a parser's or a model's): the object
+                    decoded = json.loads(arguments)
                 except ValueError:
-                    arguments = json.dumps(arguments, ensure_ascii=False)
+                    decoded = arguments
+                arguments = json.dumps({} if decoded is None else decoded, ensure_ascii=False)
             else:
                 arguments = json.dumps(arguments, ensure_ascii=False)
             calls.append((item["name"], arguments))

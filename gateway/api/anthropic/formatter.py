@@ -201,10 +201,16 @@ class MessagesFormatter:
         return out + self._event("ping", Ping())
 
     def stream_delta(self, index: int, output: RequestOutput) -> bytes:
+        """Thinking, then the rest of a call already open, then text, then new calls: a
+        delta merged for a slow reader may hold a call's last fragment and the text after
+        it, and a fragment must reach its block before that block is stopped."""
         out = self.blocks.thinking(output.reasoning) if output.reasoning else b""
+        started = [c for c in output.tool_calls if c.index in self.blocks.calls]
+        for call in started:
+            out += self.blocks.tool_call(call)
         if output.text:
             out += self.blocks.text(output.text)
-        for call in output.tool_calls:
+        for call in output.tool_calls[len(started) :]:
             out += self.blocks.tool_call(call)
         return out
 

@@ -20,7 +20,19 @@ from gateway.api.tokenize import tokenize_prompt
 from gateway.edge.logs import log_body
 from gateway.edge.middleware import context_of
 from gateway.errors import GatewayError
+from gateway.workers.client import WorkerClient
 from shared.types import RequestKind
+
+
+def model_thinks(state: State, name: str) -> bool:
+    """The model's template has thinking (from its last Ready; unknown: no)."""
+    workers: WorkerClient = state.workers
+    try:
+        view = workers.view(workers.resolve(name).name)
+    except GatewayError:
+        return False  # serve() answers the unknown model
+    info = view.info or view.last_info
+    return info is not None and "reasoning" in info.capabilities
 
 
 @post("/messages", status_code=200)
@@ -34,7 +46,8 @@ async def create_message(request: Request[Any, Any, Any], state: State) -> Respo
     served = Served(
         body.model, RequestKind.CHAT, [Job(canonical, sampling)], stream=body.stream, user=user
     )
-    response = await serve(request, state, served, messages_formatter(body, canonical))
+    formatter = messages_formatter(body, canonical, model_thinks(state, body.model))
+    response = await serve(request, state, served, formatter)
     if ctx is not None:  # Anthropic's SDKs read it as the response's _request_id
         response.headers["request-id"] = ctx.request_id
     return response

@@ -237,11 +237,17 @@ def messages_request(req: MessagesRequest) -> tuple[CanonicalRequest, SamplingPa
     return canonical, params
 
 
-def messages_formatter(req: MessagesRequest, canonical: CanonicalRequest) -> MessagesFormatter:
+def messages_formatter(
+    req: MessagesRequest, canonical: CanonicalRequest, model_thinks: bool = False
+) -> MessagesFormatter:
     """The request's formatter. A stream opens its text block at once (as for plain text
-    always) unless the answer may begin with thinking or a tool call."""
+    always) unless the answer may begin with thinking or a tool call: the request asks
+    for them, or the model thinks unless told not to (`model_thinks`)."""
     needs = canonical.needs()
-    text_first = "tools" not in needs and "reasoning" not in needs
+    thinks = "reasoning" in needs or (
+        model_thinks and not isinstance(req.thinking, ThinkingDisabled)
+    )
+    text_first = "tools" not in needs and not thinks
     thinking = req.thinking
     omitted = isinstance(thinking, ThinkingEnabled | ThinkingAdaptive) and (
         thinking.display == "omitted"

@@ -254,9 +254,21 @@ class ResponsesFormatter:
         events = b""
         if output.reasoning:
             events += self._into(ReasoningItem) + self._append(output.reasoning)
+        # the rest of the call open now comes before text after it (a merged delta holds
+        # both), new calls after the text
+        calls = output.tool_calls
+        started = 0
+        while (
+            started < len(calls)
+            and self.open is not None
+            and self.open.call == calls[started].index
+        ):
+            if calls[started].arguments:
+                events += self._append(calls[started].arguments)
+            started += 1
         if output.text:
             events += self._into(MessageItem) + self._append(output.text)
-        for delta in output.tool_calls:
+        for delta in calls[started:]:
             if self.open is None or self.open.call != delta.index:
                 item = _call(ToolCall(delta.id, delta.name, ""), "in_progress")
                 events += self._add(item, delta.index)
