@@ -320,3 +320,9 @@ def test_a_response_format_beside_callable_tools_is_refused(hermes: Loaded) -> N
         messages=USER_HI, tools=[WEATHER], tool_choice=none, response_format=fmt
     )
     assert preprocess(add_frame(RequestKind.CHAT, constrained)).guide is not None
+
+
+def test_a_model_with_nothing_to_parse_gets_no_parser(preprocess: Preprocessor) -> None:
+    """No think block, no tools: the output is all answer, parsed by nothing per token."""
+    prepared = preprocess(add_frame(RequestKind.CHAT, CanonicalRequest(messages=USER_HI)))
+    assert prepared.parser is None and prepared.guide is None

@@ -16,10 +16,9 @@ import pytest
 from litestar.datastructures import State
 from pydantic import TypeAdapter
 
-from gateway.api.common import decode_body
+from gateway.api.common import decode_body, no_parameters
 from gateway.api.relay import Choice
 from gateway.api.responses.formatter import ResponsesFormatter
-from gateway.api.responses.options import NO_PARAMETERS
 from gateway.api.responses.schemas import ResponsesRequest
 from gateway.api.responses.translate import (
     canonical_of,
@@ -102,7 +101,7 @@ def test_tools_and_choices_map() -> None:
     request = _canonical(tools=[WEATHER, bare])
     assert request.tools == [
         Tool("get_weather", "The weather in a city.", WEATHER["parameters"]),
-        Tool("now", "", NO_PARAMETERS),
+        Tool("now", "", no_parameters()),
     ]
     assert request.tool_choice is None and request.needs() == ["tools"]
     cases: list[tuple[Any, bool | None, ToolChoice | None]] = [

@@ -146,7 +146,8 @@ class Preprocessor:
         initial = formats.initial(prepared.prompt, self.tokenizer)
         # one call: parallel_tool_calls false, or a named choice (that tool, once)
         single = choice is not None and (not choice.parallel or choice.name is not None)
-        prepared.parser = ResponseParser(formats, initial, tools, single)
+        if tools is not None or formats.marked:  # else its text is all answer: no parser
+            prepared.parser = ResponseParser(formats, initial, tools, single)
         grammar, param = None, "tools"
         if calls and choice is not None:
             literal = self.grammars.literal

@@ -28,6 +28,23 @@ def unsupported(param: str, detail: str = "") -> GatewayError:
     return invalid(f"`{param}` is not supported" + (f": {detail}" if detail else ""), param)
 
 
+# OpenAI's and Anthropic's rule for tool (and json_schema) names.
+_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+NAME_RULE = "1 to 64 letters, digits, underscores or dashes"
+
+
+def check_name(name: str, where: str) -> None:
+    """A tool's or schema's name, or a 400 naming `where`."""
+    if not _NAME.fullmatch(name):
+        got = f" (not {name!r})" if name else ""
+        raise invalid(f"`{where}` must be {NAME_RULE}{got}", where)
+
+
+def no_parameters() -> dict[str, Any]:
+    """A tool's parameters when it gives none (a fresh dict each): no arguments."""
+    return {"type": "object", "properties": {}}
+
+
 def decode_body(body: bytes, type_: type[T]) -> T:
     """A request body as the protocol's request type, or a 400 naming what is wrong."""
     if not body:

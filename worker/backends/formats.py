@@ -46,6 +46,12 @@ class ModelFormats:
     markers: tuple[str, ...] = ()  # structural markers stripped from the answer (XTML)
 
     @property
+    def marked(self) -> bool:
+        """The output has markers to follow even without tools (thinking, a response
+        format's states, structural markers)."""
+        return self.thinking or bool(self.transitions) or bool(self.markers)
+
+    @property
     def thinking(self) -> bool:
         return self.think_start is not None and bool(self.think_end_tokens)
 

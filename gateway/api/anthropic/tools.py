@@ -6,7 +6,6 @@ such as "web_search_20250305" or "bash_20250124") run on Anthropic's side and ar
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import msgspec
@@ -18,11 +17,9 @@ from gateway.api.anthropic.schemas import (
     ToolChoiceParam,
     ToolDef,
 )
-from gateway.api.common import invalid
+from gateway.api.common import check_name, invalid
 from gateway.errors import validation_error
 from shared.types import Tool, ToolChoice, ToolChoiceMode
-
-_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 def _tool(raw: dict[str, Any], where: str) -> ToolDef:
@@ -37,11 +34,7 @@ def _tool(raw: dict[str, Any], where: str) -> ToolDef:
         tool = msgspec.convert(raw, ToolDef)
     except msgspec.ValidationError as exc:
         raise validation_error(exc, where) from exc
-    if not _NAME.fullmatch(tool.name):
-        raise invalid(
-            f"`{where}.name` is {tool.name!r}; a tool name matches ^[a-zA-Z0-9_-]{{1,64}}$",
-            f"{where}.name",
-        )
+    check_name(tool.name, f"{where}.name")
     if tool.input_schema.get("type") != "object":
         raise invalid(
             f"`{where}.input_schema.type` must be 'object': the input is a JSON object",

@@ -3,9 +3,8 @@ canonical ResponseFormat: the shape is checked here, the schema itself by the wo
 
 from __future__ import annotations
 
-from gateway.api.common import invalid, unsupported
+from gateway.api.common import check_name, invalid, unsupported
 from gateway.api.openai.schemas import ResponseFormat as ResponseFormatParam
-from gateway.api.openai.tools import NAME, NAME_RULE
 from shared.types import OutputFormat, ResponseFormat
 
 
@@ -32,12 +31,7 @@ def response_format_of(param: ResponseFormatParam | None) -> ResponseFormat | No
             "`response_format` of type json_schema needs `json_schema`",
             "response_format.json_schema",
         )
-    if not NAME.fullmatch(spec.name):
-        got = f" (not {spec.name!r})" if spec.name else ""
-        raise invalid(
-            f"`response_format.json_schema.name` must be {NAME_RULE}{got}",
-            "response_format.json_schema.name",
-        )
+    check_name(spec.name, "response_format.json_schema.name")
     if spec.schema is None:
         raise invalid(
             "`response_format.json_schema` needs its `schema` (a JSON Schema object)",

@@ -4,9 +4,7 @@ and the calls a turn made back into a message's `tool_calls` and a stream's delt
 
 from __future__ import annotations
 
-import re
-
-from gateway.api.common import invalid, unsupported
+from gateway.api.common import check_name, invalid, no_parameters, unsupported
 from gateway.api.openai.schemas import (
     FunctionCallOut,
     FunctionDelta,
@@ -17,9 +15,6 @@ from gateway.api.openai.schemas import (
 )
 from shared.types import Tool, ToolCall, ToolCallDelta, ToolChoice, ToolChoiceMode
 
-# OpenAI's rule for function (and json_schema) names.
-NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
-NAME_RULE = "1 to 64 letters, digits, underscores or dashes"
 _MODES = {mode.value: mode for mode in ToolChoiceMode}
 
 
@@ -32,18 +27,13 @@ def tools_of(params: list[ToolParam] | None) -> list[Tool]:
         fn = param.function
         if fn is None:
             raise invalid(f"`{where}` is a function tool without `function`", f"{where}.function")
-        if not NAME.fullmatch(fn.name):
-            got = f" (not {fn.name!r})" if fn.name else ""
-            raise invalid(
-                f"`{where}.function.name` must be {NAME_RULE}{got}", f"{where}.function.name"
-            )
+        check_name(fn.name, f"{where}.function.name")
         if any(tool.name == fn.name for tool in tools):
             raise invalid(
                 f"`{where}.function.name`: two tools are named {fn.name!r}",
                 f"{where}.function.name",
             )
-        no_parameters = {"type": "object", "properties": {}}  # a fresh one per tool
-        parameters = no_parameters if fn.parameters is None else fn.parameters
+        parameters = no_parameters() if fn.parameters is None else fn.parameters
         tools.append(Tool(fn.name, fn.description or "", parameters, bool(fn.strict)))
     return tools
 

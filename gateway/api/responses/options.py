@@ -10,14 +10,12 @@ model's own reasoning text (`content`), with an empty `summary`.
 
 from __future__ import annotations
 
-import copy
-import re
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
 
-from gateway.api.common import invalid, unsupported
+from gateway.api.common import check_name, invalid, no_parameters, unsupported
 from gateway.api.responses.schemas import (
     FunctionToolIn,
     JsonSchemaFormatIn,
@@ -34,9 +32,6 @@ from shared.types import (
     ToolChoiceMode,
 )
 
-NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-# Parameters' schema when a tool gives none (a copy each): a function without arguments.
-NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 T = TypeVar("T")
 
 
@@ -66,13 +61,6 @@ def convert(value: Any, type_: type[T], where: str) -> T:
         raise validation_error(exc, where) from None
 
 
-def check_name(name: str, where: str) -> None:
-    if not NAME.match(name):
-        raise invalid(
-            f"`{where}` {name!r} must be 1 to 64 letters, digits, underscores or dashes", where
-        )
-
-
 # ---- tools -------------------------------------------------------------------------------
 
 
@@ -95,7 +83,7 @@ def tools_of(raw: list[Any]) -> list[Tool]:
             raise invalid(
                 f"`{where}.name`: a tool named {tool.name!r} is listed twice", f"{where}.name"
             )
-        parameters = copy.deepcopy(NO_PARAMETERS) if tool.parameters is None else tool.parameters
+        parameters = no_parameters() if tool.parameters is None else tool.parameters
         tools.append(Tool(tool.name, tool.description or "", parameters, bool(tool.strict)))
     return tools
 
