@@ -128,6 +128,7 @@ class RowBatch:
         self.uid_count = 0
         self.steps = 0
         self.masks = Masks()  # guided rows' masks
+        self.guided = False  # some row of the batch has a guide (set when rows change)
 
     # ---- rows in and out ------------------------------------------------------------
 
@@ -307,8 +308,9 @@ class RowBatch:
         self._note_padding()
 
     def _note_padding(self) -> None:
-        """After the batch's rows changed: whether any is padded. A row holds the KV of its
+        """After the batch's rows changed: whether any is padded (and any guided). A row holds
         `held` tokens, right-aligned at the cache's size (every step appends one to each)."""
+        self.guided = any(r.guide is not None for r in self.rows)
         size = self.caches[0].size()
         if all(len(r.held) == size for r in self.rows):
             self.step_caches = [_Unpadded(c) for c in self.caches]
@@ -363,10 +365,6 @@ class RowBatch:
             if not row.dead:
                 out.append((row.uid, token, row_logprobs))
         return out
-
-    @property
-    def guided(self) -> bool:
-        return any(r.guide is not None for r in self.rows)
 
     def _guide(self, logits: mx.array, tokens: list[int]) -> mx.array:
         """Each guided row takes the token it produced (not its prompt's last) and masks
