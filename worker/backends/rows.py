@@ -308,8 +308,9 @@ class RowBatch:
         self._note_padding()
 
     def _note_padding(self) -> None:
-        """After the batch's rows changed: whether any is padded (and any guided). A row holds
-        `held` tokens, right-aligned at the cache's size (every step appends one to each)."""
+        """After the batch's rows changed: whether any is padded (and any guided). A row
+        holds the KV of its `held` tokens, right-aligned at the cache's size (every step
+        appends one to each)."""
         self.guided = any(r.guide is not None for r in self.rows)
         size = self.caches[0].size()
         if all(len(r.held) == size for r in self.rows):
