@@ -139,3 +139,39 @@ def test_a_thinking_budget_ends_the_thinking(hermes: Loaded) -> None:
     assert token_ids(deltas)[4] == end  # forced right after the fourth thinking token
     usage = deltas[-1].usage
     assert usage is not None and usage.reasoning_tokens == 5  # the marker is thinking too
+
+
+def test_rows_joining_and_leaving_around_a_constrained_row_keep_every_mask_on_its_row(
+    hermes: Loaded,
+) -> None:
+    """Rows join and leave while constrained rows decode (the rows batch computes their
+    masks a step ahead, for the batch as it was): each greedy row makes the tokens it makes
+    alone, and each schema's output completes and validates."""
+    fmt = ResponseFormat(OutputFormat.JSON_SCHEMA, SCHEMA, strict=True)
+    plain = chat(chat_template_kwargs=OFF)
+    constrained = chat(response_format=fmt, chat_template_kwargs=OFF)
+
+    def requests() -> list[PreparedRequest]:
+        return [
+            prepare(hermes, "j0", constrained, max_tokens=120, temperature=0.0),
+            prepare(hermes, "p0", plain, max_tokens=5, temperature=0.0, ignore_eos=True),
+            prepare(hermes, "j1", constrained, max_tokens=120, temperature=0.0),
+            prepare(hermes, "p1", plain, max_tokens=30, temperature=0.0, ignore_eos=True),
+        ]
+
+    alone = {r.request_id: drive(hermes.engine(), [r])[r.request_id] for r in requests()}
+    engine = hermes.engine()
+    out: dict[str, list[RequestOutput]] = {}
+    for request in requests():  # one joins every third step
+        engine.add(request)
+        for _ in range(3):
+            for output in engine.step():
+                out.setdefault(output.request_id, []).append(output)
+    for rid, deltas in drive(engine, []).items():
+        out.setdefault(rid, []).extend(deltas)
+    for rid, deltas in out.items():
+        assert token_ids(deltas) == token_ids(alone[rid]), rid
+        assert sum(d.finish_reason is not None for d in deltas) == 1
+    for rid in ("j0", "j1"):
+        assert out[rid][-1].finish_reason is FinishReason.STOP
+        jsonschema.validate(json.loads(text(out[rid])), SCHEMA)

@@ -32,14 +32,16 @@ and max_tokens are the engine's: a row runs until the engine removes it.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
 from worker.backends.sampling import LogitsProcessor, Sampler
-from worker.structured.guide import Guide, Masks
+from worker.structured.guide import Guide, Masks, Packed, pack
 
 # Compact the batch once this share of its rows has left (and whenever rows join).
 COMPACT_SHARE = 0.25
@@ -79,6 +81,60 @@ class Group:
     caches: list[Any]  # one BatchKVCache per layer
     tokens: mx.array | None  # (rows, positions) still to prefill, right-padded
     padded: bool  # right padding to move left once the prompts are in
+
+
+@dataclass(slots=True, eq=False)
+class Masked:
+    """What the guide thread made of a step's input tokens: each guided row took its token,
+    then the masks of the rows whose guide forbids something."""
+
+    tokens: list[int]  # each submitted row's input token
+    at: list[int]  # the masked rows (indices into the submitted rows)
+    bitmask: np.ndarray  # their bitmask lines, in that order
+    packed: Packed | None  # the same on the device (None: nothing masked)
+
+
+@dataclass(slots=True, eq=False)
+class Ahead:
+    future: Future[Masked]
+    rows: list[Row]  # the batch's rows when submitted, in the order of its inputs
+    version: int  # RowBatch.version then
+
+
+class GuideThread:
+    """Computes a guided batch's masks a step ahead, on one thread: submitted when a step's
+    tokens are queued, it waits for them, hands each guided row its token and fills the
+    masks of the step after, while the main thread returns the step's output and builds the
+    next forward pass. On a GPU whose decode steps are bound by the host, a mask over a 128k
+    vocabulary and making its device array otherwise add to every step of the whole batch
+    (docs/benchmarks.md). The thread runs while the main one has released the GIL (MLX
+    does, while it encodes a step)."""
+
+    def __init__(self, masks: Masks) -> None:
+        self.masks = masks
+        self._pool: ThreadPoolExecutor | None = None
+
+    def submit(self, probe: mx.array, rows: list[Row], version: int) -> Ahead:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="guides")
+        return Ahead(self._pool.submit(self._work, probe, rows), rows, version)
+
+    def _work(self, probe: mx.array, rows: list[Row]) -> Masked:
+        tokens: list[int] = probe.tolist()  # type: ignore[assignment]
+        guided: list[int] = []
+        for i, row in enumerate(rows):
+            if row.guide is not None and not row.dead:
+                row.guide.consume(tokens[i])
+                guided.append(i)
+        if not guided:
+            return Masked(tokens, [], np.empty((0, 0), np.int32), None)
+        bitmask, filled = self.masks.fill([rows[i].guide for i in guided])  # type: ignore[misc]
+        at = [i for i, forbids in zip(guided, filled, strict=True) if forbids]
+        if len(at) < len(guided):
+            bitmask = bitmask[[j for j, forbids in enumerate(filled) if forbids]]
+        if not at:
+            return Masked(tokens, [], bitmask, None)
+        return Masked(tokens, at, bitmask, pack(bitmask, None if len(at) == len(rows) else at))
 
 
 class _Unpadded:
@@ -129,6 +185,9 @@ class RowBatch:
         self.steps = 0
         self.masks = Masks()  # guided rows' masks
         self.guided = False  # some row of the batch has a guide (set when rows change)
+        self.version = 0  # counts changes to the batch's rows
+        self._guides = GuideThread(self.masks)
+        self._ahead: Ahead | None = None  # the next step's masks, being computed
 
     # ---- rows in and out ------------------------------------------------------------
 
@@ -276,6 +335,7 @@ class RowBatch:
             self.rows, self.caches, self.inputs, self.logprobs = [], [], None, []
             self.step_caches = []
             self.fresh.clear()
+            self.version += 1
             return
         for c in self.caches:
             c.filter(keep)
@@ -312,6 +372,7 @@ class RowBatch:
         holds the KV of its `held` tokens, right-aligned at the cache's size (every step
         appends one to each)."""
         self.guided = any(r.guide is not None for r in self.rows)
+        self.version += 1
         size = self.caches[0].size()
         if all(len(r.held) == size for r in self.rows):
             self.step_caches = [_Unpadded(c) for c in self.caches]
@@ -328,13 +389,9 @@ class RowBatch:
         assert inputs is not None
         logits = self.model(inputs[:, None], cache=self.step_caches)[:, -1, :]
         tokens: list[int] | None = None
-        if self.guided:
-            # a guide needs the previous token to mask this step's: the forward pass is
-            # queued first, so the device runs it while the host computes the masks
-            mx.async_eval(logits)
-            tokens = inputs.tolist()  # type: ignore[assignment]  # waits for step n-1
-            assert tokens is not None
-            logits = self._guide(logits, tokens)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None or self.guided:
+            logits, tokens = self._guide(logits, inputs, ahead)
         if any(r.processors for r in self.rows):
             logits = self._process(inputs, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -345,13 +402,15 @@ class RowBatch:
             sampled = mx.concatenate(
                 [s(logprobs[i : i + 1]) for i, s in enumerate(samplers)], axis=0
             )
+        # the guide thread's own handle on this step's tokens (an array only it waits on)
+        probe = mx.contiguous(sampled) if self.guided else None
         rows_logprobs: list[mx.array | None]
         if want_logprobs:
             rows_logprobs = list(logprobs)
-            mx.async_eval(sampled, rows_logprobs)
+            mx.async_eval(sampled, probe, rows_logprobs)
         else:
             rows_logprobs = [None] * len(self.rows)
-            mx.async_eval(sampled)
+            mx.async_eval(sampled, probe)
         previous = self.logprobs
         self.inputs, self.logprobs = sampled, rows_logprobs
         if tokens is None:
@@ -365,30 +424,75 @@ class RowBatch:
                 continue
             if not row.dead:
                 out.append((row.uid, token, row_logprobs))
+        if probe is not None:
+            self._ahead = self._guides.submit(probe, list(self.rows), self.version)
         return out
 
-    def _guide(self, logits: mx.array, tokens: list[int]) -> mx.array:
-        """Each guided row takes the token it produced (not its prompt's last) and masks
-        its next one; only the rows whose guide forbids something are touched."""
-        guided: list[tuple[int, Guide]] = []
-        for i, row in enumerate(self.rows):
-            guide = row.guide
-            if guide is None:
-                continue
-            if row.uid not in self.fresh:
-                guide.consume(tokens[i])
-            if not row.dead:
-                guided.append((i, guide))
-        if not guided:
-            return logits
-        bitmask, filled = self.masks.fill([guide for _, guide in guided])
-        masked = [i for (i, _), forbids in zip(guided, filled, strict=True) if forbids]
-        if not masked:
-            return logits
-        if len(masked) < len(guided):
-            bitmask = bitmask[[j for j, forbids in enumerate(filled) if forbids]]
-        rows = None if len(masked) == len(self.rows) else masked
-        return self.masks.apply(logits, bitmask, rows)
+    def _guide(
+        self, logits: mx.array, inputs: mx.array, ahead: Ahead | None
+    ) -> tuple[mx.array, list[int] | None]:
+        """Masks the guided rows' logits: with the masks the guide thread computed for this
+        step (it took each row's previous token), and those of rows it did not see (joined
+        this step). Returns the step's input tokens too when the thread read them for the
+        batch's rows as they are (None: the caller reads them)."""
+        masked: Masked | None = None
+        if ahead is not None:
+            if not ahead.future.done():
+                # the device runs the forward pass while the thread finishes
+                mx.async_eval(logits)
+            masked = ahead.future.result()
+        same = masked is not None and ahead is not None and ahead.version == self.version
+        tokens = masked.tokens if same and masked is not None else None
+        at: list[int] = []  # rows masked, and their bitmask lines
+        lines: list[np.ndarray] = []
+        if masked is not None:
+            if same:
+                for j, i in enumerate(masked.at):
+                    if not self.rows[i].dead:
+                        at.append(i)
+                        lines.append(masked.bitmask[j])
+            else:
+                assert ahead is not None
+                index = {r.uid: i for i, r in enumerate(self.rows) if not r.dead}
+                for j, i in enumerate(masked.at):
+                    now = index.get(ahead.rows[i].uid)
+                    if now is not None:
+                        at.append(now)
+                        lines.append(masked.bitmask[j])
+        packed = None  # the thread's device array, while it still says it all
+        if same and masked is not None and len(at) == len(masked.at):
+            packed = masked.packed
+        late: list[Row] = []  # rows the thread did not see: joined this step
+        if not same:
+            seen = {r.uid for r in ahead.rows} if ahead is not None else set()
+            late = [r for r in self.rows if r.guide and r.uid not in seen and not r.dead]
+        if late:
+            if tokens is None and any(r.uid not in self.fresh for r in late):
+                mx.async_eval(logits)
+                tokens = inputs.tolist()  # type: ignore[assignment]
+            position = {r.uid: i for i, r in enumerate(self.rows)}
+            for r in late:
+                if r.uid not in self.fresh:  # a token to take (not expected: joined rows are)
+                    assert r.guide is not None and tokens is not None
+                    r.guide.consume(tokens[position[r.uid]])
+            bitmask, filled = self.masks.fill([r.guide for r in late])  # type: ignore[misc]
+            for r, line, forbids in zip(late, bitmask, filled, strict=True):
+                if forbids:
+                    at.append(position[r.uid])
+                    lines.append(line)
+                    packed = None
+        for row in self.rows:
+            if row.guide is not None:
+                row.guide.settle()
+        if not at:
+            return logits, tokens
+        if packed is None:
+            every = len(at) == len(self.rows)
+            if every:
+                order = sorted(range(len(at)), key=at.__getitem__)
+                lines = [lines[k] for k in order]
+            packed = pack(np.stack(lines), None if every else at)
+        return self.masks.apply_packed(logits, packed), tokens
 
     def _process(self, inputs: mx.array, logits: mx.array) -> mx.array:
         """Each row's logits processors, given every token it has seen, this step's input

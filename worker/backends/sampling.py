@@ -88,6 +88,7 @@ def guide_processors(guide: Guide | None, masks: Masks | None = None) -> list[Lo
             first[0] = False
         else:
             guide.consume(cast(int, tokens[-1].item()))
+            guide.settle()
         bitmask = guide.bitmask(1)
         return masks.apply(logits, bitmask) if guide.fill(bitmask, 0) else logits
 

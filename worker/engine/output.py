@@ -63,10 +63,12 @@ class OutputProcessor:
         if hit:
             return self.finish(request, FinishReason.STOP, token, text, logprob=logprob)
         guide = request.guide
-        if guide is not None and guide.error is not None:
-            error = RequestError(ErrorCode.INTERNAL, f"the output constraint failed: {guide.error}")
+        if guide is not None and guide.failure is not None:
+            error = RequestError(
+                ErrorCode.INTERNAL, f"the output constraint failed: {guide.failure}"
+            )
             return self.finish(request, FinishReason.ERROR, token, text, True, logprob, error)
-        if guide is not None and guide.stopped:  # the grammar is complete
+        if guide is not None and guide.done:  # the grammar is complete
             return self.finish(request, FinishReason.STOP, token, text, True, logprob)
         if request.completion_tokens >= request.max_tokens:
             return self.finish(

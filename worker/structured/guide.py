@@ -2,6 +2,11 @@
 and a thinking budget. The batch asks each constrained row for its mask before sampling
 and hands it every token the row produced; rows without a guide are left alone.
 
+The rows batch does that on a thread of its own, a step ahead of the engine (see
+worker/backends/rows.py): what the engine reads (`done`, `failure`) is what `settle()`
+recorded when the batch returned the token, not the live state of a guide that may already
+have taken the next token.
+
 Thinking comes first: while the row is inside its think block the grammar waits (the
 budget, if any, counts those tokens and then forces the block's end marker); from the
 token after the marker on, the grammar decides.
@@ -75,8 +80,10 @@ class Guide:
         "_forcing",
         "_tail",
         "budget",
+        "done",
         "end_tokens",
         "error",
+        "failure",
         "matcher",
         "spent",
         "start_tokens",
@@ -103,6 +110,8 @@ class Guide:
         self.budget = budget  # thinking tokens allowed (None: no limit)
         self.spent = 0
         self.error: str | None = None
+        self.done = False  # as settled: the grammar was complete after the returned token
+        self.failure: str | None = None  # as settled: the error after the returned token
         self._forcing = 0  # budget spent: end marker tokens forced so far
         self._tail: list[int] = []
 
@@ -110,6 +119,10 @@ class Guide:
     def stopped(self) -> bool:
         """The grammar is complete: nothing may follow."""
         return self.matcher is not None and not self.thinking and self.matcher.is_stopped()
+
+    def settle(self) -> None:
+        """Record the state after the tokens consumed so far, for the engine to read."""
+        self.done, self.failure = self.stopped, self.error
 
     @property
     def constrains(self) -> bool:
@@ -179,23 +192,53 @@ class Masks:
         """logits (batch, vocab) with every token whose bit is clear in `bitmask` (one row
         of 32-bit words, llguidance's layout, per masked row) set to -inf: of every row, or
         of `rows` only (bitmask[j] masks logits[rows[j]]). Plain MLX ops, so any device."""
+        return self.apply_packed(logits, pack(bitmask, rows))
+
+    def apply_packed(self, logits: Any, packed: Packed) -> Any:
+        """`apply` with the masks already on the device (`pack`, which another thread may
+        run: making an array from host memory is a good part of a mask's host time)."""
         import mlx.core as mx
 
         table = self._tables.get(logits.dtype)
         if table is None:
             table = self._tables[logits.dtype] = _byte_table(logits.dtype)
         vocab = logits.shape[-1]
-        masked = bitmask.shape[0]
-        add = table[mx.array(bitmask.view(np.uint8))].reshape(masked, -1)  # (masked, words*32)
+        masked, words, lead = packed.masked, packed.words, packed.lead
+        bits = mx.view(packed.data[lead:] if lead else packed.data, mx.uint8)
+        add = table[bits].reshape(masked, words * 32)
         width = add.shape[1]
         if width < vocab:  # tokens llguidance does not know (a padded embedding): never
             pad = mx.full((masked, vocab - width), -float("inf"), dtype=add.dtype)
             add = mx.concatenate([add, pad], axis=1)
         elif width > vocab:
             add = add[:, :vocab]
-        if rows is None:
+        if not lead:
             return logits + add
-        return logits.at[mx.array(rows)].add(add)
+        return logits.at[packed.data[:lead]].add(add)
+
+
+class Packed:
+    """Masks as one device array: the masked rows' indices (none: every row, in order),
+    then their bitmask rows' words."""
+
+    __slots__ = ("data", "lead", "masked", "words")
+
+    def __init__(self, data: Any, lead: int, masked: int, words: int) -> None:
+        self.data, self.lead, self.masked, self.words = data, lead, masked, words
+
+
+def pack(bitmask: np.ndarray, rows: list[int] | None = None) -> Packed:
+    """bitmask (masked, words) and the rows it masks (None: all, in order) as one array: one
+    copy from the host a step, not two."""
+    import mlx.core as mx
+
+    masked, words = bitmask.shape
+    if rows is None:
+        return Packed(mx.array(bitmask.reshape(-1)), 0, masked, words)
+    flat = np.empty(len(rows) + bitmask.size, dtype=np.int32)
+    flat[: len(rows)] = rows
+    flat[len(rows) :] = bitmask.reshape(-1)
+    return Packed(mx.array(flat), len(rows), masked, words)
 
 
 def apply_bitmask(logits: Any, bitmask: np.ndarray, rows: list[int] | None = None) -> Any:
