@@ -279,3 +279,28 @@ def test_the_forced_token_is_the_argmax(tokenizer: TokenizerWrapper) -> None:
     guide.fill(bitmask, 0)
     logits = mx.random.normal((1, vocab), key=mx.random.key(1))
     assert mx.argmax(apply_bitmask(logits, bitmask), axis=-1).item() == end[0]
+
+
+def test_masks_of_some_rows_leave_the_others_alone() -> None:
+    """The packed form (the rows' indices, then their bits, one device array)."""
+    logits = mx.random.normal((4, 64), key=mx.random.key(2))
+    masks = [{0, 5}, {63}]
+    out = apply_bitmask(logits, mask_of(masks, 2), rows=[3, 1])
+    check(logits[mx.array([3, 1])], out[mx.array([3, 1])], masks)
+    for r in (0, 2):
+        assert mx.array_equal(out[r], logits[r]).item()
+
+
+def test_settle_records_the_state_the_engine_reads(grammars: Grammars, grammar: str) -> None:
+    """What the engine reads is the state when settled, not the live one a token ahead."""
+    guide = Guide(grammars.matcher(grammar), words=grammars.words)
+    tokens = encode(grammars.hf, json.dumps({"answer": 7}))
+    for token in tokens:
+        guide.consume(token)
+    assert guide.stopped and not guide.done  # not settled yet
+    guide.settle()
+    assert guide.done and guide.failure is None
+    guide.consume(tokens[0])  # not allowed after the end
+    assert guide.error and guide.failure is None
+    guide.settle()
+    assert guide.failure == guide.error
