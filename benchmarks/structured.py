@@ -14,7 +14,10 @@ out), in four mixes:
   is queued first);
 - `half-json`: half the rows constrained.
 Every step returns one token per row, so a step's time is the time per token of each row.
-Prints one JSON line per (rows, repeat): each mix's median step in ms and its ratio to plain.
+Each repeat is a round of every mix (in reverse order every other round, so that a machine
+drifting during a run favours none). Prints one JSON line per (rows, round): each mix's
+median step in ms and its ratio to that round's plain; then, per size, a line with
+"median": the median over the rounds of each mix's step and of each ratio.
 """
 
 from __future__ import annotations
@@ -52,11 +55,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=150, help="steps timed per mix and size")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--batcher", choices=("rows", "mlx_lm"), default="rows")
+    p.add_argument(
+        "--mixes",
+        type=lambda text: [m for m in text.split(",") if m],
+        default=list(MIXES),
+        help=f"comma-separated, of {','.join(MIXES)} (plain is always run)",
+    )
 
     args = p.parse_args(argv)
     if args.steps < 1 or args.repeats < 1:
         p.error("--steps and --repeats must be at least 1")
+    unknown = [m for m in args.mixes if m not in MIXES]
+    if unknown:
+        p.error(f"unknown mix {unknown[0]!r}: one of {', '.join(MIXES)}")
+    args.mixes = ["plain", *[m for m in MIXES if m in args.mixes and m != "plain"]]
     return args
+
+
+def _applies(mix: str, rows: int) -> bool:
+    """Whether a mix differs from the others at this size (one-json at 1 row is json)."""
+    guided = constrained(mix, rows)
+    return mix == "plain" or (guided > 0 and (mix == "json" or guided < rows))
 
 
 def constrained(mix: str, rows: int) -> int:
@@ -134,25 +153,33 @@ def main(argv: list[str] | None = None) -> int:
     preprocess.grammars.matcher(_grammar())  # the tokenizer map and the schema, once
     setup_ms = 1000 * (time.perf_counter() - started)
     for rows in args.rows:
+        mixes = [m for m in args.mixes if _applies(m, rows)]
+        ratios: dict[str, list[float]] = {m: [] for m in mixes if m != "plain"}
+        steps: dict[str, list[float]] = {m: [] for m in mixes}
         for repeat in range(args.repeats):
             line: dict[str, Any] = {"rows": rows, "repeat": repeat, "setup_ms": setup_ms}
-            for mix in MIXES:
-                guided = constrained(mix, rows)
-                if mix != "plain" and (guided == 0 or (mix != "json" and guided == rows)):
-                    continue  # the same as another mix at this size
+            # every other round runs the mixes in reverse: a machine drifting during a
+            # round then favours no mix
+            for mix in mixes if repeat % 2 == 0 else mixes[::-1]:
                 line[mix] = run_mix(
                     model,
                     tokenizer,
                     preprocess,
                     args.batcher,
                     rows,
-                    guided,
+                    constrained(mix, rows),
                     args.steps,
                 )
-                if mix != "plain":
-                    line[f"{mix}/plain"] = line[mix] / line["plain"]
+                steps[mix].append(line[mix])
                 mx.clear_cache()
+            for mix in ratios:
+                line[f"{mix}/plain"] = line[mix] / line["plain"]
+                ratios[mix].append(line[f"{mix}/plain"])
             print(json.dumps({k: _round(v) for k, v in line.items()}), flush=True)
+        summary: dict[str, Any] = {"rows": rows, "rounds": args.repeats, "median": True}
+        summary.update({mix: statistics.median(v) for mix, v in steps.items()})
+        summary.update({f"{mix}/plain": statistics.median(v) for mix, v in ratios.items()})
+        print(json.dumps({k: _round(v) for k, v in summary.items()}), flush=True)
     return 0
 
 
