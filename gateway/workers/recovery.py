@@ -2,8 +2,10 @@
 
 An exit asked for (unload, reload) ends whatever that worker still held with a clear error.
 A worker that never got Ready failed to load: its waiters see why. Any other exit is a
-crash: requests that had produced nothing yet wait for the next worker (replay), the others
-end with `worker_died`; the model restarts after an exponential backoff, unless it crashed
+crash: requests that had produced nothing yet wait for the next worker (replay, once: a
+request whose worker dies twice while holding it ends with `worker_died`, so that a request
+that kills every worker it reaches cannot crash-loop its model), the others end with
+`worker_died`; the model restarts after an exponential backoff, unless it crashed
 `server.crash_loop_count` times within `server.crash_loop_window_s`: then it is failed,
 with the worker's exit status and the tail of its log, until someone loads it again.
 """
@@ -83,12 +85,21 @@ class Recovery:
         while slot.crashes and now - slot.crashes[0] > self.server.crash_loop_window_s:
             slot.crashes.popleft()
         sent = [s for s in handle.streams.values() if s.received]
-        fresh = [s for s in handle.streams.values() if not s.received]
+        again = [s for s in handle.streams.values() if not s.received and s.replays]
+        fresh = [s for s in handle.streams.values() if not s.received and not s.replays]
         handle.streams.clear()
         message = f"the worker of model {slot.name!r} died: {reason}"
         self.calls.fail(handle.worker_id, message)
         for stream in sent:
             stream.fail(ErrorCode.WORKER_DIED, message)
+        for stream in again:
+            stream.fail(
+                ErrorCode.WORKER_DIED,
+                f"{message}; it was the second worker to die while serving this request, "
+                "which is not sent again",
+            )
+        for stream in fresh:
+            stream.replays += 1
         slot.replay.extend(fresh)
         if len(slot.crashes) >= self.server.crash_loop_count:
             slot.restarting = slot.restart_pending = False

@@ -16,6 +16,7 @@ class RequestStream:
         "finished",
         "model",
         "received",
+        "replays",
         "request_id",
         "worker_id",
     )
@@ -27,6 +28,7 @@ class RequestStream:
         self.finished = False
         self.received = False  # the worker produced output: it can no longer be replayed
         self.add: Add | None = None  # what was sent, for a replay on a restarted worker
+        self.replays = 0  # times it was sent again after its worker died
         self._pending: RequestOutput | None = None
         self._waiter: asyncio.Future[None] | None = None
 
