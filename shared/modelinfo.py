@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shared.config import ModelConfig
+from shared.config import DEMO_SOURCE, MINILM_SOURCE, ModelConfig, ModelKind
 
 DEFAULT_CONTEXT = 4096
 _CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length")
@@ -19,6 +19,30 @@ def text_capabilities(chat_template: bool) -> list[str]:
     output is llguidance's (tools and reasoning depend on the template: the worker says)."""
     chat = ["chat"] if chat_template else []
     return [*chat, "completion", "logprobs", "echo", "tokenize", "structured_output"]
+
+
+# model_type values of the encoders the embedding worker runs (worker/embeddings/bert.py)
+ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})
+
+
+def kind_of(config: ModelConfig) -> ModelKind:
+    """The configured kind, else what the files say: a sentence-transformers folder
+    (modules.json) or a BERT-family encoder is an embedding model, anything else a text
+    model (a hub id not downloaded yet too: set `kind` for one that is not)."""
+    if config.kind is not None:
+        return config.kind
+    if config.source == MINILM_SOURCE:
+        return ModelKind.EMBEDDING
+    if config.source == DEMO_SOURCE:
+        return ModelKind.LLM
+    path = Path(config.source).expanduser()
+    try:
+        if (path / "modules.json").is_file():
+            return ModelKind.EMBEDDING
+        model_type = (_json(path / "config.json") or {}).get("model_type")
+    except (OSError, ValueError):
+        return ModelKind.LLM
+    return ModelKind.EMBEDDING if model_type in ENCODER_TYPES else ModelKind.LLM
 
 
 def context_length(path: Path, config: ModelConfig) -> int:
@@ -42,7 +66,10 @@ def has_chat_template_files(path: Path) -> bool:
 
 def peek(config: ModelConfig) -> tuple[int | None, list[str] | None]:
     """(context length, capabilities) of a local model directory; (None, None) for a hub id
-    not downloaded yet or a directory that cannot be read."""
+    not downloaded yet or a directory that cannot be read. An embedding model's context is
+    known once loaded (its encoder's and sentence-transformers' limits)."""
+    if kind_of(config) is ModelKind.EMBEDDING:
+        return None, ["embeddings"]
     path = Path(config.source).expanduser()
     if not (path / "config.json").is_file():
         return None, None

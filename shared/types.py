@@ -16,6 +16,7 @@ import msgspec
 class RequestKind(enum.StrEnum):
     CHAT = "chat"
     COMPLETION = "completion"
+    EMBEDDING = "embedding"  # vectors of `inputs` / `input_token_ids` (an embedding model)
 
 
 class FinishReason(enum.StrEnum):
@@ -201,6 +202,9 @@ class CanonicalRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     tool_choice: ToolChoice | None = None  # None: AUTO when there are tools
     response_format: ResponseFormat | None = None
     reasoning: Reasoning | None = None
+    # An embedding request's texts, or its token arrays (one of the two).
+    inputs: list[str] = []
+    input_token_ids: list[list[int]] = []
 
     def needs(self) -> list[str]:
         """The model capabilities this request uses beyond plain text."""
@@ -312,3 +316,7 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     timings: Timings | None = None  # with the first token: the worker's share of its wait
     reasoning: str = ""
     tool_calls: list[ToolCallDelta] = []
+    # An embedding request's vectors: float32, little-endian, one after the other, each
+    # `dimensions` long (in the order of its inputs).
+    embeddings: bytes = b""
+    dimensions: int = 0

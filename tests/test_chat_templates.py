@@ -307,6 +307,6 @@ def test_bad_format_specs_are_rejected(tmp_path: Path) -> None:
 
 def test_demo_has_tools_and_thinking_off_by_default() -> None:
     assert (DEMO_SPEC.tool_format, DEMO_SPEC.thinking) == ("hermes", True)
-    (demo,) = Config().with_defaults().models
+    demo = Config().with_defaults().models[0]
     assert demo.is_demo
     assert demo.chat_template_kwargs == {"enable_thinking": False}

@@ -8,6 +8,7 @@ import pytest
 
 from shared.config import (
     DEMO_SOURCE,
+    MINILM_SOURCE,
     Config,
     ConfigError,
     EngineOptions,
@@ -17,6 +18,7 @@ from shared.config import (
     load_config,
     parse_duration,
 )
+from shared.modelinfo import kind_of
 
 TWO_MODELS = """
 [server]
@@ -56,16 +58,37 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_no_file_gives_the_demo_model() -> None:
+def test_no_file_gives_the_demo_model_and_minilm_for_embeddings() -> None:
     config = load_config(None)
     assert config.server == ServerConfig()
-    assert [m.name for m in config.models] == ["demo"]
-    demo = config.models[0]
+    assert [m.name for m in config.models] == ["demo", "all-minilm-l6-v2"]
+    demo, minilm = config.models
     assert demo.source == DEMO_SOURCE
     assert demo.is_demo
     assert demo.aliases == ["default"]
-    assert demo.kind is ModelKind.LLM
+    assert kind_of(demo) is ModelKind.LLM
     assert demo.engine == EngineOptions()
+    assert minilm.source == MINILM_SOURCE and minilm.aliases == ["embeddings"]
+    assert kind_of(minilm) is ModelKind.EMBEDDING and not minilm.preload
+
+
+def test_kind_is_what_the_files_say_unless_set(tmp_path: Path) -> None:
+    def model(kind: ModelKind | None = None, **files: str) -> ModelConfig:
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        for name, text in files.items():
+            (folder / name.replace("_json", ".json")).write_text(text)
+        return ModelConfig(name="m", source=str(folder), kind=kind)
+
+    assert kind_of(model(config_json='{"model_type": "llama"}')) is ModelKind.LLM
+    assert kind_of(model(config_json='{"model_type": "bert"}')) is ModelKind.EMBEDDING
+    assert kind_of(model(config_json='{"model_type": "xlm-roberta"}')) is ModelKind.EMBEDDING
+    assert kind_of(model(config_json='{"model_type": "qwen3"}', modules_json="[]")) is (
+        ModelKind.EMBEDDING  # a sentence-transformers folder
+    )
+    assert kind_of(model(ModelKind.LLM, config_json='{"model_type": "bert"}')) is ModelKind.LLM
+    hub = ModelConfig(name="h", source="org/not-downloaded")
+    assert kind_of(hub) is ModelKind.LLM
 
 
 def test_config_env_var_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -103,7 +126,7 @@ def test_two_models_with_aliases_and_engine_options(tmp_path: Path) -> None:
 def test_empty_file_gives_the_demo_model(tmp_path: Path) -> None:
     config = load_config(write(tmp_path, "[server]\nport = 8123\n"))
     assert config.server.port == 8123
-    assert [m.source for m in config.models] == [DEMO_SOURCE]
+    assert [m.source for m in config.models] == [DEMO_SOURCE, MINILM_SOURCE]
 
 
 @pytest.mark.parametrize(

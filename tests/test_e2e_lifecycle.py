@@ -75,7 +75,8 @@ def test_request_timeout_aborts_and_reports(chat_model: Path) -> None:
 
 
 def test_embedded_default_serves_the_demo_model(tmp_path: Path) -> None:
-    """No config at all: the gateway generates and serves the random-weight demo model."""
+    """No config at all: the gateway generates and serves the random-weight demo model, and
+    loads the packaged all-MiniLM-L6-v2 on the first embedding request."""
     import openai
 
     from tests.gateway_proc import running_gateway
@@ -83,14 +84,18 @@ def test_embedded_default_serves_the_demo_model(tmp_path: Path) -> None:
     with running_gateway([], env={"MLX_GATEWAY_CACHE_DIR": str(tmp_path)}) as gw:
         gw.wait_ready(["demo"])
         client = openai.OpenAI(base_url=f"{gw.base_url}/v1", api_key="x", max_retries=0)
-        (card,) = client.models.list().data
+        card, minilm = client.models.list().data
         assert card.id == "demo"
         assert "random-weight" in (card.model_extra or {})["description"]
+        assert minilm.id == "all-minilm-l6-v2"
+        assert (minilm.model_extra or {})["state"] == "unloaded"  # until first used
         r = client.chat.completions.create(
             model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=8
         )
         assert r.choices[0].message.content
         assert "random-weight demo" in gw.logs()
+        vectors = client.embeddings.create(model="embeddings", input=["a", "b"]).data
+        assert [len(v.embedding) for v in vectors] == [384, 384]
     assert list(tmp_path.glob("models/demo-llama-*/model.safetensors"))
 
 

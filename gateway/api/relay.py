@@ -47,8 +47,13 @@ class Choice:
     stop: str | None = None  # the stop string that ended it
     reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)  # in index order
+    embeddings: bytes = b""  # an embedding request's vectors (RequestOutput.embeddings)
+    dimensions: int = 0
 
     def add(self, output: RequestOutput) -> None:
+        if output.embeddings:
+            self.embeddings += output.embeddings
+            self.dimensions = output.dimensions
         self.text += output.text
         self.reasoning += output.reasoning
         for delta in output.tool_calls:

@@ -148,6 +148,8 @@ def needs_of(
     kind: RequestKind, sampling: SamplingParams, request: CanonicalRequest | None = None
 ) -> list[str]:
     """The model capabilities a request relies on (checked against the worker's Ready)."""
+    if kind == RequestKind.EMBEDDING:
+        return ["embeddings"]
     needs = ["chat" if kind == RequestKind.CHAT else "completion"]
     if sampling.logprobs:
         needs.append("logprobs")

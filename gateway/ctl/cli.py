@@ -248,6 +248,7 @@ def _prefix_cache(stats: dict[str, int] | None) -> str:
 def _table(rows: list[dict[str, Any]]) -> str:
     header = (
         "MODEL",
+        "KIND",
         "STATE",
         "PID",
         "MEMORY",
@@ -270,6 +271,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             (
                 r["model"],
+                str(r.get("kind", "-")),
                 r["state"],
                 str(r["pid"] or "-"),
                 f"{memory / 2**20:.0f} MiB" if memory else "-",

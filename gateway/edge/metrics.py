@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 
 from gateway.edge.context import RequestContext
 from gateway.workers.client import ModelState, WorkerClient
+from shared.modelinfo import kind_of
 
 UNKNOWN = "-"  # the model label of a request refused before it named one (401, 400)
 
@@ -126,6 +127,7 @@ class WorkerCollector(Collector):
         def gauge(name: str, doc: str, *labels: str) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, doc, labels=["model", *labels])
 
+        info = gauge("mlxgw_model_info", "1 for each model, with its kind", "kind")
         state = gauge("mlxgw_model_state", "1 for the model's current state", "state")
         running = gauge("mlxgw_running_requests", "Requests generating in the worker")
         waiting = gauge("mlxgw_waiting_requests", "Requests queued in the worker")
@@ -142,6 +144,7 @@ class WorkerCollector(Collector):
         )
         for view in self.workers.views():
             name, current = view.name, view.state
+            info.add_metric([name, kind_of(view.config).value], 1.0)
             for s in ModelState:
                 state.add_metric([name, s.value], 1.0 if s == current else 0.0)
             restarts.add_metric([name], view.restarts)
@@ -158,7 +161,7 @@ class WorkerCollector(Collector):
                 cache_limit.add_metric([name], hb.cache_limit_bytes)
             if view.info is not None:
                 load.add_metric([name], view.info.load_time_s)
-        yield from (state, running, waiting, in_flight, rss, active, cache, peak, wired)
+        yield from (info, state, running, waiting, in_flight, rss, active, cache, peak, wired)
         yield from (cache_limit, load, restarts)
         yield from self.prefix_cache()
 

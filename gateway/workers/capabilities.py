@@ -23,7 +23,10 @@ _MISSING = {
     " set tool_parser in its config if it has one)",
     "reasoning": "its chat template has no thinking",
     "structured_output": "it does not serve constrained (structured) output",
+    "embeddings": "it is not an embedding model",
 }
+# What a request of another kind is told by an embedding model
+_EMBEDDING_ONLY = "it is an embedding model: it serves /v1/embeddings only"
 MISSING_PARAM = {
     "chat": "messages",
     "logprobs": "logprobs",
@@ -31,6 +34,7 @@ MISSING_PARAM = {
     "tools": "tools",
     "reasoning": "reasoning_effort",  # OpenAI's name (Anthropic's errors name no field)
     "structured_output": "response_format",
+    "embeddings": "model",
 }
 
 
@@ -78,8 +82,11 @@ def check_capabilities(slot: Slot, needs: list[str], info: Ready | None = None) 
         needs = [need for need in needs if need not in KNOWN_ONCE_LOADED]
     missing = [need for need in needs if need not in capabilities]
     if missing:
+        reason, param = missing_reason(missing[0]), MISSING_PARAM.get(missing[0])
+        if "embeddings" in capabilities:
+            reason, param = _EMBEDDING_ONLY, "model"
         raise GatewayError(
             ErrorCode.INVALID_REQUEST,
-            f"model {slot.name!r} cannot serve this request: {missing_reason(missing[0])}",
-            MISSING_PARAM.get(missing[0]),
+            f"model {slot.name!r} cannot serve this request: {reason}",
+            param,
         )

@@ -11,6 +11,7 @@ from litestar.params import FromPath
 from litestar.response import Stream
 
 from gateway.api.common import decode_body
+from gateway.api.openai.embeddings import embeddings
 from gateway.api.openai.errors import error_response
 from gateway.api.openai.schemas import (
     ChatCompletionRequest,
@@ -30,7 +31,7 @@ from gateway.edge.logs import log_body
 from gateway.edge.middleware import authorize_model, context_of
 from gateway.errors import GatewayError
 from gateway.workers.client import WorkerClient
-from shared.modelinfo import peek
+from shared.modelinfo import kind_of, peek
 from shared.types import RequestKind
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -103,7 +104,7 @@ def model_card(state: State, name: str) -> ModelCard:
         max_context=context,
         context_length=context,
         capabilities=capabilities,
-        kind=model.kind.value,
+        kind=kind_of(model).value,
     )
 
 
@@ -139,6 +140,13 @@ async def cancel_request(
 def openai_router() -> Router:
     return Router(
         path="/v1",
-        route_handlers=[chat_completions, completions, list_models, get_model, cancel_request],
+        route_handlers=[
+            chat_completions,
+            completions,
+            embeddings,
+            list_models,
+            get_model,
+            cancel_request,
+        ],
         exception_handlers={GatewayError: error_response},
     )

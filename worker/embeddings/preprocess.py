@@ -1,0 +1,82 @@
+"""Add frame -> an embedding request's token ids, with its limits (the input thread's)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shared.config import EngineOptions
+from shared.protocol import Add
+from shared.types import ErrorCode, RequestError, RequestKind
+from worker.embeddings.encoder import Encoder
+from worker.embeddings.engine import PreparedEmbedding
+from worker.preprocess import PreprocessError
+
+MAX_INPUTS = 2048  # inputs in one request (OpenAI's limit)
+
+
+class EmbeddingPreprocessor:
+    def __init__(self, encoder: Encoder, options: EngineOptions) -> None:
+        self.encoder = encoder
+        self.max_prompt_tokens = options.max_prompt_tokens  # the request's total
+        # what the tokenizer's template puts around a text ([CLS] ... [SEP], <s> ... </s>):
+        # token-array inputs get it too, as texts do
+        around = encoder.tokenize([""])[0]
+        self.head, self.tail = around[:1], around[1:]
+
+    def __call__(self, frame: Add) -> PreparedEmbedding:
+        if frame.kind != RequestKind.EMBEDDING:
+            raise _invalid(
+                f"this model is an embedding model: it serves /v1/embeddings, not {frame.kind} "
+                "requests",
+                "model",
+            )
+        request = frame.request
+        if request.inputs and request.input_token_ids:
+            raise _invalid("send texts or token arrays, not both", "input")
+        if request.inputs:
+            if any(not text for text in request.inputs):
+                raise _invalid("an input is an empty string", "input")
+            inputs = self.encoder.tokenize(request.inputs)
+        else:
+            inputs = [self._wrapped(i, ids) for i, ids in enumerate(request.input_token_ids)]
+        if not inputs:
+            raise _invalid("the request has no input", "input")
+        if len(inputs) > MAX_INPUTS:
+            raise _invalid(f"{len(inputs)} inputs; at most {MAX_INPUTS} a request", "input")
+        limit = self.encoder.max_tokens
+        for i, ids in enumerate(inputs):
+            if len(ids) > limit:
+                raise _invalid(
+                    f"input[{i}] has {len(ids)} tokens; this model takes at most {limit}",
+                    f"input[{i}]" if len(inputs) > 1 else "input",
+                )
+        total = sum(len(ids) for ids in inputs)
+        if self.max_prompt_tokens is not None and total > self.max_prompt_tokens:
+            raise _invalid(
+                f"the inputs have {total} tokens; this gateway accepts at most "
+                f"{self.max_prompt_tokens} a request (max_prompt_tokens)",
+                "input",
+            )
+        return PreparedEmbedding(frame.request_id, inputs, frame.priority)
+
+    def _wrapped(self, index: int, ids: list[int]) -> list[int]:
+        if not ids:
+            raise _invalid(f"input[{index}] is an empty token array", f"input[{index}]")
+        vocab = self.encoder.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise _invalid(
+                f"input[{index}] has token id {bad}, outside this model's vocabulary "
+                f"(0..{vocab - 1})",
+                f"input[{index}]",
+            )
+        return [*self.head, *ids, *self.tail]
+
+    def tokenize_call(self, args: dict[str, Any]) -> dict[str, Any]:
+        raise _invalid("an embedding model's worker does not tokenize on request", "model")
+
+    detokenize_call = tokenize_call
+
+
+def _invalid(message: str, param: str | None = None) -> PreprocessError:
+    return PreprocessError(RequestError(ErrorCode.INVALID_REQUEST, message, param))
