@@ -65,6 +65,27 @@ async def test_the_request_that_had_output_ends_with_worker_died(tmp_path: Path)
     assert "exit status 1" in last.error.message
 
 
+async def test_a_request_whose_second_worker_dies_too_is_not_sent_a_third_time(
+    tmp_path: Path,
+) -> None:
+    r = rig(tmp_path, restart_backoff_s=0.01)
+    await r.pool.load("m")
+    slot = r.catalog.slot("m")
+    poison = await r.admission.submit(chat("poison"))
+    r.processes.exit(r.handle(), 1)
+    await until(lambda: slot.state == ModelState.READY)
+    assert list(r.handle().streams) == ["poison"] and not poison.finished  # replayed once
+    innocent = await r.admission.submit(chat("innocent"))
+    r.processes.exit(r.handle(), 1)
+    last = await poison.get()
+    assert last.finish_reason == FinishReason.ERROR and last.error is not None
+    assert last.error.code == ErrorCode.WORKER_DIED
+    assert "second worker to die" in last.error.message
+    assert [s.request_id for s in slot.replay] == ["innocent"]  # its first crash: replayed
+    await until(lambda: slot.state == ModelState.READY)
+    assert list(r.handle().streams) == ["innocent"] and not innocent.finished
+
+
 async def test_a_crash_loop_fails_the_model_and_its_queue(tmp_path: Path) -> None:
     r = rig(tmp_path, restart_backoff_s=0.001, crash_loop_count=3)
     await r.pool.load("m")
