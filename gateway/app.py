@@ -21,6 +21,7 @@ from gateway.admin import admin_router, create_admin_app
 from gateway.api.anthropic.routes import anthropic_router
 from gateway.api.errors import error_response
 from gateway.api.openai.routes import openai_router
+from gateway.api.rerank.routes import rerank_router
 from gateway.api.responses.routes import responses_router
 from gateway.api.serve import InFlight
 from gateway.api.tokenize import detokenize, tokenize
@@ -181,6 +182,7 @@ def create_app(config: Config) -> GatewayApp:
     handlers: list[Any] = [
         openai_router(),
         anthropic_router(),
+        rerank_router(),
         responses_router(),
         tokenize,
         detokenize,

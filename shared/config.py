@@ -26,6 +26,7 @@ CONFIG_JSON_ENV = "MLX_GATEWAY_CONFIG_JSON"
 class ModelKind(enum.StrEnum):
     LLM = "llm"  # text generation (mlx-lm)
     EMBEDDING = "embedding"  # vectors of texts (a BERT-family encoder)
+    RERANK = "rerank"  # relevance of documents to a query (a BERT-family cross-encoder)
 
 
 # A duration: seconds as a number, or a string with a unit ("90s", "30m", "2h");
@@ -137,6 +138,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     # Defaults for the chat template's extra variables (e.g. enable_thinking = false); a
     # request's `chat_template_kwargs` overrides them key by key.
     chat_template_kwargs: dict[str, str | bool | int | float] = {}
+    # An embedding model also serves /v1/rerank, scoring each document by the cosine
+    # similarity of its vector to the query's.
+    similarity_rerank: bool = False
     engine: EngineOptions = msgspec.field(default_factory=EngineOptions)
 
     @property

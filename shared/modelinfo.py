@@ -26,9 +26,10 @@ ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})
 
 
 def kind_of(config: ModelConfig) -> ModelKind:
-    """The configured kind, else what the files say: a sentence-transformers folder
-    (modules.json) or a BERT-family encoder is an embedding model, anything else a text
-    model (a hub id not downloaded yet too: set `kind` for one that is not)."""
+    """The configured kind, else what the files say: a BERT-family encoder with a
+    sequence-classification head is a reranker (a cross-encoder), a sentence-transformers
+    folder (modules.json) or a plain BERT-family encoder an embedding model, anything else a
+    text model (a hub id not downloaded yet too: set `kind` for one that is not)."""
     if config.kind is not None:
         return config.kind
     if config.source == MINILM_SOURCE:
@@ -37,12 +38,25 @@ def kind_of(config: ModelConfig) -> ModelKind:
         return ModelKind.LLM
     path = Path(config.source).expanduser()
     try:
-        if (path / "modules.json").is_file():
-            return ModelKind.EMBEDDING
-        model_type = (_json(path / "config.json") or {}).get("model_type")
+        raw = _json(path / "config.json") or {}
+        st = (path / "modules.json").is_file()
     except (OSError, ValueError):
         return ModelKind.LLM
-    return ModelKind.EMBEDDING if model_type in ENCODER_TYPES else ModelKind.LLM
+    encoder = raw.get("model_type") in ENCODER_TYPES
+    heads = [a for a in raw.get("architectures") or [] if a.endswith("ForSequenceClassification")]
+    if encoder and heads:
+        return ModelKind.RERANK
+    return ModelKind.EMBEDDING if st or encoder else ModelKind.LLM
+
+
+def served_by(config: ModelConfig) -> list[str] | None:
+    """What an embedding model or a reranker serves (None for a text model)."""
+    kind = kind_of(config)
+    if kind is ModelKind.RERANK:
+        return ["rerank"]
+    if kind is ModelKind.EMBEDDING:
+        return ["embeddings", *(["rerank"] if config.similarity_rerank else [])]
+    return None
 
 
 def context_length(path: Path, config: ModelConfig) -> int:
@@ -68,8 +82,9 @@ def peek(config: ModelConfig) -> tuple[int | None, list[str] | None]:
     """(context length, capabilities) of a local model directory; (None, None) for a hub id
     not downloaded yet or a directory that cannot be read. An embedding model's context is
     known once loaded (its encoder's and sentence-transformers' limits)."""
-    if kind_of(config) is ModelKind.EMBEDDING:
-        return None, ["embeddings"]
+    served = served_by(config)
+    if served is not None:
+        return None, served
     path = Path(config.source).expanduser()
     if not (path / "config.json").is_file():
         return None, None

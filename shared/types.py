@@ -17,6 +17,7 @@ class RequestKind(enum.StrEnum):
     CHAT = "chat"
     COMPLETION = "completion"
     EMBEDDING = "embedding"  # vectors of `inputs` / `input_token_ids` (an embedding model)
+    RERANK = "rerank"  # relevance of `documents` to `query` (a cross-encoder, or similarity)
 
 
 class FinishReason(enum.StrEnum):
@@ -205,6 +206,9 @@ class CanonicalRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # An embedding request's texts, or its token arrays (one of the two).
     inputs: list[str] = []
     input_token_ids: list[list[int]] = []
+    # A rerank request's query and documents.
+    query: str | None = None
+    documents: list[str] = []
 
     def needs(self) -> list[str]:
         """The model capabilities this request uses beyond plain text."""
@@ -320,3 +324,4 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     # `dimensions` long (in the order of its inputs).
     embeddings: bytes = b""
     dimensions: int = 0
+    scores: list[float] = []  # a rerank request's: each document's relevance, in order

@@ -61,9 +61,9 @@ def write_tiny(path: Path, model_type: str, **extra: object) -> BertConfig:
     }
     (path / "config.json").write_text(json.dumps(raw))
     config = BertConfig.read(path)
-    from worker.embeddings.bert import BertModel
+    from worker.embeddings.bert import BertModel, CrossEncoder
 
-    model = BertModel(config)
+    model = CrossEncoder(config) if config.classifier else BertModel(config)
     weights = dict(_flat(model.parameters()))
     mx.save_safetensors(
         str(path / "model.safetensors"), {f"roberta.{k}": v for k, v in weights.items()}
@@ -106,3 +106,24 @@ def test_what_it_cannot_run_is_refused(tmp_path: Path) -> None:
     mx.save_safetensors(str(tmp_path / "m" / "model.safetensors"), weights)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         load_bert(tmp_path / "m")
+
+
+def test_a_one_label_classifier_is_a_cross_encoder_with_its_head(tmp_path: Path) -> None:
+    from worker.embeddings.bert import CrossEncoder
+
+    arch = {"architectures": ["XLMRobertaForSequenceClassification"], "num_labels": 1}
+    config = write_tiny(tmp_path / "x", "xlm-roberta", **arch)
+    assert config.classifier
+    model = load_bert(tmp_path / "x")  # RoBERTa's head: classifier.dense, classifier.out_proj
+    assert isinstance(model, CrossEncoder)
+    ids = mx.array([[0, 5, 6, 2, 7, 2], [0, 5, 2, 7, 2, 1]])
+    mask = mx.array([[1] * 6, [1] * 5 + [0]])
+    logits = model.logits(ids, mask)
+    assert logits.shape == (2,)
+    alone = model.logits(ids[1:, :5], mask[1:, :5])
+    assert np.allclose(np.array(logits[1]), np.array(alone[0]), atol=1e-5)
+    (tmp_path / "two").mkdir()
+    raw = {**json.loads((tmp_path / "x" / "config.json").read_text()), "num_labels": 2}
+    (tmp_path / "two" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="2 labels"):
+        BertConfig.read(tmp_path / "two")

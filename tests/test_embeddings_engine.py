@@ -138,3 +138,49 @@ def test_the_preprocessor_wraps_token_arrays_and_names_what_it_refuses(encoder: 
     assert param == "input[0]" and "0..30521" in message
     message, param = refused(pre, add(inputs=["word " * 200, "word " * 200]))
     assert param == "input" and "max_prompt_tokens" in message
+
+
+def rerank(query: str, documents: list[str]) -> Add:
+    request = CanonicalRequest(query=query, documents=documents)
+    return Add("r", RequestKind.RERANK, request, SamplingParams())
+
+
+def test_an_embedding_model_reranks_by_similarity_when_allowed(encoder: Encoder) -> None:
+    docs = ["Stocks fell sharply today.", "A man is playing the guitar.", "Rain all day."]
+    pre = EmbeddingPreprocessor(encoder, EngineOptions(), similarity_rerank=True)
+    prepared = pre(rerank("Someone strums a guitar on stage.", docs))
+    assert prepared.kind is RequestKind.RERANK and len(prepared.inputs) == 4  # query first
+    engine = EmbeddingEngine(encoder, EngineOptions())
+    engine.add(prepared)
+    [out] = run(engine)[0].values()
+    assert out.embeddings == b"" and len(out.scores) == 3
+    assert max(range(3), key=lambda i: out.scores[i]) == 1
+    vectors = encoder.embed(encoder.tokenize(["Someone strums a guitar on stage.", *docs]))
+    assert np.allclose(out.scores, vectors[1:] @ vectors[0], atol=1e-5)  # cosine of unit vectors
+    message, param = refused(EmbeddingPreprocessor(encoder, EngineOptions()), rerank("q", docs))
+    assert param == "model" and "similarity_rerank" in message
+    assert refused(pre, rerank("", docs))[1] == "query"
+    assert refused(pre, rerank("q", []))[1] == "documents"
+    assert refused(pre, rerank("q", ["a", ""]))[1] == "documents[1]"
+    assert refused(pre, rerank("q", ["a", "word " * 300]))[1] == "documents[1]"
+
+
+def test_a_cross_encoder_scores_each_pair(tmp_path: Path) -> None:
+    from tests.encoder_models import write_cross_encoder
+
+    cross = Encoder(write_cross_encoder(tmp_path / "cross"))
+    assert cross.scores and cross.dimensions == 1
+    pre = EmbeddingPreprocessor(cross, EngineOptions())
+    docs = ["a cat is an animal", "stocks fell", "cats purr"]
+    prepared = pre(rerank("what is a cat", docs))
+    assert prepared.types is not None and prepared.types[0][-1] == 1  # the document's tokens
+    engine = EmbeddingEngine(cross, EngineOptions(max_running=2))
+    engine.add(prepared)
+    [out] = run(engine)[0].values()
+    ids, types = cross.pairs("what is a cat", docs)
+    alone = [float(cross.embed([i], [t])[0, 0]) for i, t in zip(ids, types, strict=True)]
+    assert np.allclose(out.scores, alone, atol=1e-5)
+    assert all(0 < s < 1 for s in out.scores)  # sigmoid of the logit
+    embed = Add("r", RequestKind.EMBEDDING, CanonicalRequest(inputs=["x"]), SamplingParams())
+    message, param = refused(pre, embed)
+    assert param == "model" and "/v1/rerank" in message

@@ -21,7 +21,7 @@ import msgspec
 import psutil
 
 from shared.config import ModelConfig, ModelKind
-from shared.modelinfo import kind_of
+from shared.modelinfo import kind_of, served_by
 from shared.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -107,7 +107,7 @@ class WorkerProc:
                 time.sleep(self.faults.load_delay_s)
             log.info("loading model %s from %s", self.args.model.name, self.args.model.source)
             preprocess: AnyPreprocessor
-            if kind_of(self.args.model) is ModelKind.EMBEDDING:
+            if kind_of(self.args.model) in (ModelKind.EMBEDDING, ModelKind.RERANK):
                 preprocess, ready = self._load_embeddings()
             else:
                 preprocess, ready = self._load_text()
@@ -173,11 +173,11 @@ class WorkerProc:
             self.worker_id,
             Capacity(opts.max_running, opts.max_waiting, encoder.max_tokens),
             versions={"mlx": version("mlx")},
-            capabilities=["embeddings"],
+            capabilities=["rerank"] if encoder.scores else served_by(config) or [],
             device=engine.backend.device,
             device_memory_bytes=device_memory(),
         )
-        return EmbeddingPreprocessor(encoder, opts), ready
+        return EmbeddingPreprocessor(encoder, opts, config.similarity_rerank), ready
 
     def _engine(self, loaded: LoadedModel) -> EngineCore:
         opts = self.args.model.engine

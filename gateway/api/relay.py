@@ -49,11 +49,13 @@ class Choice:
     tool_calls: list[ToolCall] = field(default_factory=list)  # in index order
     embeddings: bytes = b""  # an embedding request's vectors (RequestOutput.embeddings)
     dimensions: int = 0
+    scores: list[float] = field(default_factory=list)  # a rerank request's, per document
 
     def add(self, output: RequestOutput) -> None:
         if output.embeddings:
             self.embeddings += output.embeddings
             self.dimensions = output.dimensions
+        self.scores += output.scores
         self.text += output.text
         self.reasoning += output.reasoning
         for delta in output.tool_calls:

@@ -150,6 +150,8 @@ def needs_of(
     """The model capabilities a request relies on (checked against the worker's Ready)."""
     if kind == RequestKind.EMBEDDING:
         return ["embeddings"]
+    if kind == RequestKind.RERANK:
+        return ["rerank"]
     needs = ["chat" if kind == RequestKind.CHAT else "completion"]
     if sampling.logprobs:
         needs.append("logprobs")

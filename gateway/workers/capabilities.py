@@ -24,9 +24,11 @@ _MISSING = {
     "reasoning": "its chat template has no thinking",
     "structured_output": "it does not serve constrained (structured) output",
     "embeddings": "it is not an embedding model",
+    "rerank": "it does not rerank (a cross-encoder does; an embedding model with "
+    "similarity_rerank = true in its config does, by similarity)",
 }
-# What a request of another kind is told by an embedding model
-_EMBEDDING_ONLY = "it is an embedding model: it serves /v1/embeddings only"
+# The endpoints of a model that generates no text
+_ENDPOINTS = {"embeddings": "/v1/embeddings", "rerank": "/v1/rerank"}
 MISSING_PARAM = {
     "chat": "messages",
     "logprobs": "logprobs",
@@ -35,6 +37,7 @@ MISSING_PARAM = {
     "reasoning": "reasoning_effort",  # OpenAI's name (Anthropic's errors name no field)
     "structured_output": "response_format",
     "embeddings": "model",
+    "rerank": "model",
 }
 
 
@@ -83,8 +86,9 @@ def check_capabilities(slot: Slot, needs: list[str], info: Ready | None = None) 
     missing = [need for need in needs if need not in capabilities]
     if missing:
         reason, param = missing_reason(missing[0]), MISSING_PARAM.get(missing[0])
-        if "embeddings" in capabilities:
-            reason, param = _EMBEDDING_ONLY, "model"
+        if capabilities and set(capabilities) <= set(_ENDPOINTS):
+            served = " and ".join(_ENDPOINTS[c] for c in capabilities)
+            reason, param = f"it serves {served} only", "model"
         raise GatewayError(
             ErrorCode.INVALID_REQUEST,
             f"model {slot.name!r} cannot serve this request: {reason}",

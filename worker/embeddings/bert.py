@@ -1,5 +1,7 @@
 """BERT-family encoders (BERT, RoBERTa, XLM-RoBERTa: all-MiniLM, bge, e5, gte, multilingual
-e5, ...) in MLX, loaded from a Hugging Face checkpoint's config.json and safetensors.
+e5, ...) in MLX, loaded from a Hugging Face checkpoint's config.json and safetensors; and
+the same encoders with a sequence-classification head of one label, the cross-encoders
+that rerankers are (ms-marco-MiniLM, bge-reranker, mxbai-rerank-v1, ...).
 
 mlx-embeddings implements these too, but it is GPL-3.0 (this project is MIT) and pulls in
 mlx-vlm and its dependencies; an encoder is a few layers of MLX's own modules.
@@ -31,6 +33,7 @@ class BertConfig:
     layer_norm_eps: float = 1e-12
     hidden_act: str = "gelu"
     pad_token_id: int = 0
+    classifier: bool = False  # a *ForSequenceClassification checkpoint (one label)
 
     @classmethod
     def read(cls, path: Path) -> BertConfig:
@@ -45,8 +48,14 @@ class BertConfig:
             raise ValueError(f"position_embedding_type {raw['position_embedding_type']!r}")
         if raw.get("hidden_act", "gelu") not in _ACTIVATIONS:
             raise ValueError(f"hidden_act {raw['hidden_act']!r}")
-        fields = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in raw.items() if k in fields})
+        classifier = any(
+            a.endswith("ForSequenceClassification") for a in raw.get("architectures") or []
+        )
+        labels = raw.get("num_labels") or len(raw.get("id2label") or {}) or 1
+        if classifier and labels != 1:
+            raise ValueError(f"a classifier of {labels} labels is not a reranker (one label)")
+        fields = set(cls.__dataclass_fields__) - {"classifier"}
+        return cls(**{k: v for k, v in raw.items() if k in fields}, classifier=classifier)
 
     @property
     def position_offset(self) -> int:
@@ -163,9 +172,47 @@ class BertModel(nn.Module):
         return x
 
 
+class _Head(nn.Module):
+    """RoBERTa's classification head: dense, tanh, out_proj over the first token."""
+
+    def __init__(self, c: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
+        self.out_proj = nn.Linear(c.hidden_size, 1)
+
+    def __call__(self, first: mx.array) -> mx.array:
+        return self.out_proj(mx.tanh(self.dense(first)))
+
+
+class _Pooler(nn.Module):
+    def __init__(self, c: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
+
+
+class CrossEncoder(BertModel):
+    """One relevance logit per row (batch, ) of a (query, document) pair's ids, its
+    `types` 1 on the document's tokens: BERT's pooler then classifier, or RoBERTa's head."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__(config)
+        if config.model_type == "bert":
+            self.pooler = _Pooler(config)
+            self.classifier: nn.Module = nn.Linear(config.hidden_size, 1)
+        else:
+            self.classifier = _Head(config)
+
+    def logits(self, ids: mx.array, mask: mx.array, types: mx.array | None = None) -> mx.array:
+        first = self(ids, mask, types)[:, 0]
+        if self.config.model_type == "bert":
+            return self.classifier(mx.tanh(self.pooler.dense(first)))[:, 0]
+        return self.classifier(first)[:, 0]
+
+
 def load_bert(path: Path, dtype: mx.Dtype | None = None) -> BertModel:
-    """The encoder in `path` (config.json, *.safetensors); weights of heads it does not use
-    (pooler, masked-LM) are left out, a missing or misshapen weight is an error."""
+    """The encoder in `path` (config.json, *.safetensors), a CrossEncoder for a
+    sequence-classification checkpoint; weights of heads it does not use (pooler,
+    masked-LM) are left out, a missing or misshapen weight is an error."""
     config = BertConfig.read(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -173,7 +220,10 @@ def load_bert(path: Path, dtype: mx.Dtype | None = None) -> BertModel:
     weights: dict[str, mx.array] = {}
     for file in files:
         weights.update(mx.load(str(file)))  # type: ignore[arg-type]
-    model = BertModel(config)
+    model = CrossEncoder(config) if config.classifier else BertModel(config)
+    heads: tuple[str, ...] = ()
+    if config.classifier:  # RoBERTa's head has no pooler (a checkpoint may carry one)
+        heads = ("pooler.", "classifier.") if config.model_type == "bert" else ("classifier.",)
     prefixes = ("bert.", "roberta.", "model.")
     kept = []
     for name, value in weights.items():
@@ -181,7 +231,9 @@ def load_bert(path: Path, dtype: mx.Dtype | None = None) -> BertModel:
             if name.startswith(prefix):
                 name = name[len(prefix) :]
                 break
-        if name.startswith(("embeddings.", "encoder.")) and not name.endswith("position_ids"):
+        if name.startswith(("embeddings.", "encoder.", *heads)) and not name.endswith(
+            "position_ids"
+        ):
             kept.append((name, value.astype(dtype) if dtype is not None else value))
     model.load_weights(kept, strict=True)
     model.eval()

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 from tokenizers import Tokenizer
 
-from worker.embeddings.bert import BertModel, load_bert
+from worker.embeddings.bert import BertModel, CrossEncoder, load_bert
 
 POOLINGS = ("mean", "cls", "max", "lasttoken")
 
@@ -67,7 +67,9 @@ _KEYS = {
 
 
 class Encoder:
-    """Texts or token ids -> float32 vectors, a batch at a time."""
+    """Texts or token ids -> float32 vectors, a batch at a time; for a cross-encoder, (query,
+    document) pairs -> relevance scores (the sigmoid of its logit, as sentence-transformers'
+    CrossEncoder gives for one label), as vectors of one dimension."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -77,7 +79,8 @@ class Encoder:
         self.tokenizer.no_truncation()
         self.pooling = Pooling.read(path)
         self.max_tokens = self._max_tokens()
-        self.dimensions = self.model.config.hidden_size
+        self.scores = isinstance(self.model, CrossEncoder)
+        self.dimensions = 1 if self.scores else self.model.config.hidden_size
         self.vocab_size = self.model.config.vocab_size
         self.pad_id = self.model.config.pad_token_id  # masked out: any id would do
 
@@ -93,17 +96,28 @@ class Encoder:
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tokenizer.encode_batch(texts)]
 
-    def embed(self, batch: list[list[int]]) -> np.ndarray:
+    def pairs(self, query: str, documents: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+        """A cross-encoder's inputs: each (query, document) pair's ids and token types."""
+        encodings = self.tokenizer.encode_batch([(query, d) for d in documents])
+        return [e.ids for e in encodings], [e.type_ids for e in encodings]
+
+    def embed(self, batch: list[list[int]], types: list[list[int]] | None = None) -> np.ndarray:
         """(len(batch), dimensions) float32 vectors of token id lists (each already within
-        max_tokens, special tokens included)."""
+        max_tokens, special tokens included), or a cross-encoder's (len(batch), 1) scores."""
         width = max(len(ids) for ids in batch)
         ids = np.full((len(batch), width), self.pad_id, dtype=np.int32)
         mask = np.zeros((len(batch), width), dtype=np.int32)
+        kinds = np.zeros((len(batch), width), dtype=np.int32)
         for row, tokens in enumerate(batch):
             ids[row, : len(tokens)] = tokens
             mask[row, : len(tokens)] = 1
-        lengths = mx.array([len(tokens) for tokens in batch])
+            if types is not None:
+                kinds[row, : len(tokens)] = types[row]
         mask_mx = mx.array(mask)
-        states = self.model(mx.array(ids), mask_mx)
+        if isinstance(self.model, CrossEncoder):
+            logits = self.model.logits(mx.array(ids), mask_mx, mx.array(kinds))
+            return np.array(mx.sigmoid(logits.astype(mx.float32)))[:, None]
+        lengths = mx.array([len(tokens) for tokens in batch])
+        states = self.model(mx.array(ids), mask_mx, mx.array(kinds))
         vectors = self.pooling(states, mask_mx, lengths).astype(mx.float32)
         return np.array(vectors)

@@ -16,6 +16,7 @@ from shared.config import EngineOptions
 from shared.types import (
     FinishReason,
     Priority,
+    RequestKind,
     RequestOutput,
     Timings,
     Usage,
@@ -25,11 +26,16 @@ from worker.embeddings.encoder import Encoder
 
 @dataclass(slots=True)
 class PreparedEmbedding:
+    """An embedding request's inputs, or a rerank request's: the query then each document
+    (by similarity), or each (query, document) pair (a cross-encoder, with token types)."""
+
     request_id: str
     inputs: list[list[int]]  # token ids of each input, special tokens included
     priority: int = 0
     received_at: float = 0.0
     prepared_at: float = 0.0
+    kind: RequestKind = RequestKind.EMBEDDING
+    types: list[list[int]] | None = None  # token types of each input (pairs)
 
     @property
     def prompt(self) -> list[int]:  # what the worker logs of a request
@@ -94,8 +100,15 @@ class EmbeddingEngine:
         for rid, _ in batch:
             pending = self.pending[rid]
             pending.started_at = pending.started_at or now
-        ids = [self.pending[rid].request.inputs[i] for rid, i in batch]
-        vectors = self.encoder.embed(ids)
+        requests = [self.pending[rid].request for rid, _ in batch]
+        ids = [r.inputs[i] for r, (_, i) in zip(requests, batch, strict=True)]
+        types = None
+        if any(r.types is not None for r in requests):
+            types = [
+                r.types[i] if r.types is not None else [0] * len(r.inputs[i])
+                for r, (_, i) in zip(requests, batch, strict=True)
+            ]
+        vectors = self.encoder.embed(ids, types)
         outputs = []
         for (rid, i), vector in zip(batch, vectors, strict=True):
             pending = self.pending[rid]
@@ -130,8 +143,11 @@ class EmbeddingEngine:
 
     def probe(self) -> None:
         """Ready means ready: one input through the encoder, a finite unit-scale vector."""
-        ids = self.encoder.tokenize(["Hi"])
-        vector = self.encoder.embed(ids)[0]
+        if self.encoder.scores:
+            ids, types = self.encoder.pairs("Hi", ["Hello"])
+            vector = self.encoder.embed(ids, types)[0]
+        else:
+            vector = self.encoder.embed(self.encoder.tokenize(["Hi"]))[0]
         if not np.isfinite(vector).all() or not vector.any():
             raise RuntimeError("the probe's embedding is not finite")
 
@@ -165,11 +181,23 @@ class EmbeddingEngine:
             pending.started_at - (request.prepared_at or received),
             now - pending.started_at,
         )
-        return RequestOutput(
+        output = RequestOutput(
             request.request_id,
             finish_reason=FinishReason.STOP,
             usage=Usage(prompt_tokens=tokens),
             timings=timings,
-            embeddings=pending.vectors.astype("<f4").tobytes(),
-            dimensions=pending.vectors.shape[1],
         )
+        if request.kind is RequestKind.RERANK:
+            output.scores = [float(s) for s in self._scores(pending.vectors)]
+        else:
+            output.embeddings = pending.vectors.astype("<f4").tobytes()
+            output.dimensions = pending.vectors.shape[1]
+        return output
+
+    def _scores(self, vectors: np.ndarray) -> np.ndarray:
+        """A rerank request's: the cross-encoder's, else each document's cosine similarity
+        to the query (the first vector)."""
+        if self.encoder.scores:
+            return vectors[:, 0]
+        unit = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        return unit[1:] @ unit[0]

@@ -14,9 +14,18 @@ from worker.preprocess import PreprocessError
 MAX_INPUTS = 2048  # inputs in one request (OpenAI's limit)
 
 
+MAX_DOCUMENTS = 1000  # documents in one rerank request (Cohere's limit)
+
+
 class EmbeddingPreprocessor:
-    def __init__(self, encoder: Encoder, options: EngineOptions) -> None:
+    """Embedding requests for an embedding model; rerank requests for a cross-encoder, or
+    for an embedding model whose config allows reranking by similarity."""
+
+    def __init__(
+        self, encoder: Encoder, options: EngineOptions, similarity_rerank: bool = False
+    ) -> None:
         self.encoder = encoder
+        self.similarity_rerank = similarity_rerank
         self.max_prompt_tokens = options.max_prompt_tokens  # the request's total
         # what the tokenizer's template puts around a text ([CLS] ... [SEP], <s> ... </s>):
         # token-array inputs get it too, as texts do
@@ -24,12 +33,11 @@ class EmbeddingPreprocessor:
         self.head, self.tail = around[:1], around[1:]
 
     def __call__(self, frame: Add) -> PreparedEmbedding:
-        if frame.kind != RequestKind.EMBEDDING:
-            raise _invalid(
-                f"this model is an embedding model: it serves /v1/embeddings, not {frame.kind} "
-                "requests",
-                "model",
-            )
+        if frame.kind == RequestKind.RERANK:
+            return self._rerank(frame)
+        if frame.kind != RequestKind.EMBEDDING or self.encoder.scores:
+            served = "/v1/rerank" if self.encoder.scores else "/v1/embeddings"
+            raise _invalid(f"this model serves {served}, not {frame.kind} requests", "model")
         request = frame.request
         if request.inputs and request.input_token_ids:
             raise _invalid("send texts or token arrays, not both", "input")
@@ -58,6 +66,49 @@ class EmbeddingPreprocessor:
                 "input",
             )
         return PreparedEmbedding(frame.request_id, inputs, frame.priority)
+
+    def _rerank(self, frame: Add) -> PreparedEmbedding:
+        request = frame.request
+        if not self.encoder.scores and not self.similarity_rerank:
+            raise _invalid(
+                "this embedding model does not rerank (its config can allow it by similarity: "
+                "similarity_rerank = true)",
+                "model",
+            )
+        if not request.query:
+            raise _invalid("`query` is empty", "query")
+        docs = request.documents
+        if not docs:
+            raise _invalid("`documents` is empty", "documents")
+        if len(docs) > MAX_DOCUMENTS:
+            raise _invalid(f"{len(docs)} documents; at most {MAX_DOCUMENTS}", "documents")
+        empty = next((i for i, d in enumerate(docs) if not d), None)
+        if empty is not None:
+            raise _invalid(f"documents[{empty}] is empty", f"documents[{empty}]")
+        limit = self.encoder.max_tokens
+        types: list[list[int]] | None = None
+        if self.encoder.scores:
+            inputs, types = self.encoder.pairs(request.query, docs)
+            what = "with the query"
+        else:
+            inputs = self.encoder.tokenize([request.query, *docs])
+            if len(inputs[0]) > limit:
+                raise _invalid(
+                    f"the query has {len(inputs[0])} tokens; this model takes at most {limit}",
+                    "query",
+                )
+            what = ""
+        first = 0 if self.encoder.scores else 1
+        for i, ids in enumerate(inputs[first:]):
+            if len(ids) > limit:
+                raise _invalid(
+                    f"documents[{i}] has {len(ids)} tokens{' ' + what if what else ''}; this "
+                    f"model takes at most {limit}",
+                    f"documents[{i}]",
+                )
+        return PreparedEmbedding(
+            frame.request_id, inputs, frame.priority, kind=RequestKind.RERANK, types=types
+        )
 
     def _wrapped(self, index: int, ids: list[int]) -> list[int]:
         if not ids:
