@@ -221,6 +221,11 @@ class CanonicalRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
             needs.append("structured_output")
         if self.reasoning is not None and self.reasoning != Reasoning(enabled=False):
             needs.append("reasoning")
+        parts = [part for message in self.messages for part in message.parts]
+        if any(isinstance(part, ImagePart) for part in parts):
+            needs.append("vision")
+        if any(isinstance(part, AudioPart) for part in parts):
+            needs.append("audio_input")
         return needs
 
 

@@ -18,7 +18,15 @@ from gateway.api.openai.messages import message_of
 from gateway.api.openai.schemas import ChatMessage
 from gateway.api.responses.translate import input_items, item_message
 from gateway.errors import GatewayError
-from shared.types import AudioPart, ErrorCode, ImagePart, Message, TextPart, ToolCall
+from shared.types import (
+    AudioPart,
+    CanonicalRequest,
+    ErrorCode,
+    ImagePart,
+    Message,
+    TextPart,
+    ToolCall,
+)
 
 PNG = b"\x89PNG\r\n\x1a\n"
 PNG64 = base64.b64encode(PNG).decode()
@@ -207,3 +215,13 @@ def test_responses_images_are_recorded_and_refused_by_their_part() -> None:
     with pytest.raises(GatewayError) as err:
         input_items([{"role": "user", "content": content}])
     assert err.value.param == "input[0].content[1].type"
+
+
+def test_images_and_audio_are_capabilities_a_request_needs() -> None:
+    """What the gateway checks against a model (a text-only model: a 400 naming `messages`,
+    before anything loads), once workers serve them."""
+    image = Message("user", "look", parts=[TextPart("look"), ImagePart(PNG, "image/png")])
+    audio = Message("user", "", parts=[AudioPart(b"RIFF", format="wav")])
+    assert CanonicalRequest(messages=[image]).needs() == ["vision"]
+    assert CanonicalRequest(messages=[image, audio]).needs() == ["vision", "audio_input"]
+    assert CanonicalRequest(messages=[Message("user", "hi")]).needs() == []

@@ -24,6 +24,8 @@ _MISSING = {
     "reasoning": "its chat template has no thinking",
     "structured_output": "it does not serve constrained (structured) output",
     "embeddings": "it is not an embedding model",
+    "vision": "it takes no images (a text-only model)",
+    "audio_input": "it takes no audio",
     "rerank": "it does not rerank (a cross-encoder does; an embedding model with "
     "similarity_rerank = true in its config does, by similarity)",
 }
@@ -38,6 +40,8 @@ MISSING_PARAM = {
     "structured_output": "response_format",
     "embeddings": "model",
     "rerank": "model",
+    "vision": "messages",
+    "audio_input": "messages",
 }
 
 
