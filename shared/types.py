@@ -209,6 +209,8 @@ class CanonicalRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # A rerank request's query and documents.
     query: str | None = None
     documents: list[str] = []
+    # An embedding request's vector size: its first components (a Matryoshka model's)
+    dimensions: int | None = None
 
     def needs(self) -> list[str]:
         """The model capabilities this request uses beyond plain text."""

@@ -35,7 +35,8 @@ def gw(hermes_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         # the kind follows from the source; rerank by similarity allowed
         {"name": "minilm", "source": MINILM_SOURCE, "similarity_rerank": True},
         {"name": "reranker", "source": str(cross), "preload": False},  # a cross-encoder
-        {"name": "folder", "source": str(MINILM), "preload": False},  # from its files
+        # the kind from its files; its vectors may be cut (as if trained for it)
+        {"name": "folder", "source": str(MINILM), "preload": False, "matryoshka": True},
         {"name": "fragile", "source": MINILM_SOURCE, "preload": False},
         {"name": "text", "source": str(hermes_model_dir), "preload": False},
     ]
@@ -118,6 +119,9 @@ def test_a_model_folder_is_an_embedding_model_by_its_files(
 ) -> None:
     response = oai.embeddings.create(model="folder", input="hello")
     assert len(response.data[0].embedding) == 384
+    cut = oai.embeddings.create(model="folder", input="hello", dimensions=32).data[0].embedding
+    full = np.array(response.data[0].embedding[:32])
+    assert np.allclose(cut, full / np.linalg.norm(full), atol=1e-5)
     card = oai.models.retrieve("folder")
     assert card.model_dump()["kind"] == "embedding"
     assert card.model_dump()["capabilities"] == ["embeddings"]

@@ -184,3 +184,19 @@ def test_a_cross_encoder_scores_each_pair(tmp_path: Path) -> None:
     embed = Add("r", RequestKind.EMBEDDING, CanonicalRequest(inputs=["x"]), SamplingParams())
     message, param = refused(pre, embed)
     assert param == "model" and "/v1/rerank" in message
+
+
+def test_dimensions_cut_a_matryoshka_models_vectors_and_normalize_them(encoder: Encoder) -> None:
+    frame = add(inputs=["A cat sat on the mat."], dimensions=64)
+    message, param = refused(EmbeddingPreprocessor(encoder, EngineOptions()), frame)
+    assert param == "dimensions" and "matryoshka" in message  # not trained to be cut
+    pre = EmbeddingPreprocessor(encoder, EngineOptions(), matryoshka=True)
+    assert refused(pre, add(inputs=["x"], dimensions=385))[1] == "dimensions"
+    assert pre(add(inputs=["x"], dimensions=384)).dimensions is None  # the full size
+    engine = EmbeddingEngine(encoder, EngineOptions())
+    engine.add(pre(frame))
+    [out] = run(engine)[0].values()
+    full = encoder.embed(encoder.tokenize(["A cat sat on the mat."]))[0]
+    cut = vectors(out)[0]
+    assert out.dimensions == 64 and cut.shape == (64,)
+    assert np.allclose(cut, full[:64] / np.linalg.norm(full[:64]), atol=1e-6)

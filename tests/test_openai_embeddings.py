@@ -45,10 +45,10 @@ def test_other_shapes_are_a_400_naming_input(value: object) -> None:
     assert info.value.param == "input"
 
 
-def test_dimensions_is_refused_by_name() -> None:
-    with pytest.raises(GatewayError) as info:
-        embedding_request(body("x", dimensions=8))
-    assert info.value.param == "dimensions"
+def test_dimensions_go_to_the_worker_which_knows_the_model() -> None:
+    assert embedding_request(body("x", dimensions=8)) == CanonicalRequest(
+        inputs=["x"], dimensions=8
+    )
 
 
 def test_the_response_in_both_encodings() -> None:

@@ -177,7 +177,10 @@ class WorkerProc:
             device=engine.backend.device,
             device_memory_bytes=device_memory(),
         )
-        return EmbeddingPreprocessor(encoder, opts, config.similarity_rerank), ready
+        preprocess = EmbeddingPreprocessor(
+            encoder, opts, config.similarity_rerank, config.matryoshka
+        )
+        return preprocess, ready
 
     def _engine(self, loaded: LoadedModel) -> EngineCore:
         opts = self.args.model.engine

@@ -36,6 +36,7 @@ class PreparedEmbedding:
     prepared_at: float = 0.0
     kind: RequestKind = RequestKind.EMBEDDING
     types: list[list[int]] | None = None  # token types of each input (pairs)
+    dimensions: int | None = None  # vectors cut to their first components (Matryoshka)
 
     @property
     def prompt(self) -> list[int]:  # what the worker logs of a request
@@ -190,8 +191,14 @@ class EmbeddingEngine:
         if request.kind is RequestKind.RERANK:
             output.scores = [float(s) for s in self._scores(pending.vectors)]
         else:
-            output.embeddings = pending.vectors.astype("<f4").tobytes()
-            output.dimensions = pending.vectors.shape[1]
+            vectors = pending.vectors
+            if request.dimensions is not None and request.dimensions < vectors.shape[1]:
+                vectors = vectors[:, : request.dimensions]
+                if self.encoder.pooling.normalize:
+                    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+                    vectors = vectors / np.maximum(norms, 1e-12)
+            output.embeddings = vectors.astype("<f4").tobytes()
+            output.dimensions = vectors.shape[1]
         return output
 
     def _scores(self, vectors: np.ndarray) -> np.ndarray:

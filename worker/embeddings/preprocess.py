@@ -22,10 +22,15 @@ class EmbeddingPreprocessor:
     for an embedding model whose config allows reranking by similarity."""
 
     def __init__(
-        self, encoder: Encoder, options: EngineOptions, similarity_rerank: bool = False
+        self,
+        encoder: Encoder,
+        options: EngineOptions,
+        similarity_rerank: bool = False,
+        matryoshka: bool = False,
     ) -> None:
         self.encoder = encoder
         self.similarity_rerank = similarity_rerank
+        self.matryoshka = matryoshka
         self.max_prompt_tokens = options.max_prompt_tokens  # the request's total
         # what the tokenizer's template puts around a text ([CLS] ... [SEP], <s> ... </s>):
         # token-array inputs get it too, as texts do
@@ -65,7 +70,25 @@ class EmbeddingPreprocessor:
                 f"{self.max_prompt_tokens} a request (max_prompt_tokens)",
                 "input",
             )
-        return PreparedEmbedding(frame.request_id, inputs, frame.priority)
+        prepared = PreparedEmbedding(frame.request_id, inputs, frame.priority)
+        prepared.dimensions = self._dimensions(request.dimensions)
+        return prepared
+
+    def _dimensions(self, wanted: int | None) -> int | None:
+        size = self.encoder.dimensions
+        if wanted is None or wanted == size:
+            return None
+        if not self.matryoshka:
+            raise _invalid(
+                f"this model's vectors have {size} dimensions and cannot be cut (a model "
+                "trained for it, Matryoshka, can: matryoshka = true in its config)",
+                "dimensions",
+            )
+        if not 1 <= wanted < size:
+            raise _invalid(
+                f"`dimensions` is {wanted}; this model's vectors have {size}", "dimensions"
+            )
+        return wanted
 
     def _rerank(self, frame: Add) -> PreparedEmbedding:
         request = frame.request

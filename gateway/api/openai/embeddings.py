@@ -13,7 +13,7 @@ from litestar.datastructures import State
 from litestar.response import Stream
 from msgspec import Meta
 
-from gateway.api.common import decode_body, invalid, unsupported
+from gateway.api.common import decode_body, invalid
 from gateway.api.relay import Choice
 from gateway.api.serve import Job, Served, serve
 from gateway.edge.logs import log_body
@@ -54,11 +54,12 @@ class EmbeddingList(msgspec.Struct):
 def embedding_request(body: EmbeddingRequest) -> CanonicalRequest:
     """The body's inputs as a canonical request; a 400 naming `input` for a shape OpenAI
     does not take (an empty list, mixed kinds, a non-integer token)."""
-    if body.dimensions is not None:
-        raise unsupported(
-            "dimensions", "this gateway serves each model's vectors at their full size"
-        )
-    value = body.input
+    request = _inputs(body.input)
+    request.dimensions = body.dimensions  # the worker knows the model's size and config
+    return request
+
+
+def _inputs(value: str | list[Any]) -> CanonicalRequest:
     if isinstance(value, str):
         return CanonicalRequest(inputs=[value])
     if not value:
