@@ -79,17 +79,28 @@ def _shutdown(gw: GatewayProc, out: list[Any], bound: float) -> tuple[int, float
     started = time.monotonic()
     gw.proc.send_signal(signal.SIGTERM)
     at_signal = len(out)
-    time.sleep(0.3)
-    body = {"model": "chat", "messages": MESSAGES, "max_tokens": 2}
-    try:
-        late = httpx.post(f"{gw.base_url}/v1/chat/completions", json=body, timeout=10)
-    except httpx.TransportError:
+    body = {"model": "chat", "messages": MESSAGES, "max_tokens": 1}
+    late: list[httpx.Response | httpx.TransportError] = []
+
+    def refused() -> bool:
+        """A new request, until the gateway has taken the signal (served until then)."""
+        try:
+            reply = httpx.post(f"{gw.base_url}/v1/chat/completions", json=body, timeout=10)
+        except httpx.TransportError as exc:
+            late.append(exc)
+            return True
+        late.append(reply)
+        return reply.status_code != 200
+
+    wait_for(refused, timeout=20, what="new requests refused after SIGTERM")
+    assert not str(out[-1]).startswith("[DONE]"), "the stream ended before the signal took"
+    if isinstance(late[-1], httpx.TransportError):
         # uvicorn closes its listener at once; Granian keeps it open and answers 503.
         assert "uvicorn" in gw.config.read_text()
     else:
-        assert late.status_code == 503, late.text
-        assert late.headers.get("retry-after")
-        assert late.json()["error"]["code"] == "shutting_down"
+        assert late[-1].status_code == 503, late[-1].text
+        assert late[-1].headers.get("retry-after")
+        assert late[-1].json()["error"]["code"] == "shutting_down"
     code = gw.proc.wait(bound)
     took = time.monotonic() - started
     assert not _alive(procs), "processes of the gateway outlived it"
@@ -116,7 +127,7 @@ def test_sigterm_lets_in_flight_streams_finish(chat_model: Path, http_server: st
     gw = _gateway(chat_model, http_server, drain=60.0)
     try:
         out: list[Any] = []
-        thread = _stream(gw, 400, out)
+        thread = _stream(gw, 2000, out)  # long enough to be in flight when refusals start
         code, _took, at_signal = _shutdown(gw, out, bound=60.0 + 20)
         thread.join(10)
         assert len(out) > at_signal + 10  # it kept streaming after SIGTERM
