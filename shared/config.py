@@ -141,9 +141,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     # An embedding model also serves /v1/rerank, scoring each document by the cosine
     # similarity of its vector to the query's.
     similarity_rerank: bool = False
-    # An embedding model trained to be cut short (Matryoshka: nomic-embed, mxbai-embed,
-    # Qwen3-Embedding, ...): a request's `dimensions` keeps its vectors' first components,
-    # normalized again.
+    # An embedding model trained to be cut short (Matryoshka: mxbai-embed-large-v1,
+    # snowflake-arctic-embed-m-v1.5, ...): a request's `dimensions` keeps its vectors' first
+    # components, normalized again.
     matryoshka: bool = False
     engine: EngineOptions = msgspec.field(default_factory=EngineOptions)
 

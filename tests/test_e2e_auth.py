@@ -193,6 +193,11 @@ def test_requests_per_minute(secured: GatewayProc) -> None:
     assert third.headers["ratelimit-remaining"] == "0"
     with pytest.raises(openai.RateLimitError):
         _client(gw, key).chat.completions.create(model="chat", messages=MESSAGES, max_tokens=2)
+    for path in ("/v2/rerank", "/rerank"):  # the rerank API's paths outside /v1 too
+        body = {"model": "chat", "query": "q", "documents": ["d"]}
+        headers = {"authorization": f"Bearer {key}"}
+        reply = httpx.post(f"{gw.base_url}{path}", json=body, headers=headers, timeout=10)
+        assert reply.status_code == 429, (path, reply.text)
     # Limits are per key: another key is unaffected, on any model.
     assert _chat(gw, _create(gw, "rpm-other"), model="other").status_code == 200
 

@@ -200,3 +200,37 @@ def test_dimensions_cut_a_matryoshka_models_vectors_and_normalize_them(encoder: 
     cut = vectors(out)[0]
     assert out.dimensions == 64 and cut.shape == (64,)
     assert np.allclose(cut, full[:64] / np.linalg.norm(full[:64]), atol=1e-6)
+
+
+def test_a_rerank_request_keeps_to_max_prompt_tokens(encoder: Encoder) -> None:
+    pre = EmbeddingPreprocessor(encoder, EngineOptions(max_prompt_tokens=50), True)
+    message, param = refused(pre, rerank("a query", ["word " * 20, "word " * 20, "word " * 20]))
+    assert param == "documents" and "max_prompt_tokens" in message
+
+
+def test_counts_can_be_read_while_requests_come_and_go(encoder: Encoder) -> None:
+    """Heartbeats read counts() from another thread while the engine adds and finishes."""
+    import threading
+
+    engine = EmbeddingEngine(encoder, EngineOptions(max_running=1))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                engine.counts()
+            except BaseException as exc:
+                errors.append(exc)
+                return
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for i in range(200):
+            engine.add(PreparedEmbedding(f"r{i}", [[101, 102]]))
+            engine.step()
+    finally:
+        stop.set()
+        reader.join()
+    assert not errors

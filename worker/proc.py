@@ -165,6 +165,10 @@ class WorkerProc:
             encoder = Encoder(path)
         except (OSError, ValueError) as exc:
             raise LoadError(f"model {config.name!r}: cannot load {path}: {exc}") from exc
+        kind = kind_of(config)
+        if encoder.scores != (kind is ModelKind.RERANK):
+            found = "a cross-encoder (a reranker)" if encoder.scores else "an embedding model"
+            raise LoadError(f"model {config.name!r} is configured as {kind}, but {path} is {found}")
         engine = EmbeddingEngine(encoder, config.engine)
         self.engine = cast(EngineCore, FaultyEngine.wrap(cast(EngineCore, engine), self.faults))
         self._probe()

@@ -165,9 +165,13 @@ class GatewayMiddleware:
                     ErrorCode.FORBIDDEN, f"key {key.name!r} has scope {key.scope!r}, not admin"
                 )
             return []
-        if path.startswith("/v1/"):
+        if path.startswith("/v1/") or path in LIMITED_OUTSIDE_V1:
             return self.limiter.admit(ctx, key)
         return []
+
+
+# Model routes outside /v1 (the rerank API's other paths): limited as /v1 is
+LIMITED_OUTSIDE_V1 = frozenset({"/v2/rerank", "/rerank"})
 
 
 def _headers(scope: Scope) -> dict[bytes, bytes]:

@@ -1,7 +1,7 @@
 """BERT-family encoders (BERT, RoBERTa, XLM-RoBERTa: all-MiniLM, bge, e5, gte, multilingual
 e5, ...) in MLX, loaded from a Hugging Face checkpoint's config.json and safetensors; and
 the same encoders with a sequence-classification head of one label, the cross-encoders
-that rerankers are (ms-marco-MiniLM, bge-reranker, mxbai-rerank-v1, ...).
+that rerankers are (ms-marco-MiniLM, bge-reranker-base and -large, ...).
 
 mlx-embeddings implements these too, but it is GPL-3.0 (this project is MIT) and pulls in
 mlx-vlm and its dependencies; an encoder is a few layers of MLX's own modules.

@@ -136,8 +136,9 @@ class EmbeddingEngine:
 
     def counts(self) -> tuple[int, int]:
         """(requests being encoded, requests none of whose inputs has started)."""
-        waiting = sum(1 for p in self.pending.values() if not p.started_at)
-        return len(self.pending) - waiting, waiting
+        # read by the output and input threads while the engine's adds and removes: a copy
+        waiting = sum(1 for p in list(self.pending.values()) if not p.started_at)
+        return max(len(self.pending) - waiting, 0), waiting
 
     def prefix_stats(self) -> None:
         return None

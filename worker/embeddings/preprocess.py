@@ -63,13 +63,7 @@ class EmbeddingPreprocessor:
                     f"input[{i}] has {len(ids)} tokens; this model takes at most {limit}",
                     f"input[{i}]" if len(inputs) > 1 else "input",
                 )
-        total = sum(len(ids) for ids in inputs)
-        if self.max_prompt_tokens is not None and total > self.max_prompt_tokens:
-            raise _invalid(
-                f"the inputs have {total} tokens; this gateway accepts at most "
-                f"{self.max_prompt_tokens} a request (max_prompt_tokens)",
-                "input",
-            )
+        self._check_total(inputs, "input")
         prepared = PreparedEmbedding(frame.request_id, inputs, frame.priority)
         prepared.dimensions = self._dimensions(request.dimensions)
         return prepared
@@ -129,9 +123,19 @@ class EmbeddingPreprocessor:
                     f"model takes at most {limit}",
                     f"documents[{i}]",
                 )
+        self._check_total(inputs, "documents")
         return PreparedEmbedding(
             frame.request_id, inputs, frame.priority, kind=RequestKind.RERANK, types=types
         )
+
+    def _check_total(self, inputs: list[list[int]], param: str) -> None:
+        total = sum(len(ids) for ids in inputs)
+        if self.max_prompt_tokens is not None and total > self.max_prompt_tokens:
+            raise _invalid(
+                f"the request has {total} tokens; this gateway accepts at most "
+                f"{self.max_prompt_tokens} a request (max_prompt_tokens)",
+                param,
+            )
 
     def _wrapped(self, index: int, ids: list[int]) -> list[int]:
         if not ids:
