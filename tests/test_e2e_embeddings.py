@@ -35,6 +35,7 @@ def gw(hermes_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         # the kind follows from the source; rerank by similarity allowed
         {"name": "minilm", "source": MINILM_SOURCE, "similarity_rerank": True},
         {"name": "reranker", "source": str(cross), "preload": False},  # a cross-encoder
+        {"name": "mislabelled", "source": str(cross), "kind": "embedding", "preload": False},
         # the kind from its files; its vectors may be cut (as if trained for it)
         {"name": "folder", "source": str(MINILM), "preload": False, "matryoshka": True},
         {"name": "fragile", "source": MINILM_SOURCE, "preload": False},
@@ -225,3 +226,13 @@ def test_rerank_refusals_name_the_field(gw: GatewayProc) -> None:
         f"{gw.base_url}/v1/embeddings", json={"model": "reranker", "input": "x"}, timeout=60
     )
     assert embed.status_code == 400 and "/v1/rerank" in embed.json()["error"]["message"]
+
+
+def test_a_model_whose_files_are_not_its_configured_kind_fails_its_load(
+    oai: openai.OpenAI,
+) -> None:
+    with pytest.raises(openai.APIStatusError) as info:
+        oai.embeddings.create(model="mislabelled", input="x")
+    assert info.value.status_code == 503
+    assert "configured as embedding" in str(info.value.body)
+    assert "cross-encoder" in str(info.value.body)
