@@ -282,6 +282,9 @@ class RowBatch:
             self.step_caches = []
             self.fresh.clear()
             self.version += 1
+            # the masks being computed are for rows that are gone (a failure there concerns
+            # no one left: it must not end a later batch)
+            self._ahead = None
             return
         for c in self.caches:
             c.filter(keep)
