@@ -449,7 +449,12 @@ class WorkerProc:
             now = time.monotonic()
             if now >= next_beat:
                 next_beat = now + HEARTBEAT_S
-                sock.send(codec.encode(self._heartbeat(process)))
+                try:
+                    beat = codec.encode(self._heartbeat(process))
+                except Exception:  # a bug: log it, keep the thread (and the outbox) alive
+                    log.exception("cannot make a heartbeat")
+                else:
+                    sock.send(beat)
             try:
                 frame = self.outbox.get(timeout=max(0.0, next_beat - time.monotonic()))
             except queue.Empty:
