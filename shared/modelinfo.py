@@ -5,6 +5,7 @@ loaded; the gateway (which never imports MLX) reads them here for models not loa
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,24 @@ def kind_of(config: ModelConfig) -> ModelKind:
         return ModelKind.EMBEDDING
     if config.source == DEMO_SOURCE:
         return ModelKind.LLM
-    path = Path(config.source).expanduser()
+    return kind_in(Path(config.source).expanduser())
+
+
+def kind_served(config: ModelConfig, capabilities: Sequence[str] | None) -> ModelKind:
+    """The kind as its last worker showed it (what it served), else kind_of: a hub id with
+    no `kind` is known once its worker had the files."""
+    if config.kind is not None or capabilities is None:
+        return kind_of(config)
+    if "embeddings" in capabilities:
+        return ModelKind.EMBEDDING
+    if "rerank" in capabilities and "completion" not in capabilities:
+        return ModelKind.RERANK
+    return ModelKind.LLM
+
+
+def kind_in(path: Path) -> ModelKind:
+    """What a model folder's files say it is (see kind_of); a worker asks once a hub id is
+    downloaded."""
     try:
         raw = _json(path / "config.json") or {}
         st = (path / "modules.json").is_file()
@@ -49,9 +67,10 @@ def kind_of(config: ModelConfig) -> ModelKind:
     return ModelKind.EMBEDDING if st or encoder else ModelKind.LLM
 
 
-def served_by(config: ModelConfig) -> list[str] | None:
-    """What an embedding model or a reranker serves (None for a text model)."""
-    kind = kind_of(config)
+def served_by(config: ModelConfig, kind: ModelKind | None = None) -> list[str] | None:
+    """What an embedding model or a reranker serves (None for a text model); `kind`: as the
+    worker found it, else kind_of(config)."""
+    kind = kind or kind_of(config)
     if kind is ModelKind.RERANK:
         return ["rerank"]
     if kind is ModelKind.EMBEDDING:

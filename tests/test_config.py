@@ -18,7 +18,7 @@ from shared.config import (
     load_config,
     parse_duration,
 )
-from shared.modelinfo import kind_of
+from shared.modelinfo import kind_of, kind_served
 
 TWO_MODELS = """
 [server]
@@ -350,3 +350,14 @@ def test_batcher_is_auto_mlx_lm_or_rows(tmp_path: Path) -> None:
         assert chosen.models[0].engine.batcher == name
     with pytest.raises(ConfigError, match="batcher"):
         load_config(write(tmp_path, head + 'batcher = "vllm"\n'))
+
+
+def test_a_model_without_kind_is_what_its_worker_served() -> None:
+    hub = ModelConfig(name="h", source="BAAI/bge-small-en-v1.5")  # a hub id: files unknown
+    assert kind_served(hub, None) is ModelKind.LLM
+    assert kind_served(hub, ["embeddings"]) is ModelKind.EMBEDDING
+    assert kind_served(hub, ["embeddings", "rerank"]) is ModelKind.EMBEDDING
+    assert kind_served(hub, ["rerank"]) is ModelKind.RERANK
+    assert kind_served(hub, ["chat", "completion"]) is ModelKind.LLM
+    configured = ModelConfig(name="c", source="x/y", kind=ModelKind.RERANK)
+    assert kind_served(configured, ["chat", "completion"]) is ModelKind.RERANK  # as configured

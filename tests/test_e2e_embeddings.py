@@ -36,6 +36,8 @@ def gw(hermes_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         {"name": "minilm", "source": MINILM_SOURCE, "similarity_rerank": True},
         {"name": "reranker", "source": str(cross), "preload": False},  # a cross-encoder
         {"name": "mislabelled", "source": str(cross), "kind": "embedding", "preload": False},
+        # an embedding model's key on a text model
+        {"name": "flagged", "source": str(hermes_model_dir), "matryoshka": True, "preload": False},
         # the kind from its files; its vectors may be cut (as if trained for it)
         {"name": "folder", "source": str(MINILM), "preload": False, "matryoshka": True},
         {"name": "fragile", "source": MINILM_SOURCE, "preload": False},
@@ -236,3 +238,12 @@ def test_a_model_whose_files_are_not_its_configured_kind_fails_its_load(
     assert info.value.status_code == 503
     assert "configured as embedding" in str(info.value.body)
     assert "cross-encoder" in str(info.value.body)
+
+
+def test_an_embedding_models_key_on_a_text_model_fails_its_load(oai: openai.OpenAI) -> None:
+    with pytest.raises(openai.APIStatusError) as info:
+        oai.chat.completions.create(
+            model="flagged", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    assert info.value.status_code == 503
+    assert "matryoshka is for embedding models" in str(info.value.body)

@@ -1,5 +1,5 @@
 """Guide: a thinking budget that forces the think block's end marker, then the grammar over
-the answer; and apply_bitmask, the mask as plain MLX ops on the logits."""
+the answer; and Masks.apply, the mask as plain MLX ops on the logits."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from shared.types import OutputFormat, ResponseFormat
 from worker.structured.grammars import response_grammar
-from worker.structured.guide import Grammars, Guide, apply_bitmask
+from worker.structured.guide import Grammars, Guide, Masks
 
 SCHEMA = {
     "type": "object",
@@ -216,7 +216,7 @@ def test_forcing_continues_a_marker_the_model_began() -> None:
     assert step(guide) == {41}
 
 
-# ---- apply_bitmask ------------------------------------------------------------------------------
+# ---- Masks.apply ---------------------------------------------------------------------------------
 
 
 def mask_of(rows: list[set[int]], words: int) -> np.ndarray:
@@ -245,7 +245,7 @@ def test_masked_logits_are_minus_infinity(dtype: mx.Dtype) -> None:
     vocab = 64
     logits = (mx.arange(2 * vocab).reshape(2, vocab) - 50).astype(dtype)
     rows = [{0, 5, 31, 32, 63}, {17}]
-    out = apply_bitmask(logits, mask_of(rows, 2))
+    out = Masks().apply(logits, mask_of(rows, 2))
     check(logits, out, rows)
 
 
@@ -253,7 +253,7 @@ def test_a_bitmask_narrower_than_the_vocab_forbids_the_rest() -> None:
     # the model's embedding has more rows than the tokenizer's vocabulary
     logits = mx.ones((1, 40))
     rows = [{1, 31}]
-    out = apply_bitmask(logits, mask_of(rows, 1))
+    out = Masks().apply(logits, mask_of(rows, 1))
     check(logits, out, rows)
     assert np.isinf(np.array(out)[0, 32:]).all()
 
@@ -262,12 +262,12 @@ def test_a_bitmask_wider_than_the_vocab_is_cut() -> None:
     logits = mx.zeros((2, 20))
     rows = [{0, 19}, {3}]
     wide = mask_of([{0, 19, 20, 45}, {3, 63}], 2)
-    check(logits, apply_bitmask(logits, wide), rows)
+    check(logits, Masks().apply(logits, wide), rows)
 
 
 def test_all_allowed_changes_nothing() -> None:
     logits = mx.random.normal((3, 70), key=mx.random.key(0))
-    out = apply_bitmask(logits, np.full((3, 3), -1, dtype=np.int32))
+    out = Masks().apply(logits, np.full((3, 3), -1, dtype=np.int32))
     assert mx.array_equal(out, logits).item()
 
 
@@ -278,14 +278,14 @@ def test_the_forced_token_is_the_argmax(tokenizer: TokenizerWrapper) -> None:
     bitmask = guide.bitmask(1)
     guide.fill(bitmask, 0)
     logits = mx.random.normal((1, vocab), key=mx.random.key(1))
-    assert mx.argmax(apply_bitmask(logits, bitmask), axis=-1).item() == end[0]
+    assert mx.argmax(Masks().apply(logits, bitmask), axis=-1).item() == end[0]
 
 
 def test_masks_of_some_rows_leave_the_others_alone() -> None:
     """The packed form (the rows' indices, then their bits, one device array)."""
     logits = mx.random.normal((4, 64), key=mx.random.key(2))
     masks = [{0, 5}, {63}]
-    out = apply_bitmask(logits, mask_of(masks, 2), rows=[3, 1])
+    out = Masks().apply(logits, mask_of(masks, 2), rows=[3, 1])
     check(logits[mx.array([3, 1])], out[mx.array([3, 1])], masks)
     for r in (0, 2):
         assert mx.array_equal(out[r], logits[r]).item()

@@ -112,10 +112,13 @@ def _download(config: ModelConfig, progress: Progress) -> Path:
         ) from exc
 
 
-def load_model(config: ModelConfig, progress: Progress = _no_progress) -> LoadedModel:
+def load_model(
+    config: ModelConfig, progress: Progress = _no_progress, path: Path | None = None
+) -> LoadedModel:
+    """The text model of `config` (at `path` when the caller resolved its source)."""
     from worker.backends.mlx_lm import load
 
-    path = resolve_source(config, progress)
+    path = path or resolve_source(config, progress)
     progress("loading weights", -1.0)
     try:
         model, tokenizer = load(str(path), trust_remote_code=config.trust_remote_code)

@@ -14,6 +14,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import cast
 
 import mlx.core as mx
@@ -21,7 +22,7 @@ import msgspec
 import psutil
 
 from shared.config import ModelConfig, ModelKind
-from shared.modelinfo import kind_of, served_by
+from shared.modelinfo import kind_in, served_by
 from shared.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -70,6 +71,15 @@ class WorkerArgs:
     watch_parent: bool = True
 
 
+def _only_for_embeddings(config: ModelConfig, kind: ModelKind) -> None:
+    """Keys of an embedding model's config on another kind: a load error, never ignored."""
+    for key in ("similarity_rerank", "matryoshka"):
+        if getattr(config, key):
+            raise LoadError(
+                f"model {config.name!r}: {key} is for embedding models; this one is {kind}"
+            )
+
+
 class WorkerProc:
     def __init__(self, args: WorkerArgs) -> None:
         self.args = args
@@ -106,11 +116,16 @@ class WorkerProc:
             if self.faults.load_delay_s:
                 time.sleep(self.faults.load_delay_s)
             log.info("loading model %s from %s", self.args.model.name, self.args.model.source)
+            config = self.args.model
+            path = resolve_source(config, self._progress)
+            # what the files say once they are here (a hub id's, downloaded just now)
+            kind = config.kind or kind_in(path)
             preprocess: AnyPreprocessor
-            if kind_of(self.args.model) in (ModelKind.EMBEDDING, ModelKind.RERANK):
-                preprocess, ready = self._load_embeddings()
+            if kind in (ModelKind.EMBEDDING, ModelKind.RERANK):
+                preprocess, ready = self._load_embeddings(path, kind)
             else:
-                preprocess, ready = self._load_text()
+                _only_for_embeddings(config, kind)
+                preprocess, ready = self._load_text(path)
             self.inputs_thread = threading.Thread(
                 target=self._input_loop, args=(preprocess,), name="input", daemon=True
             )
@@ -144,8 +159,8 @@ class WorkerProc:
         if not any(t is not None and t.is_alive() for t in threads):
             self.channels.close()  # the output socket lingers so the last frames leave
 
-    def _load_text(self) -> tuple[Preprocessor, Ready]:
-        loaded = load_model(self.args.model, self._progress)
+    def _load_text(self, path: Path) -> tuple[Preprocessor, Ready]:
+        loaded = load_model(self.args.model, self._progress, path)
         self.engine = self._engine(loaded)
         self._probe()
         opts = self.args.model.engine
@@ -153,19 +168,19 @@ class WorkerProc:
         preprocess = Preprocessor(loaded.tokenizer, opts, loaded.max_context, formats)
         return preprocess, self._ready(loaded, formats)
 
-    def _load_embeddings(self) -> tuple[EmbeddingPreprocessor, Ready]:
+    def _load_embeddings(self, path: Path, kind: ModelKind) -> tuple[EmbeddingPreprocessor, Ready]:
         from importlib.metadata import version
 
         from worker.embeddings.encoder import Encoder
 
         config = self.args.model
-        path = resolve_source(config, self._progress)
+        if kind is ModelKind.RERANK:
+            _only_for_embeddings(config, kind)
         self._progress("loading weights", -1.0)
         try:
             encoder = Encoder(path)
         except (OSError, ValueError) as exc:
             raise LoadError(f"model {config.name!r}: cannot load {path}: {exc}") from exc
-        kind = kind_of(config)
         if encoder.scores != (kind is ModelKind.RERANK):
             found = "a cross-encoder (a reranker)" if encoder.scores else "an embedding model"
             raise LoadError(f"model {config.name!r} is configured as {kind}, but {path} is {found}")
@@ -177,7 +192,7 @@ class WorkerProc:
             self.worker_id,
             Capacity(opts.max_running, opts.max_waiting, encoder.max_tokens),
             versions={"mlx": version("mlx")},
-            capabilities=["rerank"] if encoder.scores else served_by(config) or [],
+            capabilities=served_by(config, kind) or [],
             device=engine.backend.device,
             device_memory_bytes=device_memory(),
         )

@@ -55,7 +55,8 @@ class Choice:
         if output.embeddings:
             self.embeddings += output.embeddings
             self.dimensions = output.dimensions
-        self.scores += output.scores
+        if output.scores:
+            self.scores += output.scores
         self.text += output.text
         self.reasoning += output.reasoning
         for delta in output.tool_calls:
@@ -85,6 +86,16 @@ class Formatter(Protocol):
     def stream_end(self, usage: Usage) -> bytes: ...
     def stream_error(self, error: GatewayError) -> bytes: ...
     def response(self, choices: list[Choice], usage: Usage) -> bytes: ...
+
+
+class WholeBody:
+    """The streaming half of a Formatter for a response that is never streamed (embeddings,
+    rerank): its route serves a JSON body only, so reaching these is a bug."""
+
+    def _streamed(self, *_: Any) -> bytes:
+        raise AssertionError(f"{type(self).__name__} is not streamed")
+
+    stream_start = stream_delta = stream_finish = stream_end = stream_error = _streamed
 
 
 def total_usage(usages: list[Usage | None], groups: list[int]) -> Usage:

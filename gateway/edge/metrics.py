@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 
 from gateway.edge.context import RequestContext
 from gateway.workers.client import ModelState, WorkerClient
-from shared.modelinfo import kind_of
+from shared.modelinfo import kind_served
 
 UNKNOWN = "-"  # the model label of a request refused before it named one (401, 400)
 
@@ -144,7 +144,9 @@ class WorkerCollector(Collector):
         )
         for view in self.workers.views():
             name, current = view.name, view.state
-            info.add_metric([name, kind_of(view.config).value], 1.0)
+            shown = view.info or view.last_info
+            kind = kind_served(view.config, shown.capabilities if shown else None)
+            info.add_metric([name, kind.value], 1.0)
             for s in ModelState:
                 state.add_metric([name, s.value], 1.0 if s == current else 0.0)
             restarts.add_metric([name], view.restarts)

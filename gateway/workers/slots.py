@@ -20,7 +20,7 @@ from gateway.workers.client import ModelState, ModelView
 from gateway.workers.stream import RequestStream
 from gateway.workers.transport import Transport
 from shared.config import ModelConfig
-from shared.modelinfo import kind_of
+from shared.modelinfo import kind_served
 from shared.paths import RunDir
 from shared.protocol import Capacity, Heartbeat, Ready
 from shared.types import ErrorCode
@@ -198,7 +198,9 @@ def status_row(slot: Slot, ttl: float, now: float) -> dict[str, object]:
     handle = slot.handle
     row: dict[str, object] = {
         "model": slot.name,
-        "kind": kind_of(slot.config).value,
+        "kind": kind_served(
+            slot.config, slot.last_info.capabilities if slot.last_info else None
+        ).value,
         "state": slot.state.value,
         "aliases": slot.config.aliases,
         "pid": None,

@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-ARCHITECTURES = {"bert", "roberta", "xlm-roberta"}
+from shared.modelinfo import ENCODER_TYPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,10 +39,10 @@ class BertConfig:
     def read(cls, path: Path) -> BertConfig:
         raw: dict[str, Any] = json.loads((path / "config.json").read_text())
         kind = raw.get("model_type", "")
-        if kind not in ARCHITECTURES:
+        if kind not in ENCODER_TYPES:
             raise ValueError(
                 f"model_type {kind!r} is not an encoder this worker runs "
-                f"({', '.join(sorted(ARCHITECTURES))})"
+                f"({', '.join(sorted(ENCODER_TYPES))})"
             )
         if raw.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError(f"position_embedding_type {raw['position_embedding_type']!r}")

@@ -241,11 +241,6 @@ def pack(bitmask: np.ndarray, rows: list[int] | None = None) -> Packed:
     return Packed(mx.array(flat), len(rows), masked, words)
 
 
-def apply_bitmask(logits: Any, bitmask: np.ndarray, rows: list[int] | None = None) -> Any:
-    """Masks().apply, for one-off use (tests, a single row)."""
-    return Masks().apply(logits, bitmask, rows)
-
-
 def _byte_table(dtype: Any) -> Any:
     """(256, 8): bit b of byte value v clear -> -inf at [v, b], else 0 (little-endian bits,
     as llguidance packs them)."""

@@ -14,11 +14,10 @@ from litestar.response import Stream
 from msgspec import Meta
 
 from gateway.api.common import decode_body, invalid
-from gateway.api.relay import Choice
+from gateway.api.relay import Choice, WholeBody
 from gateway.api.serve import Job, Served, serve
 from gateway.edge.logs import log_body
 from gateway.edge.middleware import context_of
-from gateway.errors import GatewayError
 from shared.types import CanonicalRequest, RequestKind, SamplingParams, Usage
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs a request
@@ -83,7 +82,7 @@ def _token(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
 
 
-class EmbeddingFormatter:
+class EmbeddingFormatter(WholeBody):
     """The response body (embeddings are never streamed)."""
 
     def __init__(self, model: str, encoding_format: str) -> None:
@@ -99,14 +98,6 @@ class EmbeddingFormatter:
         ]
         tokens = usage.prompt_tokens
         return msgspec.json.encode(EmbeddingList(data, self.model, EmbeddingUsage(tokens, tokens)))
-
-    def _streamed(self, *_: Any) -> bytes:
-        raise AssertionError("embeddings are not streamed")
-
-    stream_start = stream_delta = stream_finish = stream_end = _streamed
-
-    def stream_error(self, error: GatewayError) -> bytes:
-        raise AssertionError("embeddings are not streamed")
 
 
 @post("/embeddings", status_code=200)

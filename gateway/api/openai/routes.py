@@ -31,7 +31,7 @@ from gateway.edge.logs import log_body
 from gateway.edge.middleware import authorize_model, context_of
 from gateway.errors import GatewayError
 from gateway.workers.client import WorkerClient
-from shared.modelinfo import kind_of, peek
+from shared.modelinfo import kind_served, peek
 from shared.types import RequestKind
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -104,7 +104,7 @@ def model_card(state: State, name: str) -> ModelCard:
         max_context=context,
         context_length=context,
         capabilities=capabilities,
-        kind=kind_of(model).value,
+        kind=kind_served(model, info.capabilities if info else None).value,
     )
 
 

@@ -15,7 +15,7 @@ from msgspec import Meta
 
 from gateway.api.common import decode_body, invalid
 from gateway.api.openai.errors import error_response
-from gateway.api.relay import Choice
+from gateway.api.relay import Choice, WholeBody
 from gateway.api.serve import Job, Served, serve
 from gateway.edge.logs import log_body
 from gateway.edge.middleware import context_of
@@ -70,7 +70,7 @@ def rerank_request(body: RerankRequest) -> CanonicalRequest:
     return CanonicalRequest(query=body.query, documents=texts)
 
 
-class RerankFormatter:
+class RerankFormatter(WholeBody):
     """The response body (rerank is never streamed)."""
 
     def __init__(self, body: RerankRequest, documents: list[str]) -> None:
@@ -95,14 +95,6 @@ class RerankFormatter:
             f"rerank-{uuid.uuid4().hex}", self.body.model, results, RerankUsage(tokens, tokens)
         )
         return msgspec.json.encode(body)
-
-    def _streamed(self, *_: Any) -> bytes:
-        raise AssertionError("rerank is not streamed")
-
-    stream_start = stream_delta = stream_finish = stream_end = _streamed
-
-    def stream_error(self, error: GatewayError) -> bytes:
-        raise AssertionError("rerank is not streamed")
 
 
 @post(["/v1/rerank", "/v2/rerank", "/rerank"], status_code=200)
