@@ -14,6 +14,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import cast
 
@@ -44,11 +45,12 @@ from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput
 from worker.backends.formats import ModelFormats, model_formats
 from worker.backends.mlx_lm import make_backend
 from worker.channels import WorkerChannels
-from worker.embeddings.engine import EmbeddingEngine, PreparedEmbedding
+from worker.embeddings.engine import PreparedEmbedding
+from worker.embeddings.open import only_for_embeddings, open_encoder
 from worker.embeddings.preprocess import EmbeddingPreprocessor
 from worker.engine.core import EngineCore
 from worker.faults import Faults, FaultyEngine
-from worker.loader import LoadedModel, LoadError, load_model, resolve_source
+from worker.loader import LoadedModel, load_model, resolve_source
 from worker.memory import IdleRelease, MemoryLimits, device_memory, kv_budget, own_memory
 from worker.preprocess import PreparedRequest, PreprocessError, Preprocessor, capabilities
 from worker.steptrace import StepTrace
@@ -69,15 +71,6 @@ class WorkerArgs:
     outputs_addr: str
     model: ModelConfig
     watch_parent: bool = True
-
-
-def _only_for_embeddings(config: ModelConfig, kind: ModelKind) -> None:
-    """Keys of an embedding model's config on another kind: a load error, never ignored."""
-    for key in ("similarity_rerank", "matryoshka"):
-        if getattr(config, key):
-            raise LoadError(
-                f"model {config.name!r}: {key} is for embedding models; this one is {kind}"
-            )
 
 
 class WorkerProc:
@@ -124,7 +117,7 @@ class WorkerProc:
             if kind in (ModelKind.EMBEDDING, ModelKind.RERANK):
                 preprocess, ready = self._load_embeddings(path, kind)
             else:
-                _only_for_embeddings(config, kind)
+                only_for_embeddings(config, kind)
                 preprocess, ready = self._load_text(path)
             self.inputs_thread = threading.Thread(
                 target=self._input_loop, args=(preprocess,), name="input", daemon=True
@@ -169,35 +162,19 @@ class WorkerProc:
         return preprocess, self._ready(loaded, formats)
 
     def _load_embeddings(self, path: Path, kind: ModelKind) -> tuple[EmbeddingPreprocessor, Ready]:
-        from importlib.metadata import version
-
-        from worker.embeddings.encoder import Encoder
-
-        config = self.args.model
-        if kind is ModelKind.RERANK:
-            _only_for_embeddings(config, kind)
         self._progress("loading weights", -1.0)
-        try:
-            encoder = Encoder(path)
-        except (OSError, ValueError) as exc:
-            raise LoadError(f"model {config.name!r}: cannot load {path}: {exc}") from exc
-        if encoder.scores != (kind is ModelKind.RERANK):
-            found = "a cross-encoder (a reranker)" if encoder.scores else "an embedding model"
-            raise LoadError(f"model {config.name!r} is configured as {kind}, but {path} is {found}")
-        engine = EmbeddingEngine(encoder, config.engine)
+        config = self.args.model
+        engine, preprocess = open_encoder(config, path, kind)
         self.engine = cast(EngineCore, FaultyEngine.wrap(cast(EngineCore, engine), self.faults))
         self._probe()
         opts = config.engine
         ready = Ready(
             self.worker_id,
-            Capacity(opts.max_running, opts.max_waiting, encoder.max_tokens),
+            Capacity(opts.max_running, opts.max_waiting, engine.encoder.max_tokens),
             versions={"mlx": version("mlx")},
             capabilities=served_by(config, kind) or [],
             device=engine.backend.device,
             device_memory_bytes=device_memory(),
-        )
-        preprocess = EmbeddingPreprocessor(
-            encoder, opts, config.similarity_rerank, config.matryoshka
         )
         return preprocess, ready
 
@@ -238,8 +215,6 @@ class WorkerProc:
             raise RuntimeError(f"the model loaded but cannot generate: {exc}") from exc
 
     def _ready(self, loaded: LoadedModel, formats: ModelFormats) -> Ready:
-        from importlib.metadata import version
-
         opts = self.args.model.engine
         assert self.engine is not None
         cache = self.engine.prefix_cache
