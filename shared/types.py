@@ -65,6 +65,9 @@ class ImagePart(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, t
     media_type: str | None = None  # image/png, image/jpeg, ...
     url: str | None = None  # http(s), when not fetched yet
     detail: str | None = None  # OpenAI's "low" / "high" / "auto"
+    # where the client put it, in its protocol's terms (messages[0].content[1].image_url):
+    # errors about this image name it
+    where: str | None = None
 
 
 class AudioPart(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="audio"):

@@ -141,7 +141,7 @@ V3_ADD = (
     "f8000000000000c2c200c200"
 )
 # Every field protocol 4 appended to Message: images as bytes and as a URL, audio, an
-# assistant's tool call and reasoning, a tool's result.
+# assistant's tool call and reasoning, a tool's result (and protocol 7's image `where`).
 ADD_RICH = Add(
     "req-5",
     RequestKind.CHAT,
@@ -152,7 +152,7 @@ ADD_RICH = Add(
                 "Look: ",
                 parts=[
                     TextPart("Look: "),
-                    ImagePart(b"\x89PNG", media_type="image/png"),
+                    ImagePart(b"\x89PNG", media_type="image/png", where="messages[0].content[1]"),
                     ImagePart(url="https://example.com/a.jpg", detail="low"),
                     AudioPart(b"RIFF", format="wav"),
                 ],
@@ -256,14 +256,14 @@ TO_WORKER = {
     ),
     "add_rich_messages": (
         ADD_RICH,
-        "96a3616464a57265712d35a4636861749e9397a475736572a64c6f6f6b3a20c09492a474657874a64c6f"
-        "6f6b3a2095a5696d616765c40489504e47a9696d6167652f706e67c0c095a5696d616765c400c0b96874"
-        "7470733a2f2f6578616d706c652e636f6d2f612e6a7067a36c6f7794a5617564696fc40452494646a377"
-        "6176c090c0c097a9617373697374616e74a0c0909193a663616c6c5f31ab6765745f77656174686572b0"
-        "7b2263697479223a20224f736c6f227dc0b2546865792077616e7420776561746865722e97a4746f6f6c"
-        "a3313243c09090a663616c6c5f31c0c0c0c38090c0c0c09090c090c0dc0012c0cb3ff0000000000000cb"
-        "3ff000000000000000cb0000000000000000c09090c200cb3ff0000000000000cb0000000000000000cb"
-        "000000000000000080c2c200c200",
+        "96a3616464a57265712d35a4636861749e9397a475736572a64c6f6f6b3a20c09492a474657874a64c6f6f"
+        "6b3a2096a5696d616765c40489504e47a9696d6167652f706e67c0c0b66d657373616765735b305d2e636f"
+        "6e74656e745b315d96a5696d616765c400c0b968747470733a2f2f6578616d706c652e636f6d2f612e6a70"
+        "67a36c6f77c094a5617564696fc40452494646a3776176c090c0c097a9617373697374616e74a0c0909193"
+        "a663616c6c5f31ab6765745f77656174686572b07b2263697479223a20224f736c6f227dc0b25468657920"
+        "77616e7420776561746865722e97a4746f6f6ca3313243c09090a663616c6c5f31c0c0c0c38090c0c0c090"
+        "90c090c0dc0012c0cb3ff0000000000000cb3ff000000000000000cb0000000000000000c09090c200cb3f"
+        "f0000000000000cb0000000000000000cb000000000000000080c2c200c200"
     ),
     "add_echo_logprobs": (
         ADD_ECHO,
@@ -488,7 +488,7 @@ def test_protocol_2_frames_decode_with_the_new_fields_defaulted() -> None:
 
 def test_protocol_version_is_an_int() -> None:
     assert type(PROTOCOL_VERSION) is int
-    assert PROTOCOL_VERSION == 6  # bumped with embeddings and rerank (V5_ADD)
+    assert PROTOCOL_VERSION == 7  # bumped with images' `where` (vision)
     hello = Codec().from_worker.decode(Codec().encode(Hello("w", PROTOCOL_VERSION, 1, "m")))
     assert isinstance(hello, Hello)
     assert hello.protocol_version == PROTOCOL_VERSION
