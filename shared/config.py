@@ -209,6 +209,15 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     # dropped beyond responses_max_stored, each kept responses_ttl after it completed.
     responses_max_stored: int = 1000
     responses_ttl: Duration = 3600.0
+    # Images in chat requests (vision models): each one's bytes (a data URL's or a fetched
+    # URL's) and pixels at most, images per request at most, and the gateway's fetch of an
+    # http(s) URL: its deadline, and whether it may reach private, loopback, link-local or
+    # other non-public addresses (off: a client cannot make the gateway probe its network).
+    image_max_bytes: int = 20 * 1024 * 1024
+    image_max_pixels: int = 8192 * 8192
+    image_max_count: int = 16
+    image_fetch_timeout_s: float = 10.0
+    image_fetch_private: bool = False
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -348,5 +357,10 @@ def _validate(config: Config) -> None:
             raise ConfigError(f"server.{key} must be at least 1")
     if server.max_queued < 0:
         raise ConfigError("server.max_queued must not be negative")
+    for key in ("image_max_bytes", "image_max_pixels", "image_max_count"):
+        if getattr(server, key) < 1:
+            raise ConfigError(f"server.{key} must be at least 1")
+    if not 0 < server.image_fetch_timeout_s < float("inf"):
+        raise ConfigError("server.image_fetch_timeout_s must be a positive number of seconds")
     if (server.tls_cert is None) != (server.tls_key is None):
         raise ConfigError("server.tls_cert and server.tls_key go together: set both or neither")

@@ -323,6 +323,31 @@ def test_bad_lifecycle_settings_are_named(tmp_path: Path, text: str, needle: str
         load_config(write(tmp_path, text))
 
 
+def test_image_settings(tmp_path: Path) -> None:
+    server = ServerConfig()
+    assert (server.image_max_bytes, server.image_max_pixels) == (20 * 2**20, 8192 * 8192)
+    assert (server.image_max_count, server.image_fetch_timeout_s) == (16, 10.0)
+    assert server.image_fetch_private is False
+    text = "[server]\nimage_max_count = 2\nimage_fetch_private = true\n"
+    config = load_config(write(tmp_path, text))
+    assert config.server.image_max_count == 2 and config.server.image_fetch_private is True
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "image_max_bytes = 0",
+        "image_max_pixels = -1",
+        "image_max_count = 0",
+        "image_fetch_timeout_s = 0",
+        "image_fetch_timeout_s = inf",
+    ],
+)
+def test_bad_image_settings_are_named(tmp_path: Path, setting: str) -> None:
+    with pytest.raises(ConfigError, match=f"server.{setting.split()[0]}"):
+        load_config(write(tmp_path, f"[server]\n{setting}\n"))
+
+
 def test_fused_cpu_ops_takes_a_bool_only(tmp_path: Path) -> None:
     head = '[[models]]\nname = "a"\nsource = "x"\n[models.engine]\n'
     off = load_config(write(tmp_path, head + "fused_cpu_ops = false\n"))
