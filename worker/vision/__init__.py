@@ -1,0 +1,1 @@
+"""Vision-language models."""
