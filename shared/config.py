@@ -27,6 +27,7 @@ class ModelKind(enum.StrEnum):
     LLM = "llm"  # text generation (mlx-lm)
     EMBEDDING = "embedding"  # vectors of texts (a BERT-family encoder)
     RERANK = "rerank"  # relevance of documents to a query (a BERT-family cross-encoder)
+    VISION = "vision"  # text generation from text and images (mlx-vlm)
 
 
 # A duration: seconds as a number, or a string with a unit ("90s", "30m", "2h");

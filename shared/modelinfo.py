@@ -49,17 +49,21 @@ def kind_served(config: ModelConfig, capabilities: Sequence[str] | None) -> Mode
         return ModelKind.EMBEDDING
     if "rerank" in capabilities and "completion" not in capabilities:
         return ModelKind.RERANK
-    return ModelKind.LLM
+    return ModelKind.VISION if "vision" in capabilities else ModelKind.LLM
 
 
 def kind_in(path: Path) -> ModelKind:
     """What a model folder's files say it is (see kind_of); a worker asks once a hub id is
-    downloaded."""
+    downloaded. A model with a vision tower (`vision_config`) and an image processor is a
+    vision model (mlx-vlm's)."""
     try:
         raw = _json(path / "config.json") or {}
         st = (path / "modules.json").is_file()
+        images = (path / "preprocessor_config.json").is_file()
     except (OSError, ValueError):
         return ModelKind.LLM
+    if raw.get("vision_config") and images:
+        return ModelKind.VISION
     encoder = raw.get("model_type") in ENCODER_TYPES
     heads = [a for a in raw.get("architectures") or [] if a.endswith("ForSequenceClassification")]
     if encoder and heads:
@@ -108,7 +112,10 @@ def peek(config: ModelConfig) -> tuple[int | None, list[str] | None]:
     if not (path / "config.json").is_file():
         return None, None
     try:
-        return context_length(path, config), text_capabilities(has_chat_template_files(path))
+        served = text_capabilities(has_chat_template_files(path))
+        if (config.kind or kind_in(path)) is ModelKind.VISION:
+            served.append("vision")
+        return context_length(path, config), served
     except (OSError, ValueError):
         return None, None
 

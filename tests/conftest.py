@@ -10,6 +10,7 @@ import pytest
 from tests.engine_fixtures import PROMPT_TEXTS, Loaded, load
 from tests.gateway_proc import GatewayProc, running_gateway
 from worker.modelgen import TinyModelSpec, build_tiny_model, byte_token_id
+from worker.vision.modelgen import TinyVisionSpec, build_tiny_vision_model
 
 # Greedy-equality model: a large logit scale makes argmax margins far wider than the last-bit
 # differences between batched and single-sequence matmuls.
@@ -19,6 +20,8 @@ OTHER_SPEC = TinyModelSpec(hidden_size=48, num_layers=1, vocab_size=384, logit_s
 # Tool calling and thinking, in each tool-call format mlx-lm parses (worker/chat_templates.py).
 HERMES_SPEC = TinyModelSpec(logit_scale=8.0, seed=3, tool_format="hermes", thinking=True)
 CODER_SPEC = TinyModelSpec(logit_scale=8.0, seed=4, tool_format="qwen3_coder", thinking=True)
+# A Qwen2-VL (mlx-vlm): wide greedy margins, as CHAT_SPEC
+VISION_SPEC = TinyVisionSpec(logit_scale=8.0)
 
 
 def bytes_spec(model_dir: Path) -> TinyModelSpec:
@@ -76,6 +79,11 @@ def hermes_model_dir(model_root: Path) -> Path:
 def coder_model_dir(model_root: Path) -> Path:
     """Qwen3-Coder XML tool calls (mlx-lm's qwen3_coder) and <think> reasoning."""
     return build_tiny_model(model_root / "coder", CODER_SPEC)
+
+
+@pytest.fixture(scope="session")
+def vision_model_dir(model_root: Path) -> Path:
+    return build_tiny_vision_model(model_root / "vision", seed=5, spec=VISION_SPEC)
 
 
 @pytest.fixture(scope="session")

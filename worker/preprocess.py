@@ -60,6 +60,8 @@ class PreparedRequest:
     prepared_at: float = 0.0
     guide: Guide | None = None  # a grammar and/or a thinking budget over its tokens
     parser: ResponseParser | None = None  # its output split into answer, thinking, calls
+    media: Any = None  # its images, as the model takes them (a vision model's)
+    key: list[int] | None = None  # the prompt as the prefix cache keys it (images: content ids)
 
 
 class Preprocessor:
@@ -233,13 +235,7 @@ class Preprocessor:
                     "this model has no chat template: use /v1/completions with a prompt",
                     "messages",
                 )
-            for i, m in enumerate(request.messages):
-                if m.parts:  # the gateway refuses these first; never drop them silently
-                    raise _invalid(
-                        f"messages[{i}].parts: images and audio are not served by a text worker",
-                        f"messages[{i}].parts",
-                    )
-            messages = [_message_dict(m) for m in request.messages]
+            messages = self._messages(request)
             kwargs: dict[str, Any] = dict(request.chat_template_kwargs)
             choice = request.tool_choice
             if request.tools and (choice is None or choice.mode is not ToolChoiceMode.NONE):
@@ -255,17 +251,7 @@ class Preprocessor:
                     f"chat_template_kwargs.{reserved} is not a template variable",
                     f"chat_template_kwargs.{reserved}",
                 )
-            try:
-                ids = self.tokenizer.apply_chat_template(
-                    messages,
-                    add_generation_prompt=request.add_generation_prompt,
-                    tokenize=True,
-                    **kwargs,
-                )
-            except Exception as exc:  # jinja errors carry the template's own message
-                raise _invalid(
-                    f"the chat template rejected the messages: {exc}", "messages"
-                ) from exc
+            ids = self._render(messages, request, kwargs)
             if isinstance(ids, dict):  # transformers 5 may return a BatchEncoding
                 ids = ids.get("input_ids", ids)
             tokens = list(ids) if isinstance(ids, list | tuple) else None
@@ -281,6 +267,39 @@ class Preprocessor:
                 raise _invalid(f"token id {bad[0]} is outside the vocabulary", "prompt")
             return list(request.prompt_token_ids)
         return list(self.tokenizer.encode(request.prompt or "", add_special_tokens=True))
+
+    def _messages(self, request: CanonicalRequest) -> list[dict[str, Any]]:
+        """The messages as chat templates read them (a vision worker's take images)."""
+        for i, m in enumerate(request.messages):
+            if m.parts:  # the gateway refuses these first; never drop them silently
+                raise _invalid(
+                    f"messages[{i}].parts: images and audio are not served by a text worker",
+                    f"messages[{i}].parts",
+                )
+        return [_message_dict(m) for m in request.messages]
+
+    def _render(
+        self, messages: list[dict[str, Any]], request: CanonicalRequest, kwargs: dict[str, Any]
+    ) -> Any:
+        """The chat template applied: token ids."""
+        return self._template(messages, request, kwargs, tokenize=True)
+
+    def _template(
+        self,
+        messages: list[dict[str, Any]],
+        request: CanonicalRequest,
+        kwargs: dict[str, Any],
+        tokenize: bool,
+    ) -> Any:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=request.add_generation_prompt,
+                tokenize=tokenize,
+                **kwargs,
+            )
+        except Exception as exc:  # jinja errors carry the template's own message
+            raise _invalid(f"the chat template rejected the messages: {exc}", "messages") from exc
 
     def _max_tokens(self, prompt_len: int, sampling: SamplingParams, param: str) -> int:
         room = self.max_context - prompt_len

@@ -16,7 +16,7 @@ import traceback
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import mlx.core as mx
 import msgspec
@@ -54,6 +54,7 @@ from worker.loader import LoadedModel, load_model, resolve_source
 from worker.memory import IdleRelease, MemoryLimits, device_memory, kv_budget, own_memory
 from worker.preprocess import PreparedRequest, PreprocessError, Preprocessor, capabilities
 from worker.steptrace import StepTrace
+from worker.vision.open import open_vision, probe_request, vision_backend, vision_preprocessor
 
 log = logging.getLogger("worker")
 
@@ -118,7 +119,7 @@ class WorkerProc:
                 preprocess, ready = self._load_embeddings(path, kind)
             else:
                 only_for_embeddings(config, kind)
-                preprocess, ready = self._load_text(path)
+                preprocess, ready = self._load_text(path, kind is ModelKind.VISION)
             self.inputs_thread = threading.Thread(
                 target=self._input_loop, args=(preprocess,), name="input", daemon=True
             )
@@ -152,14 +153,26 @@ class WorkerProc:
         if not any(t is not None and t.is_alive() for t in threads):
             self.channels.close()  # the output socket lingers so the last frames leave
 
-    def _load_text(self, path: Path) -> tuple[Preprocessor, Ready]:
-        loaded = load_model(self.args.model, self._progress, path)
-        self.engine = self._engine(loaded)
-        self._probe()
-        opts = self.args.model.engine
+    def _load_text(self, path: Path, vision: bool = False) -> tuple[Preprocessor, Ready]:
+        config = self.args.model
+        opts = config.engine
+        if not vision:
+            loaded = load_model(config, self._progress, path)
+            self.engine = self._engine(loaded)
+            self._probe()
+            formats = model_formats(loaded.tokenizer, opts.tool_parser)
+            preprocess = Preprocessor(loaded.tokenizer, opts, loaded.max_context, formats)
+            return preprocess, self._ready(loaded, formats)
+        loaded, processor = open_vision(config, path, self._progress)
+        self.engine = self._engine(loaded, vision_backend(loaded, processor, config))
         formats = model_formats(loaded.tokenizer, opts.tool_parser)
-        preprocess = Preprocessor(loaded.tokenizer, opts, loaded.max_context, formats)
-        return preprocess, self._ready(loaded, formats)
+        preprocess = vision_preprocessor(loaded, processor, config, formats)
+        self._probe()
+        self._probe(probe_request(preprocess))  # and one with an image
+        ready = self._ready(loaded, formats)
+        ready.capabilities.append("vision")
+        ready.versions["mlx_vlm"] = version("mlx-vlm")
+        return preprocess, ready
 
     def _load_embeddings(self, path: Path, kind: ModelKind) -> tuple[EmbeddingPreprocessor, Ready]:
         self._progress("loading weights", -1.0)
@@ -178,9 +191,9 @@ class WorkerProc:
         )
         return preprocess, ready
 
-    def _engine(self, loaded: LoadedModel) -> EngineCore:
+    def _engine(self, loaded: LoadedModel, backend: Any = None) -> EngineCore:
         opts = self.args.model.engine
-        backend = make_backend(loaded.model, loaded.tokenizer, opts)
+        backend = backend or make_backend(loaded.model, loaded.tokenizer, opts)
         log.info("continuous batch: %s (engine.batcher = %r)", backend.batcher, opts.batcher)
         budget = kv_budget(opts)
         engine = EngineCore(backend, opts, budget)
@@ -202,7 +215,7 @@ class WorkerProc:
     def _progress(self, stage: str, fraction: float) -> None:
         self.stage, self.stage_progress = stage, fraction
 
-    def _probe(self) -> None:
+    def _probe(self, prepared: PreparedRequest | None = None) -> None:
         """Ready means ready: one real token through the batch, or the load failed."""
         assert self.engine is not None
         self.state = WorkerState.PROBING
@@ -210,7 +223,7 @@ class WorkerProc:
         try:
             if self.faults.probe_error:
                 raise RuntimeError(f"the probe failed: {self.faults.probe_error}")
-            self.engine.probe()
+            self.engine.probe(prepared=prepared)
         except Exception as exc:
             raise RuntimeError(f"the model loaded but cannot generate: {exc}") from exc
 

@@ -82,6 +82,8 @@ class MlxLmBackend:
     # ---- the batch ----------------------------------------------------------------------
 
     def insert(self, items: list[Insertion]) -> list[int]:
+        if any(i.shift for i in items):
+            raise ValueError("BatchGenerator cannot shift a row's positions (batcher = 'rows')")
         uids: list[int] = self.generator.insert(
             [i.prompt for i in items],
             max_tokens=[i.max_tokens for i in items],
@@ -231,6 +233,7 @@ class MlxRowsBackend(MlxLmBackend):
             [make_sampler(i.sampling, self.vocab_size) for i in items],
             [make_processors(i.sampling, i.stop_ids) for i in items],
             [i.guide for i in items],
+            [i.shift for i in items],
         )
 
     def step(self, keep_caches: bool, logprobs: bool = True) -> list[Sampled]:

@@ -63,6 +63,9 @@ class Row:
     history: TokenBuffer | None = None  # the processors' view: every token so far
     dead: bool = False
     guide: Guide | None = None  # masks its next tokens (a grammar, a thinking budget)
+    # added to the row's positions (mRoPE models: an image's tokens take fewer positions than
+    # tokens; the model takes `shifts`, one per row, when any row has one)
+    shift: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -131,6 +134,7 @@ class RowBatch:
         self.steps = 0
         self.masks = Masks()  # guided rows' masks
         self.guided = False  # some row of the batch has a guide (set when rows change)
+        self.shifts: mx.array | None = None  # the rows' position shifts, when any has one
         self.version = 0  # counts changes to the batch's rows
         self._guides = GuideThread(self.masks)
         self._ahead: Ahead | None = None  # the next step's masks, being computed
@@ -145,20 +149,22 @@ class RowBatch:
         samplers: list[Sampler],
         processors: list[list[LogitsProcessor]],
         guides: list[Guide | None] | None = None,
+        shifts: list[int] | None = None,
     ) -> list[int]:
         """Rows to start: the prompt tokens to run after the `prefix` tokens whose KV each
         cache holds (at least one token each)."""
         uids = []
         guides = guides or [None] * len(prompts)
-        for prompt, cache, prefix, sampler, procs, guide in zip(
-            prompts, caches, prefixes, samplers, processors, guides, strict=True
+        shifts = shifts or [0] * len(prompts)
+        for prompt, cache, prefix, sampler, procs, guide, shift in zip(
+            prompts, caches, prefixes, samplers, processors, guides, shifts, strict=True
         ):
             if not prompt:
                 raise ValueError("a row needs at least one prompt token to run")
             uid, self.uid_count = self.uid_count, self.uid_count + 1
             held = list(prefix) + list(prompt[:-1])
             row = Row(uid, sampler, procs, held, prompt[-1], TokenBuffer(held) if procs else None)
-            row.guide = guide
+            row.guide, row.shift = guide, shift
             self.waiting.append(Waiting(row, list(prompt[:-1]), cache, self.steps))
             uids.append(uid)
         return uids
@@ -279,7 +285,7 @@ class RowBatch:
             return
         if not keep:
             self.rows, self.caches, self.inputs, self.logprobs = [], [], None, []
-            self.step_caches = []
+            self.step_caches, self.shifts = [], None
             self.fresh.clear()
             self.version += 1
             # the masks being computed are for rows that are gone (a failure there concerns
@@ -321,6 +327,8 @@ class RowBatch:
         holds the KV of its `held` tokens, right-aligned at the cache's size (every step
         appends one to each)."""
         self.guided = any(r.guide is not None for r in self.rows)
+        shifted = any(r.shift for r in self.rows)
+        self.shifts = mx.array([r.shift for r in self.rows]) if shifted else None
         self.version += 1
         size = self.caches[0].size()
         if all(len(r.held) == size for r in self.rows):
@@ -336,7 +344,8 @@ class RowBatch:
     def _decode(self, want_logprobs: bool) -> list[tuple[int, int, mx.array | None]]:
         inputs = self.inputs
         assert inputs is not None
-        logits = self.model(inputs[:, None], cache=self.step_caches)[:, -1, :]
+        shifted = {"shifts": self.shifts} if self.shifts is not None else {}
+        logits = self.model(inputs[:, None], cache=self.step_caches, **shifted)[:, -1, :]
         tokens: list[int] | None = None
         ahead, self._ahead = self._ahead, None
         if ahead is not None or self.guided:

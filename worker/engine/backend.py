@@ -22,6 +22,7 @@ class Insertion:
     sampling: SamplingParams
     stop_ids: frozenset[int]
     guide: Any = None  # worker.structured.guide.Guide: masks its next tokens
+    shift: int = 0  # added to its positions (an mRoPE model's prompt with images)
 
 
 @dataclass(slots=True)

@@ -101,6 +101,8 @@ class EngineCore:
             prompt_text=self.backend.tokenizer.decode(prepared.prompt) if params.echo else None,
             guide=prepared.guide,
             parser=prepared.parser,
+            media=prepared.media,
+            key=prepared.key,
         )
         now = time.perf_counter()
         request.prepared_at = prepared.prepared_at or now
@@ -135,7 +137,7 @@ class EngineCore:
         ]
         if running:
             keep = self.prefix_cache is not None
-            self._store(self.backend.remove(running, keep_caches=keep).values())
+            self._store(self._keyed(self.backend.remove(running, keep_caches=keep)))
         if prefilling:
             self.backend.remove(prefilling)
         outputs = []
@@ -166,19 +168,28 @@ class EngineCore:
         for request in admitted:
             request.admitted_at = now
             hit = (
-                self.prefix_cache.lookup(request.prompt) if self.prefix_cache is not None else None
+                self.prefix_cache.lookup(request.cache_key)
+                if self.prefix_cache is not None
+                else None
             )
             cached = hit.length if hit is not None else 0
             request.cached_tokens = cached
+            cache, shift = hit.cache if hit is not None else None, 0
+            if request.media is not None:  # images: prefilled here, the batch decodes
+                prefill = self.backend.prefill  # type: ignore[attr-defined]  # a vision backend
+                cache, shift = prefill(request.prompt, request.media, cache, cached)
+                request.media = None  # the pixels are in the KV now
+                cached = len(request.prompt) - 1
             items.append(
                 Insertion(
                     request.prompt[cached:],
                     request.prompt[:cached],
-                    hit.cache if hit is not None else None,
+                    cache,
                     request.max_tokens,
                     request.sampling,
                     request.stop_ids,
                     request.guide,
+                    shift,
                 )
             )
         for request, uid in zip(admitted, self.backend.insert(items), strict=True):
@@ -196,6 +207,7 @@ class EngineCore:
         early: list[int] = []  # finished here, still in the backend's batch
         fresh: list[int] = []  # a long new prompt just prefilled: its KV may serve others
         kept: list[tuple[Any, list[int]]] = []  # caches for the prefix cache
+        ended: dict[int, Request] = {}  # finished here, by uid
         for s in sampled:
             request = self.by_uid.get(s.uid)
             if request is None:
@@ -211,15 +223,16 @@ class EngineCore:
             if request.status is RequestStatus.FINISHED:
                 if s.ended:
                     if s.cache is not None and s.tokens is not None:
-                        kept.append((s.cache, s.tokens))
+                        kept.append((s.cache, request.keyed(s.tokens)))
                 elif request.uid is not None:
                     early.append(request.uid)
+                    ended[request.uid] = request
                 self._forget(request)
         if early:
             removed = self.backend.remove(early, keep_caches=self.prefix_cache is not None)
-            kept += removed.values()
+            kept += self._keyed(removed, ended)
         if fresh and self.prefix_cache is not None:
-            kept += self.backend.extract(fresh).values()
+            kept += self._keyed(self.backend.extract(fresh))
             for uid in fresh:
                 if self.plan is not None and (request := self.by_uid.get(uid)) is not None:
                     self.plan.prefilled(request.request_id)
@@ -231,6 +244,16 @@ class EngineCore:
             request.status is RequestStatus.RUNNING
             and len(request.prompt) - request.cached_tokens >= SNAPSHOT_TOKENS
         )
+
+    def _keyed(
+        self, caches: dict[int, tuple[Any, list[int]]], gone: dict[int, Request] | None = None
+    ) -> list[tuple[Any, list[int]]]:
+        """Rows' caches with their tokens as the prefix cache keys them (images by content)."""
+        pairs = []
+        for uid, (cache, tokens) in caches.items():
+            request = self.by_uid.get(uid) or (gone or {}).get(uid)
+            pairs.append((cache, request.keyed(tokens) if request is not None else tokens))
+        return pairs
 
     def _store(self, caches: Any) -> None:
         if self.prefix_cache is None:
@@ -287,12 +310,16 @@ class EngineCore:
             job.entries += self.output.entries(rows, prompt[1:], top)
         return job.entries
 
-    def probe(self, max_steps: int = 64) -> None:
-        """Generate one greedy token through the real batch: Ready means this worked."""
+    def probe(self, max_steps: int = 64, prepared: PreparedRequest | None = None) -> None:
+        """Generate one greedy token through the real batch: Ready means this worked.
+        `prepared`: a request of its own to probe with (an image, for a vision model)."""
         request_id = "__probe__"
-        prompt = list(self.backend.tokenizer.encode("Hi")) or [0]
-        sampling = SamplingParams(temperature=0.0, ignore_eos=True)
-        self.add(PreparedRequest(request_id, prompt, 1, sampling))
+        if prepared is None:
+            prompt = list(self.backend.tokenizer.encode("Hi")) or [0]
+            sampling = SamplingParams(temperature=0.0, ignore_eos=True)
+            prepared = PreparedRequest(request_id, prompt, 1, sampling)
+        prepared.request_id = request_id
+        self.add(prepared)
         for _ in range(max_steps):
             for output in self.step():
                 if output.request_id != request_id or output.finish_reason is None:

@@ -25,7 +25,7 @@ class PrefixPlan:
         self.registered: dict[str, list[int]] = {}  # request id -> the keys it counts in
 
     def new_tokens(self, request: Request) -> int:
-        return len(request.prompt) - self.cache.match(request.prompt)[1]
+        return len(request.prompt) - self.cache.match(request.cache_key)[1]
 
     def waits(self, request: Request) -> bool:
         if not self.inflight or len(request.prompt) <= self.min_tokens:
@@ -37,7 +37,7 @@ class PrefixPlan:
             shared += 1
         if shared * BLOCK < self.min_tokens:
             return False
-        return shared * BLOCK - self.cache.match(request.prompt)[1] >= self.min_tokens
+        return shared * BLOCK - self.cache.match(request.cache_key)[1] >= self.min_tokens
 
     def admitted(self, request: Request, new_tokens: int) -> None:
         if new_tokens < self.min_tokens:
@@ -58,5 +58,5 @@ class PrefixPlan:
 
     def _chain(self, request: Request) -> list[int]:
         if request.block_keys is None:
-            request.block_keys = block_chain(request.prompt[:-1])
+            request.block_keys = block_chain(request.cache_key[:-1])
         return request.block_keys

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.types import SamplingParams, TokenLogprob
 from worker.engine.detokenize import Detokenizer
@@ -50,6 +51,22 @@ class Request:
     prompt_logprobs: list[TokenLogprob] | None = None
     guide: Guide | None = None  # a grammar / thinking budget over its tokens (the batch's)
     parser: ResponseParser | None = None  # answer, thinking and tool calls of its text
+    # a prompt with images: the model's arrays for them (backends' Media), and the prompt as
+    # the prefix cache keys it (each image token replaced by an id of the image's content)
+    media: Any = None
+    key: list[int] | None = None
+
+    @property
+    def cache_key(self) -> list[int]:
+        """The prompt as the prefix cache sees it."""
+        return self.key if self.key is not None else self.prompt
+
+    def keyed(self, tokens: list[int]) -> list[int]:
+        """Tokens a row of this request holds, as the prefix cache keys them."""
+        if self.key is None:
+            return tokens
+        n = len(self.key)
+        return self.key[: min(n, len(tokens))] + tokens[n:]
 
     @property
     def wants_logprobs(self) -> bool:
