@@ -1,0 +1,276 @@
+"""A chat request's images made ready for a vision model's worker, which gets bytes only:
+an http(s) URL is fetched by the gateway (a deadline, a byte cap while the body streams,
+image/* only, redirects followed by hand, and no private or other non-public address unless
+server.image_fetch_private allows it), and every image, fetched or sent as data, is checked
+with Pillow (a known format, its pixels from the header, then verify()). Run only once the
+model is known to take images. Each failure is a 400 naming the image's part."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import ipaddress
+import socket
+from dataclasses import dataclass
+
+import httpx
+import msgspec
+from PIL import Image, UnidentifiedImageError
+
+from gateway.errors import GatewayError
+from shared.config import ServerConfig
+from shared.types import CanonicalRequest, ErrorCode, ImagePart
+
+MAX_REDIRECTS = 3
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
+# What Pillow may decode: the formats vision processors take, and none of its rarer
+# decoders (JPEG includes a phone camera's MPO).
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
+_NOT_PUBLIC = "private, loopback, link-local, multicast, reserved or unspecified"
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+@dataclass(frozen=True, slots=True)
+class ImageLimits:
+    """server.image_*: what one request's images may be."""
+
+    max_bytes: int = 20 * 1024 * 1024
+    max_pixels: int = 8192 * 8192
+    max_count: int = 16
+    fetch_timeout_s: float = 10.0
+    fetch_private: bool = False
+
+    @classmethod
+    def of(cls, server: ServerConfig) -> ImageLimits:
+        return cls(
+            server.image_max_bytes,
+            server.image_max_pixels,
+            server.image_max_count,
+            server.image_fetch_timeout_s,
+            server.image_fetch_private,
+        )
+
+
+def images_in(request: CanonicalRequest) -> list[ImagePart]:
+    return [
+        part
+        for message in request.messages
+        for part in message.parts
+        if isinstance(part, ImagePart)
+    ]
+
+
+async def resolve_images(request: CanonicalRequest, limits: ImageLimits) -> CanonicalRequest:
+    """The request with each image's bytes fetched (its URLs fetched concurrently) and
+    checked, its media type the one its bytes have, and no URL left."""
+    images = images_in(request)
+    if not images:
+        return request
+    if len(images) > limits.max_count:
+        raise refused(
+            images[limits.max_count],
+            f"this request has {len(images)} images; at most {limits.max_count} are taken "
+            "(server.image_max_count)",
+        )
+    ready = iter(await _all_ready(images, limits))
+    messages = [
+        msgspec.structs.replace(
+            message,
+            parts=[next(ready) if isinstance(part, ImagePart) else part for part in message.parts],
+        )
+        if any(isinstance(part, ImagePart) for part in message.parts)
+        else message
+        for message in request.messages
+    ]
+    return msgspec.structs.replace(request, messages=messages)
+
+
+def refused(image: ImagePart, why: str) -> GatewayError:
+    where = image.where or "messages"
+    return GatewayError(ErrorCode.INVALID_REQUEST, f"`{where}`: {why}", where)
+
+
+async def _all_ready(images: list[ImagePart], limits: ImageLimits) -> list[ImagePart]:
+    """Each image ready, all at once; the first failure cancels the rest."""
+    if not any(image.url is not None for image in images):
+        return [await _ready(None, image, limits) for image in images]
+    async with httpx.AsyncClient(
+        timeout=limits.fetch_timeout_s,
+        follow_redirects=False,
+        trust_env=False,  # no proxy: the address checked is the one connected to
+        # a connection per fetch: one made for a host is never reused for another on its IP
+        limits=httpx.Limits(max_keepalive_connections=0),
+    ) as client:
+        tasks = [asyncio.ensure_future(_ready(client, image, limits)) for image in images]
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _ready(
+    client: httpx.AsyncClient | None, image: ImagePart, limits: ImageLimits
+) -> ImagePart:
+    data = image.data
+    if image.url is not None:
+        assert client is not None
+        data = await fetch(client, image, image.url, limits)
+    media_type = await asyncio.to_thread(checked, image, data, limits)
+    return msgspec.structs.replace(image, data=data, media_type=media_type, url=None)
+
+
+def checked(image: ImagePart, data: bytes, limits: ImageLimits) -> str:
+    """The media type of `data`, an image within the limits that Pillow reads and verifies
+    (its size read from the header, before anything is decoded)."""
+    if len(data) > limits.max_bytes:
+        raise refused(
+            image,
+            f"the image is {len(data)} bytes; at most {limits.max_bytes} are taken "
+            "(server.image_max_bytes)",
+        )
+    try:
+        with Image.open(io.BytesIO(data), formats=FORMATS) as opened:
+            kind, (width, height) = opened.format or "", opened.size
+            if width * height > limits.max_pixels:
+                raise _too_many_pixels(image, f"{width}x{height}", limits)
+            opened.verify()
+    except GatewayError:
+        raise
+    except Image.DecompressionBombError:  # beyond Pillow's own limit, checked in open()
+        raise _too_many_pixels(image, "too large", limits) from None
+    except UnidentifiedImageError:
+        raise refused(image, f"not a readable image (one of {', '.join(FORMATS)})") from None
+    except Exception as exc:
+        raise refused(image, f"the image is damaged or incomplete ({exc})") from None
+    return Image.MIME.get(kind, f"image/{kind.lower()}")
+
+
+def _too_many_pixels(image: ImagePart, size: str, limits: ImageLimits) -> GatewayError:
+    return refused(
+        image,
+        f"the image is {size}: more than {limits.max_pixels} pixels (server.image_max_pixels)",
+    )
+
+
+async def fetch(
+    client: httpx.AsyncClient, image: ImagePart, url: str, limits: ImageLimits
+) -> bytes:
+    """The body at `url` within the limits (redirects followed and checked), or a 400."""
+    try:
+        async with asyncio.timeout(limits.fetch_timeout_s):
+            return await _follow(client, image, httpx.URL(url), limits)
+    except (TimeoutError, httpx.TimeoutException):
+        why = f"took longer than {limits.fetch_timeout_s:g} s (server.image_fetch_timeout_s)"
+        raise refused(image, f"fetching {_short(url)} {why}") from None
+    except httpx.HTTPError as exc:
+        why = str(exc) or type(exc).__name__
+        raise refused(image, f"could not fetch {_short(url)}: {why}") from None
+    except httpx.InvalidURL as exc:
+        raise refused(image, f"{_short(url)} is not a valid URL: {exc}") from None
+
+
+async def _follow(
+    client: httpx.AsyncClient, image: ImagePart, url: httpx.URL, limits: ImageLimits
+) -> bytes:
+    for _ in range(MAX_REDIRECTS + 1):
+        if url.scheme not in ("http", "https") or not url.host:
+            raise refused(image, f"{_short(url)} is not an http(s) URL with a host")
+        addresses = await _addresses(image, url, limits.fetch_private)
+        response = await _get(client, url, addresses)
+        try:
+            if response.status_code in _REDIRECTS and "location" in response.headers:
+                url = url.join(response.headers["location"])
+                continue
+            return await _body(image, url, response, limits)
+        finally:
+            await response.aclose()
+    raise refused(image, f"fetching it was redirected more than {MAX_REDIRECTS} times")
+
+
+async def _addresses(image: ImagePart, url: httpx.URL, allow_private: bool) -> list[IPAddress]:
+    """Every address the host resolves to: each must be public (unless allowed)."""
+    port = url.port or (443 if url.scheme == "https" else 80)
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(url.host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise refused(image, f"the host of {_short(url)} cannot be resolved ({exc})") from None
+    addresses = list(dict.fromkeys(ipaddress.ip_address(info[4][0]) for info in infos))
+    for address in addresses:
+        if not allow_private and not is_public(address):
+            raise refused(
+                image,
+                f"the host of {_short(url)} is {address}, a {_NOT_PUBLIC} address this "
+                "gateway fetches no images from (server.image_fetch_private)",
+            )
+    return addresses
+
+
+def is_public(address: IPAddress) -> bool:
+    """Neither private, loopback, link-local, multicast, reserved nor unspecified (nor an
+    IPv6 address that holds such an IPv4 one)."""
+    if isinstance(address, ipaddress.IPv6Address):
+        for inner in (address.ipv4_mapped, address.sixtofour):
+            if inner is not None and not is_public(inner):
+                return False
+    return address.is_global and not (
+        address.is_private
+        or address.is_loopback
+        or address.is_link_local
+        or address.is_multicast
+        or address.is_reserved
+        or address.is_unspecified
+    )
+
+
+async def _get(
+    client: httpx.AsyncClient, url: httpx.URL, addresses: list[IPAddress]
+) -> httpx.Response:
+    """GET `url` from the addresses checked (not from a second lookup, which could answer
+    otherwise): the host's name goes in the Host header and, over TLS, in SNI and the
+    certificate check. Each address in turn until one connects."""
+    headers = {"Host": url.netloc.decode("ascii"), "Accept": "image/*"}
+    extensions = {"sni_hostname": url.host} if url.scheme == "https" else {}
+    error: httpx.ConnectError | None = None
+    for address in addresses:
+        request = client.build_request(
+            "GET", url.copy_with(host=str(address)), headers=headers, extensions=extensions
+        )
+        try:
+            return await client.send(request, stream=True)
+        except httpx.ConnectError as exc:
+            error = exc
+    assert error is not None
+    raise error
+
+
+async def _body(
+    image: ImagePart, url: httpx.URL, response: httpx.Response, limits: ImageLimits
+) -> bytes:
+    if response.status_code != 200:
+        raise refused(image, f"fetching {_short(url)} got HTTP {response.status_code}")
+    content_type = response.headers.get("content-type", "").split(";")[0].strip().lower()
+    if not content_type.startswith("image/"):
+        raise refused(
+            image, f"{_short(url)} is {content_type or 'of no Content-Type'}, not an image/* type"
+        )
+    too_large = refused(
+        image, f"{_short(url)} is larger than {limits.max_bytes} bytes (server.image_max_bytes)"
+    )
+    length = response.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limits.max_bytes:
+        raise too_large
+    body = bytearray()
+    async for chunk in response.aiter_bytes():
+        body += chunk
+        if len(body) > limits.max_bytes:
+            raise too_large
+    return bytes(body)
+
+
+def _short(url: str | httpx.URL, limit: int = 200) -> str:
+    text = str(url)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
