@@ -19,6 +19,7 @@ from litestar import Request, Response
 from litestar.datastructures import State
 from litestar.response import Stream
 
+from gateway.api.images import ImageLimits, images_in, resolve_images
 from gateway.api.relay import Formatter, Relay
 from gateway.edge.context import RequestContext
 from gateway.edge.middleware import authorize_model, context_of
@@ -216,6 +217,17 @@ async def submit_all(
     return streams, groups
 
 
+async def with_images(state: State, served: Served) -> None:
+    """Each job's images fetched and checked (gateway/api/images.py), once the model is
+    known to take them: a text model's 400 comes first, and nothing is fetched for it."""
+    limits = ImageLimits.of(state.config.server)
+    workers: WorkerClient = state.workers
+    for index, job in enumerate(served.jobs):
+        if images_in(job.request):
+            workers.check(served.model, needs_of(served.kind, job.sampling, job.request))
+            served.jobs[index] = Job(await resolve_images(job.request, limits), job.sampling)
+
+
 def authorize(request_: Request[Any, Any, Any], state: State, model: str) -> None:
     """The request's key may use `model` (a 404 for an unknown one, a 403 otherwise)."""
     workers: WorkerClient = state.workers
@@ -233,6 +245,7 @@ async def serve(
         ctx.stream = served.stream
         if served.user:
             ctx.user = served.user[:128]
+    await with_images(state, served)
     if served.stream and workers.must_load(served.model):
         # The model loads first: answer at once and keep the connection alive meanwhile.
         submit = submit_all(workers, served, ctx, server.max_tokens_cap)
@@ -257,6 +270,7 @@ async def serve_detached(
     already: submitted, registered and relayed like any other, its events go to `fmt` only.
     A refusal or a failure before the first output raises."""
     cap = state.config.server.max_tokens_cap
+    await with_images(state, served)
     streams, groups = await submit_all(state.workers, served, ctx, cap)
     relay = relay_for(state, streams, groups, ctx)
     first = await relay.first()

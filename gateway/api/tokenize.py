@@ -10,6 +10,7 @@ from litestar.datastructures import State
 from msgspec import Meta
 
 from gateway.api.common import decode_body
+from gateway.api.images import ImageLimits, images_in, resolve_images
 from gateway.api.openai.messages import message_of
 from gateway.api.openai.schemas import ChatMessage
 from gateway.api.serve import JSON
@@ -53,6 +54,9 @@ async def tokenize_prompt(
     chat_template_kwargs included), without generating."""
     workers: WorkerClient = state.workers
     authorize_model(context_of(request.scope), model, lambda n: workers.resolve(n).name)
+    if images_in(canonical):  # counted as the model sees them: fetched and checked first
+        workers.check(model, ["vision"])
+        canonical = await resolve_images(canonical, ImageLimits.of(state.config.server))
     return await workers.tokenize(model, kind, canonical, with_text)
 
 
