@@ -18,6 +18,7 @@ from shared.types import (
     CanonicalRequest,
     ErrorCode,
     FinishReason,
+    ImagePart,
     Message,
     RequestOutput,
     SamplingParams,
@@ -146,13 +147,6 @@ def test_count_tokens_builds_the_same_prompt() -> None:
 @pytest.mark.parametrize(
     ("block", "why"),
     [
-        (
-            {
-                "type": "image",
-                "source": {"type": "base64", "media_type": "image/png", "data": "iVBO"},
-            },
-            "image",
-        ),
         ({"type": "document", "source": {}}, "document"),
         ({"type": "redacted_thinking", "data": "x"}, "encrypted"),
         ({"type": "server_tool_use", "id": "s", "name": "web_search", "input": {}}, "server"),
@@ -165,6 +159,21 @@ def test_unserved_content_blocks_are_named(block: dict[str, Any], why: str) -> N
     assert error.param == "messages[0].content[1]"
     assert "`messages[0].content[1]`" in error.message
     assert why in error.message
+
+
+def test_image_blocks_pass_named_by_their_source() -> None:
+    """The index is the client's: `system` is no message, though it becomes the first."""
+    url = {"type": "url", "url": "https://e.com/a.png"}
+    data = {"type": "base64", "media_type": "image/png", "data": "iVBO"}
+    content = [{"type": "image", "source": url}, {"type": "image", "source": data}]
+    messages = [*USER, {"role": "assistant", "content": "ok"}, {"role": "user", "content": content}]
+    canonical, _ = create(system="S", messages=messages)
+    assert canonical.messages[0] == Message("system", "S")
+    assert canonical.messages[3].parts == [
+        ImagePart(url="https://e.com/a.png", where="messages[2].content[0].source"),
+        ImagePart(b"\x89PN", "image/png", where="messages[2].content[1].source"),
+    ]
+    assert canonical.needs() == ["vision"]
 
 
 def test_bad_text_blocks_are_named() -> None:

@@ -1,7 +1,8 @@
-"""The neutral message model as each protocol's translator fills it: images (bytes or URL),
-audio, an assistant's tool calls and reasoning, tool results. Each is mapped and recorded in
-Unserved; what a text worker does not serve (images, audio) is refused with a 400 naming the
-protocol's own field, the rest (tool calls, tool results, reasoning) passes."""
+"""The neutral message model as each protocol's translator fills it: images (bytes or URL,
+each with the path of the field the client put it in), audio, an assistant's tool calls and
+reasoning, tool results. Each is mapped and recorded in Unserved; what no worker serves yet
+(audio) is refused with a 400 naming the protocol's own field, the rest passes (images then
+meet the capability check: a text model refuses them)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from gateway.api.anthropic.translate import _messages
 from gateway.api.common import Unserved, image_from_url
 from gateway.api.openai.messages import message_of
 from gateway.api.openai.schemas import ChatMessage
-from gateway.api.responses.translate import input_items, item_message
+from gateway.api.responses.schemas import InputImage, InputText, MessageItem
+from gateway.api.responses.translate import input_items, item_message, messages_of
 from gateway.errors import GatewayError
 from shared.types import (
     AudioPart,
@@ -33,9 +35,11 @@ PNG64 = base64.b64encode(PNG).decode()
 
 
 def test_a_data_url_is_decoded_and_an_http_url_kept_for_fetching() -> None:
-    assert image_from_url(f"data:image/png;base64,{PNG64}", "x") == ImagePart(PNG, "image/png")
+    assert image_from_url(f"data:image/png;base64,{PNG64}", "x") == ImagePart(
+        PNG, "image/png", where="x"
+    )
     assert image_from_url("https://e.com/a.jpg", "x", "low") == ImagePart(
-        url="https://e.com/a.jpg", detail="low"
+        url="https://e.com/a.jpg", detail="low", where="x"
     )
     for bad in ("file:///etc/passwd", "data:image/png;base64,@@@", "ftp://e.com/a"):
         with pytest.raises(GatewayError) as err:
@@ -78,14 +82,14 @@ def test_openai_content_parts_map_in_order() -> None:
     assert message.content == "What is this?"
     assert message.parts == [
         TextPart("What is "),
-        ImagePart(PNG, "image/png"),
+        ImagePart(PNG, "image/png", where="messages[2].content[1].image_url.url"),
         TextPart("this?"),
         AudioPart(PNG, "wav"),
     ]
     assert unserved.features == ["image", "audio"]
     with pytest.raises(GatewayError) as err:
-        unserved.refuse()
-    assert err.value.param == "messages[2].content[1]"
+        unserved.refuse()  # the image is served, the audio is not
+    assert err.value.param == "messages[2].content[3]"
 
 
 def test_openai_text_parts_alone_stay_plain_text() -> None:
@@ -154,12 +158,17 @@ def test_anthropic_blocks_map_and_tool_results_become_tool_messages() -> None:
     assert messages == [
         Message("tool", "sunny", tool_call_id="t1"),
         Message("tool", "rain", tool_call_id="t2"),
-        Message("user", "And ", parts=[TextPart("And "), ImagePart(url="https://e.com/a.png")]),
+        Message(
+            "user",
+            "And ",
+            parts=[
+                TextPart("And "),
+                ImagePart(url="https://e.com/a.png", where="messages[1].content[3].source"),
+            ],
+        ),
     ]
     assert unserved.features == ["tool_result", "tool_result", "image"]
-    with pytest.raises(GatewayError) as err:
-        unserved.refuse()  # the tool results are served, the image is not
-    assert err.value.param == "messages[1].content[3]"
+    unserved.refuse()  # all served
 
 
 def test_anthropic_assistant_tool_use_and_thinking_map() -> None:
@@ -186,8 +195,14 @@ def test_anthropic_assistant_tool_use_and_thinking_map() -> None:
 
 def test_anthropic_base64_images_are_decoded() -> None:
     source = {"type": "base64", "media_type": "image/png", "data": PNG64}
-    messages, _ = _anthropic({"role": "user", "content": [{"type": "image", "source": source}]})
-    assert messages[0].parts == [ImagePart(PNG, "image/png")]
+    content = [{"type": "text", "text": "see"}, {"type": "image", "source": source}]
+    messages, _ = _anthropic({"role": "user", "content": content})
+    image = ImagePart(PNG, "image/png", where="messages[1].content[1].source")
+    assert messages[0].parts == [TextPart("see"), image]
+    result = {"type": "tool_result", "tool_use_id": "t", "content": content}
+    messages, _ = _anthropic({"role": "user", "content": [result]})
+    image = ImagePart(PNG, "image/png", where="messages[1].content[0].content[1].source")
+    assert messages[0].parts == [TextPart("see"), image]
 
 
 def test_responses_items_map() -> None:
@@ -203,18 +218,48 @@ def test_responses_items_map() -> None:
     assert unserved.features == ["tool_calls", "tool_result", "reasoning"]
 
 
-def test_responses_images_are_recorded_and_refused_by_their_part() -> None:
+def test_responses_images_are_kept_in_the_item_and_named_by_their_part() -> None:
     unserved = Unserved()
+    url = f"data:image/png;base64,{PNG64}"
     content = [
         {"type": "input_text", "text": "what is"},
-        {"type": "input_image", "image_url": f"data:image/png;base64,{PNG64}"},
+        {"type": "input_image", "image_url": url},
+        {"type": "input_image", "image_url": "https://e.com/a.png", "detail": "low"},
     ]
-    items = input_items([{"role": "user", "content": content}], unserved)
-    assert [part.text for part in items[0].content] == ["what is"]
-    assert unserved.features == ["image"]
+    raw: list[dict[str, Any]] = [
+        {"role": "user", "content": "hi"},
+        {"role": "user", "content": content},
+    ]
+    items = input_items(raw, unserved)
+    assert isinstance(items[1], MessageItem)
+    assert items[1].content == [
+        InputText("what is"),
+        InputImage(url),
+        InputImage("https://e.com/a.png", "low"),
+    ]
+    assert unserved.features == ["image", "image"]
+    unserved.refuse()  # served
+    own = messages_of(items, None)
+    assert own[1] == Message(
+        "user",
+        "what is",
+        parts=[
+            TextPart("what is"),
+            ImagePart(PNG, "image/png", detail="auto", where="input[1].content[1].image_url"),
+            ImagePart(
+                url="https://e.com/a.png", detail="low", where="input[1].content[2].image_url"
+            ),
+        ],
+    )
+    # chained: the earlier response's images are named by `previous_response_id`
+    chained = messages_of([*items, *input_items("next")], None, history=2)
+    assert [part.where for part in chained[1].parts if isinstance(part, ImagePart)] == [
+        "previous_response_id",
+        "previous_response_id",
+    ]
     with pytest.raises(GatewayError) as err:
-        input_items([{"role": "user", "content": content}])
-    assert err.value.param == "input[0].content[1].type"
+        input_items([{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}])
+    assert err.value.param == "input[0].content[0].file_id"
 
 
 def test_images_and_audio_are_capabilities_a_request_needs() -> None:

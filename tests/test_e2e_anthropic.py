@@ -283,7 +283,7 @@ def _bad(claude: anthropic.Anthropic, **fields: Any) -> dict[str, Any]:
                     }
                 ]
             },
-            "messages[0].content[1]",
+            "it takes no images",  # a text model: refused before the URL is fetched
         ),
     ],
 )

@@ -22,6 +22,7 @@ from shared.types import (
     CanonicalRequest,
     ErrorCode,
     FinishReason,
+    ImagePart,
     Message,
     RequestOutput,
     SamplingParams,
@@ -312,16 +313,24 @@ def test_missing_messages() -> None:
         ({"web_search_options": {}}, "web_search_options"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"modalities": ["audio"]}, "modalities"),
-        (
-            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": IMG}]}]},
-            "messages[0].content[0]",
-        ),
     ],
 )
 def test_chat_unsupported(fields: dict[str, Any], param: str) -> None:
     error = rejected(chat, **fields)
     assert error.param == param
     assert param.split("[")[0] in error.message
+
+
+def test_chat_images_pass_named_by_their_field() -> None:
+    """Images are served: each carries its field's path; a model that takes none is
+    refused by the capability check (tests/test_images.py, test_workers_capabilities)."""
+    content = [{"type": "text", "text": "what?"}, {"type": "image_url", "image_url": IMG}]
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": content}]
+    canonical, _ = chat(messages=messages)
+    assert canonical.messages[1].parts[1] == ImagePart(
+        url=IMG["url"], where="messages[1].content[1].image_url.url"
+    )
+    assert canonical.needs() == ["vision"]
 
 
 def test_legacy_function_calling_points_at_tools() -> None:

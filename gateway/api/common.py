@@ -80,8 +80,10 @@ def sampling(
 # What a request may use beyond text, once a worker serves it: "image", "audio",
 # "tool_calls" (an assistant's calls in the history), "tool_result", "reasoning". The
 # translators map each onto the neutral message and refuse those not served yet, naming the
-# protocol's field (the capabilities that serve them land their kind here).
-SERVED: frozenset[str] = frozenset({"tool_calls", "tool_result", "reasoning"})
+# protocol's field (the capabilities that serve them land their kind here). Images pass:
+# a model that takes none is refused by the capability check ("vision"), and the gateway
+# fetches and checks them for one that does (gateway/api/images.py).
+SERVED: frozenset[str] = frozenset({"image", "tool_calls", "tool_result", "reasoning"})
 
 _DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,", re.I)
 
@@ -116,9 +118,10 @@ def media_parts(parts: list[ContentPart]) -> list[ContentPart]:
 
 
 def image_from_url(url: str, where: str, detail: str | None = None) -> ImagePart:
-    """An image given by URL: a data URL is decoded here; http(s) is kept for fetching."""
+    """An image given by URL at `where` (the part's field, which its errors name): a data
+    URL is decoded here; http(s) is kept for the gateway to fetch (gateway/api/images.py)."""
     if url.startswith(("http://", "https://")):
-        return ImagePart(url=url, detail=detail)
+        return ImagePart(url=url, detail=detail, where=where)
     match = _DATA_URL.match(url)
     if match is None:
         raise invalid(
@@ -126,7 +129,7 @@ def image_from_url(url: str, where: str, detail: str | None = None) -> ImagePart
             where,
         )
     data = image_bytes(url[match.end() :], where)
-    return ImagePart(data, media_type=match["type"], detail=detail)
+    return ImagePart(data, media_type=match["type"], detail=detail, where=where)
 
 
 def image_bytes(data: str, where: str) -> bytes:

@@ -61,7 +61,7 @@ _BLOCKS_NOT_SERVED = {
 # Blocks the neutral message carries: the feature each uses (refused while the gateway does
 # not serve it, see common.SERVED), and why.
 _FEATURES = {
-    "image": ("image", "image input is not served by text models"),
+    "image": ("image", "image input is not served"),
     "tool_use": ("tool_calls", "tool use in the history is not served"),
     "tool_result": ("tool_result", "tool results are not served"),
     "thinking": ("reasoning", "thinking in the history is not served"),
@@ -76,16 +76,19 @@ def _convert(block: dict[str, Any], type_: type[T], where: str) -> T:
 
 
 def _image(block: dict[str, Any], where: str) -> ImagePart:
+    """An image block's source, base64 or URL: the image is named by `where`.source."""
     source = _convert(block, ImageBlock, where).source
     if source.type == "url":
         if not source.url:
             raise invalid(f"`{where}.source` of type 'url' needs `url`", f"{where}.source.url")
-        return image_from_url(source.url, f"{where}.source.url")
-    if source.data is None or source.media_type is None:
+        image = image_from_url(source.url, f"{where}.source.url")
+    elif source.data is None or source.media_type is None:
         raise invalid(
             f"`{where}.source` of type 'base64' needs `media_type` and `data`", f"{where}.source"
         )
-    return ImagePart(image_bytes(source.data, f"{where}.source.data"), source.media_type)
+    else:
+        image = ImagePart(image_bytes(source.data, f"{where}.source.data"), source.media_type)
+    return msgspec.structs.replace(image, where=f"{where}.source")
 
 
 class _Turn:

@@ -1,7 +1,7 @@
 """OpenAI chat messages onto the neutral message model: text and content parts (images as
 data or http(s) URLs, audio), an assistant's tool calls, reasoning and refusal, tool
 results. Each use beyond text is recorded in `Unserved`, with the 400 naming its field for
-when it is not served (today: images and audio, which text models do not take)."""
+when it is not served (today: audio). An image carries its field's path (`where`)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def _part(part: ContentPart, where: str, uses: Unserved) -> Part:
         return TextPart(part.text)
     if part.type == "image_url" and part.image_url is not None:
         image = image_from_url(part.image_url.url, f"{where}.image_url.url", part.image_url.detail)
-        uses.add("image", unsupported(where, "image input is not served by text models"))
+        uses.add("image", unsupported(where, "image input is not served"))
         return image
     if part.type == "input_audio" and part.input_audio is not None:
         audio = AudioPart(

@@ -171,7 +171,14 @@ class OutputText(msgspec.Struct, tag_field="type", tag="output_text"):
     annotations: list[Any] = []
 
 
-TextPart = InputText | OutputText
+class InputImage(msgspec.Struct, tag_field="type", tag="input_image"):
+    """An image of an input message, as the client gave it (an http(s) or data URL)."""
+
+    image_url: str
+    detail: str = "auto"
+
+
+ContentPart = InputText | OutputText | InputImage
 
 
 class MessageItem(msgspec.Struct, kw_only=True):
@@ -181,7 +188,7 @@ class MessageItem(msgspec.Struct, kw_only=True):
     type: str = "message"
     status: str = "completed"  # in_progress | completed | incomplete
     role: str
-    content: list[TextPart]
+    content: list[ContentPart]
 
 
 class ReasoningText(msgspec.Struct, tag_field="type", tag="reasoning_text"):

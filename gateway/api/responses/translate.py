@@ -18,7 +18,14 @@ from typing import Any
 
 import msgspec
 
-from gateway.api.common import Unserved, image_from_url, invalid, sampling, unsupported
+from gateway.api.common import (
+    Unserved,
+    image_from_url,
+    invalid,
+    media_parts,
+    sampling,
+    unsupported,
+)
 from gateway.api.responses.options import (
     Options,
     convert,
@@ -27,11 +34,13 @@ from gateway.api.responses.options import (
     tools_echo,
 )
 from gateway.api.responses.schemas import (
+    ContentPart,
     FunctionCallIn,
     FunctionCallItem,
     FunctionCallOutputIn,
     FunctionCallOutputItem,
     ImagePartIn,
+    InputImage,
     InputText,
     InputTokensDetails,
     Item,
@@ -53,9 +62,11 @@ from shared.types import (
     ImagePart,
     Message,
     SamplingParams,
+    TextPart,
     ToolCall,
     Usage,
 )
+from shared.types import ContentPart as Part
 
 ROLES = ("user", "assistant", "system", "developer")
 # Statuses of a response whose generation has not ended (background mode).
@@ -183,16 +194,18 @@ def item_message(raw: dict[str, Any], where: str, unserved: Unserved) -> Message
 
 
 def _message_item(item: MessageItemIn, where: str, unserved: Unserved) -> MessageItem:
-    output = item.role == "assistant"
+    """A message item as stored: each content part in order (one per part given)."""
+    text = OutputText if item.role == "assistant" else InputText
+    content: list[ContentPart] = []
     if isinstance(item.content, str):
-        texts = [item.content]
+        content.append(text(item.content))
     else:
-        texts = []
         for j, raw in enumerate(item.content):
             part_where = f"{where}.content[{j}]"
             kind = raw.get("type")
             if kind == "input_image":
-                image_part(raw, part_where, unserved)
+                image = image_part(raw, part_where, unserved)
+                content.append(InputImage(raw["image_url"], image.detail or "auto"))
                 continue
             if kind not in ("input_text", "output_text"):
                 raise invalid(
@@ -200,23 +213,21 @@ def _message_item(item: MessageItemIn, where: str, unserved: Unserved) -> Messag
                     "output_text and input_image content parts are served",
                     f"{part_where}.type",
                 )
-            texts.append(convert(raw, TextPartIn, part_where).text)
-    content: list[InputText | OutputText] = [
-        OutputText(text) if output else InputText(text) for text in texts
-    ]
+            content.append(text(convert(raw, TextPartIn, part_where).text))
     item_id = item.id or new_id("msg")
     return MessageItem(id=item_id, role=item.role, content=content)
 
 
 def image_part(raw: dict[str, Any], where: str, unserved: Unserved) -> ImagePart:
-    """An input_image part as a neutral image (recorded: text models do not serve it)."""
+    """An input_image part as a neutral image, named by `where`.image_url (recorded: a
+    model that takes no images refuses it)."""
     part = convert(raw, ImagePartIn, where)
     if part.image_url is None:
         field = "file_id" if part.file_id is not None else "image_url"
         raise unsupported(f"{where}.{field}", "an image needs `image_url` (files are not served)")
     image = image_from_url(part.image_url, f"{where}.image_url", part.detail)
     error = invalid(
-        f"`{where}.type` 'input_image' is not supported: image input is not served by text models",
+        f"`{where}.type` 'input_image' is not supported: image input is not served",
         f"{where}.type",
     )
     unserved.add("image", error)
@@ -224,7 +235,21 @@ def image_part(raw: dict[str, Any], where: str, unserved: Unserved) -> ImagePart
 
 
 def item_text(item: MessageItem) -> str:
-    return "".join(part.text for part in item.content)
+    return "".join(part.text for part in item.content if not isinstance(part, InputImage))
+
+
+def _parts(item: MessageItem, where: str | None) -> list[Part]:
+    """A message item's content as neutral parts: its images named by their field in this
+    request's `input` (`where` the item's), or by `previous_response_id` for an item of the
+    conversation it was chained onto (an image fetched again is checked again)."""
+    parts: list[Part] = []
+    for j, part in enumerate(item.content):
+        if isinstance(part, InputImage):
+            field = f"{where}.content[{j}].image_url" if where else "previous_response_id"
+            parts.append(image_from_url(part.image_url, field, part.detail))
+        else:
+            parts.append(TextPart(part.text))
+    return parts
 
 
 def reasoning_text(item: ReasoningItem) -> str:
@@ -233,10 +258,12 @@ def reasoning_text(item: ReasoningItem) -> str:
     return "".join(part.text for part in parts)
 
 
-def message_of(item: Item) -> Message:
-    """One item as a neutral message on its own."""
+def message_of(item: Item, where: str | None = None) -> Message:
+    """One item as a neutral message on its own; `where`: the item's place in the
+    request's `input` (None: an item of an earlier response)."""
     if isinstance(item, MessageItem):
-        return Message("system" if item.role == "developer" else item.role, item_text(item))
+        role = "system" if item.role == "developer" else item.role
+        return Message(role, item_text(item), parts=media_parts(_parts(item, where)))
     if isinstance(item, FunctionCallItem):
         return Message("assistant", tool_calls=[ToolCall(item.call_id, item.name, item.arguments)])
     if isinstance(item, FunctionCallOutputItem):
@@ -244,14 +271,15 @@ def message_of(item: Item) -> Message:
     return Message("assistant", reasoning=reasoning_text(item))
 
 
-def messages_of(items: list[Item], instructions: str | None) -> list[Message]:
+def messages_of(items: list[Item], instructions: str | None, history: int = 0) -> list[Message]:
     """The chat messages the model sees: instructions as a system message first, then the
-    items (see the module's docstring)."""
+    items (see the module's docstring), the first `history` of them from earlier responses
+    and the rest the request's `input`, one item per entry."""
     messages = [Message("system", instructions)] if instructions else []
     thinking: list[str] = []  # reasoning items waiting for their assistant message
     joinable = False  # the item before was an assistant message or call: calls join it
-    for item in items:
-        message = message_of(item)
+    for k, item in enumerate(items):
+        message = message_of(item, f"input[{k - history}]" if k >= history else None)
         if isinstance(item, ReasoningItem):
             thinking.append(message.reasoning or "")
             joinable = False
@@ -295,7 +323,7 @@ def canonical_of(
     options = options or options_of(body)
     check_results(history, own)
     return CanonicalRequest(
-        messages=messages_of(history + own, body.instructions),
+        messages=messages_of(history + own, body.instructions, len(history)),
         tools=options.tools,
         tool_choice=options.tool_choice,
         response_format=options.response_format,
