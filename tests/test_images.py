@@ -248,6 +248,13 @@ async def test_the_address_checked_is_the_one_connected_to(
 
 
 @pytest.mark.anyio
+async def test_a_host_with_no_address_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    _resolving(monkeypatch, {"void.example": []})
+    error = await refusal(request_of("http://void.example/a.png"), ImageLimits())
+    assert "resolves to no address" in error.message
+
+
+@pytest.mark.anyio
 async def test_an_unresolvable_host_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     loop = asyncio.get_running_loop()
 

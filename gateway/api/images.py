@@ -195,10 +195,12 @@ async def _addresses(image: ImagePart, url: httpx.URL, allow_private: bool) -> l
     port = url.port or (443 if url.scheme == "https" else 80)
     loop = asyncio.get_running_loop()
     try:
-        infos = await loop.getaddrinfo(url.host, port, type=socket.SOCK_STREAM)
+        infos = await loop.getaddrinfo(_host(url), port, type=socket.SOCK_STREAM)
     except OSError as exc:
         raise refused(image, f"the host of {_short(url)} cannot be resolved ({exc})") from None
     addresses = list(dict.fromkeys(ipaddress.ip_address(info[4][0]) for info in infos))
+    if not addresses:
+        raise refused(image, f"the host of {_short(url)} resolves to no address")
     for address in addresses:
         if not allow_private and not is_public(address):
             raise refused(
@@ -233,7 +235,7 @@ async def _get(
     otherwise): the host's name goes in the Host header and, over TLS, in SNI and the
     certificate check. Each address in turn until one connects."""
     headers = {"Host": url.netloc.decode("ascii"), "Accept": "image/*"}
-    extensions = {"sni_hostname": url.host} if url.scheme == "https" else {}
+    extensions = {"sni_hostname": _host(url)} if url.scheme == "https" else {}
     error: httpx.ConnectError | None = None
     for address in addresses:
         request = client.build_request(
@@ -269,6 +271,11 @@ async def _body(
         if len(body) > limits.max_bytes:
             raise too_large
     return bytes(body)
+
+
+def _host(url: httpx.URL) -> str:
+    """The host as DNS and TLS take it (an international name in its ASCII form)."""
+    return url.raw_host.decode("ascii")
 
 
 def _short(url: str | httpx.URL, limit: int = 200) -> str:
