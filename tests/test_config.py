@@ -9,6 +9,7 @@ import pytest
 from shared.config import (
     DEMO_SOURCE,
     MINILM_SOURCE,
+    VISION_DEMO_SOURCE,
     Config,
     ConfigError,
     EngineOptions,
@@ -61,8 +62,10 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_no_file_gives_the_demo_model_and_minilm_for_embeddings() -> None:
     config = load_config(None)
     assert config.server == ServerConfig()
-    assert [m.name for m in config.models] == ["demo", "all-minilm-l6-v2"]
-    demo, minilm = config.models
+    assert [m.name for m in config.models] == ["demo", "all-minilm-l6-v2", "demo-vision-random"]
+    demo, minilm, vision = config.models
+    assert vision.source == VISION_DEMO_SOURCE and vision.is_demo and not vision.preload
+    assert kind_of(vision) is ModelKind.VISION and vision.aliases == ["vision"]
     assert demo.source == DEMO_SOURCE
     assert demo.is_demo
     assert demo.aliases == ["default"]
@@ -126,7 +129,7 @@ def test_two_models_with_aliases_and_engine_options(tmp_path: Path) -> None:
 def test_empty_file_gives_the_demo_model(tmp_path: Path) -> None:
     config = load_config(write(tmp_path, "[server]\nport = 8123\n"))
     assert config.server.port == 8123
-    assert [m.source for m in config.models] == [DEMO_SOURCE, MINILM_SOURCE]
+    assert [m.source for m in config.models] == [DEMO_SOURCE, MINILM_SOURCE, VISION_DEMO_SOURCE]
 
 
 @pytest.mark.parametrize(

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
 from tests.gateway_proc import GatewayProc
+
+
+def _png() -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 48), (10, 200, 30)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+PNG = _png()
 
 
 def _gone(pid: int) -> bool:
@@ -84,7 +98,7 @@ def test_embedded_default_serves_the_demo_model(tmp_path: Path) -> None:
     with running_gateway([], env={"MLX_GATEWAY_CACHE_DIR": str(tmp_path)}) as gw:
         gw.wait_ready(["demo"])
         client = openai.OpenAI(base_url=f"{gw.base_url}/v1", api_key="x", max_retries=0)
-        card, minilm = client.models.list().data
+        card, minilm, vision = client.models.list().data
         assert card.id == "demo"
         assert "random-weight" in (card.model_extra or {})["description"]
         assert minilm.id == "all-minilm-l6-v2"
@@ -96,7 +110,20 @@ def test_embedded_default_serves_the_demo_model(tmp_path: Path) -> None:
         assert "random-weight demo" in gw.logs()
         vectors = client.embeddings.create(model="embeddings", input=["a", "b"]).data
         assert [len(v.embedding) for v in vectors] == [384, 384]
+        assert vision.id == "demo-vision-random"
+        assert "random-weight" in (vision.model_extra or {})["description"]
+        assert (vision.model_extra or {})["kind"] == "vision"
+        image = "data:image/png;base64," + base64.b64encode(PNG).decode()
+        content: Any = [
+            {"type": "image_url", "image_url": {"url": image}},
+            {"type": "text", "text": "What is it?"},
+        ]
+        r = client.chat.completions.create(
+            model="vision", messages=[{"role": "user", "content": content}], max_tokens=8
+        )
+        assert r.usage is not None and r.usage.prompt_tokens > 20
     assert list(tmp_path.glob("models/demo-llama-*/model.safetensors"))
+    assert list(tmp_path.glob("models/demo-qwen2-vl-*/model.safetensors"))
 
 
 def test_a_new_gateway_ends_leftover_workers_and_stale_sockets(other_model: Path) -> None:

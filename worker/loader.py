@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.config import MINILM_SOURCE, ModelConfig
+from shared.config import MINILM_SOURCE, VISION_DEMO_SOURCE, ModelConfig
 from shared.modelinfo import context_length
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,10 @@ def _no_progress(stage: str, fraction: float) -> None:
 
 
 def resolve_source(config: ModelConfig, progress: Progress = _no_progress) -> Path:
+    if config.source == VISION_DEMO_SOURCE:
+        from worker.vision.modelgen import ensure_vision_demo
+
+        return ensure_vision_demo()
     if config.is_demo:
         from worker.modelgen import ensure_demo_model
 

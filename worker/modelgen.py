@@ -17,7 +17,7 @@ import shutil
 import struct
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -400,8 +400,17 @@ def _discard(path: Path) -> None:
 
 def ensure_demo_model() -> Path:
     """Build the demo model once, atomically (temp dir beside it, then os.replace)."""
-    final = demo_model_path()
-    if _is_complete(final):
+    return ensure_built(demo_model_path(), lambda tmp: build_tiny_model(tmp, DEMO_SPEC))
+
+
+def ensure_built(
+    final: Path,
+    build: Callable[[Path], object],
+    complete: Callable[[Path], bool] = _is_complete,
+) -> Path:
+    """A generated model folder, built once: into a temp dir beside it, then os.replace (a
+    folder at `final` is whole; one that `complete` rejects is stale and rebuilt)."""
+    if final.is_dir() and complete(final):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     if final.exists():
@@ -409,11 +418,11 @@ def ensure_demo_model() -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp.", dir=final.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it 0700
-        build_tiny_model(tmp, DEMO_SPEC)
+        build(tmp)
         try:
             os.replace(tmp, final)
         except OSError:
-            if not _is_complete(final):  # not another process winning the race
+            if not complete(final):  # not another process winning the race
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -223,7 +223,10 @@ class WorkerProc:
         try:
             if self.faults.probe_error:
                 raise RuntimeError(f"the probe failed: {self.faults.probe_error}")
-            self.engine.probe(prepared=prepared)
+            if prepared is None:
+                self.engine.probe()
+            else:
+                self.engine.probe(prepared=prepared)
         except Exception as exc:
             raise RuntimeError(f"the model loaded but cannot generate: {exc}") from exc
 

@@ -138,9 +138,7 @@ class VisionRowsBackend(MlxRowsBackend):
         self.processor = processor
         self.vision: VisionModel = model
 
-    def prefill(
-        self, prompt: list[int], media: Media, cache: Any, cached: int
-    ) -> tuple[Any, int]:
+    def prefill(self, prompt: list[int], media: Media, cache: Any, cached: int) -> tuple[Any, int]:
         """KV for all of `prompt` but its last token, after the `cached` tokens `cache`
         already holds (a fresh cache when None); and the row's position shift."""
         model = self.vision

@@ -398,6 +398,24 @@ def build_tiny_vision_model(
 # --- command line ------------------------------------------------------------------------------
 
 
+# Bump when the generator or the demo's spec changes, so cached demo models are rebuilt.
+VISION_DEMO_VERSION = "v1"
+# the embedded default's vision model: wide greedy margins, as the text demo's
+VISION_DEMO_SPEC = TinyVisionSpec(logit_scale=8.0)
+
+
+def ensure_vision_demo() -> Path:
+    """The embedded default's vision model, built once into the cache (random weights)."""
+    from worker.modelgen import cache_dir, ensure_built
+
+    final = cache_dir() / "models" / f"demo-qwen2-vl-{VISION_DEMO_VERSION}"
+    return ensure_built(
+        final,
+        lambda tmp: build_tiny_vision_model(tmp, seed=0, spec=VISION_DEMO_SPEC),
+        lambda path: all((path / name).is_file() for name in MODEL_FILES),
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     d = DEFAULT_VISION_SPEC
     p = argparse.ArgumentParser(

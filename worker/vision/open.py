@@ -33,7 +33,9 @@ def open_vision(config: ModelConfig, path: Path, progress: Progress) -> tuple[Lo
         model, tokenizer, processor = load(path, trust_remote_code=config.trust_remote_code)
     except Exception as exc:
         raise LoadError(f"model {config.name!r}: mlx-vlm could not load {path}: {exc}") from exc
-    return LoadedModel(model, tokenizer, path, context_length(path, config), False), processor
+    return LoadedModel(
+        model, tokenizer, path, context_length(path, config), config.is_demo
+    ), processor
 
 
 def vision_backend(loaded: LoadedModel, processor: Any, config: ModelConfig) -> Any:
