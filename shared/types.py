@@ -18,6 +18,9 @@ class RequestKind(enum.StrEnum):
     COMPLETION = "completion"
     EMBEDDING = "embedding"  # vectors of `inputs` / `input_token_ids` (an embedding model)
     RERANK = "rerank"  # relevance of `documents` to `query` (a cross-encoder, or similarity)
+    TRANSCRIPTION = "transcription"  # `audio` to text in its own language (speech to text)
+    TRANSLATION = "translation"  # `audio` to English text
+    SPEECH = "speech"  # `prompt` read aloud: audio in `audio_format` (text to speech)
 
 
 class FinishReason(enum.StrEnum):
@@ -214,6 +217,16 @@ class CanonicalRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     documents: list[str] = []
     # An embedding request's vector size: its first components (a Matryoshka model's)
     dimensions: int | None = None
+    # Speech. Transcription and translation: the `audio` to hear (its bytes, in any container
+    # the worker decodes), its `language` (ISO-639-1; None: detected), `prompt` the text
+    # before it, `timestamps` the granularities to report ("segment", "word"). Speech:
+    # `prompt` read in `voice` at `speed`, as `audio_format` (wav, pcm, mp3, flac, ...).
+    audio: AudioPart | None = None
+    language: str | None = None
+    timestamps: list[str] = []
+    voice: str | None = None
+    speed: float | None = None
+    audio_format: str | None = None
 
     def needs(self) -> list[str]:
         """The model capabilities this request uses beyond plain text."""
@@ -313,6 +326,30 @@ class ToolCallDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     arguments: str = ""
 
 
+class Word(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A transcribed word and when it was said (seconds from the audio's start)."""
+
+    word: str
+    start: float
+    end: float
+
+
+class Segment(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A stretch of transcribed audio, with what the model says of its confidence (OpenAI's
+    verbose_json fields)."""
+
+    id: int
+    start: float
+    end: float
+    text: str
+    tokens: list[int] = []
+    temperature: float = 0.0
+    avg_logprob: float = 0.0
+    compression_ratio: float = 0.0
+    no_speech_prob: float = 0.0
+    words: list[Word] = []
+
+
 class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One step's delta for one request. Terminal when finish_reason is set. `text` is the
     answer; thinking goes to `reasoning` and tool calls to `tool_calls`, never into it."""
@@ -335,3 +372,10 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     embeddings: bytes = b""
     dimensions: int = 0
     scores: list[float] = []  # a rerank request's: each document's relevance, in order
+    # Speech: a transcription's segments (and words) with its terminal output, the language
+    # heard; a speech request's next bytes of audio, in its audio_format. `duration`: the
+    # seconds of audio heard or made (with the terminal output).
+    segments: list[Segment] = []
+    language: str | None = None
+    audio: bytes = b""
+    duration: float | None = None
