@@ -14,27 +14,23 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from importlib.metadata import version
-from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 import msgspec
 import psutil
 
-from shared.config import ModelConfig, ModelKind
-from shared.modelinfo import kind_in, served_by
+from shared.config import ModelConfig
+from shared.modelinfo import kind_in
 from shared.protocol import (
     PROTOCOL_VERSION,
     Abort,
     Add,
-    Capacity,
     Codec,
     Control,
     ControlReply,
     Heartbeat,
     Hello,
-    Ready,
     Shutdown,
     ShutdownMode,
     StepOutputs,
@@ -42,24 +38,14 @@ from shared.protocol import (
     WorkerState,
 )
 from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput
-from worker.backends.formats import ModelFormats, model_formats
-from worker.backends.mlx_lm import make_backend
 from worker.channels import WorkerChannels
-from worker.embeddings.engine import PreparedEmbedding
-from worker.embeddings.open import only_for_embeddings, open_encoder
-from worker.embeddings.preprocess import EmbeddingPreprocessor
-from worker.engine.core import EngineCore
-from worker.faults import Faults, FaultyEngine
-from worker.loader import LoadedModel, load_model, resolve_source
-from worker.memory import IdleRelease, MemoryLimits, device_memory, kv_budget, own_memory
-from worker.preprocess import PreparedRequest, PreprocessError, Preprocessor, capabilities
-from worker.steptrace import StepTrace
-from worker.vision.open import open_vision, probe_request, vision_backend, vision_preprocessor
+from worker.faults import Faults
+from worker.loader import resolve_source
+from worker.memory import IdleRelease, MemoryLimits, own_memory
+from worker.opening import Engine, open_model
+from worker.preprocess import PreparedRequest, PreprocessError
 
 log = logging.getLogger("worker")
-
-# What the input thread prepares requests with, by the model's kind
-AnyPreprocessor = Preprocessor | EmbeddingPreprocessor
 
 HEARTBEAT_S = 1.0
 _STOP = object()
@@ -84,7 +70,7 @@ class WorkerProc:
         self.inputs: queue.Queue[object] = queue.Queue()
         self.outbox: queue.Queue[object] = queue.Queue()
         self.state = WorkerState.STARTING
-        self.engine: EngineCore | None = None
+        self.engine: Engine | None = None
         self.parent = os.getppid()
         self.draining_until: float | None = None
         self.stopping = threading.Event()
@@ -114,14 +100,13 @@ class WorkerProc:
             path = resolve_source(config, self._progress)
             # what the files say once they are here (a hub id's, downloaded just now)
             kind = config.kind or kind_in(path)
-            preprocess: AnyPreprocessor
-            if kind in (ModelKind.EMBEDDING, ModelKind.RERANK):
-                preprocess, ready = self._load_embeddings(path, kind)
-            else:
-                only_for_embeddings(config, kind)
-                preprocess, ready = self._load_text(path, kind is ModelKind.VISION)
+            opened = open_model(config, path, kind, self.worker_id, self.faults, self._progress)
+            self.engine = opened.engine
+            for probe in [None, *opened.probes]:
+                self._probe(probe)
+            ready = opened.ready
             self.inputs_thread = threading.Thread(
-                target=self._input_loop, args=(preprocess,), name="input", daemon=True
+                target=self._input_loop, args=(opened.preprocess,), name="input", daemon=True
             )
             self.inputs_thread.start()
             self.state = WorkerState.READY
@@ -153,58 +138,6 @@ class WorkerProc:
         if not any(t is not None and t.is_alive() for t in threads):
             self.channels.close()  # the output socket lingers so the last frames leave
 
-    def _load_text(self, path: Path, vision: bool = False) -> tuple[Preprocessor, Ready]:
-        config = self.args.model
-        opts = config.engine
-        if not vision:
-            loaded = load_model(config, self._progress, path)
-            self.engine = self._engine(loaded)
-            self._probe()
-            formats = model_formats(loaded.tokenizer, opts.tool_parser)
-            preprocess = Preprocessor(loaded.tokenizer, opts, loaded.max_context, formats)
-            return preprocess, self._ready(loaded, formats)
-        loaded, processor = open_vision(config, path, self._progress)
-        self.engine = self._engine(loaded, vision_backend(loaded, processor, config))
-        formats = model_formats(loaded.tokenizer, opts.tool_parser)
-        preprocess = vision_preprocessor(loaded, processor, config, formats)
-        self._probe()
-        self._probe(probe_request(preprocess))  # and one with an image
-        ready = self._ready(loaded, formats)
-        ready.capabilities.append("vision")
-        ready.versions["mlx_vlm"] = version("mlx-vlm")
-        return preprocess, ready
-
-    def _load_embeddings(self, path: Path, kind: ModelKind) -> tuple[EmbeddingPreprocessor, Ready]:
-        self._progress("loading weights", -1.0)
-        config = self.args.model
-        engine, preprocess = open_encoder(config, path, kind)
-        self.engine = cast(EngineCore, FaultyEngine.wrap(cast(EngineCore, engine), self.faults))
-        self._probe()
-        opts = config.engine
-        ready = Ready(
-            self.worker_id,
-            Capacity(opts.max_running, opts.max_waiting, engine.encoder.max_tokens),
-            versions={"mlx": version("mlx")},
-            capabilities=served_by(config, kind) or [],
-            device=engine.backend.device,
-            device_memory_bytes=device_memory(),
-        )
-        return preprocess, ready
-
-    def _engine(self, loaded: LoadedModel, backend: Any = None) -> EngineCore:
-        opts = self.args.model.engine
-        backend = backend or make_backend(loaded.model, loaded.tokenizer, opts)
-        log.info("continuous batch: %s (engine.batcher = %r)", backend.batcher, opts.batcher)
-        budget = kv_budget(opts)
-        engine = EngineCore(backend, opts, budget)
-        if budget is not None:
-            log.info(
-                "KV budget %.1f GiB (%d bytes a token)",
-                budget / 2**30,
-                engine.scheduler.config.kv_bytes_per_token,
-            )
-        return StepTrace.wrap(FaultyEngine.wrap(engine, self.faults))
-
     def _watch_parent(self) -> None:
         """macOS has no PDEATHSIG: notice re-parenting and exit with the gateway."""
         while not self.stopping.wait(HEARTBEAT_S):
@@ -229,23 +162,6 @@ class WorkerProc:
                 self.engine.probe(prepared=prepared)
         except Exception as exc:
             raise RuntimeError(f"the model loaded but cannot generate: {exc}") from exc
-
-    def _ready(self, loaded: LoadedModel, formats: ModelFormats) -> Ready:
-        opts = self.args.model.engine
-        assert self.engine is not None
-        cache = self.engine.prefix_cache
-        return Ready(
-            self.worker_id,
-            Capacity(opts.max_running, opts.max_waiting, loaded.max_context),
-            versions={"mlx": version("mlx"), "mlx_lm": version("mlx-lm")},
-            capabilities=capabilities(loaded.tokenizer, formats)
-            + (["demo"] if loaded.is_demo else []),
-            device=self.engine.backend.device,
-            device_memory_bytes=device_memory(),
-            prefix_cache_bytes=cache.capacity if cache is not None else 0,
-        )
-
-    # ---- engine loop (main thread) --------------------------------------------------
 
     def run_busy_loop(self) -> None:
         while self.state != WorkerState.FAILED and not self._drained():
@@ -287,20 +203,18 @@ class WorkerProc:
 
     def _handle(self, item: object) -> list[RequestOutput]:
         assert self.engine is not None
-        if isinstance(item, PreparedRequest | PreparedEmbedding):
-            failed = self._add(item)
-            return [failed] if failed is not None else []
         if isinstance(item, Abort):
             return self.engine.abort(item.request_ids)
         if isinstance(item, Shutdown):
             return self._shutdown(item)
-        return []
+        failed = self._add(item)  # a prepared request of the model's kind
+        return [failed] if failed is not None else []
 
-    def _add(self, prepared: PreparedRequest | PreparedEmbedding) -> RequestOutput | None:
+    def _add(self, prepared: Any) -> RequestOutput | None:
         """A request the engine refuses fails alone; the worker keeps serving."""
         assert self.engine is not None
         try:
-            return self.engine.add(prepared)  # type: ignore[arg-type]  # the kind's engine
+            return self.engine.add(prepared)
         except Exception as exc:  # one bad request must never take the worker down
             log.warning(
                 "request %s refused by the engine: %s",
@@ -338,7 +252,7 @@ class WorkerProc:
 
     # ---- input thread -----------------------------------------------------------------
 
-    def _input_loop(self, preprocess: AnyPreprocessor) -> None:
+    def _input_loop(self, preprocess: Any) -> None:
         codec = Codec()
         sock = self.channels.requests
         while not self.stopping.is_set():
@@ -360,9 +274,7 @@ class WorkerProc:
             if item is not None:
                 self.inputs.put(item)
 
-    def _accept(
-        self, frame: Add, preprocess: AnyPreprocessor
-    ) -> PreparedRequest | PreparedEmbedding | None:
+    def _accept(self, frame: Add, preprocess: Any) -> Any:
         """The request, prepared for the engine; None when it was refused (the error went
         back to the gateway)."""
         received = time.perf_counter()
@@ -377,7 +289,7 @@ class WorkerProc:
             log.debug(
                 "request %s accepted (%d prompt tokens, priority %d)",
                 frame.request_id,
-                len(prepared.prompt),
+                len(getattr(prepared, "prompt", ())),
                 prepared.priority,
                 extra={"request_id": frame.request_id},
             )
@@ -393,15 +305,16 @@ class WorkerProc:
             self._send(StepOutputs(self.worker_id, -1, [out]))
             return None
 
-    def _control(self, frame: Control, preprocess: AnyPreprocessor) -> ControlReply:
+    def _control(self, frame: Control, preprocess: Any) -> ControlReply:
         """Calls answered on the input thread, beside the engine loop (never inside it)."""
         try:
             if frame.method == "stats" and self.engine is not None:
                 running, waiting = self.engine.counts()
-                result = {"running": running, "waiting": waiting, "steps": self.engine.steps}
-            elif frame.method == "tokenize":
+                steps = getattr(self.engine, "steps", 0)
+                result = {"running": running, "waiting": waiting, "steps": steps}
+            elif frame.method == "tokenize" and hasattr(preprocess, "tokenize_call"):
                 result = preprocess.tokenize_call(frame.args)
-            elif frame.method == "detokenize":
+            elif frame.method == "detokenize" and hasattr(preprocess, "detokenize_call"):
                 result = preprocess.detokenize_call(frame.args)
             else:
                 return ControlReply(

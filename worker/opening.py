@@ -1,0 +1,159 @@
+"""A model's worker parts by its kind: its engine, the preprocessor the input thread runs,
+the requests that probe it before Ready, and its Ready. The worker process (proc.py) owns
+sockets and threads; what a kind needs to serve lives here and in the kind's package.
+
+Every kind's engine has the same surface (`Engine`): the worker adds prepared requests,
+steps it while it has work and sends what each step returns.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any, Protocol
+
+from shared.config import ModelConfig, ModelKind
+from shared.modelinfo import served_by
+from shared.protocol import Add, Capacity, PrefixCacheStats, Ready
+from shared.types import RequestOutput
+from worker.backends.formats import model_formats
+from worker.backends.mlx_lm import make_backend
+from worker.embeddings.open import only_for_embeddings, open_encoder
+from worker.engine.core import EngineCore
+from worker.faults import Faults, FaultyEngine
+from worker.loader import LoadedModel, Progress, load_model
+from worker.memory import device_memory, kv_budget
+from worker.preprocess import Preprocessor, capabilities
+from worker.steptrace import StepTrace
+
+log = logging.getLogger("worker")
+
+
+class Engine(Protocol):
+    """What the worker process drives, whatever the model's kind."""
+
+    backend: Any  # release_memory() when idle; device
+    steps: int  # steps taken (heartbeats report it)
+
+    @property
+    def has_work(self) -> bool: ...
+
+    def add(self, prepared: Any) -> RequestOutput | None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]: ...
+
+    def request_ids(self) -> list[str]: ...
+
+    def counts(self) -> tuple[int, int]: ...
+
+    def prefix_stats(self) -> PrefixCacheStats | None: ...
+
+    def probe(self, *args: Any, **kwargs: Any) -> None:
+        """One real request through, or raise: Ready means ready (a prepared request of its
+        own may be given as `prepared`)."""
+        ...
+
+
+@dataclass(slots=True)
+class Opened:
+    engine: Any  # an Engine (EngineCore for text and vision models)
+    preprocess: Callable[[Add], Any]  # on the input thread: a frame into a prepared request
+    ready: Ready
+    # prepared requests to probe with after the engine's own probe (an image's, say)
+    probes: list[Any] = field(default_factory=list)
+
+
+def open_model(
+    config: ModelConfig, path: Path, kind: ModelKind, worker_id: str, faults: Faults,
+    progress: Progress,
+) -> Opened:  # fmt: skip
+    if kind in (ModelKind.EMBEDDING, ModelKind.RERANK):
+        return _embeddings(config, path, kind, worker_id, faults, progress)
+    only_for_embeddings(config, kind)
+    if kind is ModelKind.VISION:
+        return _vision(config, path, worker_id, faults, progress)
+    return _text(config, path, worker_id, faults, progress)
+
+
+def _text(
+    config: ModelConfig, path: Path, worker_id: str, faults: Faults, progress: Progress
+) -> Opened:
+    loaded = load_model(config, progress, path)
+    engine = text_engine(config, loaded, faults)
+    opts = config.engine
+    formats = model_formats(loaded.tokenizer, opts.tool_parser)
+    preprocess = Preprocessor(loaded.tokenizer, opts, loaded.max_context, formats)
+    served = capabilities(loaded.tokenizer, formats)
+    return Opened(engine, preprocess, text_ready(config, loaded, engine, worker_id, served))
+
+
+def _vision(
+    config: ModelConfig, path: Path, worker_id: str, faults: Faults, progress: Progress
+) -> Opened:
+    from worker.vision.open import open_vision, probe_request, vision_backend, vision_preprocessor
+
+    loaded, processor = open_vision(config, path, progress)
+    engine = text_engine(config, loaded, faults, vision_backend(loaded, processor, config))
+    formats = model_formats(loaded.tokenizer, config.engine.tool_parser)
+    preprocess = vision_preprocessor(loaded, processor, config, formats)
+    served = [*capabilities(loaded.tokenizer, formats), "vision"]
+    ready = text_ready(config, loaded, engine, worker_id, served)
+    ready.versions["mlx_vlm"] = version("mlx-vlm")
+    return Opened(engine, preprocess, ready, [probe_request(preprocess)])
+
+
+def _embeddings(
+    config: ModelConfig, path: Path, kind: ModelKind, worker_id: str, faults: Faults,
+    progress: Progress,
+) -> Opened:  # fmt: skip
+    progress("loading weights", -1.0)
+    engine, preprocess = open_encoder(config, path, kind)
+    opts = config.engine
+    ready = Ready(
+        worker_id,
+        Capacity(opts.max_running, opts.max_waiting, engine.encoder.max_tokens),
+        versions={"mlx": version("mlx")},
+        capabilities=served_by(config, kind) or [],
+        device=engine.backend.device,
+        device_memory_bytes=device_memory(),
+    )
+    return Opened(FaultyEngine.wrap(engine, faults), preprocess, ready)  # type: ignore[arg-type]
+
+
+def text_engine(
+    config: ModelConfig, loaded: LoadedModel, faults: Faults, backend: Any = None
+) -> EngineCore:
+    opts = config.engine
+    backend = backend or make_backend(loaded.model, loaded.tokenizer, opts)
+    log.info("continuous batch: %s (engine.batcher = %r)", backend.batcher, opts.batcher)
+    budget = kv_budget(opts)
+    engine = EngineCore(backend, opts, budget)
+    if budget is not None:
+        log.info(
+            "KV budget %.1f GiB (%d bytes a token)",
+            budget / 2**30,
+            engine.scheduler.config.kv_bytes_per_token,
+        )
+    return StepTrace.wrap(FaultyEngine.wrap(engine, faults))
+
+
+def text_ready(
+    config: ModelConfig, loaded: LoadedModel, engine: EngineCore, worker_id: str,
+    served: list[str],
+) -> Ready:  # fmt: skip
+    opts = config.engine
+    cache = engine.prefix_cache
+    return Ready(
+        worker_id,
+        Capacity(opts.max_running, opts.max_waiting, loaded.max_context),
+        versions={"mlx": version("mlx"), "mlx_lm": version("mlx-lm")},
+        capabilities=served + (["demo"] if loaded.is_demo else []),
+        device=engine.backend.device,
+        device_memory_bytes=device_memory(),
+        prefix_cache_bytes=cache.capacity if cache is not None else 0,
+    )
