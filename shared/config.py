@@ -30,6 +30,8 @@ class ModelKind(enum.StrEnum):
     EMBEDDING = "embedding"  # vectors of texts (a BERT-family encoder)
     RERANK = "rerank"  # relevance of documents to a query (a BERT-family cross-encoder)
     VISION = "vision"  # text generation from text and images (mlx-vlm)
+    TRANSCRIPTION = "transcription"  # speech to text (mlx-audio: Whisper)
+    SPEECH = "speech"  # text to speech (mlx-audio)
 
 
 # A duration: seconds as a number, or a string with a unit ("90s", "30m", "2h");
