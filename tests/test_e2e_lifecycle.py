@@ -98,7 +98,7 @@ def test_embedded_default_serves_the_demo_model(tmp_path: Path) -> None:
     with running_gateway([], env={"MLX_GATEWAY_CACHE_DIR": str(tmp_path)}) as gw:
         gw.wait_ready(["demo"])
         client = openai.OpenAI(base_url=f"{gw.base_url}/v1", api_key="x", max_retries=0)
-        card, minilm, vision = client.models.list().data
+        card, minilm, vision, stt, tts = client.models.list().data
         assert card.id == "demo"
         assert "random-weight" in (card.model_extra or {})["description"]
         assert minilm.id == "all-minilm-l6-v2"
@@ -113,6 +113,10 @@ def test_embedded_default_serves_the_demo_model(tmp_path: Path) -> None:
         assert vision.id == "demo-vision-random"
         assert "random-weight" in (vision.model_extra or {})["description"]
         assert (vision.model_extra or {})["kind"] == "vision"
+        assert [(m.id, (m.model_extra or {})["kind"]) for m in (stt, tts)] == [
+            ("demo-transcription-random", "transcription"),
+            ("demo-speech-random", "speech"),
+        ]
         image = "data:image/png;base64," + base64.b64encode(PNG).decode()
         content: Any = [
             {"type": "image_url", "image_url": {"url": image}},

@@ -9,7 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.config import MINILM_SOURCE, VISION_DEMO_SOURCE, ModelConfig
+from shared.config import (
+    MINILM_SOURCE,
+    STT_DEMO_SOURCE,
+    TTS_DEMO_SOURCE,
+    VISION_DEMO_SOURCE,
+    ModelConfig,
+)
 from shared.modelinfo import context_length
 
 log = logging.getLogger(__name__)
@@ -42,6 +48,14 @@ def resolve_source(config: ModelConfig, progress: Progress = _no_progress) -> Pa
         from worker.vision.modelgen import ensure_vision_demo
 
         return ensure_vision_demo()
+    if config.source == STT_DEMO_SOURCE:
+        from worker.speech.stt_modelgen import ensure_stt_demo
+
+        return ensure_stt_demo()
+    if config.source == TTS_DEMO_SOURCE:
+        from worker.speech.tts_modelgen import ensure_tts_demo
+
+        return ensure_tts_demo()
     if config.is_demo:
         from worker.modelgen import ensure_demo_model
 
