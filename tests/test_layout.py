@@ -25,12 +25,13 @@ def imported(path: Path) -> set[str]:
     return names
 
 
-def test_only_the_backends_import_mlx_lm() -> None:
+@pytest.mark.parametrize("library", ["mlx_lm", "mlx_vlm"])
+def test_only_the_backends_import_the_model_libraries(library: str) -> None:
     offenders = [
         str(path.relative_to(ROOT))
         for path in modules(*PACKAGES)
         if "backends" not in path.parts
-        and any(name.split(".")[0] == "mlx_lm" for name in imported(path))
+        and any(name.split(".")[0] == library for name in imported(path))
     ]
     assert offenders == []
 

@@ -55,6 +55,21 @@ def load(path: Path, trust_remote_code: bool = False) -> tuple[VisionModel, Any,
     return VisionModel(model), tokenizer, processor
 
 
+def qwen2_vl_parameter_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of mlx-vlm's Qwen2-VL parameters for a config.json's contents, from
+    its own model as load() makes it (the arrays stay lazy): the test models' generator."""
+    import copy
+
+    from mlx.utils import tree_flatten
+    from mlx_vlm.models.qwen2_vl import Model, ModelConfig, TextConfig, VisionConfig
+
+    model_config = ModelConfig.from_dict(copy.deepcopy(config))
+    model_config.text_config = TextConfig.from_dict(model_config.text_config)
+    model_config.vision_config = VisionConfig.from_dict(model_config.vision_config)
+    params: dict[str, Any] = dict(tree_flatten(Model(model_config).parameters()))
+    return {name: tuple(params[name].shape) for name in sorted(params)}
+
+
 def prepare(processor: Any, text: str, images: list[Any]) -> tuple[list[int], Media]:
     """The rendered prompt and its PIL images through the model's processor: token ids
     with each image's placeholder expanded, and the images' arrays."""

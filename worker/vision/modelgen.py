@@ -292,16 +292,9 @@ def _model_config(spec: TinyVisionSpec, seed: int, vocab_size: int) -> dict[str,
 
 def _param_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Names and shapes of mlx-vlm's Qwen2-VL parameters, from its own model as load() makes it."""
-    import copy
+    from worker.backends.mlx_vlm import qwen2_vl_parameter_shapes
 
-    from mlx.utils import tree_flatten
-    from mlx_vlm.models.qwen2_vl import Model, ModelConfig, TextConfig, VisionConfig
-
-    model_config = ModelConfig.from_dict(copy.deepcopy(config))
-    model_config.text_config = TextConfig.from_dict(model_config.text_config)
-    model_config.vision_config = VisionConfig.from_dict(model_config.vision_config)
-    params: dict[str, Any] = dict(tree_flatten(Model(model_config).parameters()))
-    return {name: tuple(params[name].shape) for name in sorted(params)}
+    return qwen2_vl_parameter_shapes(config)
 
 
 def _init_param(name: str, shape: tuple[int, ...], key: mx.array, spec: TinyVisionSpec) -> mx.array:
