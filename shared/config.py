@@ -226,6 +226,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     image_max_count: int = 16
     image_fetch_timeout_s: float = 10.0
     image_fetch_private: bool = False
+    # An audio upload's bytes at most (/v1/audio/transcriptions and translations; OpenAI's
+    # limit is 25 MB): a multipart body larger than this (and its small form fields) is
+    # refused while it is read.
+    audio_max_bytes: int = 25 * 1024 * 1024
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -388,7 +392,7 @@ def _validate(config: Config) -> None:
             raise ConfigError(f"server.{key} must be at least 1")
     if server.max_queued < 0:
         raise ConfigError("server.max_queued must not be negative")
-    for key in ("image_max_bytes", "image_max_pixels", "image_max_count"):
+    for key in ("image_max_bytes", "image_max_pixels", "image_max_count", "audio_max_bytes"):
         if getattr(server, key) < 1:
             raise ConfigError(f"server.{key} must be at least 1")
     if not 0 < server.image_fetch_timeout_s < float("inf"):
