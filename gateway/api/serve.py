@@ -55,6 +55,10 @@ class Served:
     # server's cap; None: the worker's default (the rest of the context).
     default_max_tokens: int | None = None
     user: str | None = None  # an end-user id the client sent, for the access log
+    # The body's type when it is not JSON (or, streamed, not SSE events): a transcript as
+    # text, speech audio as it is made. A raw stream gets no keep-alive comments while its
+    # model loads (they would corrupt it), so an error before its first byte is a status.
+    media_type: str | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -153,6 +157,8 @@ def needs_of(
         return ["embeddings"]
     if kind == RequestKind.RERANK:
         return ["rerank"]
+    if kind in (RequestKind.TRANSCRIPTION, RequestKind.TRANSLATION, RequestKind.SPEECH):
+        return [kind.value]  # the capability is named after its kind
     needs = ["chat" if kind == RequestKind.CHAT else "completion"]
     if sampling.logprobs:
         needs.append("logprobs")
@@ -246,7 +252,7 @@ async def serve(
         if served.user:
             ctx.user = served.user[:128]
     await with_images(state, served)
-    if served.stream and workers.must_load(served.model):
+    if served.stream and served.media_type is None and workers.must_load(served.model):
         # The model loads first: answer at once and keep the connection alive meanwhile.
         submit = submit_all(workers, served, ctx, server.max_tokens_cap)
         return Stream(
@@ -257,10 +263,11 @@ async def serve(
     streams, groups = await submit_all(workers, served, ctx, server.max_tokens_cap)
     relay = relay_for(state, streams, groups, ctx, request_)
     if not served.stream:
-        return Response(await relay.collect(fmt), media_type=JSON)
+        return Response(await relay.collect(fmt), media_type=served.media_type or JSON)
     first = await relay.first()
     relay.stop_watching()  # from here on, Litestar's Stream watches for the disconnect
-    return Stream(relay.sse(fmt, first), media_type="text/event-stream", headers=SSE_HEADERS)
+    media_type = served.media_type or "text/event-stream"
+    return Stream(relay.sse(fmt, first), media_type=media_type, headers=SSE_HEADERS)
 
 
 async def serve_detached(

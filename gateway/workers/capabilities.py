@@ -28,9 +28,21 @@ _MISSING = {
     "audio_input": "it takes no audio",
     "rerank": "it does not rerank (a cross-encoder does; an embedding model with "
     "similarity_rerank = true in its config does, by similarity)",
+    "transcription": "it does not transcribe audio (a speech-to-text model does)",
+    "translation": "it does not translate audio into English (a multilingual speech-to-text "
+    "model does)",
+    "speech": "it does not make speech (a text-to-speech model does)",
 }
 # The endpoints of a model that generates no text
-_ENDPOINTS = {"embeddings": "/v1/embeddings", "rerank": "/v1/rerank"}
+_ENDPOINTS = {
+    "embeddings": "/v1/embeddings",
+    "rerank": "/v1/rerank",
+    "transcription": "/v1/audio/transcriptions",
+    "translation": "/v1/audio/translations",
+    "speech": "/v1/audio/speech",
+}
+# A text model's, named when it is asked for one of the above
+_TEXT_ENDPOINTS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 MISSING_PARAM = {
     "chat": "messages",
     "logprobs": "logprobs",
@@ -42,6 +54,9 @@ MISSING_PARAM = {
     "rerank": "model",
     "vision": "messages",
     "audio_input": "messages",
+    "transcription": "model",
+    "translation": "model",
+    "speech": "model",
 }
 
 
@@ -89,10 +104,15 @@ def check_capabilities(slot: Slot, needs: list[str], info: Ready | None = None) 
         needs = [need for need in needs if need not in KNOWN_ONCE_LOADED]
     missing = [need for need in needs if need not in capabilities]
     if missing:
-        reason, param = missing_reason(missing[0]), MISSING_PARAM.get(missing[0])
+        need = missing[0]
+        reason, param = missing_reason(need), MISSING_PARAM.get(need)
         if capabilities and set(capabilities) <= set(_ENDPOINTS):
             served = " and ".join(_ENDPOINTS[c] for c in capabilities)
-            reason, param = f"it serves {served} only", "model"
+            lacks = f"{reason}; " if need in _ENDPOINTS else ""
+            reason, param = f"{lacks}it serves {served} only", "model"
+        elif need in _ENDPOINTS:  # another kind of model's request to a text model
+            served = " and ".join(v for k, v in _TEXT_ENDPOINTS.items() if k in capabilities)
+            reason += f"; it serves {served}" if served else ""
         raise GatewayError(
             ErrorCode.INVALID_REQUEST,
             f"model {slot.name!r} cannot serve this request: {reason}",
