@@ -22,6 +22,7 @@ from shared.types import (
     FinishReason,
     RequestError,
     RequestOutput,
+    Segment,
     TokenLogprob,
     ToolCall,
     Usage,
@@ -50,6 +51,10 @@ class Choice:
     embeddings: bytes = b""  # an embedding request's vectors (RequestOutput.embeddings)
     dimensions: int = 0
     scores: list[float] = field(default_factory=list)  # a rerank request's, per document
+    # A transcription's (RequestOutput's): its timed segments, the language heard, seconds
+    segments: list[Segment] = field(default_factory=list)
+    language: str | None = None
+    duration: float | None = None
 
     def add(self, output: RequestOutput) -> None:
         if output.embeddings:
@@ -57,6 +62,11 @@ class Choice:
             self.dimensions = output.dimensions
         if output.scores:
             self.scores += output.scores
+        self.segments += output.segments
+        if output.language is not None:
+            self.language = output.language
+        if output.duration is not None:
+            self.duration = output.duration
         self.text += output.text
         self.reasoning += output.reasoning
         for delta in output.tool_calls:
