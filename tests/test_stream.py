@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from gateway.workers.stream import RequestStream
-from shared.types import ErrorCode, FinishReason, RequestOutput, Timings, Usage
+from shared.types import ErrorCode, FinishReason, RequestOutput, Segment, Timings, Usage
 
 
 def out(text: str = "", ids: list[int] | None = None, **kwargs: object) -> RequestOutput:
@@ -132,3 +132,19 @@ def test_fail_alone() -> None:
     assert terminal.request_id == "r9"
     assert terminal.finish_reason is FinishReason.ERROR
     assert terminal.error is not None and terminal.error.code is ErrorCode.TIMEOUT
+
+
+def test_audio_and_a_transcripts_fields_survive_the_merge() -> None:
+    """Speech audio made faster than the client reads it is joined, never dropped; a
+    transcription's segments, language and duration keep through a merge too."""
+
+    async def main() -> RequestOutput:
+        stream = RequestStream("r1", "m", "w1")
+        stream.put(out(audio=b"ab"))
+        stream.put(out(audio=b"cd", segments=[Segment(0, 0.0, 1.0, "x")], language="en"))
+        stream.put(out(audio=b"e", finish_reason=FinishReason.STOP, duration=1.5))
+        return await stream.get()
+
+    merged = asyncio.run(main())
+    assert (merged.audio, merged.language, merged.duration) == (b"abcde", "en", 1.5)
+    assert [s.text for s in merged.segments] == ["x"]

@@ -37,7 +37,7 @@ class RequestStream:
             return  # exactly one terminal event per request
         if output.finish_reason is not None:
             self.finished = True
-        if output.token_ids or output.text or output.reasoning or output.tool_calls:
+        if output.token_ids or output.text or output.reasoning or output.tool_calls or output.audio:
             self.received = True
         pending = self._pending
         if pending is None:
@@ -59,6 +59,13 @@ class RequestStream:
                 timings=pending.timings or output.timings,
                 reasoning=pending.reasoning + output.reasoning,
                 tool_calls=pending.tool_calls + output.tool_calls,
+                embeddings=pending.embeddings + output.embeddings,
+                dimensions=output.dimensions or pending.dimensions,
+                scores=pending.scores + output.scores,
+                segments=pending.segments + output.segments,
+                language=output.language if output.language is not None else pending.language,
+                audio=pending.audio + output.audio,
+                duration=output.duration if output.duration is not None else pending.duration,
             )
         waiter = self._waiter
         if waiter is not None and not waiter.done():
