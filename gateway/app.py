@@ -19,6 +19,7 @@ from litestar.exceptions import HTTPException
 
 from gateway.admin import admin_router, create_admin_app
 from gateway.api.anthropic.routes import anthropic_router
+from gateway.api.audio.routes import audio_router
 from gateway.api.errors import error_response
 from gateway.api.openai.routes import openai_router
 from gateway.api.rerank.routes import rerank_router
@@ -184,6 +185,7 @@ def create_app(config: Config) -> GatewayApp:
         anthropic_router(),
         rerank_router(),
         responses_router(),
+        audio_router(config.server),
         tokenize,
         detokenize,
         health,

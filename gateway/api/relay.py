@@ -277,7 +277,9 @@ class Relay:
                     if self.finished:
                         break
                 index, output = await self.next()
-            yield fmt.stream_end(self.usage())
+            end = fmt.stream_end(self.usage())
+            if end:  # a raw stream (speech audio) ends with nothing: no empty body message
+                yield end
         finally:
             self.close()
 
