@@ -1,0 +1,1 @@
+"""Speech models (mlx-audio): speech to text and text to speech."""
