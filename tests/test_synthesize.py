@@ -51,7 +51,9 @@ def opened(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[SpeechEngine, SpeechPreprocessor, list[str]]:
     path = build_tiny_tts(tmp_path_factory.mktemp("tts") / "model")
-    return open_synthesizer(ModelConfig("tts", str(path)), path)
+    with pytest.MonkeyPatch.context() as patch:  # open_synthesizer sets it for its process
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        return open_synthesizer(ModelConfig("tts", str(path)), path)
 
 
 @pytest.fixture(scope="module")
@@ -336,8 +338,11 @@ def test_the_probe_makes_speech_and_leaves_no_work(model: SpeechModel) -> None:
 
 
 def test_open_synthesizer_serves_speech_and_refuses_a_folder_it_cannot_load(
-    opened: tuple[SpeechEngine, SpeechPreprocessor, list[str]], tmp_path: Path
+    opened: tuple[SpeechEngine, SpeechPreprocessor, list[str]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     engine, _, served = opened
     assert served == ["speech"] and engine.model.model_type == "qwen3_tts"
     assert engine.model.streams and not engine.model.native_speed
@@ -362,10 +367,14 @@ class _Plain:
     def __init__(self, audio: np.ndarray) -> None:
         self.audio = audio
         self.calls: list[tuple[str, str | None]] = []
+        self.closed = 0  # generators ended early or late, as an abort or the engine ends them
 
     def generate(self, text: str, voice: str | None = None) -> Iterator[_Result]:
         self.calls.append((text, voice))
-        yield _Result(self.audio)
+        try:
+            yield _Result(self.audio)
+        finally:
+            self.closed += 1
 
 
 def test_a_model_without_voices_or_streaming_speaks_a_sentence_a_step() -> None:
@@ -378,6 +387,15 @@ def test_a_model_without_voices_or_streaming_speaks_a_sentence_a_step() -> None:
     assert [len(s) for s in steps] == [1, 1, 1]  # a sentence each, then the end
     assert fake.calls == [(s, "anyone") for s in sentences(TWO)]
     assert steps[-1][0].duration == pytest.approx(0.2, abs=0.01)  # 2 x 800 samples at 8 kHz
+
+
+def test_an_abort_closes_the_generator_it_stops() -> None:
+    fake = _Plain(np.full(800, 0.25, np.float32))
+    engine = engine_of(SpeechModel(fake))
+    engine.add(PreparedSpeech("a", TWO, format="mp3"))
+    assert [o.request_id for o in engine.step()] == ["a"] and fake.closed == 0
+    assert [o.finish_reason for o in engine.abort(["a"])] == [FinishReason.ABORT]
+    assert fake.closed == 1 and len(fake.calls) == 1 and not engine.has_work
 
 
 def test_non_finite_audio_fails_its_request_and_the_probe() -> None:
