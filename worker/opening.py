@@ -77,6 +77,8 @@ def open_model(
     only_for_embeddings(config, kind)
     if kind is ModelKind.VISION:
         return _vision(config, path, worker_id, faults, progress)
+    if kind in (ModelKind.TRANSCRIPTION, ModelKind.SPEECH):
+        return _speech(config, path, kind, worker_id, faults, progress)
     return _text(config, path, worker_id, faults, progress)
 
 
@@ -123,6 +125,36 @@ def _embeddings(
         device_memory_bytes=device_memory(),
     )
     return Opened(FaultyEngine.wrap(engine, faults), preprocess, ready)  # type: ignore[arg-type]
+
+
+def _speech(
+    config: ModelConfig, path: Path, kind: ModelKind, worker_id: str, faults: Faults,
+    progress: Progress,
+) -> Opened:  # fmt: skip
+    """Speech to text (Whisper: one request at a time) or text to speech (requests made
+    chunk by chunk, side by side), through mlx-audio."""
+    progress("loading weights", -1.0)
+    engine: Any
+    preprocess: Any
+    if kind is ModelKind.TRANSCRIPTION:
+        from worker.speech.transcribe import open_transcriber
+
+        engine, preprocess, served = open_transcriber(config, path)
+    else:
+        from worker.speech.synthesize import open_synthesizer
+
+        engine, preprocess, served = open_synthesizer(config, path)
+    opts = config.engine
+    running = 1 if kind is ModelKind.TRANSCRIPTION else opts.max_running
+    ready = Ready(
+        worker_id,
+        Capacity(running, opts.max_waiting, 0),  # no token context: audio has its own limits
+        versions={"mlx": version("mlx"), "mlx_audio": version("mlx-audio")},
+        capabilities=served + (["demo"] if config.is_demo else []),
+        device=engine.backend.device,
+        device_memory_bytes=device_memory(),
+    )
+    return Opened(FaultyEngine.wrap(engine, faults), preprocess, ready)
 
 
 def text_engine(

@@ -89,7 +89,8 @@ def model_card(state: State, name: str) -> ModelCard:
     context: int | None
     capabilities: list[str] | None
     if info is not None:
-        context, capabilities = info.capacity.max_context, list(info.capabilities)
+        # 0: a model with no token context (speech: audio has limits of its own)
+        context, capabilities = info.capacity.max_context or None, list(info.capabilities)
     else:  # not loaded yet: what its files say (None for a hub id not downloaded)
         context, capabilities = peek(model)
     return ModelCard(
