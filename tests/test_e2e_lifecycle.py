@@ -26,6 +26,18 @@ def _png() -> bytes:
 PNG = _png()
 
 
+def _wav() -> bytes:
+    import wave
+
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(16000)
+        out.writeframes(b"\x00\x10" * 16000)
+    return buffer.getvalue()
+
+
 def _gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -126,6 +138,12 @@ def test_embedded_default_serves_the_demo_model(tmp_path: Path) -> None:
             model="vision", messages=[{"role": "user", "content": content}], max_tokens=8
         )
         assert r.usage is not None and r.usage.prompt_tokens > 20
+        heard = client.audio.transcriptions.create(model="whisper", file=("a.wav", _wav()))
+        assert heard.text == "hello world"  # the demo Whisper is scripted to say it
+        spoken = client.audio.speech.create(
+            model="tts", input="Hello.", voice="alloy", response_format="wav"
+        )
+        assert spoken.content[:4] == b"RIFF" and len(spoken.content) > 1000
     assert list(tmp_path.glob("models/demo-llama-*/model.safetensors"))
     assert list(tmp_path.glob("models/demo-qwen2-vl-*/model.safetensors"))
 
