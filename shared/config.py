@@ -224,6 +224,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     image_max_bytes: int = 20 * 1024 * 1024
     image_max_pixels: int = 8192 * 8192
     image_max_count: int = 16
+    image_max_total_bytes: int = 64 * 1024 * 1024  # one request's images together
     image_fetch_timeout_s: float = 10.0
     image_fetch_private: bool = False
     # An audio upload's bytes at most (/v1/audio/transcriptions and translations; OpenAI's
@@ -392,7 +393,13 @@ def _validate(config: Config) -> None:
             raise ConfigError(f"server.{key} must be at least 1")
     if server.max_queued < 0:
         raise ConfigError("server.max_queued must not be negative")
-    for key in ("image_max_bytes", "image_max_pixels", "image_max_count", "audio_max_bytes"):
+    for key in (
+        "image_max_bytes",
+        "image_max_pixels",
+        "image_max_count",
+        "image_max_total_bytes",
+        "audio_max_bytes",
+    ):
         if getattr(server, key) < 1:
             raise ConfigError(f"server.{key} must be at least 1")
     if not 0 < server.image_fetch_timeout_s < float("inf"):

@@ -36,6 +36,10 @@ ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})
 # text to speech (families whose model_type is a text model's, such as Orpheus's "llama",
 # need `kind` set in their config)
 STT_TYPES = frozenset({"whisper"})
+# vision families the vision worker is known to serve (mlx-vlm's model_type); a folder of
+# another family with a vision tower stays a text model (mlx-lm loads the text part of
+# those it knows) unless its config says kind = "vision"
+VISION_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl"})
 TTS_TYPES = frozenset(
     {
         "qwen3_tts", "kokoro", "sesame", "dia", "outetts", "spark", "soprano", "bark",
@@ -95,7 +99,7 @@ def kind_in(path: Path) -> ModelKind:
         images = (path / "preprocessor_config.json").is_file()
     except (OSError, ValueError):
         return ModelKind.LLM
-    if raw.get("vision_config") and images:
+    if raw.get("model_type") in VISION_TYPES and raw.get("vision_config") and images:
         return ModelKind.VISION
     if raw.get("model_type") in STT_TYPES:
         return ModelKind.TRANSCRIPTION
@@ -118,8 +122,10 @@ def served_by(config: ModelConfig, kind: ModelKind | None = None) -> list[str] |
         return ["speech"]
     if kind is ModelKind.TRANSCRIPTION:
         raw = _json(Path(config.source).expanduser() / "config.json") or {}
+        if not raw and config.source not in (STT_DEMO_SOURCE,):
+            return None  # a hub id not downloaded yet: its worker will say
         vocab = raw.get("n_vocab") or raw.get("vocab_size") or 0
-        multilingual = raw.get("model_type") != "whisper" or vocab >= WHISPER_MULTILINGUAL_VOCAB
+        multilingual = not raw or vocab >= WHISPER_MULTILINGUAL_VOCAB
         return ["transcription", *(["translation"] if multilingual else [])]
     if kind is ModelKind.EMBEDDING:
         return ["embeddings", *(["rerank"] if config.similarity_rerank else [])]

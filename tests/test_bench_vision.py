@@ -17,7 +17,7 @@ def test_every_source_is_measured_at_every_concurrency(
 ) -> None:
     monkeypatch.setenv(vision._CHILD, "1")  # no re-exec under the worker's BLAS: pytest is us
     argv = ["--shape", "tiny", "--concurrency", "1,2", "--requests", "2", "--repeats", "1"]
-    argv += ["--max-tokens", "4", "--image", "56", "--wait-idle", "0"]
+    argv += ["--max-tokens", "4", "--image", "56", "--wait-idle", "0", "--retries", "0"]
     assert vision.main(argv) == 0
     facts, *lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert facts["machine"]["cores"] and facts["machine"]["mlx_device"]

@@ -342,3 +342,12 @@ async def test_images_per_request_are_capped() -> None:
 async def test_an_image_without_where_is_named_by_messages() -> None:
     bare = CanonicalRequest(messages=[Message("user", parts=[ImagePart(b"nope")])])
     assert (await refusal(bare)).param == "messages"
+
+
+@pytest.mark.anyio
+async def test_a_requests_images_together_are_capped() -> None:
+    request = request_of(*[PNG] * 3)
+    error = await refusal(request, ImageLimits(max_total_bytes=len(PNG) * 2))
+    assert error.param == "messages[0].content[3].image_url.url"
+    assert "server.image_max_total_bytes" in error.message
+    assert await resolve_images(request, ImageLimits(max_total_bytes=len(PNG) * 3))

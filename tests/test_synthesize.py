@@ -389,6 +389,23 @@ def test_a_model_without_voices_or_streaming_speaks_a_sentence_a_step() -> None:
     assert steps[-1][0].duration == pytest.approx(0.2, abs=0.01)  # 2 x 800 samples at 8 kHz
 
 
+class _OneVoice(_Plain):
+    """A model that takes no voice at all."""
+
+    def generate(self, text: str) -> Iterator[_Result]:  # type: ignore[override]
+        yield _Result(self.audio)
+
+
+def test_a_model_of_one_voice_refuses_another_by_name() -> None:
+    speech = SpeechModel(_OneVoice(np.full(800, 0.25, np.float32)))
+    prepare = SpeechPreprocessor(speech, EngineOptions())
+    assert prepare(frame("a", TWO)).voice is None
+    assert prepare(frame("b", TWO, voice="default")).voice is None
+    with pytest.raises(PreprocessError) as caught:
+        prepare(frame("c", TWO, voice="alloy"))
+    assert caught.value.error.param == "voice" and "one voice" in caught.value.error.message
+
+
 def test_an_abort_closes_the_generator_it_stops() -> None:
     fake = _Plain(np.full(800, 0.25, np.float32))
     engine = engine_of(SpeechModel(fake))

@@ -369,3 +369,23 @@ def test_a_folder_that_is_no_whole_whisper_is_a_load_error(
         shutil.copy(source / name, headless / name)
     with pytest.raises(LoadError, match="no Whisper tokenizer"):
         open_transcriber(ModelConfig("headless", str(headless)), headless)
+
+
+def test_a_long_transcription_keeps_the_step_counter_moving_until_its_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Heartbeats carry `steps`: it goes on while one request is transcribed (a second at a
+    time), up to twice its audio plus a minute, then stands still (a wedge)."""
+    import worker.speech.transcribe as transcribe
+
+    clock = [1000.0]
+    monkeypatch.setattr(transcribe.time, "monotonic", lambda: clock[0])
+    engine = TranscriptionEngine.__new__(TranscriptionEngine)
+    engine._steps, engine._busy = 3, (1000.0, 1000.0 + 2 * 10 + 60)
+    assert engine.steps == 3
+    clock[0] += 5.5
+    assert engine.steps == 8
+    clock[0] += 1000
+    assert engine.steps == 3 + 80  # stands still past the deadline
+    engine._busy = None
+    assert engine.steps == 3

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import msgspec
 import pytest
 from PIL import Image
 
@@ -202,3 +203,49 @@ def test_the_probe_and_what_a_vision_worker_refuses(vision: Vision) -> None:
     with pytest.raises(PreprocessError) as caught:
         vision.pre(frame)
     assert caught.value.error.param == "messages[0].content[0].image_url.url"
+
+
+def test_a_prompt_the_model_refuses_fails_alone_and_the_engine_goes_on(vision: Vision) -> None:
+    """Text that spells the image token makes more image tokens than the image has features:
+    the model raises at prefill; that request gets a 400, its neighbour its answer."""
+    bad = vision.prepare("bad", [[noise(7, (100, 80)), "look <|placeholder|><|placeholder|>"]])
+    good = vision.prepare("good", [[noise(8, (100, 80)), "Describe it."]])
+    vision.engine.add(bad)
+    vision.engine.add(good)
+    outputs: dict[str, list[Any]] = {}
+    for _ in range(200):
+        if not vision.engine.has_work:
+            break
+        for out in vision.engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    [refused] = outputs["bad"]
+    assert refused.error is not None and refused.error.param == "messages"
+    assert "images" in refused.error.message
+    assert outputs["good"][-1].finish_reason is not None and outputs["good"][-1].error is None
+    assert not vision.engine.has_work and vision.engine.counts() == (0, 0)
+
+
+def test_low_detail_is_another_image_for_the_cache(vision: Vision) -> None:
+    vision.engine.prefix_cache.clear()
+    data = noise(9, (1200, 900))
+    vision.run([vision.prepare("high", [[data, "Describe it."]])])
+    messages = [
+        Message(
+            "user", "Describe it.", parts=[ImagePart(data, detail="low"), TextPart("Describe it.")]
+        )
+    ]
+    sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    low = vision.pre(Add("low", RequestKind.CHAT, CanonicalRequest(messages=messages), sampling))
+    image_at = low.prompt.index(vision.loaded.model.image_token)
+    assert vision.run([low])["low"][1] <= image_at
+
+
+def test_counting_tokens_leaves_nothing_for_the_next_request(vision: Vision) -> None:
+    messages = [Message("user", "Hi", parts=[ImagePart(noise(10, (100, 80))), TextPart("Hi")])]
+    args = {"kind": "chat", "request": CanonicalRequest(messages=messages)}
+    counted = vision.pre.tokenize_call(msgspec.to_builtins(args))["count"]
+    again = vision.pre.tokenize_call(msgspec.to_builtins(args))["count"]
+    assert counted == again
+    assert vision.pre._images == [] and vision.pre._media is None
+    text_only = vision.prepare("t", [["Just text."]])
+    assert text_only.media is None and text_only.key is None

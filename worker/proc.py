@@ -301,9 +301,13 @@ class WorkerProc:
                 exc.error.message,
                 extra={"request_id": frame.request_id},
             )
-            out = RequestOutput(frame.request_id, finish_reason=FinishReason.ERROR, error=exc.error)
-            self._send(StepOutputs(self.worker_id, -1, [out]))
-            return None
+            error = exc.error
+        except Exception as exc:  # a preprocessor's bug must not end the input thread
+            log.exception("preparing request %s failed", frame.request_id)
+            error = RequestError(ErrorCode.INTERNAL, f"preparing the request failed: {exc}")
+        out = RequestOutput(frame.request_id, finish_reason=FinishReason.ERROR, error=error)
+        self._send(StepOutputs(self.worker_id, -1, [out]))
+        return None
 
     def _control(self, frame: Control, preprocess: Any) -> ControlReply:
         """Calls answered on the input thread, beside the engine loop (never inside it)."""

@@ -40,6 +40,7 @@ class ImageLimits:
     max_count: int = 16
     fetch_timeout_s: float = 10.0
     fetch_private: bool = False
+    max_total_bytes: int = 64 * 1024 * 1024
 
     @classmethod
     def of(cls, server: ServerConfig) -> ImageLimits:
@@ -49,6 +50,7 @@ class ImageLimits:
             server.image_max_count,
             server.image_fetch_timeout_s,
             server.image_fetch_private,
+            server.image_max_total_bytes,
         )
 
 
@@ -73,7 +75,15 @@ async def resolve_images(request: CanonicalRequest, limits: ImageLimits) -> Cano
             f"this request has {len(images)} images; at most {limits.max_count} are taken "
             "(server.image_max_count)",
         )
-    ready = iter(await _all_ready(images, limits))
+    made = await _all_ready(images, limits)
+    total = sum(len(image.data) for image in made)
+    if total > limits.max_total_bytes:
+        raise refused(
+            made[-1],
+            f"this request's images hold {total} bytes; at most {limits.max_total_bytes} "
+            "together (server.image_max_total_bytes)",
+        )
+    ready = iter(made)
     messages = [
         msgspec.structs.replace(
             message,
@@ -234,16 +244,21 @@ async def _get(
     """GET `url` from the addresses checked (not from a second lookup, which could answer
     otherwise): the host's name goes in the Host header and, over TLS, in SNI and the
     certificate check. Each address in turn until one connects."""
-    headers = {"Host": url.netloc.decode("ascii"), "Accept": "image/*"}
+    # no compression: the byte cap must bound what is held, not what arrived
+    headers = {
+        "Host": url.netloc.decode("ascii"),
+        "Accept": "image/*",
+        "Accept-Encoding": "identity",
+    }
     extensions = {"sni_hostname": _host(url)} if url.scheme == "https" else {}
-    error: httpx.ConnectError | None = None
+    error: httpx.ConnectError | httpx.ConnectTimeout | None = None
     for address in addresses:
         request = client.build_request(
             "GET", url.copy_with(host=str(address)), headers=headers, extensions=extensions
         )
         try:
             return await client.send(request, stream=True)
-        except httpx.ConnectError as exc:
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # the next address
             error = exc
     assert error is not None
     raise error

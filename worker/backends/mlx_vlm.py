@@ -147,7 +147,8 @@ class VisionRowsBackend(MlxRowsBackend):
             raise ValueError(
                 f"vision models are served on the rows batch, which needs a plain KV cache in "
                 f"every layer; {model.model_type}'s language model uses "
-                f"{', '.join(sorted(kinds))}"
+                f"{', '.join(sorted(kinds))} (kind = 'llm' serves its text through mlx-lm, "
+                "where mlx-lm knows the family)"
             )
         super().__init__(model, tokenizer, options)
         self.processor = processor

@@ -15,7 +15,14 @@ from typing import Any
 
 from shared.config import EngineOptions
 from shared.protocol import PrefixCacheStats
-from shared.types import FinishReason, RequestOutput, SamplingParams, TokenLogprob
+from shared.types import (
+    ErrorCode,
+    FinishReason,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 from worker.engine.backend import Backend, Insertion, Sampled
 from worker.engine.output import OutputProcessor
 from worker.engine.prefix_cache import PrefixCache
@@ -152,7 +159,7 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         self.steps += 1
         outputs = self._score_step() if self.scoring else []
-        self._start(self.scheduler.schedule(self.plan))
+        outputs += self._start(self.scheduler.schedule(self.plan))
         if self.backend.active:
             sampled = self.backend.step(
                 keep_caches=self.prefix_cache is not None, logprobs=self.logprob_requests > 0
@@ -160,12 +167,12 @@ class EngineCore:
             outputs += self._process(sampled)
         return outputs
 
-    def _start(self, admitted: list[Request]) -> None:
-        if not admitted:
-            return
+    def _start(self, admitted: list[Request]) -> list[RequestOutput]:
+        """Admitted requests into the batch; those whose images the model refuses answered."""
+        failed: list[RequestOutput] = []
         items = []
         now = time.perf_counter()
-        for request in admitted:
+        for request in list(admitted):
             request.admitted_at = now
             hit = (
                 self.prefix_cache.lookup(request.cache_key)
@@ -177,7 +184,12 @@ class EngineCore:
             cache, shift = hit.cache if hit is not None else None, 0
             if request.media is not None:  # images: prefilled here, the batch decodes
                 prefill = self.backend.prefill  # type: ignore[attr-defined]  # a vision backend
-                cache, shift = prefill(request.prompt, request.media, cache, cached)
+                try:
+                    cache, shift = prefill(request.prompt, request.media, cache, cached)
+                except Exception as exc:  # the model refused this prompt: it alone fails
+                    admitted.remove(request)
+                    failed.append(self._refused(request, exc))
+                    continue
                 request.media = None  # the pixels are in the KV now
                 cached = len(request.prompt) - 1
             items.append(
@@ -192,11 +204,20 @@ class EngineCore:
                     shift,
                 )
             )
+        if not items:
+            return failed
         for request, uid in zip(admitted, self.backend.insert(items), strict=True):
             request.uid = uid
             request.status = RequestStatus.PREFILLING
             self.by_uid[uid] = request
             self.logprob_requests += request.wants_logprobs
+        return failed
+
+    def _refused(self, request: Request, exc: Exception) -> RequestOutput:
+        self._forget(request)
+        message = f"the model could not take this prompt's images: {exc}"
+        error = RequestError(ErrorCode.INVALID_REQUEST, message, "messages")
+        return self.output.finish(request, FinishReason.ERROR, error=error)
 
     def _process(self, sampled: list[Sampled]) -> list[RequestOutput]:
         logprobs = {}

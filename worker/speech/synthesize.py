@@ -116,6 +116,7 @@ class SpeechModel:
         params = inspect.signature(model.generate).parameters
         self._takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
         self._params = set(params)
+        self.takes_voice = "voice" in params  # by name: a voice it may refuse itself
         self.streams = "stream" in params
         self.native_speed = model_type in NATIVE_SPEED
         tokenizer = getattr(model, "tokenizer", None)
@@ -201,10 +202,14 @@ class SpeechPreprocessor:
         )
 
     def _voice(self, voice: str | None) -> str | None:
-        if not voice:
+        if not voice or (not self.voices and voice.lower() == "default"):
             return self.model.default_voice
-        if not self.voices:  # the model names none: it judges the voice itself
-            return voice
+        if not self.voices:  # the model names none: one that takes a voice judges it
+            if self.model.takes_voice:
+                return voice
+            raise _invalid(
+                "this model speaks in one voice: leave voice out (or 'default')", "voice"
+            )
         found = self.voices.get(voice.lower())
         if found is None:
             raise _invalid(
@@ -477,6 +482,9 @@ def open_synthesizer(
     except Exception as exc:  # mlx-audio raises whatever its model's code does
         raise LoadError(f"model {config.name!r}: cannot load {path}: {exc}") from exc
     speech = SpeechModel(model, str(raw.get("model_type") or ""))
+    if not speech.voices and (path / "voices").is_dir():  # Kokoro's: a file per voice
+        speech.voices = sorted({f.stem for f in (path / "voices").iterdir() if f.is_file()})
+        speech.default_voice = speech.voices[0] if speech.voices else None
     if speech.sample_rate <= 0:
         raise LoadError(f"model {config.name!r}: {path} has no sample rate")
     engine = SpeechEngine(speech, config.engine)

@@ -186,7 +186,8 @@ class TranscriptionEngine:
         self.waiting: dict[str, PreparedTranscription] = {}
         self.queues: dict[int, deque[str]] = {p: deque() for p in Priority}
         self.running: str | None = None  # the request being transcribed (during a step)
-        self.steps = 0
+        self._steps = 0
+        self._busy: tuple[float, float] | None = None  # (started, counted until): see steps
         self.backend = _Backend("cpu" if mx.default_device() == mx.cpu else "gpu")
         self.prefix_cache = None
 
@@ -209,16 +210,31 @@ class TranscriptionEngine:
     def has_work(self) -> bool:
         return bool(self.waiting)
 
+    @property
+    def steps(self) -> int:
+        """Steps taken. While one request is transcribed (one call, however long its audio)
+        the count also goes up a second at a time, up to twice the audio's length plus a
+        minute: the gateway's liveness check sees a worker at work, and one stuck for longer
+        than that as wedged (read by the heartbeat thread)."""
+        busy = self._busy
+        if busy is None:
+            return self._steps
+        started, until = busy
+        return self._steps + int(max(0.0, min(time.monotonic(), until) - started))
+
     def step(self) -> list[RequestOutput]:
         """The next waiting request, transcribed whole (one at a time: see the module)."""
-        self.steps += 1
+        self._steps += 1
         prepared = self._take()
         if prepared is None:
             return []
         self.running = prepared.request_id
+        now = time.monotonic()
+        self._busy = (now, now + 2 * prepared.duration + 60)
         try:
             return [self._transcribe(prepared)]
         finally:
+            self._steps, self._busy = self.steps, None
             self.running = None
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:

@@ -41,7 +41,8 @@ class VisionPreprocessor(Preprocessor):
         super().__init__(tokenizer, options, max_context, formats)
         self.processor = processor
         self.image_token = image_token
-        self._images: list[tuple[Any, bytes]] = []  # the request being prepared: (PIL, bytes)
+        # the request being prepared: (PIL image, what keys it in the prefix cache)
+        self._images: list[tuple[Any, bytes]] = []
         self._media: tuple[Media, list[int]] | None = None
 
     def __call__(self, frame: Add) -> PreparedRequest:
@@ -54,7 +55,14 @@ class VisionPreprocessor(Preprocessor):
         finally:
             self._images, self._media = [], None
 
+    def tokenize_call(self, args: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return super().tokenize_call(args)
+        finally:  # a count's images are no request's
+            self._images, self._media = [], None
+
     def _messages(self, request: CanonicalRequest) -> list[dict[str, Any]]:
+        self._images, self._media = [], None  # a new rendering: its own images only
         messages = []
         for i, m in enumerate(request.messages):
             message = _message_dict(m)
@@ -71,7 +79,9 @@ class VisionPreprocessor(Preprocessor):
             raise _invalid("this model takes no audio", where)
         assert isinstance(part, ImagePart)
         where = part.where or where
-        self._images.append((decode(part, where), part.data))
+        # what the model sees of it: its bytes, and whether they were shrunk (detail "low")
+        seen = part.data + (b"\0detail=low" if part.detail == "low" else b"")
+        self._images.append((decode(part, where), seen))
         return {"type": "image"}
 
     def _render(
