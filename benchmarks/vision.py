@@ -17,8 +17,9 @@ For each concurrency c:
 - `gateway`: a gateway launched here serving the model (or `--gateway URL` serving it as
   `--served`), c client threads of the official openai SDK, each sending a chat request
   with the image as a data URL as soon as its previous answer is back.
-Each source runs `--requests` requests per repeat, after `--wait-idle`; the repeats
-alternate the sources' order. The engine and the gateway ignore EOS; mlx-vlm cannot be told
+Each source runs `--requests` requests per repeat, once the machine is idle (`--wait-idle`);
+a run during which other processes used more than `--max-other` is run again (`--retries`).
+The repeats alternate the sources' order. The engine and the gateway ignore EOS; mlx-vlm cannot be told
 to, so the tokens each source produced are counted (`usage`; mlx-vlm's own counts) and
 reported beside requests/s. Prints a JSON line of machine facts, one per repeat and a
 median line per concurrency: requests/s, tokens/s, each source's ratio to mlx-vlm (the
@@ -35,6 +36,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -47,6 +49,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import _cpu, _launch, _stats
+from shared.protocol import Add
+from shared.types import CanonicalRequest, ImagePart, Message, RequestKind, SamplingParams, TextPart
 from worker.vision.modelgen import TinyVisionSpec
 
 SOURCES = ("mlx-vlm", "engine", "gateway")
@@ -105,13 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the engine's and the launched gateway's (on: their default)",
     )
     p.add_argument("--ready-timeout", type=float, default=180.0)
-    p.add_argument(
-        "--wait-idle",
-        type=float,
-        default=60.0,
-        help="before each source, wait at most this long for the machine to be idle",
-    )
+    p.add_argument("--wait-idle", type=float, default=60.0, help="at most, s, before each run")
     p.add_argument("--idle-threshold", type=float, default=30.0, help="%% of one core")
+    p.add_argument("--max-other", type=float, default=25.0, help="%% of one core: see --retries")
+    p.add_argument("--retries", type=int, default=2, help="of a run past --max-other")
     args = p.parse_args(argv)
     try:
         args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
@@ -120,7 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.sources = [s for s in args.sources.split(",") if s]
     if not args.concurrency or min(args.concurrency) < 1:
         p.error("--concurrency must be positive")
-    if min(args.requests, args.repeats, args.max_tokens, args.image) < 1:
+    if min(args.requests, args.repeats, args.max_tokens, args.image, args.retries + 1) < 1:
         p.error("--requests, --repeats, --max-tokens and --image must be positive")
     if not args.sources or not set(args.sources) <= set(SOURCES):
         p.error(f"--sources: some of {', '.join(SOURCES)}")
@@ -226,16 +227,6 @@ class Engine:
         self.ids = 0
 
     def prepare(self, ask: Ask, max_tokens: int) -> Any:
-        from shared.protocol import Add
-        from shared.types import (
-            CanonicalRequest,
-            ImagePart,
-            Message,
-            RequestKind,
-            SamplingParams,
-            TextPart,
-        )
-
         parts: list[Any] = [TextPart(ask.question), ImagePart(ask.png, media_type="image/png")]
         request = CanonicalRequest(messages=[Message("user", ask.question, parts=parts)])
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -465,14 +456,38 @@ def measure_all(
             order = list(runs) if repeat % 2 == 0 else list(reversed(runs))
             line: dict[str, Any] = {"concurrency": concurrency, "repeat": repeat}
             for source in order:
-                asks = workload.take(args.requests)
-                waited = _cpu.wait_idle(args.wait_idle, args.idle_threshold, source)
-                result = measure(runs[source], asks, concurrency, args.max_tokens, server_cpu)
+                result = measured(args, runs[source], workload, concurrency, server_cpu, source)
                 results[source].append(result)
-                line[source] = {**result, "idle_wait_s": waited["idle_wait_s"]}
+                line[source] = result
             print(json.dumps(line), flush=True)
         print(json.dumps(median_line(concurrency, results)), flush=True)
 
 
+def measured(
+    args: argparse.Namespace,
+    run: Run,
+    workload: Workload,
+    concurrency: int,
+    server_cpu: Callable[[], float | None],
+    label: str,
+) -> dict[str, Any]:
+    """One run after the machine went idle; one during which other processes used more
+    than --max-other is run again with new requests, up to --retries times: the run that
+    saw the least of them stands, `contended` when even it saw too much."""
+    tried = []
+    for _ in range(args.retries + 1):
+        waited = _cpu.wait_idle(args.wait_idle, args.idle_threshold, label)
+        asks = workload.take(args.requests)
+        result = measure(run, asks, concurrency, args.max_tokens, server_cpu)
+        tried.append({**result, "idle_wait_s": waited["idle_wait_s"]})
+        if (result["other_cpu_pct"] or 0.0) <= args.max_other:
+            break
+    best = min(tried, key=lambda r: r["other_cpu_pct"] or 0.0)
+    contended = (best["other_cpu_pct"] or 0.0) > args.max_other
+    return {**best, "runs": len(tried), "contended": contended}
+
+
 if __name__ == "__main__":
+    # a SIGTERM unwinds main, which stops the gateway it launched
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     raise SystemExit(main())
