@@ -227,3 +227,11 @@ def test_a_speech_worker_dying_mid_stream_ends_it_with_one_error(gw: GatewayProc
     assert len(errors) == 1 and "worker" in json.dumps(errors[0]).lower()
     assert all(e.get("type") != "speech.audio.done" for e in events)
     assert httpx.post(url, json=warm, timeout=60).status_code == 200  # restarted
+
+
+def test_a_streamed_transcription_ends_with_its_whole_text(oai: openai.OpenAI) -> None:
+    stream = oai.audio.transcriptions.create(model="whisper", file=("a.wav", WAV), stream=True)
+    events = list(stream)
+    assert events[-1].type == "transcript.text.done" and events[-1].text == "hello world"
+    deltas = "".join(e.delta for e in events if e.type == "transcript.text.delta")
+    assert deltas.strip() == "hello world"

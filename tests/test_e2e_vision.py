@@ -234,3 +234,60 @@ def test_a_worker_dying_mid_request_gives_one_clear_error(oai: openai.OpenAI) ->
         model="fragile", messages=ask(data_url(png(22))), max_tokens=2
     )
     assert again.choices[0].message.content is not None
+
+
+def test_streams_with_images_in_anthropic_and_responses(gw: GatewayProc, images: str) -> None:
+    client = anthropic.Anthropic(base_url=gw.base_url, api_key="x", max_retries=0)
+    content: Any = [
+        {"type": "image", "source": {"type": "url", "url": f"{images}/a.png"}},
+        {"type": "text", "text": "Describe it."},
+    ]
+    with client.messages.stream(
+        model="vision",
+        max_tokens=6,
+        messages=[{"role": "user", "content": content}],
+        extra_body={"temperature": 0},
+    ) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    usage = final.usage  # Anthropic's input_tokens leaves the cached part out
+    assert streamed and usage.input_tokens + (usage.cache_read_input_tokens or 0) > 20
+    oai = openai_client(gw)
+    events = oai.responses.create(
+        model="vision",
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": data_url(png(3))},
+                    {"type": "input_text", "text": "Describe it."},
+                ],
+            }
+        ],
+        max_output_tokens=6,
+        temperature=0,
+        stream=True,
+    )
+    kinds = [event.type for event in events]
+    # max_output_tokens reached: incomplete, as OpenAI says it
+    assert "response.output_text.delta" in kinds and kinds[-1] == "response.incomplete"
+
+
+def test_a_default_gateway_refuses_private_addresses_and_oversized_images(
+    vision_model_dir: Path, images: str
+) -> None:
+    models = [{"name": "vision", "source": str(vision_model_dir)}]
+    with running_gateway(models, request_timeout_s=60.0, image_max_bytes=4096) as proc:
+        client = openai_client(proc)
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(
+                model="vision", messages=ask(f"{images}/a.png"), max_tokens=2
+            )
+        assert caught.value.body["param"] == "messages[0].content[0].image_url.url"  # type: ignore[index]
+        assert "127.0.0.1" in caught.value.message and "private" in caught.value.message
+        big = png(4, (400, 300))  # a PNG of random pixels: ~360 kB
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(
+                model="vision", messages=ask(data_url(big)), max_tokens=2
+            )
+        assert "server.image_max_bytes" in caught.value.message
