@@ -19,10 +19,10 @@ For each concurrency c:
   with the image as a data URL as soon as its previous answer is back.
 Each source runs `--requests` requests per repeat, once the machine is idle (`--wait-idle`);
 a run during which other processes used more than `--max-other` is run again (`--retries`).
-The repeats alternate the sources' order. The engine and the gateway ignore EOS; mlx-vlm cannot be told
-to, so the tokens each source produced are counted (`usage`; mlx-vlm's own counts) and
-reported beside requests/s. Prints a JSON line of machine facts, one per repeat and a
-median line per concurrency: requests/s, tokens/s, each source's ratio to mlx-vlm (the
+The repeats alternate the sources' order. The engine and the gateway ignore EOS; mlx-vlm
+cannot be told to, so the tokens each source produced are counted (`usage`; mlx-vlm's own
+counts) and reported beside requests/s. Prints a JSON line of machine facts, one per repeat
+and a median line per concurrency: requests/s, tokens/s, each source's ratio to mlx-vlm (the
 median of the per-repeat ratios) and the CPU other processes used meanwhile. Re-executes
 itself under the BLAS preload a worker gets.
 """
