@@ -17,7 +17,7 @@ import msgspec
 
 from shared.types import CanonicalRequest, RequestKind, RequestOutput, SamplingParams
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 class WorkerState(enum.StrEnum):

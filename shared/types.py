@@ -227,6 +227,11 @@ class CanonicalRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     voice: str | None = None
     speed: float | None = None
     audio_format: str | None = None
+    # A continuation, after the worker that served this request died: the tokens it had
+    # made and the gateway had received. The worker prefills them after the prompt, reads
+    # them as it would have made them (text, stops, thinking, tool calls, grammar), and
+    # sends only what follows; max_tokens, usage and a seed's draws count them.
+    resumed: list[int] = []
 
     def needs(self) -> list[str]:
         """The model capabilities this request uses beyond plain text."""

@@ -62,6 +62,8 @@ class PreparedRequest:
     parser: ResponseParser | None = None  # its output split into answer, thinking, calls
     media: Any = None  # its images, as the model takes them (a vision model's)
     key: list[int] | None = None  # the prompt as the prefix cache keys it (images: content ids)
+    # a continuation: the prompt's last `resumed` tokens are output an earlier worker made
+    resumed: int = 0
 
 
 class Preprocessor:
@@ -101,9 +103,11 @@ class Preprocessor:
                 param,
             )
         max_tokens = self._max_tokens(len(prompt), frame.sampling, param)
+        resumed = self._resumed(frame.request.resumed, max_tokens)
         prepared = PreparedRequest(
-            frame.request_id, prompt, max_tokens, frame.sampling, frame.priority
+            frame.request_id, prompt + resumed, max_tokens, frame.sampling, frame.priority
         )
+        prepared.resumed = len(resumed)
         if frame.kind == RequestKind.CHAT:
             self._shape_output(prepared, frame.request)
         elif (fmt := frame.request.response_format) is not None:
@@ -267,6 +271,15 @@ class Preprocessor:
                 raise _invalid(f"token id {bad[0]} is outside the vocabulary", "prompt")
             return list(request.prompt_token_ids)
         return list(self.tokenizer.encode(request.prompt or "", add_special_tokens=True))
+
+    def _resumed(self, tokens: list[int], max_tokens: int) -> list[int]:
+        """A continuation's tokens (the gateway's: a 400 here is a bug there, never silent)."""
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise _invalid(f"resumed token id {bad[0]} is outside the vocabulary", "resumed")
+        if tokens and len(tokens) >= max_tokens:
+            raise _invalid(f"{len(tokens)} tokens resumed of max_tokens {max_tokens}", "resumed")
+        return list(tokens)
 
     def _messages(self, request: CanonicalRequest) -> list[dict[str, Any]]:
         """The messages as chat templates read them (a vision worker's take images)."""

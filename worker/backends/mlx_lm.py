@@ -89,7 +89,7 @@ class MlxLmBackend:
             max_tokens=[i.max_tokens for i in items],
             caches=[i.cache if i.cache is not None else self.new_cache() for i in items],
             all_tokens=[list(i.prefix) for i in items],
-            samplers=[make_sampler(i.sampling, self.vocab_size) for i in items],
+            samplers=[make_sampler(i.sampling, self.vocab_size, i.drawn) for i in items],
             logits_processors=[
                 make_processors(i.sampling, i.stop_ids) + guide_processors(i.guide, self.masks)
                 for i in items
@@ -230,7 +230,7 @@ class MlxRowsBackend(MlxLmBackend):
             [i.prompt for i in items],
             [i.cache if i.cache is not None else self.new_cache() for i in items],
             [list(i.prefix) for i in items],
-            [make_sampler(i.sampling, self.vocab_size) for i in items],
+            [make_sampler(i.sampling, self.vocab_size, i.drawn) for i in items],
             [make_processors(i.sampling, i.stop_ids) for i in items],
             [i.guide for i in items],
             [i.shift for i in items],

@@ -28,8 +28,10 @@ def greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
-def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler:
-    """Greedy requests share one sampler object, so mlx-lm samples them in one batched call."""
+def make_sampler(params: SamplingParams, vocab_size: int, drawn: int = 0) -> Sampler:
+    """Greedy requests share one sampler object, so mlx-lm samples them in one batched call.
+    A seeded sampler's key is split once a token; `drawn`: tokens a continuation's earlier
+    worker drew with it (its key goes on from there)."""
     if params.temperature == 0:
         return greedy
     filters: list[Callable[[mx.array], mx.array]] = []
@@ -44,7 +46,12 @@ def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler:
         filters.append(lambda x: apply_top_k(x, top_k))
     scale = 1.0 / params.temperature
     # Any integer is a valid seed (OpenAI allows negatives); MLX keys take an unsigned 64-bit.
-    key = [mx.random.key(params.seed % 2**64)] if params.seed is not None else None
+    key = None
+    if params.seed is not None:
+        first = mx.random.key(params.seed % 2**64)
+        for _ in range(drawn):
+            first = mx.random.split(first)[0]
+        key = [first]
 
     def sample(logprobs: mx.array) -> mx.array:
         for keep in filters:

@@ -23,6 +23,7 @@ class Insertion:
     stop_ids: frozenset[int]
     guide: Any = None  # worker.structured.guide.Guide: masks its next tokens
     shift: int = 0  # added to its positions (an mRoPE model's prompt with images)
+    drawn: int = 0  # a continuation's tokens drawn before: its seeded sampler goes on after
 
 
 @dataclass(slots=True)

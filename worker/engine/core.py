@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from shared.config import EngineOptions
 from shared.protocol import PrefixCacheStats
 from shared.types import (
@@ -90,6 +92,10 @@ class EngineCore:
         """Queue a request (an echo request with logprobs has its prompt scored first); an
         echo request with max_tokens 0 that needs no scoring is answered here."""
         params = prepared.sampling
+        if prepared.resumed:  # a continuation: the echo went out with its first delta
+            params = msgspec.structs.replace(
+                params, echo=False, min_tokens=max(0, params.min_tokens - prepared.resumed)
+            )
         if not prepared.prompt:
             raise ValueError("the prompt is empty")
         if prepared.request_id in self.requests:
@@ -110,11 +116,14 @@ class EngineCore:
             parser=prepared.parser,
             media=prepared.media,
             key=prepared.key,
+            resumed=prepared.resumed,
         )
         now = time.perf_counter()
         request.prepared_at = prepared.prepared_at or now
         request.received_at = prepared.received_at or request.prepared_at
         self.output.start(request)
+        if request.resumed:
+            self._prime(request, prepared.prompt[-request.resumed :])
         if params.echo and params.logprobs:
             request.status = RequestStatus.SCORING
             first = self.output.first_prompt_entry(prepared.prompt[0])
@@ -122,6 +131,19 @@ class EngineCore:
             self.requests[request.request_id] = request
             return None
         return self._queue(request)
+
+    def _prime(self, request: Request, tokens: list[int]) -> None:
+        """A continuation's earlier tokens, read as if made here (its text, stop strings,
+        thinking, tool calls and grammar where they were), nothing sent: what follows comes
+        out as it would have."""
+        for token in tokens:
+            if request.guide is not None:
+                request.guide.consume(token)
+                request.guide.settle()
+            self.output.on_token(request, token)
+            if request.status is RequestStatus.FINISHED:
+                raise ValueError("the resumed tokens end the request already")
+        request.status = RequestStatus.WAITING
 
     def _queue(self, request: Request) -> RequestOutput | None:
         if request.max_tokens == 0:
@@ -197,11 +219,12 @@ class EngineCore:
                     request.prompt[cached:],
                     request.prompt[:cached],
                     cache,
-                    request.max_tokens,
+                    request.max_tokens - request.resumed,
                     request.sampling,
                     request.stop_ids,
                     request.guide,
                     shift,
+                    request.resumed,
                 )
             )
         if not items:

@@ -188,10 +188,11 @@ class OutputProcessor:
 
 
 def _usage(request: Request) -> Usage:
+    prompt = len(request.prompt) - request.resumed  # a continuation's output is no prompt
     return Usage(
-        prompt_tokens=len(request.prompt),
+        prompt_tokens=prompt,
         completion_tokens=request.completion_tokens,
-        cached_tokens=request.cached_tokens,
+        cached_tokens=min(request.cached_tokens, prompt),
         reasoning_tokens=request.reasoning_tokens,
     )
 

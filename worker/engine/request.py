@@ -55,6 +55,8 @@ class Request:
     # the prefix cache keys it (each image token replaced by an id of the image's content)
     media: Any = None
     key: list[int] | None = None
+    # a continuation: its prompt's last `resumed` tokens are output an earlier worker made
+    resumed: int = 0
 
     @property
     def cache_key(self) -> list[int]:

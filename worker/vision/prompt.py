@@ -50,7 +50,8 @@ class VisionPreprocessor(Preprocessor):
         try:
             prepared = super().__call__(frame)
             if self._media is not None:
-                prepared.media, prepared.key = self._media
+                prepared.media, key = self._media
+                prepared.key = key + prepared.prompt[len(key) :]  # and what was resumed
             return prepared
         finally:
             self._images, self._media = [], None
