@@ -179,6 +179,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     restart_backoff_s: float = 1.0
     restart_backoff_max_s: float = 60.0
     crash_loop_count: int = 5
+    # A text request whose worker died after it made tokens goes on from them on the next
+    # worker, at most this many times (then it fails: it may be what kills them; 0: never)
+    resume_max: int = 2
     crash_loop_window_s: float = 120.0
     # Memory budget for all workers, in GiB (default: 75% of the machine's memory), and what
     # a load that does not fit does once idle models are evicted: wait for memory (at most
@@ -393,6 +396,8 @@ def _validate(config: Config) -> None:
             raise ConfigError(f"server.{key} must be at least 1")
     if server.max_queued < 0:
         raise ConfigError("server.max_queued must not be negative")
+    if server.resume_max < 0:
+        raise ConfigError("server.resume_max must not be negative")
     for key in (
         "image_max_bytes",
         "image_max_pixels",

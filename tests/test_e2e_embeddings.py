@@ -40,7 +40,7 @@ def gw(hermes_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         {"name": "flagged", "source": str(hermes_model_dir), "matryoshka": True, "preload": False},
         # the kind from its files; its vectors may be cut (as if trained for it)
         {"name": "folder", "source": str(MINILM), "preload": False, "matryoshka": True},
-        {"name": "fragile", "source": MINILM_SOURCE, "preload": False},
+        {"name": "fragile", "source": MINILM_SOURCE, "preload": False, "similarity_rerank": True},
         {"name": "text", "source": str(hermes_model_dir), "preload": False},
     ]
     faults = {"fragile": {"crash_on": "CRASH", "crash_before_token": True}}
@@ -198,6 +198,30 @@ def test_rerank_by_similarity_puts_the_relevant_document_first(gw: GatewayProc) 
         timeout=60,
     ).json()["results"]
     assert top == [{**results[0], "document": {"text": docs[1]["text"]}}]  # type: ignore[index]
+
+
+def test_concurrent_reranks_give_what_each_gives_alone(gw: GatewayProc) -> None:
+    def run(i: int) -> list[tuple[int, float]]:
+        body = {
+            "model": "reranker",
+            "query": f"question {i}",
+            "documents": [f"document {i} {j}" for j in range(3 + i)],
+        }
+        reply = httpx.post(f"{gw.base_url}/v1/rerank", json=body, timeout=60).json()
+        return [(r["index"], round(r["relevance_score"], 5)) for r in reply["results"]]
+
+    alone = [run(i) for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(run, range(4))) == alone
+
+
+def test_a_worker_dying_with_a_rerank_gives_one_clear_error(gw: GatewayProc) -> None:
+    url = f"{gw.base_url}/v1/rerank"
+    body = {"model": "fragile", "query": "warm up", "documents": ["a", "b"]}
+    assert httpx.post(url, json=body, timeout=60).status_code == 200
+    reply = httpx.post(url, json={**body, "query": "CRASH now"}, timeout=60)
+    assert reply.status_code >= 500 and "worker" in reply.text.lower()
+    assert httpx.post(url, json=body, timeout=60).status_code == 200  # restarted
 
 
 def test_a_cross_encoder_reranks(gw: GatewayProc) -> None:

@@ -7,6 +7,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -62,31 +63,57 @@ def test_disconnect_of_non_streaming_request_frees_the_slot(fault_gateway: Gatew
     wait_for(lambda: fault_gateway.ps()["victim"]["running"] == 0, what="worker slot freed")
 
 
-def test_worker_killed_mid_stream(fault_gateway: GatewayProc) -> None:
+def test_worker_killed_mid_stream_resumes_it_on_the_next_worker(
+    fault_gateway: GatewayProc,
+) -> None:
+    """SIGKILL of the worker mid-stream: the client sees a pause, not an error, and a greedy
+    stream's text is the undisturbed run's (the gateway resumes it from its tokens)."""
     client = openai_client(fault_gateway)
+    asked = {"model": "victim", "messages": MESSAGES, "max_tokens": 48, "temperature": 0}
+    undisturbed = client.chat.completions.create(**asked, extra_body={"ignore_eos": True})  # type: ignore[call-overload]
     pid = fault_gateway.ps()["victim"]["pid"]
     stream = client.chat.completions.create(
-        model="victim",
-        messages=MESSAGES,  # type: ignore[arg-type]
-        max_tokens=1000,
+        **asked,
         stream=True,
+        stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
-    )
-    seen = 0
-    with pytest.raises(openai.APIError) as info:
-        for _chunk in stream:
-            seen += 1
-            if seen == 3:
-                os.kill(pid, signal.SIGKILL)
-    assert "died" in str(info.value) and "SIGKILL" in str(info.value)
-    # The other model keeps serving, and the dead one comes back on a new worker by itself.
+    )  # type: ignore[call-overload]
+    text, finish, usage = "", None, None
+    for seen, chunk in enumerate(stream):
+        if seen == 3:
+            os.kill(pid, signal.SIGKILL)
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+    assert text == undisturbed.choices[0].message.content
+    assert finish == "length" and usage is not None and usage.completion_tokens == 48
+    assert usage.prompt_tokens == undisturbed.usage.prompt_tokens  # type: ignore[union-attr]
+    # The other model kept serving, and the dead one came back on a new worker by itself.
     r = client.chat.completions.create(model="bystander", messages=MESSAGES, max_tokens=3)  # type: ignore[arg-type]
-    assert r.usage is not None
-    r = client.chat.completions.create(model="victim", messages=MESSAGES, max_tokens=3)  # type: ignore[arg-type]
     assert r.usage is not None
     row = fault_gateway.ps()["victim"]
     assert row["state"] == "ready" and row["pid"] != pid and row["restarts"] >= 1
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_non_streaming_request_resumes_too(fault_gateway: GatewayProc) -> None:
+    client = openai_client(fault_gateway)
+    asked = {"model": "victim", "messages": MESSAGES, "max_tokens": 1500, "temperature": 0}
+    undisturbed = client.chat.completions.create(**asked, extra_body={"ignore_eos": True})  # type: ignore[call-overload]
+    pid = fault_gateway.ps()["victim"]["pid"]
+    resumes = fault_gateway.logs().count("1 to resume")
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(
+            lambda: client.chat.completions.create(**asked, extra_body={"ignore_eos": True})  # type: ignore[call-overload]
+        )
+        wait_for(lambda: fault_gateway.ps()["victim"]["running"] == 1, what="the request running")
+        os.kill(pid, signal.SIGKILL)
+        resumed = future.result(timeout=120)
+    assert resumed.choices[0].message.content == undisturbed.choices[0].message.content
+    assert resumed.usage is not None and resumed.usage.completion_tokens == 1500
+    # it was killed mid-request, not after it
+    assert fault_gateway.logs().count("1 to resume") == resumes + 1
 
 
 def test_load_and_unload_with_gatewayctl(fault_gateway: GatewayProc) -> None:

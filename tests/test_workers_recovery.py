@@ -26,7 +26,7 @@ def test_backoff_doubles_per_recent_crash_up_to_its_cap() -> None:
     assert [backoff_s(server, n) for n in range(1, 6)] == [0.5, 1, 2, 3, 3]
 
 
-async def test_a_crash_replays_unstarted_requests_on_the_next_worker_and_fails_the_rest(
+async def test_a_crash_replays_unstarted_requests_and_resumes_started_ones(
     tmp_path: Path,
 ) -> None:
     r = rig(tmp_path, restart_backoff_s=0.01)
@@ -35,23 +35,49 @@ async def test_a_crash_replays_unstarted_requests_on_the_next_worker_and_fails_t
     started = await r.admission.submit(chat("started"))
     waiting = await r.admission.submit(chat("waiting"))
     started.put(RequestOutput("started", text="Hel", token_ids=[1]))
+    started.put(RequestOutput("started", text="lo", token_ids=[7]))
     r.processes.exit(first, -9)  # SIGKILL
     slot = r.catalog.slot("m")
     assert slot.state == ModelState.LOADING and slot.restarting
-    assert [s.request_id for s in slot.replay] == ["waiting"]
-    assert started.finished
+    assert [s.request_id for s in slot.replay] == ["waiting", "started"]
+    assert not started.finished and started.resumes == 1
     await until(lambda: slot.state == ModelState.READY)
     second = r.handle()
     assert second is not first and second.restart and slot.restarts == 1
-    assert list(second.streams) == ["waiting"]  # replayed, as it was sent the first time
-    adds = [f for w, f in r.transport.sent if isinstance(f, Add) and w == second.worker_id]
-    assert [a.request_id for a in adds] == ["waiting"]
+    assert set(second.streams) == {"waiting", "started"}
+    adds = {
+        a.request_id: a for w, a in r.transport.sent if isinstance(a, Add) and w == second.worker_id
+    }
+    assert adds["waiting"].request.resumed == []  # replayed as it was sent the first time
+    assert adds["started"].request.resumed == [1, 7]  # goes on from the tokens received
+    assert adds["started"].request.messages == started.add.request.messages  # type: ignore[union-attr]
     assert slot.last_error == "the worker exited (killed by SIGKILL)"
     assert not waiting.finished
 
 
-async def test_the_request_that_had_output_ends_with_worker_died(tmp_path: Path) -> None:
-    r = rig(tmp_path, restart_backoff_s=0.01)
+async def test_a_request_resumed_resume_max_times_ends_with_worker_died(tmp_path: Path) -> None:
+    r = rig(tmp_path, restart_backoff_s=0.01, resume_max=2)
+    await r.pool.load("m")
+    slot = r.catalog.slot("m")
+    stream = await r.admission.submit(chat("poison"))
+    for death in range(3):
+        stream.put(RequestOutput("poison", text="a", token_ids=[death]))
+        r.processes.exit(r.handle(), 1)
+        if death < 2:
+            assert not stream.finished and stream.resumes == death + 1
+            await until(lambda: slot.state == ModelState.READY)
+    outputs = []
+    while not outputs or outputs[-1].finish_reason is None:
+        outputs.append(await stream.get())
+    error = outputs[-1].error
+    assert error is not None and error.code == ErrorCode.WORKER_DIED
+    assert "died 3 times while it ran" in error.message and "resume_max" in error.message
+
+
+async def test_with_resume_max_0_the_request_that_had_output_ends_with_worker_died(
+    tmp_path: Path,
+) -> None:
+    r = rig(tmp_path, restart_backoff_s=0.01, resume_max=0)
     await r.pool.load("m")
     stream = await r.admission.submit(chat("x"))
     stream.put(RequestOutput("x", text="a", token_ids=[1]))

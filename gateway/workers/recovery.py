@@ -4,8 +4,9 @@ An exit asked for (unload, reload) ends whatever that worker still held with a c
 A worker that never got Ready failed to load: its waiters see why. Any other exit is a
 crash: requests that had produced nothing yet wait for the next worker (replay, once: a
 request whose worker dies twice while holding it ends with `worker_died`, so that a request
-that kills every worker it reaches cannot crash-loop its model), the others end with
-`worker_died`; the model restarts after an exponential backoff, unless it crashed
+that kills every worker it reaches cannot crash-loop its model); text requests that had
+produced tokens go on there from them (a continuation: the client sees a pause; at most
+`server.resume_max` times, then `worker_died`); the others (speech) end with `worker_died`; the model restarts after an exponential backoff, unless it crashed
 `server.crash_loop_count` times within `server.crash_loop_window_s`: then it is failed,
 with the worker's exit status and the tail of its log, until someone loads it again.
 """
@@ -84,14 +85,25 @@ class Recovery:
         slot.crashes.append(now)
         while slot.crashes and now - slot.crashes[0] > self.server.crash_loop_window_s:
             slot.crashes.popleft()
+        limit = self.server.resume_max
         sent = [s for s in handle.streams.values() if s.received]
+        resumed = [s for s in sent if s.resumable and s.resumes < limit]
         again = [s for s in handle.streams.values() if not s.received and s.replays]
         fresh = [s for s in handle.streams.values() if not s.received and not s.replays]
         handle.streams.clear()
         message = f"the worker of model {slot.name!r} died: {reason}"
         self.calls.fail(handle.worker_id, message)
         for stream in sent:
-            stream.fail(ErrorCode.WORKER_DIED, message)
+            if stream in resumed:
+                stream.resumes += 1
+            elif stream.resumable:  # resumed as often as allowed: it may be what kills them
+                stream.fail(
+                    ErrorCode.WORKER_DIED,
+                    f"{message}; the worker serving this request died {stream.resumes + 1} "
+                    "times while it ran, and it is not resumed again (server.resume_max)",
+                )
+            else:
+                stream.fail(ErrorCode.WORKER_DIED, message)
         for stream in again:
             stream.fail(
                 ErrorCode.WORKER_DIED,
@@ -100,7 +112,7 @@ class Recovery:
             )
         for stream in fresh:
             stream.replays += 1
-        slot.replay.extend(fresh)
+        slot.replay.extend(fresh + resumed)
         if len(slot.crashes) >= self.server.crash_loop_count:
             slot.restarting = slot.restart_pending = False
             slot.error = slot.last_error = (
@@ -113,11 +125,12 @@ class Recovery:
         slot.restarting = slot.restart_pending = True
         delay = backoff_s(self.server, len(slot.crashes))
         log.error(
-            "model %s: %s; restarting in %.1fs (%d request(s) to replay)",
+            "model %s: %s; restarting in %.1fs (%d request(s) to replay, %d to resume)",
             slot.name,
             reason,
             delay,
             len(fresh),
+            len(resumed),
         )
         self.tasks.spawn(self._restart(slot, delay))
 

@@ -134,7 +134,7 @@ def lease(transport: Transport, handle: WorkerHandle, stream: RequestStream) -> 
     stream.worker_id = handle.worker_id
     handle.streams[stream.request_id] = stream
     try:
-        if transport.send(handle.worker_id, stream.add):
+        if transport.send(handle.worker_id, stream.next_add()):
             return True
     except (OverflowError, TypeError, ValueError) as exc:  # unencodable: never leak it
         handle.streams.pop(stream.request_id, None)

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
+
 from shared.protocol import Add
-from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput
+from shared.types import ErrorCode, FinishReason, RequestError, RequestKind, RequestOutput
+
+# What a continuation can resume: text made token by token (not audio, not vectors)
+RESUMABLE = frozenset({RequestKind.CHAT, RequestKind.COMPLETION})
 
 
 class RequestStream:
@@ -18,6 +23,8 @@ class RequestStream:
         "received",
         "replays",
         "request_id",
+        "resumes",
+        "tokens",
         "worker_id",
     )
 
@@ -29,6 +36,8 @@ class RequestStream:
         self.received = False  # the worker produced output: it can no longer be replayed
         self.add: Add | None = None  # what was sent, for a replay on a restarted worker
         self.replays = 0  # times it was sent again after its worker died
+        self.tokens: list[int] = []  # the tokens received: what a continuation resumes from
+        self.resumes = 0  # times it was resumed on another worker after its own died
         self._pending: RequestOutput | None = None
         self._waiter: asyncio.Future[None] | None = None
 
@@ -39,6 +48,7 @@ class RequestStream:
             self.finished = True
         if output.token_ids or output.text or output.reasoning or output.tool_calls or output.audio:
             self.received = True
+        self.tokens += output.token_ids
         pending = self._pending
         if pending is None:
             self._pending = output
@@ -70,6 +80,22 @@ class RequestStream:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    @property
+    def resumable(self) -> bool:
+        """Made text only so far: another worker can go on from its tokens."""
+        add = self.add
+        return add is not None and add.kind in RESUMABLE and bool(self.tokens)
+
+    def next_add(self) -> Add:
+        """What to send a worker now: the request, or its continuation from the tokens
+        received (after its worker died with it)."""
+        add = self.add
+        assert add is not None
+        if not self.tokens:
+            return add
+        request = msgspec.structs.replace(add.request, resumed=list(self.tokens))
+        return msgspec.structs.replace(add, request=request)
 
     def fail(self, code: ErrorCode, message: str) -> None:
         error = RequestError(code, message)
