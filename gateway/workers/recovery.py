@@ -2,11 +2,12 @@
 
 An exit asked for (unload, reload) ends whatever that worker still held with a clear error.
 A worker that never got Ready failed to load: its waiters see why. Any other exit is a
-crash: requests that had produced nothing yet wait for the next worker (replay, once: a
+crash. Requests that had produced nothing yet wait for the next worker (replay, once: a
 request whose worker dies twice while holding it ends with `worker_died`, so that a request
-that kills every worker it reaches cannot crash-loop its model); text requests that had
-produced tokens go on there from them (a continuation: the client sees a pause; at most
-`server.resume_max` times, then `worker_died`); the others (speech) end with `worker_died`; the model restarts after an exponential backoff, unless it crashed
+that kills every worker it reaches cannot crash-loop its model). Text requests that had
+produced tokens go on there from them (a continuation: the client sees a pause), at most
+`server.resume_max` times, then `worker_died`. The others (speech) end with `worker_died`.
+The model restarts after an exponential backoff, unless it crashed
 `server.crash_loop_count` times within `server.crash_loop_window_s`: then it is failed,
 with the worker's exit status and the tail of its log, until someone loads it again.
 """
