@@ -179,6 +179,11 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     restart_backoff_s: float = 1.0
     restart_backoff_max_s: float = 60.0
     crash_loop_count: int = 5
+    # ... and a crash loop backs the model off this long, doubling with each loop in a row
+    # (the backoff is over when the model served crash_loop_window_s without a crash), then
+    # it restarts by itself: only a model that never loads stays failed
+    crash_backoff_s: float = 30.0
+    crash_backoff_max_s: float = 300.0
     # A text request whose worker died after it made tokens goes on from them on the next
     # worker, at most this many times (then it fails: it may be what kills them; 0: never)
     resume_max: int = 2
@@ -396,6 +401,8 @@ def _validate(config: Config) -> None:
             raise ConfigError(f"server.{key} must be at least 1")
     if server.max_queued < 0:
         raise ConfigError("server.max_queued must not be negative")
+    if not 0 < server.crash_backoff_s <= server.crash_backoff_max_s:
+        raise ConfigError("server.crash_backoff_s must be positive and <= crash_backoff_max_s")
     if server.resume_max < 0:
         raise ConfigError("server.resume_max must not be negative")
     for key in (

@@ -227,7 +227,9 @@ def test_unload_drains_then_aborts_with_a_clear_error(
 
 
 @pytest.fixture(scope="module")
-def crash_gateway(chat_model: Path, other_model: Path) -> Iterator[GatewayProc]:
+def crash_gateway(
+    chat_model: Path, other_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProc]:
     models = [
         {
             "name": "single",
@@ -235,13 +237,22 @@ def crash_gateway(chat_model: Path, other_model: Path) -> Iterator[GatewayProc]:
             "engine": {"max_running": 1, "max_context": 1_000_000},
         },
         {"name": "loop", "source": str(other_model), "preload": False},
+        {"name": "flaky", "source": str(other_model), "preload": False},
         {"name": "stall", "source": str(chat_model), "engine": {"max_context": 1_000_000}},
         {"name": "stopped", "source": str(chat_model), "engine": {"max_context": 1_000_000}},
     ]
-    faults = {"loop": {"crash_after_ready_s": 1.0}, "stall": {"stall_on": "FREEZE"}}
+    starts = tmp_path_factory.mktemp("flaky") / "starts"
+    faults = {
+        "loop": {"crash_after_ready_s": 1.0},
+        # its first six workers die half a second after Ready, then it heals
+        "flaky": {"crash_after_ready_s": 0.5, "crash_starts": 6, "starts_file": str(starts)},
+        "stall": {"stall_on": "FREEZE"},
+    }
     server = {
         **FAST_RESTART,
         "crash_loop_count": 3,
+        "crash_backoff_s": 3.0,
+        "crash_backoff_max_s": 6.0,
         "heartbeat_timeout_s": 2.0,
         "wedge_timeout_s": 2.0,
         "request_timeout_s": 120.0,
@@ -275,20 +286,35 @@ def test_crash_replays_requests_that_had_not_started_and_resumes_the_rest(
     assert row["state"] == "ready" and row["pid"] != pid and row["restarts"] == 1
 
 
-def test_a_crash_loop_marks_the_model_failed(crash_gateway: GatewayProc) -> None:
+def test_a_crash_loop_backs_the_model_off(crash_gateway: GatewayProc) -> None:
     gw = crash_gateway
     gw.ctl("load", "loop", check=False)
-    wait_for(lambda: gw.ps()["loop"]["state"] == "failed", timeout=60, what="crash loop detected")
+    wait_for(lambda: gw.ps()["loop"]["state"] == "backoff", timeout=60, what="crash loop")
     row = gw.ps()["loop"]
-    assert "crash loop" in row["error"] and "exit status 17" in row["error"]
-    assert row["exit_code"] == 17 and row["restarts"] >= 2
-    assert "fault injection: exiting" in row["log_tail"]
+    assert "crash loop" in row["last_error"] and "exit status 17" in row["last_error"]
+    assert row["exit_code"] == 17 and row["restarts"] >= 2 and row["next_attempt_s"] > 0
     table = gw.ctl("ps").stdout
-    assert "loop: crash loop" in table and "exit status 17" in table
-    logs = gw.ctl("logs", "loop").stdout
-    assert "worker[loop-" in logs
+    assert "loop: backing off: crash loop" in table and "next attempt in" in table
+    assert "exit status 17" in table
     r = _chat(gw, "loop")
-    assert r.status_code == 503 and "crash loop" in r.json()["error"]["message"]
+    assert r.status_code == 503 and "backing off" in r.json()["error"]["message"]
+    assert 1 <= int(r.headers["retry-after"]) <= 6
+
+
+def test_a_crash_loop_that_heals_serves_again_with_no_command(crash_gateway: GatewayProc) -> None:
+    """Six crashes (two loops of three) back the model off twice; then its workers live,
+    and it serves: no one ran gatewayctl."""
+    gw = crash_gateway
+    r = _chat(gw, "flaky")  # loads it on demand; its first workers die soon after Ready
+    assert r.status_code in (200, 503)
+    wait_for(lambda: gw.ps()["flaky"]["state"] == "backoff", timeout=60, what="a first loop")
+    wait_for(
+        lambda: gw.ps()["flaky"]["restarts"] >= 6 and gw.ps()["flaky"]["state"] == "ready",
+        timeout=90,
+        what="the model back after its crashes",
+    )
+    r = _chat(gw, "flaky", max_tokens=3)
+    assert r.status_code == 200, r.text
 
 
 def test_a_wedged_engine_is_killed_and_restarted(crash_gateway: GatewayProc) -> None:

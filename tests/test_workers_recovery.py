@@ -3,12 +3,15 @@ exponentially, and a crash loop fails the model; expected exits end their reques
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
+from gateway.errors import GatewayError
 from gateway.workers.client import ModelState
 from gateway.workers.recovery import backoff_s
+from gateway.workers.slots import status_row as slot_row
 from shared.config import ServerConfig
 from shared.protocol import Add
 from shared.types import (
@@ -112,19 +115,40 @@ async def test_a_request_whose_second_worker_dies_too_is_not_sent_a_third_time(
     assert list(r.handle().streams) == ["innocent"] and not innocent.finished
 
 
-async def test_a_crash_loop_fails_the_model_and_its_queue(tmp_path: Path) -> None:
-    r = rig(tmp_path, restart_backoff_s=0.001, crash_loop_count=3)
+async def test_a_crash_loop_backs_the_model_off_then_it_restarts_by_itself(
+    tmp_path: Path,
+) -> None:
+    r = rig(
+        tmp_path,
+        restart_backoff_s=0.001,
+        crash_loop_count=3,
+        crash_backoff_s=0.3,
+        crash_backoff_max_s=0.6,
+    )
     await r.pool.load("m")
     slot = r.catalog.slot("m")
     for _ in range(3):
         await until(lambda: slot.state == ModelState.READY)
         r.processes.exit(r.handle(), -11)
-    assert slot.state == ModelState.FAILED
-    assert slot.error is not None and slot.error.startswith("crash loop: 3 crashes within 120s")
-    assert "SIGSEGV" in slot.error
-    assert slot.restarts == 2
-    await r.pool.load("m")  # an explicit load tries again
-    assert slot.state == ModelState.READY and not slot.crashes
+    assert slot.state == ModelState.BACKOFF and slot.error is None
+    assert slot.last_error is not None
+    assert slot.last_error.startswith("crash loop: 3 crashes within 120s")
+    assert "SIGSEGV" in slot.last_error
+    row = slot_row(slot, -1, time.monotonic())
+    assert row["state"] == "backoff" and 0 < row["next_attempt_s"] <= 0.3  # type: ignore[operator]
+    with pytest.raises(GatewayError) as refused:  # a request meanwhile: 503, Retry-After
+        await r.admission.submit(chat("during"))
+    assert refused.value.code == ErrorCode.WORKER_UNAVAILABLE
+    assert refused.value.retry_after == 1 and "backing off" in refused.value.message
+    await until(lambda: slot.state == ModelState.READY, timeout=5)  # by itself
+    assert slot.loops == 1 and not slot.crashes
+    for _ in range(3):  # a second loop in a row: twice as long
+        await until(lambda: slot.state == ModelState.READY)
+        r.processes.exit(r.handle(), -11)
+    assert slot.state == ModelState.BACKOFF and slot.loops == 2
+    assert 0.3 < slot_row(slot, -1, time.monotonic())["next_attempt_s"] <= 0.6  # type: ignore[operator]
+    await r.pool.load("m")  # an explicit load does not wait for the backoff
+    assert slot.state == ModelState.READY
 
 
 async def test_a_failed_restart_is_a_crash_and_the_next_one_is_scheduled(tmp_path: Path) -> None:

@@ -11,7 +11,9 @@ Keys (all optional):
   that request's first token went out, or before any token with `crash_before_token`.
 - `stall_on`: when a request contains this text, the engine thread stops stepping (sleeps)
   once it is added, while heartbeats go on: a wedge with the process alive.
-- `crash_after_ready_s`: die this long after Ready, every time (a crash loop).
+- `crash_after_ready_s`: die this long after Ready, every time (a crash loop), or only in
+  the first `crash_starts` workers (counted in the file `starts_file`): a crash loop that
+  heals.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
@@ -43,6 +46,8 @@ class Faults:
     crash_before_token: bool = False
     stall_on: str | None = None
     crash_after_ready_s: float | None = None
+    crash_starts: int | None = None
+    starts_file: str | None = None
     # requests marked on arrival (input thread), acted on by FaultyEngine (engine thread)
     crash_ids: set[str] = field(default_factory=set)
     stall_ids: set[str] = field(default_factory=set)
@@ -76,6 +81,17 @@ class Faults:
     def stall() -> None:
         while True:  # heartbeats continue on their own thread
             time.sleep(3600)
+
+    def crashes_after_ready(self) -> bool:
+        """This worker dies crash_after_ready_s after Ready (counting its start)."""
+        if self.crash_after_ready_s is None:
+            return False
+        if self.crash_starts is None or self.starts_file is None:
+            return True
+        path = Path(self.starts_file)
+        starts = int(path.read_text() or 0) + 1 if path.exists() else 1
+        path.write_text(str(starts))
+        return starts <= self.crash_starts
 
     @staticmethod
     def die() -> None:

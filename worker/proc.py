@@ -113,8 +113,8 @@ class WorkerProc:
             ready.load_time_s = time.monotonic() - started
             self._send(ready)
             log.info("ready in %.1fs (probe passed)", time.monotonic() - started)
-            if self.faults.crash_after_ready_s is not None:
-                threading.Timer(self.faults.crash_after_ready_s, Faults.die).start()
+            if self.faults.crashes_after_ready():
+                threading.Timer(self.faults.crash_after_ready_s or 0.0, Faults.die).start()
             self.run_busy_loop()
             return 0
         except Exception as exc:

@@ -294,6 +294,13 @@ def _table(rows: list[dict[str, Any]]) -> str:
             out.append(f"{r['model']}: {r['error']}")
             if r.get("exit_code") is not None:
                 out.append(f"  exit status {r['exit_code']}; `gatewayctl logs {r['model']}`")
+        elif r.get("next_attempt_s") is not None:
+            out.append(
+                f"{r['model']}: backing off: {r.get('last_error')}; next attempt in "
+                f"{_duration(r['next_attempt_s'])}"
+            )
+            if r.get("exit_code") is not None:
+                out.append(f"  exit status {r['exit_code']}; `gatewayctl logs {r['model']}`")
     return "\n".join(out)
 
 

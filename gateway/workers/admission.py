@@ -71,6 +71,8 @@ class Admission:
         if needs:
             check_capabilities(slot, needs)
         add = Add(request_id, sub.kind, request, sub.sampling, sub.priority)
+        if slot.backoff_until is not None:  # crash-looped: refused until it restarts
+            await self.pool.acquire(slot)  # raises the 503 with the time left
         if slot.restarting:  # queued: it runs on the new worker once that is Ready
             if len(slot.replay) >= self.server.max_queued:
                 raise self._queue_full(slot, len(slot.replay))

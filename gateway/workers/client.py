@@ -27,6 +27,7 @@ class ModelState(enum.StrEnum):
     LOADING = "loading"
     READY = "ready"
     UNLOADING = "unloading"
+    BACKOFF = "backoff"  # crash-looped: restarts by itself at backoff_until
     FAILED = "failed"
 
 
@@ -49,7 +50,7 @@ class ModelView:
     @property
     def can_serve(self) -> bool:
         """Serving now, or able to serve on the first request (loads on demand, not failed)."""
-        if self.state == ModelState.FAILED:
+        if self.state in (ModelState.FAILED, ModelState.BACKOFF):
             return False
         return self.state == ModelState.READY or self.config.on_demand == "load"
 

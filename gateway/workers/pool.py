@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import signal
+import time
 
 from gateway.errors import GatewayError
 from gateway.workers.catalog import Catalog
@@ -67,6 +69,9 @@ class Pool:
         if slot.state == ModelState.FAILED:
             slot.error = None
             slot.crashes.clear()
+        if slot.state == ModelState.BACKOFF:  # asked for: now, not at the backoff's end
+            slot.backoff_until = None
+            slot.restarting = slot.restart_pending = False
         if slot.restarting:
             raise GatewayError(
                 ErrorCode.WORKER_UNAVAILABLE,
@@ -213,6 +218,15 @@ class Pool:
                     ErrorCode.WORKER_UNAVAILABLE,
                     f"model {slot.name!r} failed: {slot.error}; "
                     f"`gatewayctl load {slot.name}` tries again",
+                )
+            if state == ModelState.BACKOFF and slot.backoff_until is not None:
+                left = max(0.0, slot.backoff_until - time.monotonic())
+                raise GatewayError(
+                    ErrorCode.WORKER_UNAVAILABLE,
+                    f"model {slot.name!r} is backing off after a crash loop "
+                    f"({slot.last_error}); it restarts by itself in {left:.0f}s "
+                    f"(`gatewayctl load {slot.name}` now)",
+                    retry_after=max(1, math.ceil(left)),
                 )
             if slot.restarting and slot.loading is None:
                 await asyncio.sleep(RESTART_POLL_S)

@@ -7,9 +7,10 @@ request whose worker dies twice while holding it ends with `worker_died`, so tha
 that kills every worker it reaches cannot crash-loop its model). Text requests that had
 produced tokens go on there from them (a continuation: the client sees a pause), at most
 `server.resume_max` times, then `worker_died`. The others (speech) end with `worker_died`.
-The model restarts after an exponential backoff, unless it crashed
-`server.crash_loop_count` times within `server.crash_loop_window_s`: then it is failed,
-with the worker's exit status and the tail of its log, until someone loads it again.
+The model restarts after an exponential backoff; one that crashed
+`server.crash_loop_count` times within `server.crash_loop_window_s` backs off longer
+(`server.crash_backoff_s`, doubling per loop in a row up to `crash_backoff_max_s`: state
+`backoff`, its requests refused with Retry-After), then restarts by itself.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ log = logging.getLogger("gateway.workers.recovery")
 
 # Brings a crashed model's next worker up (the pool's load, marked as a restart).
 Restart = Callable[[Slot], Coroutine[Any, Any, WorkerHandle]]
+
+
+def crash_backoff_s(server: ServerConfig, loops: int) -> float:
+    """The wait after the `loops`-th crash loop in a row."""
+    return min(server.crash_backoff_s * 2 ** max(loops - 1, 0), server.crash_backoff_max_s)
 
 
 def backoff_s(server: ServerConfig, crashes: int) -> float:
@@ -83,9 +89,13 @@ class Recovery:
 
     def crashed(self, slot: Slot, handle: WorkerHandle, reason: str) -> None:
         now = time.monotonic()
-        slot.crashes.append(now)
-        while slot.crashes and now - slot.crashes[0] > self.server.crash_loop_window_s:
+        window = self.server.crash_loop_window_s
+        while slot.crashes and now - slot.crashes[0] > window:
             slot.crashes.popleft()
+        if slot.last_crash is not None and now - slot.last_crash > window:
+            slot.loops = 0  # it served a whole window since its last crash
+        slot.crashes.append(now)
+        slot.last_crash = now
         limit = self.server.resume_max
         sent = [s for s in handle.streams.values() if s.received]
         resumed = [s for s in sent if s.resumable and s.resumes < limit]
@@ -114,17 +124,26 @@ class Recovery:
         for stream in fresh:
             stream.replays += 1
         slot.replay.extend(fresh + resumed)
+        slot.restarting = slot.restart_pending = True
+        delay = backoff_s(self.server, len(slot.crashes))
         if len(slot.crashes) >= self.server.crash_loop_count:
-            slot.restarting = slot.restart_pending = False
-            slot.error = slot.last_error = (
+            slot.loops += 1
+            delay = crash_backoff_s(self.server, slot.loops)
+            slot.backoff_until = now + delay
+            slot.last_error = (
                 f"crash loop: {len(slot.crashes)} crashes within "
                 f"{self.server.crash_loop_window_s:g}s; last: {reason}"
             )
-            log.error("model %s: %s", slot.name, slot.error)
-            self.fail_replay(slot, message)
+            slot.crashes.clear()  # the next loop counts crashes after this backoff
+            log.error(
+                "model %s: %s; backing off %.0fs before the next attempt",
+                slot.name,
+                slot.last_error,
+                delay,
+            )
+            self.fail_replay(slot, f"{message}; {slot.last_error}")
+            self.tasks.spawn(self._restart(slot, delay))
             return
-        slot.restarting = slot.restart_pending = True
-        delay = backoff_s(self.server, len(slot.crashes))
         log.error(
             "model %s: %s; restarting in %.1fs (%d request(s) to replay, %d to resume)",
             slot.name,
@@ -137,6 +156,7 @@ class Recovery:
 
     async def _restart(self, slot: Slot, delay: float) -> None:
         await asyncio.sleep(delay)
+        slot.backoff_until = None
         if not slot.restart_pending or slot.handle is not None or slot.loading is not None:
             return
         slot.restart_pending = False

@@ -80,6 +80,11 @@ class Slot:
     exit_code: int | None = None
     log_tail: str = ""
     crashes: deque[float] = field(default_factory=deque)
+    # crash-looped: no worker until this time.monotonic(); `loops` in a row so far (each
+    # backs off twice as long, server.crash_backoff_s up to crash_backoff_max_s)
+    backoff_until: float | None = None
+    loops: int = 0
+    last_crash: float | None = None  # time.monotonic()
     restarts: int = 0
     served: int = 0
     last_used: float = field(default_factory=time.monotonic)
@@ -98,6 +103,8 @@ class Slot:
     def state(self) -> ModelState:
         if self.error is not None:
             return ModelState.FAILED
+        if self.backoff_until is not None:
+            return ModelState.BACKOFF
         if self.unloading:
             return ModelState.UNLOADING
         if self.handle is not None and self.handle.is_ready:
@@ -217,6 +224,11 @@ def status_row(slot: Slot, ttl: float, now: float) -> dict[str, object]:
         "error": slot.error,
         "last_error": slot.last_error,
         "exit_code": slot.exit_code,
+        "next_attempt_s": (
+            round(max(0.0, slot.backoff_until - time.monotonic()), 1)
+            if slot.backoff_until is not None
+            else None
+        ),
         "log_tail": slot.log_tail if slot.state == ModelState.FAILED else None,
         "draining": [h.pid for h in slot.retiring],
         # The current worker's prefix cache as its last heartbeat reported it (None: no
