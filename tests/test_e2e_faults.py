@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,8 +29,14 @@ def fault_gateway(chat_model: Path, other_model: Path) -> Iterator[GatewayProc]:
         {"name": "bystander", "source": str(other_model)},
         {"name": "lazy", "source": str(other_model), "preload": False, "on_demand": "refuse"},
         {"name": "hub", "source": "nobody/no-such-model", "preload": False},
+        {"name": "poisoned", "source": str(chat_model), "preload": False},
     ]
-    with running_gateway(models, {"HF_HUB_OFFLINE": "1"}, request_timeout_s=60.0) as gw:
+    # A request saying POISON kills its worker once it has made 6 tokens: its continuation
+    # on the next worker dies on arrival, every time.
+    faults = {"poisoned": {"crash_on": "POISON", "crash_after_tokens": 6}}
+    env = {"HF_HUB_OFFLINE": "1", "MLX_GATEWAY_FAULTS": json.dumps(faults)}
+    server = {"request_timeout_s": 60.0, "restart_backoff_s": 0.2, "restart_backoff_max_s": 1.0}
+    with running_gateway(models, env, **server) as gw:
         yield gw
 
 
@@ -114,6 +121,55 @@ def test_a_non_streaming_request_resumes_too(fault_gateway: GatewayProc) -> None
     assert resumed.usage is not None and resumed.usage.completion_tokens == 1500
     # it was killed mid-request, not after it
     assert fault_gateway.logs().count("1 to resume") == resumes + 1
+
+
+def test_a_poison_request_fails_alone_while_the_others_go_on(fault_gateway: GatewayProc) -> None:
+    """Three greedy streams and a request that kills every worker it reaches: the poison
+    ends with worker_died after server.resume_max resumes; the others see pauses, no error,
+    and the text of an undisturbed run."""
+    client = openai_client(fault_gateway)
+    asked = {"model": "poisoned", "max_tokens": 200, "temperature": 0}
+    prompts = [[{"role": "user", "content": f"Tell story number {i}."}] for i in range(3)]
+    undisturbed = [
+        client.chat.completions.create(messages=m, **asked, extra_body={"ignore_eos": True})  # type: ignore[call-overload]
+        .choices[0]
+        .message.content
+        for m in prompts
+    ]
+    restarts = fault_gateway.ps()["poisoned"]["restarts"]
+    started = [threading.Event() for _ in prompts]
+
+    def victim(i: int) -> str:
+        stream = client.chat.completions.create(
+            messages=prompts[i], stream=True, **asked, extra_body={"ignore_eos": True}
+        )  # type: ignore[call-overload]
+        text = ""
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+                started[i].set()
+        return text
+
+    def poison() -> str:
+        poisoned = [{"role": "user", "content": "POISON: a story."}]
+        with pytest.raises(openai.APIError) as failed:
+            for _ in client.chat.completions.create(
+                messages=poisoned, stream=True, **asked, extra_body={"ignore_eos": True}
+            ):  # type: ignore[call-overload]
+                pass
+        return str(failed.value)
+
+    with ThreadPoolExecutor(4) as pool:
+        victims = [pool.submit(victim, i) for i in range(3)]
+        for event in started:
+            assert event.wait(60)
+        error = pool.submit(poison).result(timeout=180)
+        texts = [v.result(timeout=180) for v in victims]
+    assert "resume_max=2" in error and "it may be what kills the worker" in error
+    assert texts == undisturbed
+    row = fault_gateway.ps()["poisoned"]
+    assert row["state"] == "ready" and row["restarts"] - restarts >= 3
+    assert "(this time it alone was on trial)" in fault_gateway.logs()
 
 
 def test_load_and_unload_with_gatewayctl(fault_gateway: GatewayProc) -> None:

@@ -74,7 +74,76 @@ async def test_a_request_resumed_resume_max_times_ends_with_worker_died(tmp_path
         outputs.append(await stream.get())
     error = outputs[-1].error
     assert error is not None and error.code == ErrorCode.WORKER_DIED
-    assert "died 3 times while it ran" in error.message and "resume_max" in error.message
+    assert "resumed 2 times and its worker died with it again" in error.message
+    assert "resume_max=2" in error.message
+
+
+async def test_a_poison_request_is_found_and_failed_alone_while_the_others_go_on(
+    tmp_path: Path,
+) -> None:
+    """A request whose continuation kills every worker it reaches: the death it causes
+    with everyone is shared, then the suspects are tried singly and only it is charged."""
+    r = rig(tmp_path, restart_backoff_s=0.001, resume_max=2, crash_loop_count=10)
+    await r.pool.load("m")
+    slot = r.catalog.slot("m")
+    streams = {rid: await r.admission.submit(chat(rid)) for rid in ("a", "poison", "b")}
+    for rid in streams:
+        r.output(r.handle(), RequestOutput(rid, text="x", token_ids=[1]))
+    r.processes.exit(r.handle(), -9)  # nobody on trial: all three share it
+    assert [s.strikes for s in streams.values()] == [1, 1, 1]
+    await until(lambda: slot.state == ModelState.READY)
+    assert set(r.handle().streams) == {"a", "poison", "b"}  # together, each on trial
+    assert all(s.probation for s in streams.values())
+    r.processes.exit(r.handle(), -9)  # on trial together: nobody is charged
+    assert [s.strikes for s in streams.values()] == [1, 1, 1] and slot.isolate
+    deaths = 2
+    while not streams["poison"].finished:
+        await until(
+            lambda: slot.state == ModelState.READY and any(s.probation for s in streams.values())
+        )
+        handle = r.handle()
+        (rid,) = [rid for rid, s in streams.items() if s.probation]  # one at a time
+        if rid != "poison":
+            r.output(handle, RequestOutput(rid, text="y", token_ids=[2]))
+            continue
+        r.processes.exit(handle, 1)  # the poison's continuation: it alone was on trial
+        deaths += 1
+    error = (await streams["poison"].get()).error
+    assert error is not None and error.code == ErrorCode.WORKER_DIED
+    assert "it may be what kills the worker" in error.message
+    assert streams["poison"].strikes == 3 and deaths == 4
+    for _ in range(2):  # the others, charged once, go on (singly again) and finish
+        await until(
+            lambda: slot.state == ModelState.READY and any(s.probation for s in streams.values())
+        )
+        (rid,) = [rid for rid, s in streams.items() if s.probation]
+        assert rid != "poison" and streams[rid].strikes == 1
+        r.output(r.handle(), RequestOutput(rid, text="z", token_ids=[3]))
+        r.output(r.handle(), RequestOutput(rid, finish_reason=FinishReason.STOP))
+        outputs = [await streams[rid].get()]
+        assert outputs[-1].finish_reason == FinishReason.STOP and outputs[-1].error is None
+    await until(lambda: not slot.isolate)
+
+
+async def test_suspects_sent_singly_do_not_hold_back_new_requests_or_aborted_ones(
+    tmp_path: Path,
+) -> None:
+    r = rig(tmp_path, restart_backoff_s=0.001)
+    await r.pool.load("m")
+    slot = r.catalog.slot("m")
+    first = await r.admission.submit(chat("first"))
+    second = await r.admission.submit(chat("second"))
+    r.processes.exit(r.handle(), -9)
+    await until(lambda: slot.state == ModelState.READY)
+    r.processes.exit(r.handle(), -9)  # both on trial: singly from now on
+    assert slot.isolate
+    await until(lambda: slot.state == ModelState.READY and bool(r.handle().streams))
+    (trial,) = r.handle().streams
+    new = await r.admission.submit(chat("new"))  # not a suspect: sent at once
+    assert set(r.handle().streams) == {trial, "new"} and not new.probation
+    r.admission.abort(first if trial == "first" else second)  # its client left
+    await until(lambda: len(r.handle().streams) == 2 and trial not in r.handle().streams)
+    assert not slot.replay
 
 
 async def test_with_resume_max_0_the_request_that_had_output_ends_with_worker_died(

@@ -8,7 +8,9 @@ Keys (all optional):
 - `load_delay_s`: sleep this long while loading (a slow load: JIT waits, keep-alives).
 - `probe_error`: make the Ready probe fail with this message (loads but cannot generate).
 - `crash_on`: when a request contains this text, the process dies (os._exit(17)) right after
-  that request's first token went out, or before any token with `crash_before_token`.
+  that request's first token went out, or before any token with `crash_before_token`, or
+  once it has made `crash_after_tokens` tokens counting those it was resumed from (a
+  continuation past that point dies on arrival: a poison request).
 - `stall_on`: when a request contains this text, the engine thread stops stepping (sleeps)
   once it is added, while heartbeats go on: a wedge with the process alive.
 - `crash_after_ready_s`: die this long after Ready, every time (a crash loop), or only in
@@ -44,6 +46,7 @@ class Faults:
     probe_error: str | None = None
     crash_on: str | None = None
     crash_before_token: bool = False
+    crash_after_tokens: int | None = None
     stall_on: str | None = None
     crash_after_ready_s: float | None = None
     crash_starts: int | None = None
@@ -51,6 +54,7 @@ class Faults:
     # requests marked on arrival (input thread), acted on by FaultyEngine (engine thread)
     crash_ids: set[str] = field(default_factory=set)
     stall_ids: set[str] = field(default_factory=set)
+    made: dict[str, int] = field(default_factory=dict)  # tokens of crash_ids so far
 
     @classmethod
     def for_model(cls, name: str) -> Faults:
@@ -71,9 +75,11 @@ class Faults:
             return
         text = msgspec.json.encode(frame.request).decode()
         if self.crash_on and self.crash_on in text:
-            if self.crash_before_token:
+            made = len(frame.request.resumed)
+            if self.crash_before_token or made >= (self.crash_after_tokens or made + 1):
                 self.die()
             self.crash_ids.add(frame.request_id)
+            self.made[frame.request_id] = made
         if self.stall_on and self.stall_on in text:
             self.stall_ids.add(frame.request_id)
 
@@ -130,5 +136,12 @@ class FaultyEngine:
             time.sleep(0.2)  # let the frame leave: the client must have seen a token
             self._faults.die()
         outputs = self._engine.step()
-        self._dying = any(o.request_id in self._faults.crash_ids for o in outputs)
+        faults = self._faults
+        for output in outputs:
+            if output.request_id in faults.crash_ids:
+                made = faults.made[output.request_id] = faults.made[output.request_id] + len(
+                    output.token_ids
+                )
+                after = faults.crash_after_tokens
+                self._dying |= after is None or made >= after
         return outputs

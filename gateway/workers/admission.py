@@ -108,6 +108,7 @@ class Admission:
 
     def abort(self, stream: RequestStream) -> None:
         """The client went away or timed out: free its place in the worker (idempotent)."""
+        stream.off_probation()  # whoever waits for it to make output waits no more
         slot = self.catalog.slots.get(stream.model)
         if slot is not None and stream in slot.replay:
             slot.replay.remove(stream)

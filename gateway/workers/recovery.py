@@ -2,11 +2,19 @@
 
 An exit asked for (unload, reload) ends whatever that worker still held with a clear error.
 A worker that never got Ready failed to load: its waiters see why. Any other exit is a
-crash. Requests that had produced nothing yet wait for the next worker (replay, once: a
-request whose worker dies twice while holding it ends with `worker_died`, so that a request
-that kills every worker it reaches cannot crash-loop its model). Text requests that had
-produced tokens go on there from them (a continuation: the client sees a pause), at most
-`server.resume_max` times, then `worker_died`. The others (speech) end with `worker_died`.
+crash. Requests that had produced nothing yet wait for the next worker (replay); text
+requests that had produced tokens go on there from them (a continuation: the client sees a
+pause); the others (speech) end with `worker_died`.
+
+Blame, so that a poison request fails alone: a request a death touched is a suspect, and
+goes to the next worker on probation until it makes output. A death while exactly one
+request is on probation is that request's strike alone; a death while several are is
+nobody's, and the next worker gets the suspects one at a time (each once the one before
+made output), so the next such death points at one; a death with nobody on probation is
+everyone's strike. A request with more strikes than `server.resume_max` (a replayed one:
+more than one) ends with `worker_died` and is not sent again: it cannot crash-loop its
+model nor take the others with it.
+
 The model restarts after an exponential backoff; one that crashed
 `server.crash_loop_count` times within `server.crash_loop_window_s` backs off longer
 (`server.crash_backoff_s`, doubling per loop in a row up to `crash_backoff_max_s`: state
@@ -24,6 +32,7 @@ from typing import Any
 from gateway.errors import GatewayError
 from gateway.workers.control import ControlCalls
 from gateway.workers.slots import Slot, WorkerHandle, describe_exit, lease, tail
+from gateway.workers.stream import RequestStream
 from gateway.workers.tasks import Tasks
 from gateway.workers.transport import Transport
 from shared.config import ServerConfig
@@ -96,34 +105,11 @@ class Recovery:
             slot.loops = 0  # it served a whole window since its last crash
         slot.crashes.append(now)
         slot.last_crash = now
-        limit = self.server.resume_max
-        sent = [s for s in handle.streams.values() if s.received]
-        resumed = [s for s in sent if s.resumable and s.resumes < limit]
-        again = [s for s in handle.streams.values() if not s.received and s.replays]
-        fresh = [s for s in handle.streams.values() if not s.received and not s.replays]
-        handle.streams.clear()
         message = f"the worker of model {slot.name!r} died: {reason}"
         self.calls.fail(handle.worker_id, message)
-        for stream in sent:
-            if stream in resumed:
-                stream.resumes += 1
-            elif stream.resumable:  # resumed as often as allowed: it may be what kills them
-                stream.fail(
-                    ErrorCode.WORKER_DIED,
-                    f"{message}; the worker serving this request died {stream.resumes + 1} "
-                    "times while it ran, and it is not resumed again (server.resume_max)",
-                )
-            else:
-                stream.fail(ErrorCode.WORKER_DIED, message)
-        for stream in again:
-            stream.fail(
-                ErrorCode.WORKER_DIED,
-                f"{message}; it was the second worker to die while serving this request, "
-                "which is not sent again",
-            )
-        for stream in fresh:
-            stream.replays += 1
-        slot.replay.extend(fresh + resumed)
+        fresh, again = self.blame(slot, list(handle.streams.values()), message)
+        handle.streams.clear()
+        slot.replay.extend(again)
         slot.restarting = slot.restart_pending = True
         delay = backoff_s(self.server, len(slot.crashes))
         if len(slot.crashes) >= self.server.crash_loop_count:
@@ -149,8 +135,8 @@ class Recovery:
             slot.name,
             reason,
             delay,
-            len(fresh),
-            len(resumed),
+            fresh,
+            len(again) - fresh,
         )
         self.tasks.spawn(self._restart(slot, delay))
 
@@ -175,21 +161,112 @@ class Recovery:
                 slot.error = slot.last_error = f"restart failed: {reason}"
                 self.fail_replay(slot, slot.error)
 
+    def blame(
+        self, slot: Slot, held: list[RequestStream], message: str
+    ) -> tuple[int, list[RequestStream]]:
+        """Who a death is laid on, and what goes to the next worker: (how many of those
+        had made nothing yet, the requests to send again)."""
+        suspects = [s for s in held if s.probation]
+        if len(suspects) == 1:
+            charged = suspects  # it alone was being tried: the death is its own
+        elif suspects:
+            charged = []  # one of them, nobody knows which: the next worker takes them singly
+            slot.isolate = True
+        else:
+            charged = held  # nobody on trial: everyone it held shares the death
+            slot.isolate = False
+        again: list[RequestStream] = []
+        for stream in held:
+            stream.probation = False
+            stream.crashes += 1
+            if stream in charged:
+                stream.strikes += 1
+            if stream.received and not stream.resumable:  # audio: nothing to go on from
+                stream.fail(ErrorCode.WORKER_DIED, message)
+            elif stream.resumable and stream.strikes > self.server.resume_max:
+                self._failed_alone(slot, stream, len(charged) == 1)
+                stream.fail(
+                    ErrorCode.WORKER_DIED,
+                    f"{message}; this request was resumed {stream.resumes} times and its "
+                    "worker died with it again, so it is not resumed again "
+                    f"(server.resume_max={self.server.resume_max}): it may be what kills "
+                    "the worker",
+                )
+            elif not stream.resumable and stream.strikes > 1:
+                self._failed_alone(slot, stream, len(charged) == 1)
+                stream.fail(
+                    ErrorCode.WORKER_DIED,
+                    f"{message}; it was the second worker to die while serving this request, "
+                    "which is not sent again",
+                )
+            else:
+                if stream.resumable:
+                    stream.resumes += 1
+                again.append(stream)
+        again.sort(key=lambda s: s.resumable)  # those that had made nothing first
+        return sum(not s.resumable for s in again), again
+
+    @staticmethod
+    def _failed_alone(slot: Slot, stream: RequestStream, alone: bool) -> None:
+        log.error(
+            "model %s: request %s is not sent again: its worker died with it %d times%s",
+            slot.name,
+            stream.request_id,
+            stream.crashes,
+            " (this time it alone was on trial)" if alone else "",
+        )
+
     def resubmit(self, slot: Slot, handle: WorkerHandle) -> None:
-        """The requests waiting for a new worker go to `handle`."""
-        replay, slot.replay = slot.replay, []
-        for stream in replay:
-            if stream.finished:
-                continue
-            try:
-                sent = lease(self.transport, handle, stream)
-            except GatewayError as exc:
-                stream.fail(exc.code, exc.message)
-                continue
-            if not sent:
-                stream.fail(ErrorCode.WORKER_UNAVAILABLE, f"model {slot.name!r} is unreachable")
+        """The requests waiting for a new worker go to `handle`: new ones at once, those a
+        death touched on probation, all together or (after a death nobody could be blamed
+        for) one at a time, each once the one before made output."""
+        replay = slot.replay
+        fresh = [s for s in replay if not s.crashes]
+        slot.replay = [s for s in replay if s.crashes]
+        for stream in fresh:
+            self.send(slot, handle, stream)
+        if not slot.isolate:
+            suspects, slot.replay = slot.replay, []
+            for stream in suspects:
+                self.send(slot, handle, stream)
+        elif slot.replay:
+            self.tasks.spawn(self._one_at_a_time(slot, handle))
         if replay:
             log.info("model %s: replayed %d request(s)", slot.name, len(replay))
+
+    async def _one_at_a_time(self, slot: Slot, handle: WorkerHandle) -> None:
+        """Sends the suspects singly, those with the fewest strikes first, while `handle`
+        serves; what it has not sent when that worker dies waits for the next one."""
+        exited = asyncio.ensure_future(handle.exited.wait())
+        try:
+            while slot.handle is handle and not exited.done():
+                waiting = [s for s in slot.replay if s.crashes]
+                if not waiting:
+                    slot.isolate = False
+                    return
+                stream = min(waiting, key=lambda s: s.strikes)
+                slot.replay.remove(stream)
+                if self.send(slot, handle, stream):
+                    cleared = asyncio.ensure_future(stream.cleared())
+                    await asyncio.wait({cleared, exited}, return_when=asyncio.FIRST_COMPLETED)
+                    cleared.cancel()
+        finally:
+            exited.cancel()
+
+    def send(self, slot: Slot, handle: WorkerHandle, stream: RequestStream) -> bool:
+        """One waiting request to `handle` (on probation if a death touched it)."""
+        if stream.finished:
+            return False
+        if stream.crashes:
+            stream.on_probation()
+        try:
+            sent = lease(self.transport, handle, stream)
+        except GatewayError as exc:
+            stream.fail(exc.code, exc.message)
+            return False
+        if not sent:
+            stream.fail(ErrorCode.WORKER_UNAVAILABLE, f"model {slot.name!r} is unreachable")
+        return sent
 
     def fail_replay(self, slot: Slot, message: str) -> None:
         replay, slot.replay = slot.replay, []

@@ -15,15 +15,18 @@ RESUMABLE = frozenset({RequestKind.CHAT, RequestKind.COMPLETION})
 
 class RequestStream:
     __slots__ = (
+        "_cleared",
         "_pending",
         "_waiter",
         "add",
+        "crashes",
         "finished",
         "model",
+        "probation",
         "received",
-        "replays",
         "request_id",
         "resumes",
+        "strikes",
         "tokens",
         "worker_id",
     )
@@ -35,9 +38,13 @@ class RequestStream:
         self.finished = False
         self.received = False  # the worker produced output: it can no longer be replayed
         self.add: Add | None = None  # what was sent, for a replay on a restarted worker
-        self.replays = 0  # times it was sent again after its worker died
         self.tokens: list[int] = []  # the tokens received: what a continuation resumes from
         self.resumes = 0  # times it was resumed on another worker after its own died
+        self.crashes = 0  # workers that died while holding it: a suspect once this is > 0
+        self.strikes = 0  # of those deaths, the ones laid at its door (see recovery)
+        # sent again after a crash and no output since: a death now may be its doing
+        self.probation = False
+        self._cleared: asyncio.Event | None = None
         self._pending: RequestOutput | None = None
         self._waiter: asyncio.Future[None] | None = None
 
@@ -48,6 +55,9 @@ class RequestStream:
             self.finished = True
         if output.token_ids or output.text or output.reasoning or output.tool_calls or output.audio:
             self.received = True
+            self.off_probation()
+        elif self.finished:
+            self.off_probation()
         self.tokens += output.token_ids
         pending = self._pending
         if pending is None:
@@ -96,6 +106,21 @@ class RequestStream:
             return add
         request = msgspec.structs.replace(add.request, resumed=list(self.tokens))
         return msgspec.structs.replace(add, request=request)
+
+    def on_probation(self) -> None:
+        self.probation = True
+        self._cleared = asyncio.Event()
+
+    def off_probation(self) -> None:
+        """It made output (or ended, or was aborted): a death from now on is not its own."""
+        self.probation = False
+        if self._cleared is not None:
+            self._cleared.set()
+
+    async def cleared(self) -> None:
+        """Until it is off probation."""
+        if self.probation and self._cleared is not None:
+            await self._cleared.wait()
 
     def fail(self, code: ErrorCode, message: str) -> None:
         error = RequestError(code, message)
