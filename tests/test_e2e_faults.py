@@ -136,7 +136,7 @@ def test_a_poison_request_fails_alone_while_the_others_go_on(fault_gateway: Gate
         .message.content
         for m in prompts
     ]
-    restarts = fault_gateway.ps()["poisoned"]["restarts"]
+    before = fault_gateway.ps()["poisoned"]
     started = [threading.Event() for _ in prompts]
 
     def victim(i: int) -> str:
@@ -168,7 +168,8 @@ def test_a_poison_request_fails_alone_while_the_others_go_on(fault_gateway: Gate
     assert "resume_max=2" in error and "it may be what kills the worker" in error
     assert texts == undisturbed
     row = fault_gateway.ps()["poisoned"]
-    assert row["state"] == "ready" and row["restarts"] - restarts >= 3
+    assert row["state"] == "ready" and row["restarts"] - before["restarts"] >= 3
+    assert row["died"] - before["died"] == 1 and row["resumed"] - before["resumed"] >= 6
     assert "(this time it alone was on trial)" in fault_gateway.logs()
 
 

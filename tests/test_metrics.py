@@ -106,6 +106,10 @@ def test_worker_gauges_come_from_the_supervisor(gw: GatewayProc) -> None:
     assert value(samples, "mlxgw_worker_resident_memory_bytes", model="chat") > 0
     assert value(samples, "mlxgw_model_load_seconds", model="chat") > 0
     assert value(samples, "mlxgw_worker_restarts_total", model="chat") == 0
+    for outcome in ("resumed", "replayed", "failed"):  # no worker of it died
+        assert (
+            value(samples, "mlxgw_requests_after_crash_total", model="chat", outcome=outcome) == 0
+        )
     # the limits the worker set on MLX's memory: the configured buffer cache; no wired
     # memory off a Mac
     assert value(samples, "mlxgw_mlx_cache_limit_bytes", model="chat") == 2**28

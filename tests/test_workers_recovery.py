@@ -112,6 +112,7 @@ async def test_a_poison_request_is_found_and_failed_alone_while_the_others_go_on
     assert error is not None and error.code == ErrorCode.WORKER_DIED
     assert "it may be what kills the worker" in error.message
     assert streams["poison"].strikes == 3 and deaths == 4
+    assert slot.died == 1 and slot.resumed == 3 + 3 + 2 + 2 and not slot.replayed
     for _ in range(2):  # the others, charged once, go on (singly again) and finish
         await until(
             lambda: slot.state == ModelState.READY and any(s.probation for s in streams.values())
@@ -218,6 +219,23 @@ async def test_a_crash_loop_backs_the_model_off_then_it_restarts_by_itself(
     assert 0.3 < slot_row(slot, -1, time.monotonic())["next_attempt_s"] <= 0.6  # type: ignore[operator]
     await r.pool.load("m")  # an explicit load does not wait for the backoff
     assert slot.state == ModelState.READY
+
+
+async def test_a_worker_that_made_output_starts_the_crash_count_over(tmp_path: Path) -> None:
+    """Killed from outside while serving (or by a poison request): not a broken model. Its
+    crashes neither grow the restart delay nor make a crash loop."""
+    r = rig(tmp_path, restart_backoff_s=0.01, restart_backoff_max_s=10, crash_loop_count=3)
+    await r.pool.load("m")
+    slot = r.catalog.slot("m")
+    for n in range(5):
+        await until(lambda: slot.state == ModelState.READY)
+        stream = await r.admission.submit(chat(f"r{n}"))
+        r.output(r.handle(), RequestOutput(f"r{n}", text="x", token_ids=[1]))
+        r.processes.exit(r.handle(), -9)
+        assert slot.state == ModelState.LOADING and len(slot.crashes) == 1 and not stream.finished
+    await until(lambda: slot.state == ModelState.READY)
+    r.processes.exit(r.handle(), -9)  # this one made nothing: the second crash in a row
+    assert len(slot.crashes) == 2 and slot.state == ModelState.LOADING
 
 
 async def test_a_failed_restart_is_a_crash_and_the_next_one_is_scheduled(tmp_path: Path) -> None:

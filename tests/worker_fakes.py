@@ -173,6 +173,7 @@ class Rig:
         """A StepOutputs frame's effect on one request (as the Supervisor routes it)."""
         stream = handle.streams.get(output.request_id)
         assert stream is not None
+        handle.served = True
         stream.put(output)
         if output.finish_reason is not None:
             del handle.streams[output.request_id]

@@ -142,8 +142,18 @@ class WorkerCollector(Collector):
         restarts = CounterMetricFamily(
             "mlxgw_worker_restarts", "Workers restarted after a crash", labels=["model"]
         )
+        after_crash = CounterMetricFamily(
+            "mlxgw_requests_after_crash",
+            "Requests a worker's death touched: resumed from their tokens, replayed from the "
+            "start, or failed with worker_died",
+            labels=["model", "outcome"],
+        )
         for view in self.workers.views():
             name, current = view.name, view.state
+            for outcome, count in zip(
+                ("resumed", "replayed", "failed"), view.after_crash, strict=True
+            ):
+                after_crash.add_metric([name, outcome], count)
             shown = view.info or view.last_info
             kind = kind_served(view.config, shown.capabilities if shown else None)
             info.add_metric([name, kind.value], 1.0)
@@ -164,7 +174,7 @@ class WorkerCollector(Collector):
             if view.info is not None:
                 load.add_metric([name], view.info.load_time_s)
         yield from (info, state, running, waiting, in_flight, rss, active, cache, peak, wired)
-        yield from (cache_limit, load, restarts)
+        yield from (cache_limit, load, restarts, after_crash)
         yield from self.prefix_cache()
 
     def prefix_cache(self) -> Iterator[Metric]:

@@ -42,6 +42,8 @@ class ModelView:
     heartbeat: Heartbeat | None  # the serving worker's last
     info: Ready | None  # the serving worker's Ready
     last_info: Ready | None  # the last Ready of any of its workers: what it can do
+    # requests its workers' deaths touched: (resumed, replayed, ended with worker_died)
+    after_crash: tuple[int, int, int] = (0, 0, 0)
 
     @property
     def name(self) -> str:

@@ -15,9 +15,11 @@ everyone's strike. A request with more strikes than `server.resume_max` (a repla
 more than one) ends with `worker_died` and is not sent again: it cannot crash-loop its
 model nor take the others with it.
 
-The model restarts after an exponential backoff; one that crashed
-`server.crash_loop_count` times within `server.crash_loop_window_s` backs off longer
-(`server.crash_backoff_s`, doubling per loop in a row up to `crash_backoff_max_s`: state
+The model restarts after an exponential backoff (doubling per crash in the window; a worker
+that had made output starts the count over: a kill from outside or a poison request is not
+a broken model); one that crashed `server.crash_loop_count` times within
+`server.crash_loop_window_s`, no worker after the first of them having made output, backs
+off longer (`server.crash_backoff_s`, doubling per loop in a row up to `crash_backoff_max_s`: state
 `backoff`, its requests refused with Retry-After), then restarts by itself.
 """
 
@@ -103,6 +105,9 @@ class Recovery:
             slot.crashes.popleft()
         if slot.last_crash is not None and now - slot.last_crash > window:
             slot.loops = 0  # it served a whole window since its last crash
+        if handle.served:  # it made output: the model works, whatever killed this worker
+            slot.crashes.clear()
+            slot.loops = 0
         slot.crashes.append(now)
         slot.last_crash = now
         message = f"the worker of model {slot.name!r} died: {reason}"
@@ -127,7 +132,7 @@ class Recovery:
                 slot.last_error,
                 delay,
             )
-            self.fail_replay(slot, f"{message}; {slot.last_error}")
+            slot.died += self.fail_replay(slot, f"{message}; {slot.last_error}")
             self.tasks.spawn(self._restart(slot, delay))
             return
         log.error(
@@ -159,7 +164,7 @@ class Recovery:
                 reason = getattr(exc, "message", "the restart was cancelled")
                 slot.restarting = False
                 slot.error = slot.last_error = f"restart failed: {reason}"
-                self.fail_replay(slot, slot.error)
+                slot.died += self.fail_replay(slot, slot.error)
 
     def blame(
         self, slot: Slot, held: list[RequestStream], message: str
@@ -177,6 +182,7 @@ class Recovery:
             slot.isolate = False
         again: list[RequestStream] = []
         for stream in held:
+            ended = stream.finished
             stream.probation = False
             stream.crashes += 1
             if stream in charged:
@@ -202,7 +208,11 @@ class Recovery:
             else:
                 if stream.resumable:
                     stream.resumes += 1
+                    slot.resumed += 1
+                else:
+                    slot.replayed += 1
                 again.append(stream)
+            slot.died += stream.finished and not ended
         again.sort(key=lambda s: s.resumable)  # those that had made nothing first
         return sum(not s.resumable for s in again), again
 
@@ -268,7 +278,9 @@ class Recovery:
             stream.fail(ErrorCode.WORKER_UNAVAILABLE, f"model {slot.name!r} is unreachable")
         return sent
 
-    def fail_replay(self, slot: Slot, message: str) -> None:
+    def fail_replay(self, slot: Slot, message: str) -> int:
+        """Ends the requests waiting for a new worker; how many there were."""
         replay, slot.replay = slot.replay, []
         for stream in replay:
             stream.fail(ErrorCode.WORKER_DIED, message)
+        return len(replay)

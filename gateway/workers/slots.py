@@ -47,6 +47,7 @@ class WorkerHandle:
     step_moved_at: float = field(default_factory=time.monotonic)
     retiring: bool = False  # unload or reload: its exit is expected
     killed: bool = False  # by the liveness watch
+    served: bool = False  # it sent output: its model works (a crash of it is not a loop's)
     error: str | None = None
     exit_code: int | None = None
 
@@ -86,6 +87,11 @@ class Slot:
     loops: int = 0
     last_crash: float | None = None  # time.monotonic()
     restarts: int = 0
+    # the requests its workers' deaths touched: sent on as continuations, sent again from
+    # the start, ended with worker_died
+    resumed: int = 0
+    replayed: int = 0
+    died: int = 0
     served: int = 0
     last_used: float = field(default_factory=time.monotonic)
     keep_alive_s: float | None = None  # the last request's keep_alive
@@ -133,6 +139,7 @@ class Slot:
             handle.heartbeat if handle is not None else None,
             handle.info if handle is not None else None,
             self.last_info,
+            (self.resumed, self.replayed, self.died),
         )
 
 
@@ -220,6 +227,9 @@ def status_row(slot: Slot, ttl: float, now: float) -> dict[str, object]:
         "in_flight": slot.in_flight(),
         "served": slot.served,
         "restarts": slot.restarts,
+        "resumed": slot.resumed,
+        "replayed": slot.replayed,
+        "died": slot.died,
         "uptime_s": None,
         "ttl_s": None if ttl < 0 else ttl,
         "ttl_left_s": None,

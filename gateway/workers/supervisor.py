@@ -231,6 +231,7 @@ class Supervisor:
             note_step(handle, frame.step, now)
             streams = handle.streams
             released = False
+            handle.served = handle.served or bool(frame.outputs)
             for output in frame.outputs:
                 stream = streams.get(output.request_id)
                 if stream is not None:
