@@ -57,12 +57,22 @@ def gateway_run_dir() -> Path:
 
 
 def write_gateway_config(
-    path: Path, run_dir: Path, model: str, name: str, engine: dict[str, bool | int | float | str]
+    path: Path,
+    run_dir: Path,
+    model: str,
+    name: str,
+    engine: dict[str, bool | int | float | str],
+    extra: dict[str, bool | int | float | str] | None = None,
 ) -> Path:
     """A gateway config serving one model as ``name`` with ``engine`` options (e.g.
-    ``{"prefix_cache": False}``); sockets, logs and an empty key file (so a developer's own
-    keys never turn auth on) go under ``run_dir``."""
-    server = {"run_dir": str(run_dir), "keys_file": f"{run_dir}/keys.json", "drain_timeout_s": 3.0}
+    ``{"prefix_cache": False}``) and ``extra`` server settings; sockets, logs and an empty
+    key file (so a developer's own keys never turn auth on) go under ``run_dir``."""
+    server: dict[str, bool | int | float | str] = {
+        "run_dir": str(run_dir),
+        "keys_file": f"{run_dir}/keys.json",
+        "drain_timeout_s": 3.0,
+        **(extra or {}),
+    }
     lines = ["[server]"] + [f"{k} = {_toml(v)}" for k, v in server.items()]
     lines += ["", "[[models]]", f"name = {_toml(name)}", f"source = {_toml(model)}"]
     if engine:
