@@ -9,6 +9,7 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
+from importlib.metadata import version
 from typing import Any
 
 import msgspec
@@ -16,12 +17,15 @@ import uvicorn
 from litestar import Litestar, Request, Response, get
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
+from litestar.openapi import OpenAPIConfig
 
 from gateway.admin import admin_router, create_admin_app
 from gateway.api.anthropic.routes import anthropic_router
 from gateway.api.audio.routes import audio_router
 from gateway.api.errors import error_response
 from gateway.api.openai.routes import openai_router
+from gateway.api.openai.schemas import ErrorBody
+from gateway.api.openapi import documented
 from gateway.api.rerank.routes import rerank_router
 from gateway.api.responses.routes import responses_router
 from gateway.api.serve import InFlight
@@ -47,7 +51,7 @@ log = logging.getLogger("gateway")
 WATCH_PARENT_ENV = "MLX_GATEWAY_PARENT_PID"
 
 
-@get("/health")
+@get("/health", operation_class=documented(ErrorBody))
 async def health(state: State) -> dict[str, object]:
     workers: WorkerClient = state.workers
     models = {view.name: view.state.value for view in workers.views()}
@@ -202,6 +206,11 @@ def create_app(config: Config) -> GatewayApp:
         request_max_body_size=config.server.max_body_bytes,
         logging_config=None,  # gateway.ctl.server configures logging once for the process
         type_encoders={msgspec.Struct: msgspec.to_builtins},
+        openapi_config=OpenAPIConfig(
+            title="mlx-gateway",
+            version=version("mlx-gateway"),
+            description="OpenAI- and Anthropic-compatible API of a local MLX serving gateway",
+        ),
     )
     asgi = GatewayMiddleware(
         litestar,

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -17,74 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.app import create_app
-from gateway.errors import GatewayError
-from gateway.workers.capabilities import check_capabilities
-from gateway.workers.client import RequestStream, Submission
-from gateway.workers.slots import Slot
-from shared.config import Config, ModelConfig, ServerConfig
-from shared.protocol import Capacity, Ready
-from shared.types import ErrorCode, FinishReason, RequestKind, RequestOutput, Usage
-
-MODELS = {
-    "text": ["chat", "completion", "logprobs", "echo", "tokenize", "structured_output", "tools"],
-    "embed": ["embeddings", "rerank"],
-    "tts": ["speech"],
-}
-
-
-class Workers:
-    """Answers every request as a worker of its model's kind would (one token of text,
-    vectors, scores or audio), after the capability checks the supervisor makes."""
-
-    def resolve(self, name: str) -> Any:
-        if name not in MODELS:
-            raise GatewayError(ErrorCode.MODEL_NOT_FOUND, f"no model {name!r}", "model")
-        return SimpleNamespace(name=name)
-
-    def must_load(self, name: str) -> bool:
-        return False
-
-    def view(self, name: str) -> Any:
-        info = Ready("w", Capacity(4, 4, 4096), capabilities=MODELS[name])
-        return SimpleNamespace(info=info, last_info=info)
-
-    def check(self, name: str, needs: Sequence[str]) -> None:
-        slot = Slot(ModelConfig(name=name, source="/nowhere"))
-        slot.last_info = Ready("w", Capacity(4, 4, 4096), capabilities=MODELS[name])
-        check_capabilities(slot, list(needs))
-
-    async def submit(self, submission: Submission) -> RequestStream:
-        self.check(submission.model, submission.needs)
-        stream = RequestStream(submission.request_id or "r", submission.model, "w")
-        rid, request = stream.request_id, submission.request
-        end = RequestOutput(rid, finish_reason=FinishReason.STOP, usage=Usage(3, 1))
-        if submission.kind in (RequestKind.CHAT, RequestKind.COMPLETION):
-            end.text, end.token_ids = "ok", [1]
-        elif submission.kind == RequestKind.EMBEDDING:
-            count = len(request.inputs) or len(request.input_token_ids)
-            end.embeddings, end.dimensions = bytes(8 * count), 2
-        elif submission.kind == RequestKind.RERANK:
-            end.scores = [0.5] * len(request.documents)
-        elif submission.kind == RequestKind.SPEECH:
-            end.audio, end.duration = b"\x00\x01", 0.1
-        asyncio.get_running_loop().call_soon(stream.put, end)
-        return stream
-
-    def abort(self, stream: RequestStream) -> None:
-        pass
-
-    async def call(self, name: str, method: str, args: dict[str, Any], **_: Any) -> Any:
-        return {"tokens": [1, 2], "count": 2, "max_context": 4096}
+from tests.scripted_workers import scripted_app
 
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    folder = tmp_path_factory.mktemp("fuzz")
-    settings_ = {"keys_file": str(folder / "keys.json"), "run_dir": str(folder)}
-    application = create_app(Config(server=ServerConfig(**settings_)))  # type: ignore[arg-type]
-    application.state.workers = Workers()
-    return application
+    return scripted_app(tmp_path_factory.mktemp("fuzz"))
 
 
 JSON = st.recursive(

@@ -12,7 +12,8 @@ from msgspec import Meta
 from gateway.api.common import decode_body
 from gateway.api.images import ImageLimits, images_in, resolve_images
 from gateway.api.openai.messages import message_of
-from gateway.api.openai.schemas import ChatMessage
+from gateway.api.openai.schemas import ChatMessage, ErrorBody
+from gateway.api.openapi import documented
 from gateway.api.serve import JSON
 from gateway.edge.middleware import authorize_model, context_of
 from gateway.errors import GatewayError
@@ -60,7 +61,19 @@ async def tokenize_prompt(
     return await workers.tokenize(model, kind, canonical, with_text)
 
 
-@post("/tokenize", status_code=200)
+@post(
+    "/tokenize",
+    status_code=200,
+    operation_class=documented(
+        ErrorBody,
+        {JSON: TokenizeRequest},
+        {JSON: TokenizeResponse},
+        {
+            "a prompt": {"model": "my-model", "prompt": "Hello!"},
+            "a chat": {"model": "my-model", "messages": [{"role": "user", "content": "Hello!"}]},
+        },
+    ),
+)
 async def tokenize(request: Request[Any, Any, Any], state: State) -> Response[bytes]:
     body = decode_body(await request.body(), TokenizeRequest)
     if (body.prompt is None) == (body.messages is None):
@@ -95,7 +108,16 @@ async def tokenize(request: Request[Any, Any, Any], state: State) -> Response[by
     return Response(msgspec.json.encode(out), media_type=JSON)
 
 
-@post("/detokenize", status_code=200)
+@post(
+    "/detokenize",
+    status_code=200,
+    operation_class=documented(
+        ErrorBody,
+        {JSON: DetokenizeRequest},
+        {JSON: None},
+        {"two tokens": {"model": "my-model", "tokens": [9906, 0]}},
+    ),
+)
 async def detokenize(request: Request[Any, Any, Any], state: State) -> Response[bytes]:
     body = decode_body(await request.body(), DetokenizeRequest)
     workers: WorkerClient = state.workers

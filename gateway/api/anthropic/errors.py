@@ -6,6 +6,7 @@ import msgspec
 from litestar import Request, Response
 
 from gateway.api import http
+from gateway.api.anthropic.schemas import ErrorBody, ErrorDetail
 from gateway.errors import GatewayError
 from shared.types import ErrorCode
 
@@ -28,7 +29,7 @@ def error_json(error: GatewayError) -> bytes:
     kind = TYPES.get(error.status, "api_error")
     if error.status == 503 and error.code != ErrorCode.OVERLOADED:
         kind = "api_error"
-    return msgspec.json.encode({"type": "error", "error": {"type": kind, "message": error.message}})
+    return msgspec.json.encode(ErrorBody(ErrorDetail(kind, error.message)))
 
 
 def error_response(request: Request, exc: GatewayError) -> Response[bytes]:

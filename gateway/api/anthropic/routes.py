@@ -12,9 +12,16 @@ from litestar.response import Stream
 
 from gateway.api.anthropic.errors import error_response
 from gateway.api.anthropic.formatter import count_tokens_body
-from gateway.api.anthropic.schemas import CountTokensRequest, MessagesRequest
+from gateway.api.anthropic.schemas import (
+    CountTokensBody,
+    CountTokensRequest,
+    ErrorBody,
+    MessageBody,
+    MessagesRequest,
+)
 from gateway.api.anthropic.translate import messages_formatter, messages_request, prompt_request
 from gateway.api.common import decode_body
+from gateway.api.openapi import SSE, documented
 from gateway.api.serve import JSON, Job, Served, serve
 from gateway.api.tokenize import tokenize_prompt
 from gateway.edge.logs import log_body
@@ -22,6 +29,13 @@ from gateway.edge.middleware import context_of
 from gateway.errors import GatewayError
 from gateway.workers.client import WorkerClient
 from shared.types import RequestKind
+
+# Bodies each endpoint serves, shown in the OpenAPI document
+HELLO = {"model": "my-model", "messages": [{"role": "user", "content": "Hello!"}]}
+MESSAGES_EXAMPLES = {
+    "a question": {**HELLO, "max_tokens": 64},
+    "streamed": {**HELLO, "max_tokens": 64, "stream": True},
+}
 
 
 def model_thinks(state: State, name: str) -> bool:
@@ -35,7 +49,13 @@ def model_thinks(state: State, name: str) -> bool:
     return info is not None and "reasoning" in info.capabilities
 
 
-@post("/messages", status_code=200)
+@post(
+    "/messages",
+    status_code=200,
+    operation_class=documented(
+        ErrorBody, {JSON: MessagesRequest}, {JSON: MessageBody, SSE: None}, MESSAGES_EXAMPLES
+    ),
+)
 async def create_message(request: Request[Any, Any, Any], state: State) -> Response[bytes] | Stream:
     raw = await request.body()
     ctx = context_of(request.scope)
@@ -53,7 +73,13 @@ async def create_message(request: Request[Any, Any, Any], state: State) -> Respo
     return response
 
 
-@post("/messages/count_tokens", status_code=200)
+@post(
+    "/messages/count_tokens",
+    status_code=200,
+    operation_class=documented(
+        ErrorBody, {JSON: CountTokensRequest}, {JSON: CountTokensBody}, {"a question": HELLO}
+    ),
+)
 async def count_tokens(request: Request[Any, Any, Any], state: State) -> Response[bytes]:
     raw = await request.body()
     log_body(state.config.server.log_bodies, context_of(request.scope), raw)

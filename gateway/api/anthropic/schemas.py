@@ -281,3 +281,14 @@ class MessageDelta(msgspec.Struct, tag="message_delta", tag_field="type"):
 
 class MessageStop(msgspec.Struct, tag="message_stop", tag_field="type"):
     pass
+
+
+class ErrorDetail(msgspec.Struct):
+    type: str
+    message: str
+
+
+class ErrorBody(msgspec.Struct, tag="error", tag_field="type"):
+    """Anthropic's error body: {"type": "error", "error": {"type": ..., "message": ...}}."""
+
+    error: ErrorDetail

@@ -15,13 +15,22 @@ from litestar import Request, Response, Router, post
 from litestar.datastructures import State, UploadFile
 from litestar.exceptions import ClientException
 from litestar.exceptions.http_exceptions import RequestEntityTooLarge
+from litestar.openapi.spec import Operation
 from litestar.response import Stream
 
 from gateway.api.audio import speech as speech_
-from gateway.api.audio.transcriptions import FormItem, TranscriptFormatter, transcript_form
+from gateway.api.audio.formats import MEDIA_TYPES, TextBody, VerboseBody
+from gateway.api.audio.transcriptions import (
+    FormItem,
+    TranscriptFormatter,
+    form_schema,
+    transcript_form,
+)
 from gateway.api.common import decode_body, invalid
 from gateway.api.openai.errors import error_response
-from gateway.api.serve import Job, Served, serve
+from gateway.api.openai.schemas import ErrorBody
+from gateway.api.openapi import MULTIPART, SSE, Content, documented, schema_of
+from gateway.api.serve import JSON, Job, Served, serve
 from gateway.edge.logs import log_body
 from gateway.edge.middleware import context_of
 from gateway.errors import GatewayError
@@ -29,7 +38,14 @@ from shared.config import ServerConfig
 from shared.types import AudioPart, ErrorCode, RequestKind
 
 FORM_SLACK = 64 * 1024  # the form's fields and part headers, beyond the file's bytes
-MULTIPART = "multipart/form-data"
+# A transcript: JSON, text (text, srt, vtt) or, streamed, SSE.
+TRANSCRIPTS: Content = {JSON: {"anyOf": [schema_of(TextBody), schema_of(VerboseBody)]}} | {
+    t: None for t in MEDIA_TYPES.values() if t != JSON
+}
+
+
+def _documented(kind: RequestKind) -> type[Operation]:
+    return documented(ErrorBody, {MULTIPART: form_schema(kind)}, {**TRANSCRIPTS, SSE: None})
 
 
 def too_large(max_bytes: int) -> GatewayError:
@@ -98,17 +114,37 @@ async def _transcribe(
     return await serve(request, state, served, TranscriptFormatter(form))
 
 
-@post("/transcriptions", status_code=200)
+@post(
+    "/transcriptions",
+    status_code=200,
+    operation_class=_documented(RequestKind.TRANSCRIPTION),
+)
 async def transcriptions(request: Request[Any, Any, Any], state: State) -> Response[bytes] | Stream:
     return await _transcribe(request, state, RequestKind.TRANSCRIPTION)
 
 
-@post("/translations", status_code=200)
+@post(
+    "/translations",
+    status_code=200,
+    operation_class=_documented(RequestKind.TRANSLATION),
+)
 async def translations(request: Request[Any, Any, Any], state: State) -> Response[bytes] | Stream:
     return await _transcribe(request, state, RequestKind.TRANSLATION)
 
 
-@post("/speech", status_code=200)
+@post(
+    "/speech",
+    status_code=200,
+    operation_class=documented(
+        ErrorBody,
+        {JSON: speech_.SpeechRequest},
+        {**dict.fromkeys(speech_.MEDIA_TYPES.values()), SSE: None},
+        {
+            "a wav file": {"model": "my-voice", "input": "Hello!", "response_format": "wav"},
+            "streamed events": {"model": "my-voice", "input": "Hello!", "stream_format": "sse"},
+        },
+    ),
+)
 async def speech(request: Request[Any, Any, Any], state: State) -> Response[bytes] | Stream:
     raw = await request.body()
     log_body(state.config.server.log_bodies, context_of(request.scope), raw)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -117,6 +118,28 @@ def transcript_form(kind: RequestKind, items: Sequence[FormItem]) -> TranscriptF
             "stream",
         )
     return form
+
+
+def form_schema(kind: RequestKind) -> dict[str, Any]:
+    """The form's fields as transcript_form reads them, as JSON Schema (the OpenAPI document's)."""
+    granularities = {"type": "array", "items": {"enum": list(GRANULARITIES)}}
+    fields: dict[str, Any] = {
+        "file": {"type": "string", "format": "binary"},
+        "model": {"type": "string", "minLength": 1},
+        "prompt": {"type": "string"},
+        "response_format": {"enum": list(FORMATS)},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+        "language": {"type": "string"},
+        GRANULARITY_FIELD: granularities,
+        "timestamp_granularities": granularities,
+        "stream": {"type": "boolean"},
+    }
+    return {
+        "type": "object",
+        "properties": {name: fields[name] for name in sorted(FIELDS[kind])},
+        "required": ["file", "model"],
+        "additionalProperties": False,
+    }
 
 
 def _unknown(kind: RequestKind, name: str) -> GatewayError:

@@ -14,13 +14,16 @@ from litestar.response import Stream
 from msgspec import Meta
 
 from gateway.api.common import decode_body, invalid
+from gateway.api.openai.schemas import ErrorBody
+from gateway.api.openapi import documented
 from gateway.api.relay import Choice, WholeBody
-from gateway.api.serve import Job, Served, serve
+from gateway.api.serve import JSON, Job, Served, serve
 from gateway.edge.logs import log_body
 from gateway.edge.middleware import context_of
 from shared.types import CanonicalRequest, RequestKind, SamplingParams, Usage
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs a request
+EXAMPLES = {"two texts": {"model": "my-embedder", "input": ["a cat", "a dog"]}}
 
 
 class EmbeddingRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -100,7 +103,13 @@ class EmbeddingFormatter(WholeBody):
         return msgspec.json.encode(EmbeddingList(data, self.model, EmbeddingUsage(tokens, tokens)))
 
 
-@post("/embeddings", status_code=200)
+@post(
+    "/embeddings",
+    status_code=200,
+    operation_class=documented(
+        ErrorBody, {JSON: EmbeddingRequest}, {JSON: EmbeddingList}, EXAMPLES
+    ),
+)
 async def embeddings(
     request: Request[Any, Any, Any], state: State
 ) -> Response[bytes] | Stream:  # a JSON body: `served` never streams

@@ -14,8 +14,11 @@ from gateway.api.common import decode_body
 from gateway.api.openai.embeddings import embeddings
 from gateway.api.openai.errors import error_response
 from gateway.api.openai.schemas import (
+    ChatCompletion,
     ChatCompletionRequest,
+    Completion,
     CompletionRequest,
+    ErrorBody,
     ModelCard,
     ModelList,
 )
@@ -26,6 +29,7 @@ from gateway.api.openai.translate import (
     completion_request,
     keep_alive_of,
 )
+from gateway.api.openapi import SSE, documented
 from gateway.api.serve import JSON, InFlight, Job, Served, serve
 from gateway.edge.logs import log_body
 from gateway.edge.middleware import authorize_model, context_of
@@ -35,9 +39,29 @@ from shared.modelinfo import kind_served, peek
 from shared.types import RequestKind
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Bodies each endpoint serves, shown in the OpenAPI document
+HELLO = [{"role": "user", "content": "Hello!"}]
+STREAMED = {"stream": True, "stream_options": {"include_usage": True}}
+CHAT_EXAMPLES = {
+    "a question": {"model": "my-model", "messages": HELLO, "max_tokens": 64},
+    "streamed": {"model": "my-model", "messages": HELLO, **STREAMED},
+}
+COMPLETION_EXAMPLES = {
+    "a prompt": {"model": "my-model", "prompt": "Once upon a time", "max_tokens": 32},
+    "streamed": {"model": "my-model", "prompt": "Once upon a time", **STREAMED},
+}
 
 
-@post("/chat/completions", status_code=200)
+@post(
+    "/chat/completions",
+    status_code=200,
+    operation_class=documented(
+        ErrorBody,
+        {JSON: ChatCompletionRequest},
+        {JSON: ChatCompletion, SSE: None},
+        CHAT_EXAMPLES,
+    ),
+)
 async def chat_completions(
     request: Request[Any, Any, Any], state: State
 ) -> Response[bytes] | Stream:
@@ -59,7 +83,13 @@ async def chat_completions(
     return await serve(request, state, served, fmt)
 
 
-@post("/completions", status_code=200)
+@post(
+    "/completions",
+    status_code=200,
+    operation_class=documented(
+        ErrorBody, {JSON: CompletionRequest}, {JSON: Completion, SSE: None}, COMPLETION_EXAMPLES
+    ),
+)
 async def completions(request: Request[Any, Any, Any], state: State) -> Response[bytes] | Stream:
     raw = await request.body()
     log_body(state.config.server.log_bodies, context_of(request.scope), raw)
@@ -109,14 +139,17 @@ def model_card(state: State, name: str) -> ModelCard:
     )
 
 
-@get("/models")
+@get("/models", operation_class=documented(ErrorBody, replies={JSON: ModelList}))
 async def list_models(state: State) -> Response[bytes]:
     workers: WorkerClient = state.workers
     cards = [model_card(state, name) for name in workers.models]
     return Response(msgspec.json.encode(ModelList(cards)), media_type=JSON)
 
 
-@get("/models/{model_id:path}")
+@get(
+    "/models/{model_id:path}",
+    operation_class=documented(ErrorBody, replies={JSON: ModelCard}),
+)
 async def get_model(
     request: Request[Any, Any, Any], state: State, model_id: FromPath[str]
 ) -> Response[bytes]:
@@ -127,7 +160,11 @@ async def get_model(
     return Response(msgspec.json.encode(model_card(state, name)), media_type=JSON)
 
 
-@post("/requests/{request_id:str}/cancel", status_code=200)
+@post(
+    "/requests/{request_id:str}/cancel",
+    status_code=200,
+    operation_class=documented(ErrorBody, replies={JSON: None}),
+)
 async def cancel_request(
     request: Request[Any, Any, Any], state: State, request_id: FromPath[str]
 ) -> Response[bytes]:

@@ -15,14 +15,24 @@ from msgspec import Meta
 
 from gateway.api.common import decode_body, invalid
 from gateway.api.openai.errors import error_response
+from gateway.api.openai.schemas import ErrorBody
+from gateway.api.openapi import documented
 from gateway.api.relay import Choice, WholeBody
-from gateway.api.serve import Job, Served, serve
+from gateway.api.serve import JSON, Job, Served, serve
 from gateway.edge.logs import log_body
 from gateway.edge.middleware import context_of
 from gateway.errors import GatewayError
 from shared.types import CanonicalRequest, RequestKind, SamplingParams, Usage
 
 MAX_DOCUMENTS = 1000
+EXAMPLES = {
+    "three documents": {
+        "model": "my-reranker",
+        "query": "What is a cat?",
+        "documents": ["A cat is a small feline.", "Dogs bark.", "Cats purr."],
+        "top_n": 2,
+    }
+}
 
 
 class TextDocument(msgspec.Struct, forbid_unknown_fields=True):
@@ -97,7 +107,11 @@ class RerankFormatter(WholeBody):
         return msgspec.json.encode(body)
 
 
-@post(["/v1/rerank", "/v2/rerank", "/rerank"], status_code=200)
+@post(
+    ["/v1/rerank", "/v2/rerank", "/rerank"],
+    status_code=200,
+    operation_class=documented(ErrorBody, {JSON: RerankRequest}, {JSON: RerankResponse}, EXAMPLES),
+)
 async def rerank(request: Request[Any, Any, Any], state: State) -> Response[bytes] | Stream:
     raw = await request.body()
     log_body(state.config.server.log_bodies, context_of(request.scope), raw)

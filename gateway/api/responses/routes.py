@@ -22,6 +22,8 @@ from litestar.response import Stream
 
 from gateway.api.common import decode_body, invalid
 from gateway.api.openai.errors import error_response
+from gateway.api.openai.schemas import ErrorBody
+from gateway.api.openapi import SSE, documented
 from gateway.api.responses.formatter import ResponsesFormatter
 from gateway.api.responses.schemas import (
     DeletedResponse,
@@ -107,7 +109,21 @@ def _json(body: object) -> Response[bytes]:
     return Response(msgspec.json.encode(body), media_type=JSON)
 
 
-@post("/responses", status_code=200)
+# Bodies /v1/responses serves, shown in the OpenAPI document
+EXAMPLES = {
+    "a question": {"model": "my-model", "input": "Hello!", "max_output_tokens": 64},
+    "streamed": {"model": "my-model", "input": "Hello!", "stream": True},
+    "in the background": {"model": "my-model", "input": "Hello!", "background": True},
+}
+
+
+@post(
+    "/responses",
+    status_code=200,
+    operation_class=documented(
+        ErrorBody, {JSON: ResponsesRequest}, {JSON: None, SSE: None}, EXAMPLES
+    ),
+)
 async def create_response(
     request: Request[Any, Any, Any], state: State
 ) -> Response[bytes] | Stream:
@@ -235,7 +251,10 @@ async def _run_background(
             ctx.finish()
 
 
-@get("/responses/{response_id:str}")
+@get(
+    "/responses/{response_id:str}",
+    operation_class=documented(ErrorBody, replies={JSON: None}),
+)
 async def retrieve_response(
     request: Request[Any, Any, Any], state: State, response_id: FromPath[str]
 ) -> Response[bytes]:
@@ -244,7 +263,11 @@ async def retrieve_response(
     return _json(_lookup(request, state, response_id).response)
 
 
-@delete("/responses/{response_id:str}", status_code=200)
+@delete(
+    "/responses/{response_id:str}",
+    status_code=200,
+    operation_class=documented(ErrorBody, replies={JSON: DeletedResponse}),
+)
 async def delete_response(
     request: Request[Any, Any, Any], state: State, response_id: FromPath[str]
 ) -> Response[bytes]:
@@ -256,7 +279,10 @@ async def delete_response(
     return _json(DeletedResponse(response_id))
 
 
-@get("/responses/{response_id:str}/input_items")
+@get(
+    "/responses/{response_id:str}/input_items",
+    operation_class=documented(ErrorBody, replies={JSON: None}),
+)
 async def list_input_items(
     request: Request[Any, Any, Any], state: State, response_id: FromPath[str]
 ) -> Response[bytes]:
@@ -278,7 +304,11 @@ async def list_input_items(
     return _json(page)
 
 
-@post("/responses/{response_id:str}/cancel", status_code=200)
+@post(
+    "/responses/{response_id:str}/cancel",
+    status_code=200,
+    operation_class=documented(ErrorBody, replies={JSON: None}),
+)
 async def cancel_response(
     request: Request[Any, Any, Any], state: State, response_id: FromPath[str]
 ) -> Response[bytes]:
