@@ -218,5 +218,7 @@ def create_app(config: Config) -> GatewayApp:
         limiter,
         finish_hooks,
         metrics_open=config.server.metrics_open,
+        body_timeout_s=config.server.body_read_timeout_s,
+        send_timeout_s=config.server.send_timeout_s,
     )
     return GatewayApp(litestar, asgi)

@@ -198,6 +198,13 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     blas_threads: int = 0  # 0 = auto (half the cores)
     log_level: str = "info"
     http_server: Literal["granian", "uvicorn"] = "granian"
+    # Slow clients: a connection's request head in full within header_read_timeout_s of its
+    # opening (or of its last response, kept alive; Granian only), a request's body in full
+    # within body_read_timeout_s of its head (else 408), and a response taken: a client that
+    # takes none of it for send_timeout_s is treated as gone (its request is aborted).
+    header_read_timeout_s: float = 30.0
+    body_read_timeout_s: float = 60.0
+    send_timeout_s: float = 60.0
     # Security (docs/operations.md, "Security model"). API keys live hashed in keys_file
     # (default: <user config dir>/keys.json, managed by `gatewayctl keys`); once it holds a
     # key, every request needs one. Serving a non-loopback address with no key is refused
@@ -414,7 +421,13 @@ def _validate(config: Config) -> None:
     ):
         if getattr(server, key) < 1:
             raise ConfigError(f"server.{key} must be at least 1")
-    if not 0 < server.image_fetch_timeout_s < float("inf"):
-        raise ConfigError("server.image_fetch_timeout_s must be a positive number of seconds")
+    for key in (
+        "image_fetch_timeout_s",
+        "header_read_timeout_s",
+        "body_read_timeout_s",
+        "send_timeout_s",
+    ):
+        if not 0 < getattr(server, key) < float("inf"):
+            raise ConfigError(f"server.{key} must be a positive number of seconds")
     if (server.tls_cert is None) != (server.tls_key is None):
         raise ConfigError("server.tls_cert and server.tls_key go together: set both or neither")

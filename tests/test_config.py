@@ -360,6 +360,18 @@ def test_bad_image_settings_are_named(tmp_path: Path, setting: str) -> None:
         load_config(write(tmp_path, f"[server]\n{setting}\n"))
 
 
+@pytest.mark.parametrize(
+    "setting",
+    ["header_read_timeout_s = 0", "body_read_timeout_s = -1", "send_timeout_s = inf"],
+)
+def test_slow_client_timeouts_are_positive_and_named(tmp_path: Path, setting: str) -> None:
+    server = ServerConfig()
+    assert (server.header_read_timeout_s, server.body_read_timeout_s) == (30.0, 60.0)
+    assert server.send_timeout_s == 60.0
+    with pytest.raises(ConfigError, match=f"server.{setting.split()[0]}"):
+        load_config(write(tmp_path, f"[server]\n{setting}\n"))
+
+
 def test_fused_cpu_ops_takes_a_bool_only(tmp_path: Path) -> None:
     head = '[[models]]\nname = "a"\nsource = "x"\n[models.engine]\n'
     off = load_config(write(tmp_path, head + "fused_cpu_ops = false\n"))

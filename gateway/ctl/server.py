@@ -74,7 +74,8 @@ def serve(config: Config) -> None:
 
 def _granian(config: Config, tls: tuple[Path, Path] | None) -> None:
     from granian import Granian
-    from granian.constants import Interfaces, Loops
+    from granian.constants import HTTPModes, Interfaces, Loops
+    from granian.http import HTTP1Settings
 
     os.environ[CONFIG_JSON_ENV] = msgspec.json.encode(config).decode()
     os.environ[WATCH_PARENT_ENV] = str(os.getpid())
@@ -84,6 +85,13 @@ def _granian(config: Config, tls: tuple[Path, Path] | None) -> None:
         address=config.server.host,
         port=config.server.port,
         interface=Interfaces.ASGI,
+        # HTTP/1.1 only: with HTTP/2 offered too, a connection that sends nothing is never
+        # timed out (the protocol is sniffed first, with no timer) and holds one of
+        # Granian's connections (backpressure) for good.
+        http=HTTPModes.http1,
+        http1_settings=HTTP1Settings(
+            header_read_timeout=math.ceil(config.server.header_read_timeout_s * 1000)
+        ),
         workers=1,
         loop=Loops.uvloop,
         log_level=config.server.log_level,  # type: ignore[arg-type]

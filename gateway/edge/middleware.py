@@ -1,4 +1,5 @@
-"""The gateway's ASGI middleware: request id, authentication, per-key limits, finish hooks.
+"""The gateway's ASGI middleware: request id, authentication, per-key limits, finish hooks,
+a slow client's deadlines (gateway/edge/deadlines.py).
 
 Plain ASGI in front of Litestar, so that refusals (401, 403, 429) cost no routing and come
 out in the error shape of the protocol the path belongs to (OpenAI or Anthropic), and so that
@@ -22,6 +23,7 @@ from typing import Any
 
 from gateway.api.errors import error_json
 from gateway.edge.context import RequestContext, client_request_id, new_request_id
+from gateway.edge.deadlines import ClientDeadlines
 from gateway.edge.keys import KeyStore
 from gateway.edge.ratelimit import KeyLimiter
 from gateway.errors import GatewayError
@@ -85,12 +87,16 @@ class GatewayMiddleware:
         finish_hooks: list[Callable[[RequestContext], None]],
         *,
         metrics_open: bool = False,
+        body_timeout_s: float = 60.0,
+        send_timeout_s: float = 60.0,
     ) -> None:
         self.app = app
         self.keys = keys
         self.limiter = limiter
         self.finish_hooks = finish_hooks
         self.metrics_open = metrics_open
+        self.body_timeout_s = body_timeout_s
+        self.send_timeout_s = send_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -112,18 +118,22 @@ class GatewayMiddleware:
             ctx.finish()
             return
         ctx.on_finish.extend(self.finish_hooks)
+        deadlines = ClientDeadlines(
+            receive, send, self.body_timeout_s, self.send_timeout_s, ctx.request_id
+        )
 
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
                 ctx.status = message["status"]
                 message["headers"] = [*message.get("headers", ()), *extra]
-            await send(message)
+            await deadlines.send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 ctx.finish()
 
         try:
-            await self.app(scope, receive, send_with_headers)
+            await self.app(scope, deadlines.receive, send_with_headers)
         finally:
+            deadlines.close()
             ctx.finish()  # idempotent: a disconnect or an error also ends the request
 
     def _admit(self, ctx: RequestContext, headers: dict[bytes, bytes]) -> list[tuple[bytes, bytes]]:
