@@ -36,7 +36,7 @@ import signal
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import httpx
@@ -72,6 +72,7 @@ class Report:
     under_fault: int = 0  # in flight when a fault came (and not disconnected by us)
     under_fault_completed: int = 0
     under_fault_errored: int = 0
+    pauses: list[float] = field(default_factory=list)  # the longest wait for data, per faulted
     faults: dict[str, int] = field(default_factory=dict)
     restarts: int = 0
     after_crash: dict[str, float] = field(default_factory=dict)
@@ -113,6 +114,20 @@ def memory_mb(root: int, run_dir: Path) -> tuple[float, float]:
     return round(gateway / 2**20, 1), round(worker_rss / 2**20, 1)
 
 
+def wait_serving(url: str, run_dir: Path, timeout: float) -> None:
+    """Until the model is ready on a worker that is not frozen (SIGSTOP: the liveness watch
+    kills it after the heartbeat timeout, and a new one comes up)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid = admin_ps(run_dir).get("pid")
+        with contextlib.suppress(psutil.Error):
+            if isinstance(pid, int) and psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+                wait_models_ready(url, max(1.0, deadline - time.monotonic()))
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"model not serving after {timeout:.0f}s")
+
+
 def body(rng: random.Random, max_tokens: int) -> dict[str, object]:
     topic = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40)))
     sampled = rng.random() < 0.5
@@ -137,6 +152,7 @@ async def one(
 ) -> None:
     seen = faults.count
     outcome = "lost: the stream ended without [DONE]"
+    longest, last = 0.0, time.monotonic()
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=payload) as r:
             if r.status_code != 200:
@@ -146,7 +162,9 @@ async def one(
                 chunks = 0
                 async for line in r.aiter_lines():
                     if not line.startswith("data: "):
-                        continue
+                        continue  # a keep-alive comment (or a blank line) is no data
+                    now = time.monotonic()
+                    longest, last = max(longest, now - last), now
                     if line == "data: [DONE]":
                         outcome = "completed"
                         break
@@ -164,6 +182,8 @@ async def one(
         outcome = f"lost: {type(exc).__name__}"
     faulted = faults.count != seen and outcome != "disconnected"
     report.under_fault += faulted
+    if faulted:
+        report.pauses.append(round(longest, 2))
     if outcome == "completed":
         report.completed += 1
         report.under_fault_completed += faulted
@@ -232,8 +252,8 @@ async def drive(args: argparse.Namespace, server: Server, run_dir: Path) -> Repo
         stop.set()
         await faulting
         report.seconds = round(time.monotonic() - started, 1)
-        # the last fault's worker back, then the figures at the end
-        await asyncio.to_thread(wait_models_ready, server.url, 120)
+        # the last fault's worker back (a frozen one killed first), then the figures
+        await asyncio.to_thread(wait_serving, server.url, run_dir, 120)
         report.faults = dict(faults.kinds)
         report.restarts = int(admin_ps(run_dir)["restarts"]) - restarts_before  # type: ignore[call-overload]
         end = after_crash(server.url)
@@ -254,6 +274,10 @@ def print_report(r: Report) -> None:
         f"under a fault       {r.under_fault}: {r.under_fault_completed} completed, "
         f"{r.under_fault_errored} errored"
     )
+    if r.pauses:
+        pauses = sorted(r.pauses)
+        median, worst = pauses[len(pauses) // 2], pauses[-1]
+        print(f"pause under a fault median {median:.1f} s, longest {worst:.1f} s (no data)")
     print(f"after a crash       {r.after_crash} (the gateway's count)")
     print(f"faults              {r.faults}; worker restarts {r.restarts}")
     print(f"gateway memory      {r.gateway_mb[0]:.0f} -> {r.gateway_mb[1]:.0f} MiB")
@@ -287,9 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     config = write_gateway_config(
         run_dir / "gateway.toml", run_dir, args.model, NAME, engine, server_settings
     )
-    fields = {"python": sys.executable, "config": str(config)}
+    launch = {"python": sys.executable, "config": str(config)}
     env = child_env(resolve_blas(args.blas))
-    server = Server("gateway", GATEWAY_COMMAND, fields, env, run_dir)
+    server = Server("gateway", GATEWAY_COMMAND, launch, env, run_dir)
     workers: set[int] = set()
     try:
         server.wait_ready(180)
@@ -301,7 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     report.left_behind = sorted(p for p in workers if psutil.pid_exists(p))
     print_report(report)
     if args.json:
-        args.json.write_text(json.dumps(asdict(report), indent=2) + "\n")
+        data = {f.name: getattr(report, f.name) for f in fields(report)}
+        data = {k: dict(v) if isinstance(v, Counter) else v for k, v in data.items()}
+        args.json.write_text(json.dumps(data, indent=2) + "\n")
     grew = report.gateway_mb[1] > 1.10 * report.gateway_mb[0]
     bad = sum(report.lost.values()) or report.under_fault_errored or grew or report.left_behind
     return 1 if bad else 0

@@ -253,7 +253,7 @@ def test_stop_reason(
 
 def test_response_body() -> None:
     fmt = MessagesFormatter("chat-alias")
-    choice = Choice(0, text="Hello", finish_reason=FinishReason.STOP, stop="END")
+    choice = Choice(0, pieces=["Hello"], finish_reason=FinishReason.STOP, stop="END")
     body = json.loads(fmt.response([choice], Usage(11, 3, cached_tokens=8)))
     assert body == {
         "id": fmt.id,
@@ -371,7 +371,7 @@ def test_usage_parses_in_the_anthropic_sdk() -> None:
     from anthropic.types import MessageDeltaUsage
 
     fmt = MessagesFormatter("m")
-    choice = Choice(0, text="x", finish_reason=FinishReason.STOP)
+    choice = Choice(0, pieces=["x"], finish_reason=FinishReason.STOP)
     usage = SdkMessage.model_validate(json.loads(fmt.response([choice], Usage(9, 1, 9)))).usage
     assert (usage.input_tokens, usage.cache_read_input_tokens) == (0, 9)
     assert usage.cache_creation_input_tokens == 0

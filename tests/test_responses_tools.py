@@ -442,8 +442,7 @@ def test_body_with_reasoning_and_calls() -> None:
     fmt = ResponsesFormatter(new_response(_request()))
     choice = Choice(
         0,
-        text="",
-        reasoning="think",
+        thoughts=["think"],
         tool_calls=[ToolCall("c1", "f", '{"x":1}'), ToolCall("c2", "g", "{}")],
         finish_reason=FinishReason.TOOL_CALLS,
     )
@@ -456,7 +455,7 @@ def test_body_with_reasoning_and_calls() -> None:
         "function_call",
     ]
     assert json.loads(body)["output"][0]["content"] == [{"type": "reasoning_text", "text": "think"}]
-    with_text = Choice(0, text="Hi", reasoning="r", finish_reason=FinishReason.STOP)
+    with_text = Choice(0, pieces=["Hi"], thoughts=["r"], finish_reason=FinishReason.STOP)
     response = _response(
         ResponsesFormatter(new_response(_request())).response([with_text], Usage(5, 2, 0))
     )

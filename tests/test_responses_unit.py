@@ -292,7 +292,7 @@ def test_formatter_error_before_start() -> None:
 
 def test_formatter_non_stream_and_cancel() -> None:
     fmt = ResponsesFormatter(new_response(_request(max_output_tokens=2)))
-    choice = Choice(0, text="ab", finish_reason=FinishReason.LENGTH)
+    choice = Choice(0, pieces=["a", "b"], finish_reason=FinishReason.LENGTH)
     body = json.loads(fmt.response([choice], Usage(5, 2, 1)))
     assert body["status"] == "incomplete"
     assert body["incomplete_details"] == {"reason": "max_output_tokens"}

@@ -52,6 +52,21 @@ def test_interactive_requests_go_first_fifo_within_a_class() -> None:
     assert names(scheduler.schedule()) == ["i1", "i2", "b1", "b2"]
 
 
+def test_a_continuation_goes_to_the_head_of_its_class() -> None:
+    """Resumed after its worker died, its client mid-stream: it has waited longest."""
+    scheduler = make(max_running=1)
+    scheduler.add(request("a"))
+    assert names(scheduler.schedule()) == ["a"]
+    resumed = request("resumed", prompt=20)
+    resumed.resumed = 5
+    for r in (request("b"), request("c", batch=True), resumed):
+        scheduler.add(r)
+    scheduler.finish("a")
+    assert names(scheduler.schedule()) == ["resumed"]
+    scheduler.finish("resumed")
+    assert names(scheduler.schedule()) == ["b"]
+
+
 def test_max_running_bounds_the_batch_and_a_finish_frees_a_place() -> None:
     scheduler = make(max_running=2)
     for name in "abc":

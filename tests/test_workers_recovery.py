@@ -12,6 +12,7 @@ from gateway.errors import GatewayError
 from gateway.workers.client import ModelState
 from gateway.workers.recovery import backoff_s
 from gateway.workers.slots import status_row as slot_row
+from gateway.workers.stream import PAUSE
 from shared.config import ServerConfig
 from shared.protocol import Add
 from shared.types import (
@@ -58,6 +59,28 @@ async def test_a_crash_replays_unstarted_requests_and_resumes_started_ones(
     assert not waiting.finished
 
 
+async def test_a_paused_stream_hears_of_its_pause_until_its_next_worker_makes_output(
+    tmp_path: Path,
+) -> None:
+    r = rig(tmp_path, restart_backoff_s=0.3)
+    r.recovery.pause_keepalive_s = 0.01
+    await r.pool.load("m")
+    slot = r.catalog.slot("m")
+    stream = await r.admission.submit(chat("s"))
+    r.output(r.handle(), RequestOutput("s", text="a", token_ids=[1]))
+    assert (await stream.get()).text == "a"
+    r.processes.exit(r.handle(), -9)
+    assert stream.paused
+    assert await stream.get() is PAUSE  # while the new worker comes up
+    await until(lambda: slot.state == ModelState.READY)
+    r.output(r.handle(), RequestOutput("s", text="b", token_ids=[2]))
+    assert not stream.paused
+    outputs = [await stream.get()]
+    while outputs[-1] is PAUSE:  # a nudge may have come just before the output
+        outputs.append(await stream.get())
+    assert outputs[-1].text == "b"
+
+
 async def test_a_request_resumed_resume_max_times_ends_with_worker_died(tmp_path: Path) -> None:
     r = rig(tmp_path, restart_backoff_s=0.01, resume_max=2)
     await r.pool.load("m")
@@ -95,16 +118,19 @@ async def test_a_poison_request_is_found_and_failed_alone_while_the_others_go_on
     assert set(r.handle().streams) == {"a", "poison", "b"}  # together, each on trial
     assert all(s.probation for s in streams.values())
     r.processes.exit(r.handle(), -9)  # on trial together: nobody is charged
-    assert [s.strikes for s in streams.values()] == [1, 1, 1] and slot.isolate
+    assert [s.strikes for s in streams.values()] == [1, 1, 1]
+    assert all(s.alone for s in streams.values())
     deaths = 2
     while not streams["poison"].finished:
         await until(
             lambda: slot.state == ModelState.READY and any(s.probation for s in streams.values())
         )
         handle = r.handle()
-        (rid,) = [rid for rid, s in streams.items() if s.probation]  # one at a time
-        if rid != "poison":
-            r.output(handle, RequestOutput(rid, text="y", token_ids=[2]))
+        trial = [rid for rid, s in streams.items() if s.probation]
+        if trial != ["poison"]:  # the others first, together once they were tried alone
+            assert "poison" not in trial
+            for rid in trial:
+                r.output(handle, RequestOutput(rid, text="y", token_ids=[2]))
             continue
         r.processes.exit(handle, 1)  # the poison's continuation: it alone was on trial
         deaths += 1
@@ -113,17 +139,15 @@ async def test_a_poison_request_is_found_and_failed_alone_while_the_others_go_on
     assert "it may be what kills the worker" in error.message
     assert streams["poison"].strikes == 3 and deaths == 4
     assert slot.died == 1 and slot.resumed == 3 + 3 + 2 + 2 and not slot.replayed
-    for _ in range(2):  # the others, charged once, go on (singly again) and finish
-        await until(
-            lambda: slot.state == ModelState.READY and any(s.probation for s in streams.values())
-        )
-        (rid,) = [rid for rid, s in streams.items() if s.probation]
-        assert rid != "poison" and streams[rid].strikes == 1
+    # the others, charged once, went on together (they were tried alone already)
+    await until(lambda: slot.state == ModelState.READY and len(r.handle().streams) == 2)
+    for rid in ("a", "b"):
+        assert streams[rid].strikes == 1 and streams[rid].probation
         r.output(r.handle(), RequestOutput(rid, text="z", token_ids=[3]))
         r.output(r.handle(), RequestOutput(rid, finish_reason=FinishReason.STOP))
         outputs = [await streams[rid].get()]
         assert outputs[-1].finish_reason == FinishReason.STOP and outputs[-1].error is None
-    await until(lambda: not slot.isolate)
+    assert not any(s.alone for s in streams.values())
 
 
 async def test_suspects_sent_singly_do_not_hold_back_new_requests_or_aborted_ones(
@@ -137,7 +161,7 @@ async def test_suspects_sent_singly_do_not_hold_back_new_requests_or_aborted_one
     r.processes.exit(r.handle(), -9)
     await until(lambda: slot.state == ModelState.READY)
     r.processes.exit(r.handle(), -9)  # both on trial: singly from now on
-    assert slot.isolate
+    assert first.alone and second.alone
     await until(lambda: slot.state == ModelState.READY and bool(r.handle().streams))
     (trial,) = r.handle().streams
     new = await r.admission.submit(chat("new"))  # not a suspect: sent at once

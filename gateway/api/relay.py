@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from gateway.edge.context import RequestContext
 from gateway.errors import GatewayError
-from gateway.workers.client import RequestStream, WorkerClient
+from gateway.workers.client import PAUSE, RequestStream, WorkerClient
 from shared.types import (
     ErrorCode,
     FinishReason,
@@ -38,7 +38,6 @@ class Choice:
     """One choice, collected whole (non-streaming responses)."""
 
     index: int
-    text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -46,7 +45,6 @@ class Choice:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     stop: str | None = None  # the stop string that ended it
-    reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)  # in index order
     embeddings: bytes = b""  # an embedding request's vectors (RequestOutput.embeddings)
     dimensions: int = 0
@@ -55,6 +53,17 @@ class Choice:
     segments: list[Segment] = field(default_factory=list)
     language: str | None = None
     duration: float | None = None
+    # text and reasoning as they came, joined when read (not copied per delta)
+    pieces: list[str] = field(default_factory=list)
+    thoughts: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return _joined(self.pieces)
+
+    @property
+    def reasoning(self) -> str:
+        return _joined(self.thoughts)
 
     def add(self, output: RequestOutput) -> None:
         if output.embeddings:
@@ -67,8 +76,10 @@ class Choice:
             self.language = output.language
         if output.duration is not None:
             self.duration = output.duration
-        self.text += output.text
-        self.reasoning += output.reasoning
+        if output.text:
+            self.pieces.append(output.text)
+        if output.reasoning:
+            self.thoughts.append(output.reasoning)
         for delta in output.tool_calls:
             if delta.index == len(self.tool_calls):
                 self.tool_calls.append(ToolCall(delta.id, delta.name, ""))
@@ -106,6 +117,12 @@ class WholeBody:
         raise AssertionError(f"{type(self).__name__} is not streamed")
 
     stream_start = stream_delta = stream_finish = stream_end = stream_error = _streamed
+
+
+def _joined(pieces: list[str]) -> str:
+    if len(pieces) > 1:
+        pieces[:] = ["".join(pieces)]
+    return pieces[0] if pieces else ""
 
 
 def total_usage(usages: list[Usage | None], groups: list[int]) -> Usage:
@@ -217,6 +234,8 @@ class Relay:
         """The first delta; a failure here is still a plain HTTP error."""
         try:
             index, output = await self.next()
+            while output is PAUSE:
+                index, output = await self.next()
         except BaseException:
             self.close()
             self.stop_watching()
@@ -247,7 +266,8 @@ class Relay:
             while True:
                 if output.error is not None:
                     raise GatewayError.from_request_error(output.error)
-                choices[index].add(output)
+                if output is not PAUSE:
+                    choices[index].add(output)
                 if self.finished:
                     break
                 index, output = await self.next()
@@ -256,14 +276,22 @@ class Relay:
             self.close()
             self.stop_watching()
 
-    async def sse(self, fmt: Formatter, first: tuple[int, RequestOutput]) -> AsyncIterator[bytes]:
-        """Complete SSE events only; a client disconnect lands in `finally` as an abort."""
+    async def sse(
+        self, fmt: Formatter, first: tuple[int, RequestOutput], keepalive: bytes = b""
+    ) -> AsyncIterator[bytes]:
+        """Complete SSE events only; a client disconnect lands in `finally` as an abort.
+        `keepalive` (an SSE comment) goes out while a choice is paused for a new worker."""
         try:
             index, output = first
             start = fmt.stream_start(output)
             if start:
                 yield start
             while True:
+                if output is PAUSE:
+                    if keepalive:
+                        yield keepalive
+                    index, output = await self.next()
+                    continue
                 if output.error is not None:
                     yield fmt.stream_error(GatewayError.from_request_error(output.error))
                     return

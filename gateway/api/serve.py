@@ -30,6 +30,7 @@ from shared.types import CanonicalRequest, ErrorCode, Priority, RequestKind, Sam
 JSON = "application/json"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 KEEPALIVE_S = 2.0  # SSE comment interval while a model loads for a streaming request
+RESUMING = b": resuming on a new worker\n\n"  # while a stream waits for its next worker
 MAX_CHOICES = 128  # n x prompts per request
 
 
@@ -267,7 +268,8 @@ async def serve(
     first = await relay.first()
     relay.stop_watching()  # from here on, Litestar's Stream watches for the disconnect
     media_type = served.media_type or "text/event-stream"
-    return Stream(relay.sse(fmt, first), media_type=media_type, headers=SSE_HEADERS)
+    keepalive = b"" if served.media_type else RESUMING
+    return Stream(relay.sse(fmt, first, keepalive), media_type=media_type, headers=SSE_HEADERS)
 
 
 async def serve_detached(
@@ -356,7 +358,7 @@ async def _load_then_relay(
         except GatewayError as exc:
             yield fmt.stream_error(exc)
             return
-        async for chunk in relay.sse(fmt, first):
+        async for chunk in relay.sse(fmt, first, RESUMING):
             yield chunk
     finally:
         cleanup()

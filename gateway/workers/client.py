@@ -14,12 +14,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gateway.workers.stream import RequestStream
+from gateway.workers.stream import PAUSE, RequestStream
 from shared.config import ModelConfig
 from shared.protocol import Heartbeat, Ready
 from shared.types import CanonicalRequest, RequestKind, SamplingParams
 
-__all__ = ["ModelState", "ModelView", "RequestStream", "Submission", "WorkerClient"]
+__all__ = ["PAUSE", "ModelState", "ModelView", "RequestStream", "Submission", "WorkerClient"]
 
 
 class ModelState(enum.StrEnum):

@@ -7,13 +7,14 @@ requests that had produced tokens go on there from them (a continuation: the cli
 pause); the others (speech) end with `worker_died`.
 
 Blame, so that a poison request fails alone: a request a death touched is a suspect, and
-goes to the next worker on probation until it makes output. A death while exactly one
-request is on probation is that request's strike alone; a death while several are is
-nobody's, and the next worker gets the suspects one at a time (each once the one before
-made output), so the next such death points at one; a death with nobody on probation is
-everyone's strike. A request with more strikes than `server.resume_max` (a replayed one:
-more than one) ends with `worker_died` and is not sent again: it cannot crash-loop its
-model nor take the others with it.
+goes to the next worker on probation until it makes output (continuations go first in the
+worker's queue). A death while exactly one request is on probation is that request's
+strike alone; a death while several are is nobody's, and each of those is tried alone on
+the next worker (one at a time, once the others sent there made output), so the next such
+death points at one; a death with nobody on probation is everyone's strike. A request with
+more strikes than `server.resume_max` (a replayed one: more than one) ends with
+`worker_died` and is not sent again: it cannot crash-loop its model nor take the others
+with it. While a continuation waits, its client hears an SSE comment every few seconds.
 
 The model restarts after an exponential backoff (doubling per crash in the window; a worker
 that had made output starts the count over: a kill from outside or a poison request is not
@@ -42,6 +43,8 @@ from shared.paths import RunDir
 from shared.types import ErrorCode
 
 log = logging.getLogger("gateway.workers.recovery")
+
+PAUSE_KEEPALIVE_S = 5.0  # a paused stream's client hears from the gateway this often
 
 # Brings a crashed model's next worker up (the pool's load, marked as a restart).
 Restart = Callable[[Slot], Coroutine[Any, Any, WorkerHandle]]
@@ -73,6 +76,7 @@ class Recovery:
         self.calls = calls
         self.tasks = tasks
         self.restart = restart
+        self.pause_keepalive_s = PAUSE_KEEPALIVE_S
 
     def exited(self, slot: Slot, handle: WorkerHandle) -> None:
         """`handle`'s process has exited (its code is known)."""
@@ -175,11 +179,11 @@ class Recovery:
         if len(suspects) == 1:
             charged = suspects  # it alone was being tried: the death is its own
         elif suspects:
-            charged = []  # one of them, nobody knows which: the next worker takes them singly
-            slot.isolate = True
+            charged = []  # one of them, nobody knows which: each is tried alone next
+            for stream in suspects:
+                stream.alone = True
         else:
             charged = held  # nobody on trial: everyone it held shares the death
-            slot.isolate = False
         again: list[RequestStream] = []
         for stream in held:
             ended = stream.finished
@@ -208,13 +212,26 @@ class Recovery:
             else:
                 if stream.resumable:
                     stream.resumes += 1
+                    stream.paused = True
                     slot.resumed += 1
                 else:
                     slot.replayed += 1
                 again.append(stream)
             slot.died += stream.finished and not ended
         again.sort(key=lambda s: s.resumable)  # those that had made nothing first
+        paused = [s for s in again if s.paused]
+        if paused:
+            self.tasks.spawn(self._keep_alive(paused))
         return sum(not s.resumable for s in again), again
+
+    async def _keep_alive(self, paused: list[RequestStream]) -> None:
+        """Every `pause_keepalive_s` while they wait, the paused streams' readers hear of
+        it (an SSE comment to their clients: a pause, not a dead connection)."""
+        while paused:
+            await asyncio.sleep(self.pause_keepalive_s)
+            paused = [s for s in paused if s.paused and not s.finished]
+            for stream in paused:
+                stream.nudge()
 
     @staticmethod
     def _failed_alone(slot: Slot, stream: RequestStream, alone: bool) -> None:
@@ -228,38 +245,53 @@ class Recovery:
 
     def resubmit(self, slot: Slot, handle: WorkerHandle) -> None:
         """The requests waiting for a new worker go to `handle`: new ones at once, those a
-        death touched on probation, all together or (after a death nobody could be blamed
-        for) one at a time, each once the one before made output."""
+        death touched on probation, all together but for those on probation at a death
+        nobody could be blamed for: those are tried one at a time once the others made
+        output, each once the one before did."""
         replay = slot.replay
-        fresh = [s for s in replay if not s.crashes]
-        slot.replay = [s for s in replay if s.crashes]
-        for stream in fresh:
+        slot.replay = [s for s in replay if s.alone]
+        together = [s for s in replay if not s.alone]
+        for stream in together:
             self.send(slot, handle, stream)
-        if not slot.isolate:
-            suspects, slot.replay = slot.replay, []
-            for stream in suspects:
-                self.send(slot, handle, stream)
-        elif slot.replay:
-            self.tasks.spawn(self._one_at_a_time(slot, handle))
+        if slot.replay:
+            trial = [s for s in together if s.probation]
+            self.tasks.spawn(self._one_at_a_time(slot, handle, trial))
         if replay:
             log.info("model %s: replayed %d request(s)", slot.name, len(replay))
 
-    async def _one_at_a_time(self, slot: Slot, handle: WorkerHandle) -> None:
-        """Sends the suspects singly, those with the fewest strikes first, while `handle`
-        serves; what it has not sent when that worker dies waits for the next one."""
+    async def _one_at_a_time(
+        self, slot: Slot, handle: WorkerHandle, trial: list[RequestStream]
+    ) -> None:
+        """Once `trial` (sent together) made output, the suspects to try alone go singly,
+        those with the fewest strikes first, while `handle` serves; what it has not sent
+        when that worker dies waits for the next one."""
         exited = asyncio.ensure_future(handle.exited.wait())
         try:
             while slot.handle is handle and not exited.done():
-                waiting = [s for s in slot.replay if s.crashes]
-                if not waiting:
-                    slot.isolate = False
-                    return
-                stream = min(waiting, key=lambda s: s.strikes)
-                slot.replay.remove(stream)
-                if self.send(slot, handle, stream):
-                    cleared = asyncio.ensure_future(stream.cleared())
-                    await asyncio.wait({cleared, exited}, return_when=asyncio.FIRST_COMPLETED)
-                    cleared.cancel()
+                if not trial:
+                    waiting = [s for s in slot.replay if s.alone]
+                    if not waiting:
+                        return
+                    stream = min(waiting, key=lambda s: s.strikes)
+                    slot.replay.remove(stream)
+                    if not self.send(slot, handle, stream):
+                        continue
+                    trial = [stream]
+                waits: set[asyncio.Future[Any]] = {
+                    asyncio.ensure_future(s.cleared()) for s in trial
+                }
+                try:
+                    while waits and not exited.done():
+                        _, waits = await asyncio.wait(
+                            waits | {exited}, return_when=asyncio.FIRST_COMPLETED
+                        )
+                        waits.discard(exited)
+                finally:
+                    for wait in waits:
+                        wait.cancel()
+                if not waits and len(trial) == 1:
+                    trial[0].alone = False  # it made output alone: not the killer
+                trial = []
         finally:
             exited.cancel()
 

@@ -98,8 +98,6 @@ class Slot:
     idle_timer: asyncio.TimerHandle | None = None
     idle_since: float | None = None
     replay: list[RequestStream] = field(default_factory=list)
-    # a death came while several requests it had touched were on trial: send them singly
-    isolate: bool = False
     last_info: Ready | None = None  # the last Ready: capabilities and context stay known
     peeked: list[str] | None = None  # capabilities its files promise, before its first Ready
 

@@ -12,6 +12,11 @@ from shared.types import ErrorCode, FinishReason, RequestError, RequestKind, Req
 # What a continuation can resume: text made token by token (not audio, not vectors)
 RESUMABLE = frozenset({RequestKind.CHAT, RequestKind.COMPLETION})
 
+# What `get` hands a reader whose stream is paused (its worker died, a continuation waits for
+# the next one) and has had nothing for a while: no output, a cue to keep the client's
+# connection alive (an SSE comment).
+PAUSE = RequestOutput("")
+
 
 class RequestStream:
     __slots__ = (
@@ -19,9 +24,11 @@ class RequestStream:
         "_pending",
         "_waiter",
         "add",
+        "alone",
         "crashes",
         "finished",
         "model",
+        "paused",
         "probation",
         "received",
         "request_id",
@@ -45,7 +52,9 @@ class RequestStream:
         # sent again after a crash and no output since: a death now may be its doing
         self.probation = False
         self._cleared: asyncio.Event | None = None
-        self._pending: RequestOutput | None = None
+        self.alone = False  # on probation at a death with others: its next trial is alone
+        self.paused = False  # its worker died after it made output: it waits for the next
+        self._pending: RequestOutput | Backlog | None = None
         self._waiter: asyncio.Future[None] | None = None
 
     def put(self, output: RequestOutput) -> None:
@@ -55,38 +64,18 @@ class RequestStream:
             self.finished = True
         if output.token_ids or output.text or output.reasoning or output.tool_calls or output.audio:
             self.received = True
+            self.paused = False
             self.off_probation()
         elif self.finished:
             self.off_probation()
         self.tokens += output.token_ids
         pending = self._pending
-        if pending is None:
+        if pending is None or pending is PAUSE:
             self._pending = output
+        elif isinstance(pending, Backlog):
+            pending.add(output)
         else:
-            self._pending = RequestOutput(
-                self.request_id,
-                text=pending.text + output.text,
-                token_ids=pending.token_ids + output.token_ids,
-                finish_reason=output.finish_reason,
-                usage=output.usage or pending.usage,
-                error=output.error or pending.error,
-                logprobs=pending.logprobs + output.logprobs,
-                prompt_logprobs=pending.prompt_logprobs or output.prompt_logprobs,
-                prompt_text=pending.prompt_text
-                if pending.prompt_text is not None
-                else output.prompt_text,
-                stop=output.stop,
-                timings=pending.timings or output.timings,
-                reasoning=pending.reasoning + output.reasoning,
-                tool_calls=pending.tool_calls + output.tool_calls,
-                embeddings=pending.embeddings + output.embeddings,
-                dimensions=output.dimensions or pending.dimensions,
-                scores=pending.scores + output.scores,
-                segments=pending.segments + output.segments,
-                language=output.language if output.language is not None else pending.language,
-                audio=pending.audio + output.audio,
-                duration=output.duration if output.duration is not None else pending.duration,
-            )
+            self._pending = Backlog(self.request_id, pending, output)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -106,6 +95,14 @@ class RequestStream:
             return add
         request = msgspec.structs.replace(add.request, resumed=list(self.tokens))
         return msgspec.structs.replace(add, request=request)
+
+    def nudge(self) -> None:
+        """A paused stream's reader gets PAUSE if it has nothing else to read."""
+        if self.paused and not self.finished and self._pending is None:
+            self._pending = PAUSE
+            waiter = self._waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
 
     def on_probation(self) -> None:
         self.probation = True
@@ -134,6 +131,74 @@ class RequestStream:
                 await self._waiter
             finally:
                 self._waiter = None
-        output, self._pending = self._pending, None
-        assert output is not None
-        return output
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        return pending.merged() if isinstance(pending, Backlog) else pending
+
+
+class Backlog:
+    """Deltas a slow reader has not taken yet, merged into one when it takes them. Each delta
+    is added in place (lists extended, strings and bytes kept as pieces, joined once): a
+    client that stops reading costs the gateway O(1) per delta, not a copy of all it has
+    not read."""
+
+    __slots__ = ("audio", "embeddings", "head", "reasoning", "text")
+
+    def __init__(self, request_id: str, first: RequestOutput, second: RequestOutput) -> None:
+        # A copy: the lists it extends are its own, not the first delta's.
+        self.head = RequestOutput(
+            request_id,
+            token_ids=list(first.token_ids),
+            finish_reason=first.finish_reason,
+            usage=first.usage,
+            error=first.error,
+            logprobs=list(first.logprobs),
+            prompt_logprobs=first.prompt_logprobs,
+            prompt_text=first.prompt_text,
+            stop=first.stop,
+            timings=first.timings,
+            tool_calls=list(first.tool_calls),
+            dimensions=first.dimensions,
+            scores=list(first.scores),
+            segments=list(first.segments),
+            language=first.language,
+            duration=first.duration,
+        )
+        self.text = [first.text]
+        self.reasoning = [first.reasoning]
+        self.embeddings = bytearray(first.embeddings)
+        self.audio = bytearray(first.audio)
+        self.add(second)
+
+    def add(self, output: RequestOutput) -> None:
+        head = self.head
+        self.text.append(output.text)
+        self.reasoning.append(output.reasoning)
+        self.embeddings += output.embeddings
+        self.audio += output.audio
+        head.token_ids += output.token_ids
+        head.logprobs += output.logprobs
+        head.tool_calls += output.tool_calls
+        head.scores += output.scores
+        head.segments += output.segments
+        head.finish_reason = output.finish_reason
+        head.usage = output.usage or head.usage
+        head.error = output.error or head.error
+        head.prompt_logprobs = head.prompt_logprobs or output.prompt_logprobs
+        if head.prompt_text is None:
+            head.prompt_text = output.prompt_text
+        head.stop = output.stop
+        head.timings = head.timings or output.timings
+        head.dimensions = output.dimensions or head.dimensions
+        if output.language is not None:
+            head.language = output.language
+        if output.duration is not None:
+            head.duration = output.duration
+
+    def merged(self) -> RequestOutput:
+        head = self.head
+        head.text = "".join(self.text)
+        head.reasoning = "".join(self.reasoning)
+        head.embeddings = bytes(self.embeddings)
+        head.audio = bytes(self.audio)
+        return head

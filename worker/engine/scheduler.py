@@ -96,8 +96,14 @@ class Scheduler:
         yield from self.queues[True]
 
     def add(self, request: Request) -> None:
+        """Queued last, but a continuation (its client mid-stream since before its worker
+        died) first: it has waited longest, and the gateway waits for its output."""
         request.status = RequestStatus.WAITING
-        self.queues[request.priority >= Priority.BATCH].append(request)
+        queue = self.queues[request.priority >= Priority.BATCH]
+        if request.resumed:
+            queue.appendleft(request)
+        else:
+            queue.append(request)
 
     def schedule(self, plan: Plan | None = None) -> list[Request]:
         """The requests to start now, removed from the queues and counted as running. `plan`
