@@ -9,7 +9,6 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
-from importlib.metadata import version
 from typing import Any
 
 import msgspec
@@ -43,6 +42,7 @@ from gateway.workers.supervisor import Supervisor
 from shared.config import Config
 from shared.paths import RunDir
 from shared.types import ErrorCode
+from shared.version import project_version
 
 log = logging.getLogger("gateway")
 
@@ -208,7 +208,7 @@ def create_app(config: Config) -> GatewayApp:
         type_encoders={msgspec.Struct: msgspec.to_builtins},
         openapi_config=OpenAPIConfig(
             title="mlx-gateway",
-            version=version("mlx-gateway"),
+            version=project_version(),
             description="OpenAI- and Anthropic-compatible API of a local MLX serving gateway",
         ),
     )

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import logging
 import socket
-from importlib.metadata import version
 
 import psutil
 from zeroconf import ServiceInfo
 from zeroconf.asyncio import AsyncZeroconf
 
 from shared.config import ServerConfig, is_loopback
+from shared.version import project_version
 
 log = logging.getLogger("gateway.edge.mdns")
 
@@ -37,7 +37,7 @@ def properties(server: ServerConfig, auth_required: bool) -> dict[str, str]:
     return {
         "path": "/v1",
         "api": "openai",
-        "version": version("mlx-gateway"),
+        "version": project_version(),
         "tls": "1" if server.tls_cert else "0",
         "auth": "required" if auth_required else "none",
     }

@@ -16,7 +16,6 @@ import os
 import signal
 import time
 from collections.abc import Coroutine, Sequence
-from importlib.metadata import version
 from typing import Any
 
 from gateway.workers.admission import Admission
@@ -50,6 +49,7 @@ from shared.protocol import (
     WorkerDead,
 )
 from shared.types import CanonicalRequest, RequestKind
+from shared.version import project_version
 
 log = logging.getLogger("gateway.workers.supervisor")
 
@@ -208,7 +208,7 @@ class Supervisor:
 
     def status(self) -> dict[str, object]:
         return {
-            "version": version("mlx-gateway"),
+            "version": project_version(),
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started_at, 1),
             "memory_budget_bytes": self.memory.budget,
