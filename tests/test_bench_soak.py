@@ -1,6 +1,6 @@
 """The soak script at its smallest: a real gateway and tiny model, workers killed and frozen
-every second for five seconds under streamed load with clients leaving; nothing lost, no request that
-its worker's death touched ends in an error, no process left behind."""
+every second for five seconds under streamed load with clients leaving; nothing lost, no
+request that its worker's death touched ends in an error, no process left behind."""
 
 from __future__ import annotations
 
