@@ -145,6 +145,11 @@ class WorkerDead(_Frame, tag="dead"):
 ToWorker = Add | Abort | Control | Shutdown
 FromWorker = Hello | Ready | StepOutputs | Heartbeat | ControlReply | WorkerDead
 
+# What decoding a bad frame raises: msgspec.DecodeError (a ValidationError is one), or a
+# RecursionError for msgpack nested deeper than msgspec follows (inside an Any field such as
+# Control.args). Either side logs such a frame and drops it.
+UNDECODABLE = (msgspec.DecodeError, RecursionError)
+
 
 class Codec:
     """Encoders and decoders for both directions; one per thread or task (not shared)."""

@@ -36,3 +36,14 @@ def test_a_bad_body_is_a_400_saying_what_is_wrong(raw: bytes, needle: str) -> No
         decode_body(raw, Body)
     assert caught.value.status == 400 and needle in caught.value.message
     assert decode_body(b'{"model": "m"}', Body) == Body("m")
+
+
+class Loose(msgspec.Struct):
+    value: object = None
+
+
+def test_a_body_nested_too_deep_is_a_400_not_a_crash() -> None:
+    deep = b'{"value": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(GatewayError) as caught:
+        decode_body(deep, Loose)
+    assert caught.value.status == 400 and "nested too deeply" in caught.value.message

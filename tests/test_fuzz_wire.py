@@ -1,7 +1,9 @@
 """Fuzzed wire frames (issue 24): random bytes, truncated and bit-flipped frames, frames of a
-later protocol or an unknown tag. Either side's decoder gives a frame or raises
-msgspec.DecodeError (which the gateway's reader and the worker's input thread log and
-drop); nothing else ever escapes, and every golden frame still decodes to itself."""
+later protocol or an unknown tag. Either side's decoder gives a frame or raises one of
+UNDECODABLE (which the gateway's reader and the worker's input thread log and drop):
+msgspec.DecodeError, or RecursionError for msgpack nested past msgspec's depth limit;
+nothing else ever escapes, and every golden frame still decodes to itself. Bad frames on
+the real sockets of real processes: tests/test_e2e_wire.py."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.protocol import Codec
+from shared.protocol import UNDECODABLE, Codec
 from tests.test_protocol import FROM_WORKER, TO_WORKER
 
 GOLDEN = [bytes.fromhex(h) for _, h in [*TO_WORKER.values(), *FROM_WORKER.values()]]
@@ -22,7 +24,7 @@ FUZZ = settings(max_examples=300, deadline=None, derandomize=True)
 def decodes_or_refuses(raw: bytes) -> None:
     codec = Codec()
     for decoder in (codec.to_worker, codec.from_worker):
-        with contextlib.suppress(msgspec.DecodeError):  # ValidationError is one too
+        with contextlib.suppress(*UNDECODABLE):  # ValidationError is a DecodeError too
             decoder.decode(raw)
 
 
@@ -57,6 +59,25 @@ def test_tagged_arrays_of_any_fields(tag: str, fields: list[object]) -> None:
     """A peer of another protocol version: known or unknown tags, fields of any type and
     number (a later version's frames are longer)."""
     decodes_or_refuses(msgspec.msgpack.encode([tag, *fields]))
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\x94\xa3ctl\x01\xa5stats\x81\xa1a" + b"\x91" * 100_000 + b"\xc0",  # Control.args
+        b"\x96\xa4ctlr\xa1w\x03\xc3\x81\xa1a" + b"\x91" * 100_000 + b"\xc0\xc0",  # .result
+    ],
+)
+def test_frames_nested_too_deep_are_refused(raw: bytes) -> None:
+    """An Any field takes msgpack nested without end: msgspec stops with RecursionError,
+    not DecodeError, so both sides catch UNDECODABLE."""
+    codec = Codec()
+    errors = []
+    for decoder in (codec.to_worker, codec.from_worker):
+        with pytest.raises(UNDECODABLE) as caught:
+            decoder.decode(raw)
+        errors.append(caught.type)
+    assert RecursionError in errors
 
 
 @pytest.mark.parametrize("raw", GOLDEN)

@@ -19,11 +19,13 @@ from typing import Any
 import mlx.core as mx
 import msgspec
 import psutil
+import zmq
 
 from shared.config import ModelConfig
 from shared.modelinfo import kind_in
 from shared.protocol import (
     PROTOCOL_VERSION,
+    UNDECODABLE,
     Abort,
     Add,
     Codec,
@@ -259,12 +261,16 @@ class WorkerProc:
             try:
                 if not sock.poll(200):
                     continue
-                frame = codec.to_worker.decode(sock.recv())
-            except msgspec.DecodeError:
-                log.exception("undecodable frame from the gateway")
-                continue
-            except Exception:  # socket closed at exit
+                raw = sock.recv()
+            except zmq.ZMQError:  # socket closed at exit
                 return
+            try:
+                frame = codec.to_worker.decode(raw)
+            except UNDECODABLE as exc:  # one bad frame must never deafen the worker
+                log.warning(
+                    "undecodable frame from the gateway (%d bytes), dropped: %s", len(raw), exc
+                )
+                continue
             item: object | None = frame
             if isinstance(frame, Add):
                 item = self._accept(frame, preprocess)

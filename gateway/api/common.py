@@ -55,6 +55,8 @@ def decode_body(body: bytes, type_: type[T]) -> T:
         raise validation_error(exc) from exc
     except msgspec.DecodeError as exc:
         raise invalid(f"the body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # nested deeper than the decoder follows
+        raise invalid("the body is nested too deeply") from exc
 
 
 def sampling(

@@ -223,7 +223,22 @@ class Supervisor:
 
     def _on_frame(self, frame: FromWorker) -> None:
         handle = self.processes.get(frame.worker_id)
-        if handle is None:
+        if handle is None:  # an exited worker's last frames, or a worker nobody spawned
+            if isinstance(frame, Hello):
+                log.warning(
+                    "hello from unknown worker %.80r (pid %d, model %.80r, protocol %d): ignored",
+                    frame.worker_id,
+                    frame.pid,
+                    frame.model,
+                    frame.protocol_version,
+                )
+            return
+        if isinstance(frame, Hello | Ready) and handle.info is not None:
+            # the handshake is done: a worker says each once, before any output
+            kind = type(frame).__name__
+            log.warning(
+                "model %s: %s from its worker after Ready: ignored", handle.config.name, kind
+            )
             return
         now = time.monotonic()
         handle.last_seen = now

@@ -10,11 +10,16 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from shared.protocol import Codec, FromWorker, ToWorker
+from shared.protocol import UNDECODABLE, Codec, FromWorker, ToWorker
 
 log = logging.getLogger("gateway.workers.transport")
 
 SEND_HWM = 10_000
+# Workers never send on their DEALER, so nothing read from the ROUTER is ever wanted, and
+# the gateway never reads it: without a bound a peer could park its receive queue's worth
+# (1,000 messages, of any size) in the gateway, on every connection. A larger message ends
+# that peer's connection; ZeroMQ's handshake (its routing id: 255 bytes at most) still fits.
+ROUTER_MAX_INBOUND = 1024
 DRAIN_BATCH = 256  # frames handled per wakeup before yielding to the event loop
 
 
@@ -45,6 +50,7 @@ class Transport:
                 Path(addr.removeprefix("ipc://")).unlink(missing_ok=True)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown worker -> error, not a drop
         self.router.setsockopt(zmq.SNDHWM, SEND_HWM)
+        self.router.setsockopt(zmq.MAXMSGSIZE, ROUTER_MAX_INBOUND)
         self.router.setsockopt(zmq.LINGER, 0)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.router.bind(self.requests_addr)
@@ -85,8 +91,10 @@ class Transport:
                 return
             try:
                 frame = self._decoder.decode(raw)
-            except msgspec.DecodeError:
-                log.exception("undecodable frame from a worker")
+            except UNDECODABLE as exc:  # a decoder's message says where; a traceback, nothing
+                log.warning(
+                    "undecodable frame from a worker (%d bytes), dropped: %s", len(raw), exc
+                )
                 continue
             try:
                 on_frame(frame)
