@@ -9,7 +9,7 @@ from litestar.datastructures import State
 from litestar.testing import TestClient
 
 from gateway.admin import create_admin_app
-from gateway.ctl.cli import _prefix_cache, _table
+from gateway.ctl.ps import plain, prefix_cache
 from gateway.workers.slots import Slot, status_row
 from tests.slot_fakes import STATS, GiB, heartbeat, ready_slot
 
@@ -32,7 +32,7 @@ def ps_rows(*slots: Slot) -> list[dict[str, object]]:
     return rows
 
 
-def test_ps_rows_carry_the_prefix_cache() -> None:
+def test_ps_rows_carry_theprefix_cache() -> None:
     unloaded = ready_slot("gone", heartbeat(STATS))
     unloaded.handle = None
     rows = ps_rows(ready_slot("chat", heartbeat(STATS)), ready_slot("off", heartbeat()), unloaded)
@@ -53,18 +53,18 @@ def test_ps_rows_carry_the_prefix_cache() -> None:
 
 def test_prefix_cache_cell() -> None:
     stats = {"nbytes": int(1.2 * GiB), "capacity_bytes": 2 * GiB, "lookups": 40, "hits": 26}
-    assert _prefix_cache(stats) == "1.2/2.0 GiB 65% hit"
+    assert prefix_cache(stats) == "1.2/2.0 GiB 65% hit"
     small = {"nbytes": 300 * 2**20, "capacity_bytes": 512 * 2**20, "lookups": 0, "hits": 0}
-    assert _prefix_cache(small) == "300.0/512.0 MiB"  # nothing looked up yet: no rate
-    assert _prefix_cache(None) == "-"  # no worker, or no prefix cache
+    assert prefix_cache(small) == "300.0/512.0 MiB"  # nothing looked up yet: no rate
+    assert prefix_cache(None) == "-"  # no worker, or no prefix cache
 
 
 def test_table_has_a_prefix_cache_column() -> None:
     rows = ps_rows(ready_slot("chat", heartbeat(STATS)), ready_slot("off", heartbeat()))
-    header, chat, off = _table(rows).splitlines()
+    header, chat, off = plain(rows).splitlines()
     assert header.split()[-2:] == ["PREFIX", "CACHE"]
     assert chat.endswith("1.2/2.0 GiB 62% hit")
     assert off.endswith("  -")
     # rows from a gateway that predates the column
     old = {k: v for k, v in rows[0].items() if k != "prefix_cache"}
-    assert _table([old]).splitlines()[1].endswith("  -")
+    assert plain([old]).splitlines()[1].endswith("  -")

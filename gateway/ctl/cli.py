@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import msgspec
+from rich.live import Live
 
+from gateway.ctl import catalog, hub, term
+from gateway.ctl import chat as chat_cli
 from gateway.ctl import keys as keys_cli
+from gateway.ctl import ps as ps_view
 from gateway.ctl import service as service_cli
-from shared.config import ConfigError, load_config
+from gateway.ctl.admin_client import AdminError
+from gateway.ctl.admin_client import call as _call
+from shared.config import Config, ConfigError, ModelConfig, load_config
 from shared.paths import RunDir
 
 
@@ -42,19 +48,33 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--alias", action="append", default=[], help="with --source")
     load.add_argument("--ttl", help="with --source: idle time before unloading (30m, -1)")
     load.add_argument("--timeout", type=float, default=900.0, help="give up waiting (s)")
+    load.add_argument("--save", action="store_true", help="with --source: keep it in the config")
     unload = sub.add_parser("unload", help="drain and stop a model's worker")
     unload.add_argument("model")
     unload.add_argument("--force", action="store_true", help="abort in-flight requests at once")
     unload.add_argument("--timeout", type=float, default=None, help="drain timeout (s)")
     reload = sub.add_parser("reload", help="start a new worker, switch to it, drain the old")
     reload.add_argument("model")
-    ps = sub.add_parser("ps", help="models, workers and their load")
-    ps.add_argument("--json", action="store_true")
+    ps_cmd = sub.add_parser("ps", help="models, workers and their load")
+    ps_cmd.add_argument("--json", action="store_true")
     logs = sub.add_parser("logs", help="a model's worker log")
     logs.add_argument("model")
     logs.add_argument("-f", "--follow", action="store_true")
     status = sub.add_parser("status", help="the gateway: version, uptime, memory budget")
     status.add_argument("--json", action="store_true")
+    pull = sub.add_parser("pull", help="download a model into the hub cache (or check a folder)")
+    pull.add_argument("model", help="a configured model, a hub id or a local folder")
+    pull.add_argument("--revision", help="a hub id's branch, tag or commit")
+    ls = sub.add_parser("ls", help="the catalog: kind, size on disk, state")
+    ls.add_argument("--json", action="store_true")
+    rm = sub.add_parser("rm", help="delete a model's weights from the hub cache")
+    rm.add_argument("model", help="a configured model or a hub id")
+    rm.add_argument("-y", "--yes", action="store_true", help="do not ask")
+    chat = sub.add_parser("chat", help="chat with a model in the terminal")
+    chat.add_argument("model")
+    chat.add_argument("--system", help="a system message")
+    chat.add_argument("--url", help="the gateway's address (default: from the config)")
+    chat.add_argument("--max-tokens", type=int, help="each reply's length at most")
     service = sub.add_parser("service", help="run the gateway under launchd or systemd")
     service_cli.add_arguments(service)
     args = parser.parse_args(argv)
@@ -93,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "service":
         return service_cli.main(args, config)
     admin = RunDir(config.server.run_dir).admin_socket
+    if args.command in ("pull", "ls", "rm", "chat"):
+        return _catalog(args, config, admin)
     try:
         if args.command == "load":
             return _load(admin, args)
@@ -106,56 +128,87 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{result['model']}: reloaded (pid {result['pid']})")
         elif args.command == "ps":
             rows = _call(admin, "GET", "/ps")
-            print(json.dumps(rows, indent=2) if args.json else _table(rows))
+            if args.json:
+                print(json.dumps(rows, indent=2))
+            else:
+                term.show(ps_view.table(rows), ps_view.notes(rows))
         elif args.command == "status":
             info = _call(admin, "GET", "/status")
-            print(json.dumps(info, indent=2) if args.json else _status(info))
+            print(json.dumps(info, indent=2) if args.json else ps_view.status(info))
         elif args.command == "logs":
             return _logs(admin, args.model, args.follow)
-    except AdminError as exc:
+    except (AdminError, ConfigError) as exc:
         print(f"gatewayctl: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
-class AdminError(Exception):
-    pass
+def _catalog(args: argparse.Namespace, config: Config, admin: Path) -> int:
+    if args.command == "ls":
+        return catalog.ls(config, admin, args.json)
+    if args.command == "rm":
+        return catalog.rm(config, admin, args.model, args.yes)
+    if args.command == "chat":
+        return chat_cli.run(config, args.model, args.system, args.url, args.max_tokens)
+    known = {m.name: m for m in config.models}
+    model = known.get(args.model) or ModelConfig(name=args.model, source=args.model)
+    if args.revision:
+        model = msgspec.structs.replace(model, revision=args.revision)
+    try:
+        print(hub.pull(model))
+    except hub.HubError as exc:
+        print(f"gatewayctl pull: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _load(admin: Path, args: argparse.Namespace) -> int:
     body: dict[str, object] = {"model": args.model, "wait": False}
+    saving = catalog.config_path(args.config) if args.save else None
+    if args.save and args.source is None:
+        raise ConfigError("--save keeps a model added with --source (others are configured)")
+    if args.save and saving is None:
+        raise ConfigError("--save needs a config file: --config FILE or $MLX_GATEWAY_CONFIG")
     if args.source:
-        body.update(source=args.source, aliases=args.alias)
+        local = Path(args.source).expanduser()
+        source = str(local.resolve()) if local.exists() else args.source
+        body.update(source=source, aliases=args.alias)
         if args.ttl is not None:
             body["ttl"] = args.ttl
     result = _call(admin, "POST", "/load", body)
     name = result["model"]
     if not args.wait:
         print(f"{name}: {result['state']}")
-        return 0
-    tty = sys.stderr.isatty()
+    elif (row := _wait_loaded(admin, name, args.timeout))["state"] != "ready":
+        reason = row.get("error") or row.get("last_error") or f"still {row.get('state')}"
+        print(f"gatewayctl: {name}: {reason}", file=sys.stderr)
+        return 1
+    else:
+        print(f"{name}: ready (pid {row['pid']})")
+    if saving is not None:
+        ttl = args.ttl
+        with contextlib.suppress(TypeError, ValueError):
+            ttl = float(ttl)
+        model = ModelConfig(name=name, source=str(body["source"]), aliases=args.alias, ttl=ttl)
+        catalog.save(saving, model)
+        print(f"{name}: saved in {saving}")
+    return 0
+
+
+def _wait_loaded(admin: Path, name: str, timeout: float) -> dict[str, Any]:
+    """Poll ps until the model is no longer loading, with a live progress line on a terminal."""
+    err = term.console(stderr=True)
     started = time.monotonic()
     row: dict[str, Any] = {}
-    while time.monotonic() - started < args.timeout:
-        row = next(r for r in _call(admin, "GET", "/ps") if r["model"] == name)
-        if row["state"] != "loading":
-            break
-        if tty:
-            print(
-                f"\r\033[K{_progress_line(name, row, time.monotonic() - started)}",
-                end="",
-                file=sys.stderr,
-                flush=True,
-            )
-        time.sleep(0.2)
-    if tty:
-        print("\r\033[K", end="", file=sys.stderr, flush=True)
-    if row.get("state") == "ready":
-        print(f"{name}: ready (pid {row['pid']})")
-        return 0
-    reason = row.get("error") or row.get("last_error") or f"still {row.get('state')}"
-    print(f"gatewayctl: {name}: {reason}", file=sys.stderr)
-    return 1
+    with Live(console=err, transient=True, auto_refresh=False) as live:
+        while time.monotonic() - started < timeout:
+            row = next(r for r in _call(admin, "GET", "/ps") if r["model"] == name)
+            if row["state"] != "loading":
+                break
+            if err.is_terminal:
+                live.update(_progress_line(name, row, time.monotonic() - started), refresh=True)
+            time.sleep(0.2)
+    return row
 
 
 def _progress_line(name: str, row: dict[str, Any], elapsed: float) -> str:
@@ -185,123 +238,6 @@ def _logs(admin: Path, model: str, follow: bool) -> int:
         sys.stdout.flush()
         offset = result["offset"]
     return 0
-
-
-def _status(info: dict[str, Any]) -> str:
-    used, budget = info["memory_used_bytes"] / 2**30, info["memory_budget_bytes"] / 2**30
-    total = info["memory_total_bytes"] / 2**30
-    models = ", ".join(f"{k} ({v})" for k, v in info["models"].items())
-    return (
-        f"mlx-gateway {info['version']} (pid {info['pid']}), up {_duration(info['uptime_s'])}\n"
-        f"memory budget: {used:.1f} of {budget:.1f} GiB in use ({total:.1f} GiB in the machine)\n"
-        f"models: {models}"
-    )
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = int(seconds)
-    if seconds < 120:
-        return f"{seconds}s"
-    if seconds < 7200:
-        return f"{seconds // 60}m"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-
-
-def _call(
-    socket: Path,
-    method: str,
-    path: str,
-    body: object = None,
-    timeout: float = 600,
-    params: dict[str, Any] | None = None,
-) -> Any:
-    if not socket.exists():
-        raise AdminError(f"no gateway is running (no admin socket at {socket})")
-    transport = httpx.HTTPTransport(uds=str(socket))
-    with httpx.Client(transport=transport, base_url="http://gateway", timeout=timeout) as client:
-        try:
-            response = client.request(method, path, json=body, params=params)
-        except httpx.TransportError as exc:
-            raise AdminError(f"cannot reach the gateway at {socket}: {exc}") from exc
-    data = response.json()
-    if response.status_code >= 400:
-        raise AdminError(data.get("error", response.text))
-    return data
-
-
-def _prefix_cache(stats: dict[str, int] | None) -> str:
-    """1.2/2.0 GiB 63% hit: held of its bound, and the share of lookups that reused a prefix."""
-    if not stats:
-        return "-"
-    held, bound = stats.get("nbytes", 0), stats.get("capacity_bytes", 0)
-    unit, scale = ("GiB", 2**30) if max(held, bound) >= 2**30 else ("MiB", 2**20)
-    size = "/".join(f"{n / scale:.1f}" for n in ((held, bound) if bound else (held,)))
-    size += f" {unit}"
-    lookups = stats.get("lookups", 0)
-    if not lookups:
-        return size
-    return f"{size} {100 * stats.get('hits', 0) / lookups:.0f}% hit"
-
-
-def _table(rows: list[dict[str, Any]]) -> str:
-    header = (
-        "MODEL",
-        "KIND",
-        "STATE",
-        "PID",
-        "MEMORY",
-        "RUNNING",
-        "WAITING",
-        "SERVED",
-        "RESTARTS",
-        "UPTIME",
-        "TTL LEFT",
-        "PREFIX CACHE",
-    )
-    lines = [header]
-    for r in rows:
-        memory = r.get("memory_bytes") or r.get("rss_bytes")
-        ttl_left = r.get("ttl_left_s")
-        if r.get("ttl_s") is None:
-            ttl = "never"  # no TTL: stays loaded
-        else:
-            ttl = _duration(ttl_left) if ttl_left is not None else "-"  # busy or unloaded
-        lines.append(
-            (
-                r["model"],
-                str(r.get("kind", "-")),
-                r["state"],
-                str(r["pid"] or "-"),
-                f"{memory / 2**20:.0f} MiB" if memory else "-",
-                str(r["running"]),
-                str(r["waiting"]),
-                str(r.get("served", 0)),
-                str(r.get("restarts", 0)),
-                _duration(r.get("uptime_s")),
-                ttl,
-                _prefix_cache(r.get("prefix_cache")),
-            )
-        )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = [
-        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
-        for line in lines
-    ]
-    for r in rows:
-        if r.get("error"):
-            out.append(f"{r['model']}: {r['error']}")
-            if r.get("exit_code") is not None:
-                out.append(f"  exit status {r['exit_code']}; `gatewayctl logs {r['model']}`")
-        elif r.get("next_attempt_s") is not None:
-            out.append(
-                f"{r['model']}: backing off: {r.get('last_error')}; next attempt in "
-                f"{_duration(r['next_attempt_s'])}"
-            )
-            if r.get("exit_code") is not None:
-                out.append(f"  exit status {r['exit_code']}; `gatewayctl logs {r['model']}`")
-    return "\n".join(out)
 
 
 if __name__ == "__main__":

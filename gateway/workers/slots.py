@@ -216,6 +216,7 @@ def status_row(slot: Slot, ttl: float, now: float) -> dict[str, object]:
             slot.config, slot.last_info.capabilities if slot.last_info else None
         ).value,
         "state": slot.state.value,
+        "source": slot.config.source,
         "aliases": slot.config.aliases,
         "pid": None,
         "rss_bytes": None,

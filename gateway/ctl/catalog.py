@@ -1,0 +1,200 @@
+"""The catalog as gatewayctl sees it: `ls` (configured and run-time models, their kind, size
+on disk, state), `rm` (a model's weights out of the hub cache) and `load --save` (a model
+added with --source kept in the config file)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub.utils import CachedRepoInfo
+from rich.prompt import Confirm
+
+from gateway.ctl import hub, term
+from gateway.ctl.admin_client import LOADED_STATES, ps_rows
+from gateway.ctl.ps import size
+from shared.config import Config, ConfigError, ModelConfig, load_config
+from shared.modelinfo import kind_in, kind_of
+
+
+@dataclass(slots=True)
+class Entry:
+    name: str
+    source: str
+    kind: str
+    size_bytes: int | None  # None: not on this machine (a hub id not downloaded)
+    state: str | None  # None: no gateway running
+    configured: bool  # False: added at run time (`load --source`)
+
+
+def entries(config: Config, rows: list[dict[str, Any]] | None) -> list[Entry]:
+    cached = hub.cached_models()
+    by_name = {r["model"]: r for r in rows or []}
+    out = []
+    for model in config.models:
+        row = by_name.pop(model.name, None)
+        out.append(_entry(model, row, cached, configured=True))
+    for name, row in by_name.items():  # added at run time
+        model = ModelConfig(name=name, source=str(row.get("source") or "?"))
+        out.append(_entry(model, row, cached, configured=False))
+    return out
+
+
+def _entry(
+    model: ModelConfig, row: dict[str, Any] | None, cached: dict[str, Any], configured: bool
+) -> Entry:
+    """Kind: as configured, else what the files say (a hub id's cached snapshot, a folder),
+    else the gateway's guess (a hub id not downloaded is a text model until its worker says)."""
+    size_bytes, kind = None, row.get("kind") if row else None
+    local = Path(model.source).expanduser()
+    if model.source in cached:
+        size_bytes = cached[model.source].size_on_disk
+        folder = hub.snapshot(cached[model.source])
+        if model.kind is None and folder is not None:
+            kind = kind_in(folder).value
+    elif local.is_dir():
+        size_bytes = hub.folder_size(local)
+    state = row["state"] if row else None
+    kind = kind or kind_of(model).value
+    return Entry(model.name, model.source, kind, size_bytes, state, configured)
+
+
+def ls(config: Config, admin: Path, as_json: bool) -> int:
+    rows = ps_rows(admin)
+    found = entries(config, rows)
+    if as_json:
+        print(
+            json.dumps({"gateway_running": rows is not None, "models": [asdict(e) for e in found]})
+        )
+        return 0
+    grid = term.table(("MODEL", "KIND", "SIZE", "STATE", "SOURCE"))
+    for e in found:
+        state = e.state or "-"
+        grid.add_row(
+            e.name,
+            e.kind,
+            size(e.size_bytes),
+            state,
+            e.source + ("" if e.configured else " (run time)"),
+        )
+    notes = (
+        []
+        if rows is not None
+        else [f"no gateway is running (no admin socket at {admin}): states unknown"]
+    )
+    term.show(grid, notes)
+    return 0
+
+
+def rm(config: Config, admin: Path, model: str, yes: bool) -> int:
+    """Delete a hub model's cached revisions; refused for a loaded model, a local folder
+    outside the hub cache and a generated model."""
+    rows = ps_rows(admin) or []
+    configured = {m.name: m.source for m in config.models}
+    at_run_time = {r["model"]: r.get("source") for r in rows}
+    source = configured.get(model) or at_run_time.get(model) or model
+    for r in rows:
+        if (r["model"] == model or r.get("source") == source) and r["state"] in LOADED_STATES:
+            name = r["model"]
+            return _refuse(f"{name} is {r['state']}: unload it first (`gatewayctl unload {name}`)")
+    try:
+        repo = _cached_repo(model, source)
+    except LookupError as exc:
+        return _refuse(str(exc))
+    what = f"{repo.repo_id} from the hub cache ({len(repo.revisions)} revision(s), "
+    what += f"{size(repo.size_on_disk)})"
+    if not yes:
+        if not sys.stdin.isatty():
+            return _refuse(f"would delete {what}: pass --yes to delete without a terminal")
+        if not Confirm.ask(f"delete {what}?", default=False, console=term.console()):
+            return 1
+    try:
+        freed = hub.delete(repo)
+    except hub.HubError as exc:
+        return _refuse(str(exc))
+    print(f"deleted {repo.repo_id} from the hub cache (freed {size(freed)})")
+    return 0
+
+
+def _cached_repo(model: str, source: str) -> CachedRepoInfo:
+    """The hub cache's repository for a source: a hub id, or a folder inside the cache."""
+    label = source if model == source else f"{model} ({source})"
+    if source.startswith("builtin:"):
+        raise LookupError(f"{label}: generated by the gateway, not downloaded")
+    cached = hub.cached_models()
+    if source in cached:
+        return cached[source]
+    local = Path(source).expanduser()
+    if not local.exists():
+        raise LookupError(f"{label}: not in the hub cache ({hub.cache_dir()})")
+    inside = (c for c in cached.values() if local.resolve().is_relative_to(c.repo_path.resolve()))
+    repo = next(inside, None)
+    if repo is None:
+        raise LookupError(
+            f"{label}: a local folder, not in the hub cache ({hub.cache_dir()}); "
+            "gatewayctl deletes only downloaded weights: remove it yourself"
+        )
+    return repo
+
+
+def _refuse(message: str) -> int:
+    print(f"gatewayctl: {message}", file=sys.stderr)
+    return 1
+
+
+# ---- load --save ------------------------------------------------------------------------
+
+
+def config_path(given: str | None) -> Path | None:
+    """The config file in use (--config, else $MLX_GATEWAY_CONFIG), or None."""
+    path = given or os.environ.get("MLX_GATEWAY_CONFIG")
+    return Path(path) if path else None
+
+
+def toml_entry(model: ModelConfig) -> str:
+    """A [[models]] table for a model added at run time (name, source, aliases, ttl)."""
+    lines = ["[[models]]", f"name = {_string(model.name)}", f"source = {_string(model.source)}"]
+    if model.aliases:
+        lines.append(f"aliases = [{', '.join(_string(a) for a in model.aliases)}]")
+    if model.ttl is not None:
+        ttl = model.ttl
+        lines.append(f"ttl = {_string(ttl) if isinstance(ttl, str) else repr(float(ttl))}")
+    return "\n".join(lines) + "\n"
+
+
+def _string(value: str) -> str:
+    """A TOML basic string (JSON's escapes are TOML's, non-ASCII kept as it is)."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def save(path: Path, model: ModelConfig) -> None:
+    """Append the model to the config file, checked: the file must still load, with it."""
+    try:
+        before = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the config file {path}: {exc}") from None
+    if any(m.name == model.name for m in load_config(path).models):
+        raise ConfigError(f"{model.name} is already in {path}")
+    text = (
+        before + ("\n" if before and not before.endswith("\n") else "") + "\n" + toml_entry(model)
+    )
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, path.stat().st_mode & 0o777)
+        try:
+            load_config(tmp)
+        except ConfigError as exc:
+            raise ConfigError(
+                f"adding {model.name} would break {path} ({exc}): add it by hand"
+            ) from None
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -1,0 +1,119 @@
+"""What `gatewayctl ps` and `gatewayctl status` show of the admin API's answers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+
+from gateway.ctl import term
+
+HEADER = (
+    "MODEL",
+    "KIND",
+    "STATE",
+    "PID",
+    "MEMORY",
+    "RUNNING",
+    "WAITING",
+    "SERVED",
+    "RESTARTS",
+    "UPTIME",
+    "TTL LEFT",
+    "PREFIX CACHE",
+)
+
+
+def table(rows: list[dict[str, Any]]) -> Table:
+    grid = term.table(HEADER)
+    for r in rows:
+        memory = r.get("memory_bytes") or r.get("rss_bytes")
+        ttl_left = r.get("ttl_left_s")
+        if r.get("ttl_s") is None:
+            ttl = "never"  # no TTL: stays loaded
+        else:
+            ttl = duration(ttl_left) if ttl_left is not None else "-"  # busy or unloaded
+        grid.add_row(
+            r["model"],
+            str(r.get("kind", "-")),
+            r["state"],
+            str(r["pid"] or "-"),
+            f"{memory / 2**20:.0f} MiB" if memory else "-",
+            str(r["running"]),
+            str(r["waiting"]),
+            str(r.get("served", 0)),
+            str(r.get("restarts", 0)),
+            duration(r.get("uptime_s")),
+            ttl,
+            prefix_cache(r.get("prefix_cache")),
+        )
+    return grid
+
+
+def notes(rows: list[dict[str, Any]]) -> list[str]:
+    """Lines under the table: why a model failed, or when a backing-off one tries again."""
+    out = []
+    for r in rows:
+        if r.get("error"):
+            out.append(f"{r['model']}: {r['error']}")
+        elif r.get("next_attempt_s") is not None:
+            out.append(
+                f"{r['model']}: backing off: {r.get('last_error')}; next attempt in "
+                f"{duration(r['next_attempt_s'])}"
+            )
+        else:
+            continue
+        if r.get("exit_code") is not None:
+            out.append(f"  exit status {r['exit_code']}; `gatewayctl logs {r['model']}`")
+    return out
+
+
+def plain(rows: list[dict[str, Any]]) -> str:
+    """The table and its notes as plain text (what `ps` prints when not on a terminal)."""
+    return "\n".join([term.plain(table(rows)), *notes(rows)])
+
+
+def prefix_cache(stats: dict[str, int] | None) -> str:
+    """1.2/2.0 GiB 63% hit: held of its bound, and the share of lookups that reused a prefix."""
+    if not stats:
+        return "-"
+    held, bound = stats.get("nbytes", 0), stats.get("capacity_bytes", 0)
+    unit, scale = ("GiB", 2**30) if max(held, bound) >= 2**30 else ("MiB", 2**20)
+    size = "/".join(f"{n / scale:.1f}" for n in ((held, bound) if bound else (held,)))
+    size += f" {unit}"
+    lookups = stats.get("lookups", 0)
+    if not lookups:
+        return size
+    return f"{size} {100 * stats.get('hits', 0) / lookups:.0f}% hit"
+
+
+def status(info: dict[str, Any]) -> str:
+    used, budget = info["memory_used_bytes"] / 2**30, info["memory_budget_bytes"] / 2**30
+    total = info["memory_total_bytes"] / 2**30
+    models = ", ".join(f"{k} ({v})" for k, v in info["models"].items())
+    return (
+        f"mlx-gateway {info['version']} (pid {info['pid']}), up {duration(info['uptime_s'])}\n"
+        f"memory budget: {used:.1f} of {budget:.1f} GiB in use ({total:.1f} GiB in the machine)\n"
+        f"models: {models}"
+    )
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def size(n: int | None) -> str:
+    """Bytes as people read them: 12.3 MiB, 1.20 GiB; "-" for none."""
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}" if unit == "GiB" else f"{n / scale:.1f} {unit}"
+    return f"{n} B"
