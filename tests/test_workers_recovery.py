@@ -11,6 +11,7 @@ import pytest
 from gateway.errors import GatewayError
 from gateway.workers.client import ModelState
 from gateway.workers.recovery import backoff_s
+from gateway.workers.slots import Slot
 from gateway.workers.slots import status_row as slot_row
 from gateway.workers.stream import PAUSE
 from shared.config import ServerConfig
@@ -23,6 +24,11 @@ from shared.types import (
 from tests.worker_fakes import chat, rig, until
 
 pytestmark = pytest.mark.anyio
+
+
+def serving(slot: Slot) -> bool:
+    """Ready, and done restarting: what waited for the new worker has been sent to it."""
+    return slot.state == ModelState.READY and not slot.restarting
 
 
 def test_backoff_doubles_per_recent_crash_up_to_its_cap() -> None:
@@ -45,7 +51,7 @@ async def test_a_crash_replays_unstarted_requests_and_resumes_started_ones(
     assert slot.state == ModelState.LOADING and slot.restarting
     assert [s.request_id for s in slot.replay] == ["waiting", "started"]
     assert not started.finished and started.resumes == 1
-    await until(lambda: slot.state == ModelState.READY)
+    await until(lambda: serving(slot))
     second = r.handle()
     assert second is not first and second.restart and slot.restarts == 1
     assert set(second.streams) == {"waiting", "started"}
@@ -72,7 +78,7 @@ async def test_a_paused_stream_hears_of_its_pause_until_its_next_worker_makes_ou
     r.processes.exit(r.handle(), -9)
     assert stream.paused
     assert await stream.get() is PAUSE  # while the new worker comes up
-    await until(lambda: slot.state == ModelState.READY)
+    await until(lambda: serving(slot))
     r.output(r.handle(), RequestOutput("s", text="b", token_ids=[2]))
     assert not stream.paused
     outputs = [await stream.get()]
@@ -91,7 +97,7 @@ async def test_a_request_resumed_resume_max_times_ends_with_worker_died(tmp_path
         r.processes.exit(r.handle(), 1)
         if death < 2:
             assert not stream.finished and stream.resumes == death + 1
-            await until(lambda: slot.state == ModelState.READY)
+            await until(lambda: serving(slot))
     outputs = []
     while not outputs or outputs[-1].finish_reason is None:
         outputs.append(await stream.get())
@@ -114,7 +120,7 @@ async def test_a_poison_request_is_found_and_failed_alone_while_the_others_go_on
         r.output(r.handle(), RequestOutput(rid, text="x", token_ids=[1]))
     r.processes.exit(r.handle(), -9)  # nobody on trial: all three share it
     assert [s.strikes for s in streams.values()] == [1, 1, 1]
-    await until(lambda: slot.state == ModelState.READY)
+    await until(lambda: serving(slot))
     assert set(r.handle().streams) == {"a", "poison", "b"}  # together, each on trial
     assert all(s.probation for s in streams.values())
     r.processes.exit(r.handle(), -9)  # on trial together: nobody is charged
@@ -159,7 +165,7 @@ async def test_suspects_sent_singly_do_not_hold_back_new_requests_or_aborted_one
     first = await r.admission.submit(chat("first"))
     second = await r.admission.submit(chat("second"))
     r.processes.exit(r.handle(), -9)
-    await until(lambda: slot.state == ModelState.READY)
+    await until(lambda: serving(slot))
     r.processes.exit(r.handle(), -9)  # both on trial: singly from now on
     assert first.alone and second.alone
     await until(lambda: slot.state == ModelState.READY and bool(r.handle().streams))
@@ -196,7 +202,7 @@ async def test_a_request_whose_second_worker_dies_too_is_not_sent_a_third_time(
     slot = r.catalog.slot("m")
     poison = await r.admission.submit(chat("poison"))
     r.processes.exit(r.handle(), 1)
-    await until(lambda: slot.state == ModelState.READY)
+    await until(lambda: serving(slot))
     assert list(r.handle().streams) == ["poison"] and not poison.finished  # replayed once
     innocent = await r.admission.submit(chat("innocent"))
     r.processes.exit(r.handle(), 1)
@@ -205,7 +211,7 @@ async def test_a_request_whose_second_worker_dies_too_is_not_sent_a_third_time(
     assert last.error.code == ErrorCode.WORKER_DIED
     assert "second worker to die" in last.error.message
     assert [s.request_id for s in slot.replay] == ["innocent"]  # its first crash: replayed
-    await until(lambda: slot.state == ModelState.READY)
+    await until(lambda: serving(slot))
     assert list(r.handle().streams) == ["innocent"] and not innocent.finished
 
 
@@ -222,7 +228,7 @@ async def test_a_crash_loop_backs_the_model_off_then_it_restarts_by_itself(
     await r.pool.load("m")
     slot = r.catalog.slot("m")
     for _ in range(3):
-        await until(lambda: slot.state == ModelState.READY)
+        await until(lambda: serving(slot))
         r.processes.exit(r.handle(), -11)
     assert slot.state == ModelState.BACKOFF and slot.error is None
     assert slot.last_error is not None
@@ -237,7 +243,7 @@ async def test_a_crash_loop_backs_the_model_off_then_it_restarts_by_itself(
     await until(lambda: slot.state == ModelState.READY, timeout=5)  # by itself
     assert slot.loops == 1 and not slot.crashes
     for _ in range(3):  # a second loop in a row: twice as long
-        await until(lambda: slot.state == ModelState.READY)
+        await until(lambda: serving(slot))
         r.processes.exit(r.handle(), -11)
     assert slot.state == ModelState.BACKOFF and slot.loops == 2
     assert 0.3 < slot_row(slot, -1, time.monotonic())["next_attempt_s"] <= 0.6  # type: ignore[operator]
@@ -252,12 +258,12 @@ async def test_a_worker_that_made_output_starts_the_crash_count_over(tmp_path: P
     await r.pool.load("m")
     slot = r.catalog.slot("m")
     for n in range(5):
-        await until(lambda: slot.state == ModelState.READY)
+        await until(lambda: serving(slot))
         stream = await r.admission.submit(chat(f"r{n}"))
         r.output(r.handle(), RequestOutput(f"r{n}", text="x", token_ids=[1]))
         r.processes.exit(r.handle(), -9)
         assert slot.state == ModelState.LOADING and len(slot.crashes) == 1 and not stream.finished
-    await until(lambda: slot.state == ModelState.READY)
+    await until(lambda: serving(slot))
     r.processes.exit(r.handle(), -9)  # this one made nothing: the second crash in a row
     assert len(slot.crashes) == 2 and slot.state == ModelState.LOADING
 
