@@ -44,12 +44,17 @@ def test_the_hub_cache_gives_size_kind_and_deletion(hub_cache: Path) -> None:
 
 
 def test_rm_never_deletes_another_repository(hub_cache: Path) -> None:
-    """delete_revisions goes by commit hash: one shared by two repositories touches both."""
+    """delete_revisions goes by commit hash and, for a hash two repositories share, picks
+    one of them (which one varies from run to run): org/b is never what goes."""
     for repo_id in ("org/a", "org/b"):
         fake_hub_repo(hub_cache, repo_id, {"config.json": BERT}, commit="0" * 40)
-    with pytest.raises(hub.HubError, match="same revision"):
+    try:
         hub.delete(hub.cached_models()["org/a"])
-    assert set(hub.cached_models()) == {"org/a", "org/b"}
+    except hub.HubError as exc:  # it picked org/b's: refused, nothing deleted
+        assert "same revision" in str(exc)
+        assert set(hub.cached_models()) == {"org/a", "org/b"}
+    else:  # it picked org/a's own
+        assert set(hub.cached_models()) == {"org/b"}
 
 
 def test_rm_refuses_what_it_does_not_own(hub_cache: Path, tmp_path: Path) -> None:
