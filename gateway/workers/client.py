@@ -44,6 +44,7 @@ class ModelView:
     last_info: Ready | None  # the last Ready of any of its workers: what it can do
     # requests its workers' deaths touched: (resumed, replayed, ended with worker_died)
     after_crash: tuple[int, int, int] = (0, 0, 0)
+    generated_tokens: int = 0  # tokens its workers made, counted live (per step output)
 
     @property
     def name(self) -> str:

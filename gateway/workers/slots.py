@@ -93,6 +93,7 @@ class Slot:
     replayed: int = 0
     died: int = 0
     served: int = 0
+    generated_tokens: int = 0  # by all its workers, counted as their step outputs arrive
     last_used: float = field(default_factory=time.monotonic)
     keep_alive_s: float | None = None  # the last request's keep_alive
     idle_timer: asyncio.TimerHandle | None = None
@@ -138,6 +139,7 @@ class Slot:
             handle.info if handle is not None else None,
             self.last_info,
             (self.resumed, self.replayed, self.died),
+            self.generated_tokens,
         )
 
 

@@ -247,15 +247,20 @@ class Supervisor:
             streams = handle.streams
             released = False
             handle.served = handle.served or bool(frame.outputs)
+            tokens = 0
             for output in frame.outputs:
+                tokens += len(output.token_ids)
                 stream = streams.get(output.request_id)
                 if stream is not None:
                     stream.put(output)
                     if output.finish_reason is not None:
                         del streams[output.request_id]
                         released = True
+            slot = self.catalog.slots.get(handle.config.name)
+            if slot is not None:
+                slot.generated_tokens += tokens
             if released and not streams:
-                self.lifetime.released(self.catalog.slots.get(handle.config.name))
+                self.lifetime.released(slot)
         elif isinstance(frame, Heartbeat):
             handle.heartbeat = frame
             note_step(handle, frame.step, now)
