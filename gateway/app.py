@@ -29,6 +29,9 @@ from gateway.api.rerank.routes import rerank_router
 from gateway.api.responses.routes import responses_router
 from gateway.api.serve import InFlight
 from gateway.api.tokenize import detokenize, tokenize
+from gateway.console.live import LiveFigures
+from gateway.console.recent import RecentRequests
+from gateway.console.routes import console_handlers, sampling
 from gateway.edge.context import RequestContext
 from gateway.edge.keys import KeyStore, keys_path
 from gateway.edge.logs import access_hook
@@ -80,6 +83,7 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
     state = app.state
     supervisor: Supervisor = state.supervisor
     admin = await _start_admin(state, supervisor.run_dir)
+    sampler = asyncio.create_task(sampling(state.live), name="console-figures")
     advert: Advertiser | None = None
     parent = os.environ.get(WATCH_PARENT_ENV)
     watch = asyncio.create_task(_watch_parent(parent))
@@ -95,6 +99,7 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
         # Shutdown (SIGTERM): new requests get 503 while in-flight ones drain (or end with
         # an error after server.drain_timeout_s); then the workers and the sockets go.
         watch.cancel()
+        sampler.cancel()
         await supervisor.stop()
         admin.should_exit = True
         with contextlib.suppress(Exception):
@@ -167,7 +172,10 @@ def create_app(config: Config) -> GatewayApp:
     supervisor = Supervisor(config, run_dir)
     metrics = Metrics(supervisor)
     limiter = KeyLimiter()
+    recent = RecentRequests()
     finish_hooks: list[Callable[[RequestContext], None]] = [metrics.observe]
+    if config.server.console:
+        finish_hooks.append(recent.observe)
     if config.server.access_log:
         finish_hooks.append(access_hook())
     state = State(
@@ -176,6 +184,9 @@ def create_app(config: Config) -> GatewayApp:
             "supervisor": supervisor,  # the control plane: admin API, lifespan
             "workers": supervisor,  # the request path's face of it (WorkerClient)
             "metrics": metrics,
+            # the console's figures, sampled from the metrics, and its recent requests
+            "live": LiveFigures(metrics),
+            "recent": recent,
             "started_at": time.time(),
             "key_store": keys,
             "inflight": InFlight(),  # requests in flight, for cancel by id
@@ -198,6 +209,8 @@ def create_app(config: Config) -> GatewayApp:
     ]
     if config.server.admin_http:
         handlers.append(admin_router())
+    if config.server.console:
+        handlers.extend(console_handlers())
     litestar = Litestar(
         route_handlers=handlers,
         state=state,

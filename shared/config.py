@@ -213,6 +213,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     insecure_no_auth: bool = False
     admin_http: bool = False  # admin-scope keys may use /admin/* over HTTP
     metrics_open: bool = False  # /metrics without a key even when keys exist
+    # The web console at /console (and / for browsers): status, live figures, model
+    # control (admin-scope keys), a playground. Off: neither path is served.
+    console: bool = True
     # Request limits: prompt tokens after templating, a cap on max_tokens (a request asking
     # for more is a 400), and requests queued per model before 503 + Retry-After.
     max_prompt_tokens: int | None = None

@@ -33,6 +33,12 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 
 
+def counted(path: str) -> bool:
+    """The requests the metrics (and the console) count: API requests, not /metrics,
+    /health, /admin or the console's own."""
+    return path.startswith("/v1/")
+
+
 class Metrics:
     def __init__(self, workers: WorkerClient) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -90,11 +96,13 @@ class Metrics:
             ["model", "key"],
             registry=r,
         )
-        r.register(WorkerCollector(workers))
+        # Also read by the console's live figures (gateway/console/live.py): one source.
+        self.worker_figures = WorkerCollector(workers)
+        r.register(self.worker_figures)
 
     def observe(self, ctx: RequestContext) -> None:
         """The finish hook: only API requests count (not /metrics, /health, /admin)."""
-        if not ctx.path.startswith("/v1/"):
+        if not counted(ctx.path):
             return
         model, key = ctx.model or UNKNOWN, ctx.key_name
         self.requests.labels(model, str(ctx.status), key).inc()
@@ -142,6 +150,12 @@ class WorkerCollector(Collector):
         restarts = CounterMetricFamily(
             "mlxgw_worker_restarts", "Workers restarted after a crash", labels=["model"]
         )
+        generated = CounterMetricFamily(
+            "mlxgw_generated_tokens",
+            "Tokens the model's workers generated, counted as each step's output arrives "
+            "(live; mlxgw_completion_tokens counts finished requests')",
+            labels=["model"],
+        )
         after_crash = CounterMetricFamily(
             "mlxgw_requests_after_crash",
             "Requests a worker's death touched: resumed from their tokens, replayed from the "
@@ -160,6 +174,7 @@ class WorkerCollector(Collector):
             for s in ModelState:
                 state.add_metric([name, s.value], 1.0 if s == current else 0.0)
             restarts.add_metric([name], view.restarts)
+            generated.add_metric([name], view.generated_tokens)
             in_flight.add_metric([name], view.in_flight)
             hb = view.heartbeat
             running.add_metric([name], hb.running if hb else 0)
@@ -174,7 +189,7 @@ class WorkerCollector(Collector):
             if view.info is not None:
                 load.add_metric([name], view.info.load_time_s)
         yield from (info, state, running, waiting, in_flight, rss, active, cache, peak, wired)
-        yield from (cache_limit, load, restarts, after_crash)
+        yield from (cache_limit, load, restarts, generated, after_crash)
         yield from self.prefix_cache()
 
     def prefix_cache(self) -> Iterator[Metric]:

@@ -7,7 +7,9 @@ the RequestContext is finished exactly when the response's last byte has gone ou
 or not.
 
 Access by path:
-- `/health`, `/ready`: open (liveness and readiness probes).
+- `/health`, `/ready`: open (liveness and readiness probes); so are `/`, the console's page
+  and its assets (gateway/console/), which hold no data.
+- `/console/api/...`: as `/v1`; model control there needs an admin-scope key (the routes).
 - `/v1/...`: a key of any scope, once keys exist; a key limited to some models gets 403 for
   others (checked by the routes, which know the model).
 - `/metrics`: a key of any scope unless `server.metrics_open`.
@@ -24,7 +26,7 @@ from typing import Any
 from gateway.api.errors import error_json
 from gateway.edge.context import RequestContext, client_request_id, new_request_id
 from gateway.edge.deadlines import ClientDeadlines
-from gateway.edge.keys import KeyStore
+from gateway.edge.keys import ApiKey, KeyStore
 from gateway.edge.ratelimit import KeyLimiter
 from gateway.errors import GatewayError
 from shared.config import ConfigError
@@ -39,7 +41,10 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]
 
 CONTEXT_KEY = "mlx_gateway.context"
-OPEN_PATHS = frozenset({"/health", "/ready"})
+# Open: the probes, and the console's page and assets (they hold no data; the page asks for
+# a key and sends it with each call of its API under /console/api).
+OPEN_PATHS = frozenset({"/health", "/ready", "/", "/console", "/console/"})
+OPEN_PREFIXES = ("/console/assets/",)
 
 
 def context_of(scope: Any) -> RequestContext | None:
@@ -60,8 +65,20 @@ def authorize_model(
         return
     ctx.model = canonical
     key = ctx.key
+    if key is not None and not may_use(key, canonical, canonical_of):
+        allowed = ", ".join(key.models)
+        raise GatewayError(
+            ErrorCode.FORBIDDEN,
+            f"key {key.name!r} may not use model {model!r} (allowed: {allowed})",
+            "model",
+        )
+
+
+def may_use(key: ApiKey | None, canonical: str, canonical_of: Callable[[str], str]) -> bool:
+    """Whether `key` may use the model configured as `canonical` (its list names models by
+    name or alias; no list: every model)."""
     if key is None or not key.models:
-        return
+        return True
 
     def same(listed: str) -> bool:
         try:
@@ -69,13 +86,7 @@ def authorize_model(
         except GatewayError:  # a listed model that is not configured (any more)
             return False
 
-    if not any(same(listed) for listed in key.models):
-        allowed = ", ".join(key.models)
-        raise GatewayError(
-            ErrorCode.FORBIDDEN,
-            f"key {key.name!r} may not use model {model!r} (allowed: {allowed})",
-            "model",
-        )
+    return any(same(listed) for listed in key.models)
 
 
 class GatewayMiddleware:
@@ -145,7 +156,7 @@ class GatewayMiddleware:
 
     def _check(self, ctx: RequestContext, headers: dict[bytes, bytes]) -> list[tuple[bytes, bytes]]:
         path = ctx.path
-        if path in OPEN_PATHS:
+        if path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
             return []
         admin = path == "/admin" or path.startswith("/admin/")
         if not admin and not self.keys.auth_required:
