@@ -243,3 +243,62 @@ def test_an_inference_key_sees_no_controls_and_gets_403_calling_them(
     )
     assert status == 403
     assert gw.ps()["demo"]["state"] == "ready"
+
+
+# WCAG 2 contrast of each visible element's text against the first opaque background behind
+# it: the lowest found, and where.
+CONTRAST = """(selectors) => {
+  const rgb = (c) => (c.match(/[\\d.]+/g) || []).map(Number);
+  const lum = ([r, g, b]) => {
+    const f = (v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; };
+    return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
+  };
+  const behind = (el) => {
+    for (; el; el = el.parentElement) {
+      const c = rgb(getComputedStyle(el).backgroundColor);
+      if (c.length === 3 || c[3] > 0) return c;
+    }
+    return [255, 255, 255];
+  };
+  let worst = [99, ""];
+  for (const el of document.querySelectorAll(selectors)) {
+    if (!el.offsetParent || !el.textContent.trim() || el.disabled) continue;
+    const a = lum(rgb(getComputedStyle(el).color)), b = lum(behind(el));
+    const ratio = (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
+    if (ratio < worst[0]) worst = [ratio, el.tagName + "." + el.className + ": " + el.textContent.trim().slice(0, 30)];
+  }
+  return worst;
+}"""
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_text_keeps_aa_contrast_and_every_control_is_named_and_reachable_by_keyboard(
+    browser: Any, gw: GatewayProc, keys: dict[str, str], scheme: str
+) -> None:
+    context = browser.new_context(viewport=DESKTOP, color_scheme=scheme)
+    context.set_default_timeout(TIMEOUT_MS)
+    page = context.new_page()
+    try:
+        sign_in(page, gw, keys["admin"])
+        expect(row(page, "demo").locator(".badge")).to_have_text("ready")
+        selectors = "h1, h2, p, th, td, label, button, .badge, .muted, figcaption, .who-said"
+        ratio, where = page.evaluate(CONTRAST, selectors)
+        assert ratio >= 4.5, f"contrast {ratio:.2f} < 4.5 at {where}"
+        unnamed = page.evaluate(
+            """() => [...document.querySelectorAll('button, input, select, textarea')]
+                .filter(el => el.offsetParent && !(el.labels && el.labels.length)
+                        && !el.getAttribute('aria-label') && !el.textContent.trim())
+                .map(el => el.outerHTML.slice(0, 80))"""
+        )
+        assert not unnamed
+        reached = set()
+        for _ in range(40):  # bounded: Tab through the page, collecting what takes focus
+            page.keyboard.press("Tab")
+            reached.add(page.evaluate(_FOCUSED))
+        assert {"Unload demo", "Reload demo", "chat-model", "chat-input", "chat-send"} <= reached
+    finally:
+        context.close()
+
+
+_FOCUSED = """() => { const el = document.activeElement;
+  return el.getAttribute('aria-label') || el.id || el.textContent.trim(); }"""

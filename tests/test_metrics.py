@@ -78,6 +78,8 @@ def test_request_metrics_move_by_the_right_amounts(gw: GatewayProc) -> None:
     assert moved("mlxgw_requests_total", model="nope", status="404", key="-") == 1
     completion = plain.usage.completion_tokens + streamed.completion_tokens
     assert moved("mlxgw_completion_tokens_total", model="chat", key="-") == completion
+    # counted live, per step output, by the supervisor: the same tokens in the end
+    assert moved("mlxgw_generated_tokens_total", model="chat") == completion
     prompt = plain.usage.prompt_tokens + streamed.prompt_tokens
     assert moved("mlxgw_prompt_tokens_total", model="chat", key="-") == prompt
     cached = sum(

@@ -63,6 +63,12 @@ def serve(config: Config) -> None:
         config.server.http_server,
         run_dir.admin_socket,
     )
+    if config.server.console:
+        host = config.server.host
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        shown = f"[{shown}]" if ":" in shown else shown
+        scheme = "https" if tls else "http"
+        log.info("console: %s://%s:%d/console", scheme, shown, config.server.port)
     try:
         if config.server.http_server == "uvicorn":
             _uvicorn(config, tls)
