@@ -6,6 +6,7 @@ import msgspec
 from litestar import Litestar, Request, Response, Router, get, post
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
+from litestar.params import FromQuery, JSONBody
 
 from gateway.errors import GatewayError
 from gateway.workers.slots import Slot
@@ -66,7 +67,7 @@ async def status(state: State) -> dict[str, object]:
 
 
 @post("/load", status_code=200)
-async def load(state: State, data: LoadBody) -> dict[str, object]:
+async def load(state: State, data: JSONBody[LoadBody]) -> dict[str, object]:
     supervisor: Supervisor = state.supervisor
     known = supervisor.catalog.slots.get(data.model)
     if known is not None and data.source not in (None, known.config.source):
@@ -95,21 +96,23 @@ async def load(state: State, data: LoadBody) -> dict[str, object]:
 
 
 @post("/unload", status_code=200)
-async def unload(state: State, data: UnloadBody) -> dict[str, object]:
+async def unload(state: State, data: JSONBody[UnloadBody]) -> dict[str, object]:
     supervisor: Supervisor = state.supervisor
     was_loaded = await supervisor.unload(data.model, force=data.force, timeout=data.timeout_s)
     return {"model": data.model, "unloaded": was_loaded}
 
 
 @post("/reload", status_code=200)
-async def reload(state: State, data: ReloadBody) -> dict[str, object]:
+async def reload(state: State, data: JSONBody[ReloadBody]) -> dict[str, object]:
     supervisor: Supervisor = state.supervisor
     handle = await supervisor.reload(data.model)
     return {"model": handle.config.name, "pid": handle.pid, "state": "ready"}
 
 
 @get("/logs")
-async def logs(state: State, model: str, offset: int = -LOG_CHUNK) -> dict[str, object]:
+async def logs(
+    state: State, model: FromQuery[str], offset: FromQuery[int] = -LOG_CHUNK
+) -> dict[str, object]:
     """The worker's own log from byte `offset` (negative: from the end); follow with the
     returned offset."""
     supervisor: Supervisor = state.supervisor

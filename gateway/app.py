@@ -83,7 +83,9 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
     state = app.state
     supervisor: Supervisor = state.supervisor
     admin = await _start_admin(state, supervisor.run_dir)
-    sampler = asyncio.create_task(sampling(state.live), name="console-figures")
+    sampler = None
+    if state.config.server.console:
+        sampler = asyncio.create_task(sampling(state.live), name="console-figures")
     advert: Advertiser | None = None
     parent = os.environ.get(WATCH_PARENT_ENV)
     watch = asyncio.create_task(_watch_parent(parent))
@@ -99,7 +101,8 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
         # Shutdown (SIGTERM): new requests get 503 while in-flight ones drain (or end with
         # an error after server.drain_timeout_s); then the workers and the sockets go.
         watch.cancel()
-        sampler.cancel()
+        if sampler is not None:
+            sampler.cancel()
         await supervisor.stop()
         admin.should_exit = True
         with contextlib.suppress(Exception):

@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from gateway.console.live import LiveFigures
 from gateway.console.recent import RecentRequests
 from gateway.edge.context import RequestContext
 from gateway.edge.keys import ApiKey
 from gateway.edge.metrics import Metrics
+from gateway.errors import GatewayError
 from tests.slot_fakes import heartbeat, ready_slot
 
 
@@ -44,7 +47,7 @@ def setup(*names: str) -> tuple[Views, Metrics, LiveFigures, Clock]:
     views = Views(*names)
     metrics = Metrics(views)  # type: ignore[arg-type]
     clock = Clock()
-    return views, metrics, LiveFigures(metrics, clock=clock), clock
+    return views, metrics, LiveFigures(metrics, clock=clock, wall=clock), clock
 
 
 def test_rates_are_increases_over_the_time_between_samples() -> None:
@@ -100,7 +103,7 @@ def test_a_counter_that_starts_again_gives_no_negative_rate() -> None:
 
 def test_history_is_bounded_and_watchers_get_each_sample() -> None:
     _, metrics, _, clock = setup("a")
-    live = LiveFigures(metrics, history=3, clock=clock)
+    live = LiveFigures(metrics, history=3, clock=clock, wall=clock)
     queue = live.watch()
     for _ in range(5):
         clock.now += 1
@@ -112,14 +115,40 @@ def test_history_is_bounded_and_watchers_get_each_sample() -> None:
     assert queue.qsize() == 5
 
 
-def test_a_slow_watcher_loses_the_oldest_samples_not_the_newest() -> None:
+def test_a_watcher_that_stops_reading_is_dropped_and_told() -> None:
     _, _, live, clock = setup("a")
-    queue = live.watch()
-    for i in range(20):
+    slow, quick = live.watch("k"), live.watch("k")
+    for i in range(9):
         clock.now = 2000.0 + i
         live.publish(live.sample())
-    got = [queue.get_nowait()["t"] for _ in range(queue.qsize())]
-    assert got == [2000.0 + i for i in range(12, 20)]
+        quick.get_nowait()
+    assert live.watching == 1  # the slow one fell 8 behind: dropped, its queue says so
+    assert slow.get_nowait() is None and slow.empty()
+
+
+def test_rates_follow_the_monotonic_clock_not_the_wall() -> None:
+    views, metrics, _, clock = setup("a")
+    wall = Clock()
+    live = LiveFigures(metrics, clock=clock, wall=wall)
+    live.sample()
+    views.slots["a"].generated_tokens = 50
+    clock.now += 1.0
+    wall.now -= 3600  # the wall clock stepped back an hour
+    point = live.sample()
+    assert point["models"]["a"]["tokens_per_s"] == 50.0 and point["t"] == wall.now
+
+
+def test_open_streams_are_bounded_in_all_and_per_key() -> None:
+    _, metrics, _, _ = setup("a")
+    live = LiveFigures(metrics, max_watchers=3, max_per_key=2)
+    live.watch("k1"), live.watch("k1")
+    with pytest.raises(GatewayError) as per_key:
+        live.watch("k1")
+    assert per_key.value.status == 503 and per_key.value.retry_after == 5
+    live.watch("k2")
+    with pytest.raises(GatewayError):
+        live.watch("k3")  # 3 in all
+    assert live.watching == 3
 
 
 def test_run_samples_on_a_beat_until_cancelled() -> None:

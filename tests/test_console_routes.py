@@ -23,6 +23,8 @@ def make_app(folder: Path, **server: Any) -> GatewayApp:
     models = [
         ModelConfig(name="a", source="/nowhere", preload=False),
         ModelConfig(name="b", source="/nowhere", aliases=["bee"], preload=False),
+        # as `gatewayctl load org/repo --source ...` names one
+        ModelConfig(name="org/repo", source="/nowhere/else", preload=False),
     ]
     return create_app(Config(server=ServerConfig(**settings), models=models))
 
@@ -86,9 +88,9 @@ def test_with_no_keys_the_state_is_open_and_control_needs_an_admin_key(
         "can_control": False,
         "version": state["gateway"]["version"],
     }
-    assert [m["model"] for m in state["models"]] == ["a", "b"]
+    assert [m["model"] for m in state["models"]] == ["a", "b", "org/repo"]
     assert state["gateway"]["memory_budget_bytes"] > 0 and "uptime_s" in state["gateway"]
-    refused = call(open_app, "POST", "/console/api/models/a/load")
+    refused = call(open_app, "POST", "/console/api/models/load", json={"model": "a"})
     assert refused.status_code == 403
     assert "gatewayctl keys create NAME --scope admin" in refused.json()["error"]["message"]
 
@@ -99,7 +101,7 @@ def test_once_keys_exist_the_api_needs_one(keyed: tuple[GatewayApp, dict[str, st
     for method, path in [
         ("GET", "/console/api/state"),
         ("GET", "/console/api/live"),
-        ("POST", "/console/api/models/a/unload"),
+        ("POST", "/console/api/models/unload"),
     ]:
         reply = call(app, method, path)
         assert reply.status_code == 401, path
@@ -121,9 +123,15 @@ def test_an_inference_key_sees_its_models_and_its_requests_only(
     assert state["session"]["can_control"] is False
     assert [m["model"] for m in state["models"]] == ["b"]  # its key lists "bee", b's alias
     assert list(state["gateway"]["models"]) == ["b"]
+    # its status, not the operator's: where the files are, processes, logs
+    row = state["models"][0]
+    assert row["state"] == "unloaded" and row["aliases"] == ["bee"]
+    assert not {"source", "pid", "log_tail", "error", "exit_code", "draining"} & set(row)
+    assert "pid" not in state["gateway"] and "memory_budget_bytes" in state["gateway"]
     assert [r["key"] for r in state["recent"]] == ["user", "user"]
     admin = call(app, "GET", "/console/api/state", keys["admin"]).json()
-    assert [m["model"] for m in admin["models"]] == ["a", "b"]
+    assert [m["model"] for m in admin["models"]] == ["a", "b", "org/repo"]
+    assert admin["models"][0]["source"] == "/nowhere" and "pid" in admin["gateway"]
     assert admin["session"]["can_control"] is True
     assert [r["key"] for r in admin["recent"]] == ["user", "other", "user"]
 
@@ -132,17 +140,38 @@ def test_control_needs_an_admin_key_a_post_and_a_known_model_and_action(
     keyed: tuple[GatewayApp, dict[str, str]],
 ) -> None:
     app, keys = keyed
-    refused = call(app, "POST", "/console/api/models/b/unload", keys["user"])
+    refused = call(app, "POST", "/console/api/models/unload", keys["user"], json={"model": "b"})
     assert refused.status_code == 403
     assert "scope 'inference', not admin" in refused.json()["error"]["message"]
     # no state change by GET (a link or an <img> can make a browser GET)
-    assert call(app, "GET", "/console/api/models/a/unload", keys["admin"]).status_code == 405
-    unknown = call(app, "POST", "/console/api/models/nope/unload", keys["admin"])
+    assert call(app, "GET", "/console/api/models/unload", keys["admin"]).status_code == 405
+    unknown = call(app, "POST", "/console/api/models/unload", keys["admin"], json={"model": "x"})
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
-    bad = call(app, "POST", "/console/api/models/a/explode", keys["admin"])
+    bad = call(app, "POST", "/console/api/models/explode", keys["admin"], json={"model": "a"})
     assert bad.status_code == 404 and "load, unload or reload" in bad.json()["error"]["message"]
-    done = call(app, "POST", "/console/api/models/bee/unload", keys["admin"])
-    assert done.status_code == 200 and done.json() == {"model": "b", "unloaded": False}
+    for body in (b"", b"{", b'{"model": 1}', b'{"model": "a", "force": true}'):
+        wrong = call(app, "POST", "/console/api/models/unload", keys["admin"], content=body)
+        assert wrong.status_code == 400, body
+    for name, canonical in (("bee", "b"), ("org/repo", "org/repo")):
+        done = call(app, "POST", "/console/api/models/unload", keys["admin"], json={"model": name})
+        assert done.status_code == 200 and done.json() == {"model": canonical, "unloaded": False}
+
+
+def test_the_api_is_never_stored_by_the_browser(open_app: GatewayApp) -> None:
+    assert call(open_app, "GET", "/console/api/state").headers["cache-control"] == "no-store"
+    assert call(open_app, "GET", "/console").headers["cache-control"] == "no-cache"
+
+
+def test_open_streams_are_bounded_per_key(keyed: tuple[GatewayApp, dict[str, str]]) -> None:
+    app, keys = keyed
+    live: LiveFigures = app.state.live
+    user = next(k.id for k in app.state.key_store.all() if k.name == "user")
+    for _ in range(live.max_per_key):
+        live.watch(user)  # the key's other tabs
+    over = call(app, "GET", "/console/api/live", keys["user"])
+    assert over.status_code == 503 and over.headers["retry-after"] == "5"
+    assert "too many open console streams" in over.json()["error"]["message"]
+    assert live.watching == live.max_per_key  # the refused one left nothing behind
 
 
 def test_the_console_can_be_switched_off(tmp_path: Path) -> None:

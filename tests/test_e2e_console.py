@@ -135,10 +135,14 @@ def test_the_table_shows_the_model_ready_and_unload_and_load_work_from_the_page(
     assert psutil.pid_exists(pid)
     page.evaluate("() => { window.notReloaded = true; }")
 
-    demo.get_by_role("button", name="Unload demo", exact=True).click()
+    unload = demo.get_by_role("button", name="Unload demo", exact=True)
+    unload.focus()
+    page.keyboard.press("Enter")  # from the keyboard
     wait_for(lambda: not _alive(pid), timeout=30, what="the demo worker to exit")
     expect(demo.locator(".badge")).to_have_text("unloaded")
     assert page.evaluate("() => window.notReloaded === true")  # updated in place
+    # the button went disabled under the focus: the focus stayed in the model's row
+    assert page.evaluate("""() => document.activeElement.closest('tr')?.dataset.model === 'demo'""")
 
     demo.get_by_role("button", name="Load demo", exact=True).click()
     expect(demo.locator(".badge")).to_have_text("ready")
@@ -193,6 +197,13 @@ def test_a_playground_message_streams_a_reply(
     recent = page.locator("#recent tbody tr").first
     expect(recent).to_contain_text("playground-user")
     expect(recent).to_contain_text("200")
+    # forgetting the key forgets what it saw: the conversation, the tables, who it was
+    page.locator("#forget").click()
+    expect(page.locator("#key-section")).to_be_visible()
+    expect(page.locator("#chat-log .msg")).to_have_count(0)
+    expect(page.locator("#recent tbody tr")).to_have_count(0)
+    expect(page.locator("#who")).to_be_empty()
+    assert page.evaluate("() => sessionStorage.length") == 0
 
 
 def test_the_live_chart_moves_while_a_load_generator_runs(
@@ -237,8 +248,9 @@ def test_an_inference_key_sees_no_controls_and_gets_403_calling_them(
     assert page.locator("#models button").count() == 0
     expect(page.locator("th.actions-col")).to_be_hidden()
     status = page.evaluate(
-        """async (key) => (await fetch('/console/api/models/demo/unload', {
-            method: 'POST', headers: {authorization: `Bearer ${key}`}})).status""",
+        """async (key) => (await fetch('/console/api/models/unload', {
+            method: 'POST', headers: {authorization: `Bearer ${key}`},
+            body: JSON.stringify({model: 'demo'})})).status""",
         keys["inference"],
     )
     assert status == 403
@@ -265,7 +277,8 @@ CONTRAST = """(selectors) => {
     if (!el.offsetParent || !el.textContent.trim() || el.disabled) continue;
     const a = lum(rgb(getComputedStyle(el).color)), b = lum(behind(el));
     const ratio = (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
-    if (ratio < worst[0]) worst = [ratio, el.tagName + "." + el.className + ": " + el.textContent.trim().slice(0, 30)];
+    const where = el.tagName + "." + el.className + ": " + el.textContent.trim().slice(0, 30);
+    if (ratio < worst[0]) worst = [ratio, where];
   }
   return worst;
 }"""

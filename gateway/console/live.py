@@ -13,7 +13,6 @@ ones a Prometheus scrape renders), never counted a second time. Per model and in
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import defaultdict, deque
@@ -23,13 +22,19 @@ from typing import Any
 from prometheus_client.metrics_core import Metric
 
 from gateway.edge.metrics import UNKNOWN, Metrics
+from gateway.errors import GatewayError
+from shared.types import ErrorCode
 
 log = logging.getLogger("gateway")
 
 INTERVAL_S = 1.0
 HISTORY = 600  # samples: ten minutes at one a second
+QUEUE = 8  # samples a stream may fall behind before it is dropped
+MAX_WATCHERS = 64  # open live streams, in all
+MAX_PER_KEY = 8  # ... and per key (the open gateway's streams count as one key's)
 
 Totals = dict[str, dict[str, float]]  # model -> figure -> value at one instant
+Watch = asyncio.Queue[dict[str, Any] | None]
 
 
 def _add(totals: Totals, families: Iterable[Metric], wanted: dict[str, str]) -> None:
@@ -55,14 +60,20 @@ class LiveFigures:
         *,
         interval: float = INTERVAL_S,
         history: int = HISTORY,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        max_watchers: int = MAX_WATCHERS,
+        max_per_key: int = MAX_PER_KEY,
     ) -> None:
         self.metrics = metrics
         self.interval = interval
-        self.clock = clock
+        self.clock = clock  # rates: a wall-clock step must not skew them
+        self.wall = wall  # each sample's time, for the charts
+        self.max_watchers = max_watchers
+        self.max_per_key = max_per_key
         self.samples: deque[dict[str, Any]] = deque(maxlen=history)
         self._last: tuple[float, Totals] | None = None
-        self._watchers: set[asyncio.Queue[dict[str, Any]]] = set()
+        self._watchers: dict[Watch, str] = {}  # each open stream's queue: its key's id
 
     def totals(self) -> Totals:
         """The cumulative and current figures per model, read from the collectors."""
@@ -102,28 +113,51 @@ class LiveFigures:
                 "waiting": figures.get("waiting", 0.0),
             }
         self._last = (now, totals)
-        point = {"t": round(now, 3), "models": models}
+        point = {"t": round(self.wall(), 3), "models": models}
         self.samples.append(point)
         return point
 
     def history(self) -> list[dict[str, Any]]:
         return list(self.samples)
 
-    def watch(self) -> asyncio.Queue[dict[str, Any]]:
-        """A queue that gets each new sample (a slow reader loses the oldest)."""
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=8)
-        self._watchers.add(queue)
+    def watch(self, owner: str = "") -> Watch:
+        """A queue that gets each new sample, for a stream opened with key `owner` ("": no
+        key). Refused (503) past the bounds on open streams, in all and per key."""
+        mine = sum(1 for o in self._watchers.values() if o == owner)
+        if len(self._watchers) >= self.max_watchers or mine >= self.max_per_key:
+            raise GatewayError(
+                ErrorCode.OVERLOADED,
+                f"too many open console streams ({mine} for this key, "
+                f"{len(self._watchers)} in all); close some of the console's tabs",
+                retry_after=5,
+            )
+        queue: Watch = asyncio.Queue(maxsize=QUEUE)
+        self._watchers[queue] = owner
         return queue
 
-    def unwatch(self, queue: asyncio.Queue[dict[str, Any]]) -> None:
-        self._watchers.discard(queue)
+    def unwatch(self, queue: Watch) -> None:
+        self._watchers.pop(queue, None)
+
+    @property
+    def watching(self) -> int:
+        return len(self._watchers)
 
     def publish(self, point: dict[str, Any]) -> None:
-        for queue in self._watchers:
+        """Each watcher gets the sample; one that has not read for QUEUE samples (a client
+        that stopped taking its stream) is dropped: it finds None next, and its stream ends."""
+        for queue in list(self._watchers):
             if queue.full():
-                with contextlib.suppress(asyncio.QueueEmpty):
+                self.unwatch(queue)
+                while not queue.empty():
                     queue.get_nowait()
-            queue.put_nowait(point)
+                queue.put_nowait(None)
+            else:
+                queue.put_nowait(point)
+
+    @staticmethod
+    async def next(queue: Watch) -> dict[str, Any] | None:
+        """The next sample; None once the watcher was dropped."""
+        return await queue.get()
 
     async def run(self) -> None:
         """Samples on a steady beat until cancelled; a failing sample is logged, not fatal."""

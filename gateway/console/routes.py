@@ -20,6 +20,7 @@ from litestar.params import FromPath
 from litestar.response import File, Redirect, ServerSentEvent
 from litestar.static_files import create_static_files_router
 
+from gateway.api.common import decode_body
 from gateway.console.live import LiveFigures
 from gateway.console.recent import RecentRequests
 from gateway.edge.context import RequestContext
@@ -40,8 +41,10 @@ SECURITY_HEADERS = {
     "x-content-type-options": "nosniff",
     "referrer-policy": "no-referrer",
     "x-frame-options": "DENY",
-    "cache-control": "no-cache",
+    "cache-control": "no-cache",  # the page and assets: revalidated, so an update shows
 }
+# The API's answers are the key's own view: never stored by the browser.
+NO_STORE = {"cache-control": "no-store"}
 
 
 def _ctx(request: Request[Any, Any, Any]) -> RequestContext | None:
@@ -63,26 +66,65 @@ def session(request: Request[Any, Any, Any]) -> dict[str, Any]:
     }
 
 
+# What an inference key sees of a model's row: its status, not where its files are, its
+# processes or its logs (those are the operator's: an admin key, or gatewayctl).
+STATUS_FIELDS = (
+    "model",
+    "kind",
+    "state",
+    "aliases",
+    "memory_bytes",
+    "rss_bytes",
+    "running",
+    "waiting",
+    "in_flight",
+    "served",
+    "restarts",
+    "uptime_s",
+    "ttl_s",
+    "ttl_left_s",
+    "next_attempt_s",
+    "prefix_cache",
+)
+GATEWAY_FIELDS = (
+    "version",
+    "uptime_s",
+    "device",
+    "models",
+    "memory_budget_bytes",
+    "memory_used_bytes",
+    "memory_total_bytes",
+)
+
+
+def _operator(ctx: RequestContext | None) -> bool:
+    """An admin key, or no keys at all (an open gateway: its local user)."""
+    return ctx is None or ctx.key is None or ctx.key.scope == "admin"
+
+
 def _visible_rows(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
     """The models' rows of `gatewayctl ps` that the caller's key may use."""
     supervisor: Supervisor = request.app.state.supervisor
     ctx = _ctx(request)
-    key = ctx.key if ctx is not None else None
     rows = supervisor.ps()
-    if key is None or key.scope == "admin":
+    if _operator(ctx):
         return rows
+    assert ctx is not None and ctx.key is not None
 
     def canonical(name: str) -> str:
         return supervisor.resolve(name).name
 
-    return [row for row in rows if may_use(key, str(row["model"]), canonical)]
+    return [
+        {field: row.get(field) for field in STATUS_FIELDS}
+        for row in rows
+        if may_use(ctx.key, str(row["model"]), canonical)
+    ]
 
 
 def _recent(request: Request[Any, Any, Any], after: int = 0) -> list[dict[str, Any]]:
     recent: RecentRequests = request.app.state.recent
     ctx = _ctx(request)
-    key = ctx.key if ctx is not None else None
-    own = None if key is None or key.scope == "admin" else key.id
+    own = None if _operator(ctx) or ctx is None or ctx.key is None else ctx.key.id
     return recent.latest(RECENT_SHOWN, own, after)
 
 
@@ -96,6 +138,8 @@ def _gateway(request: Request[Any, Any, Any], names: set[str]) -> dict[str, Any]
     supervisor: Supervisor = request.app.state.supervisor
     status: dict[str, Any] = supervisor.status()
     status["models"] = {m: s for m, s in status["models"].items() if m in names}
+    if not _operator(_ctx(request)):
+        status = {field: status[field] for field in GATEWAY_FIELDS if field in status}
     return status
 
 
@@ -114,28 +158,32 @@ def _state(request: Request[Any, Any, Any]) -> dict[str, Any]:
 
 
 @get("/api/state", sync_to_thread=False)
-def state_route(request: Request[Any, Any, Any]) -> dict[str, Any]:
+def state_route(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     """Everything the page shows, once: models, the machine, the figures' history, recent
     requests."""
-    return _state(request)
+    return Response(_state(request), headers=NO_STORE)
 
 
 @get("/api/live")
-async def live_route(request: Request[Any, Any, Any]) -> ServerSentEvent:
+async def live_route(request: Request[Any, Any, Any]) -> Response[Any]:
     """Server-sent events: `state` (as /api/state) first, then an `update` per sample:
     the sample, the models' rows, the machine and the requests finished since."""
     live: LiveFigures = request.app.state.live
+    ctx = _ctx(request)
+    owner = ctx.key.id if ctx is not None and ctx.key is not None else ""
+    queue = live.watch(owner)  # refused past the limits on open streams (503)
 
     async def events() -> AsyncIterator[dict[str, str]]:
-        queue = live.watch()
         try:
             first = _state(request)
             seq = max((r["seq"] for r in first["recent"]), default=0)
             yield {"event": "state", "data": _json(first)}
             while True:
-                point = await queue.get()
-                if not _still_allowed(request):
-                    return  # a revoked or expired key, or keys now needed: the page asks again
+                point = await live.next(queue)
+                if point is None or not _still_allowed(request):
+                    # a reader dropped for not reading, a revoked or expired key, or keys
+                    # now needed: the stream ends (the page asks again)
+                    return
                 rows = _visible_rows(request)
                 names = {str(row["model"]) for row in rows}
                 recent = _recent(request, seq)
@@ -150,7 +198,7 @@ async def live_route(request: Request[Any, Any, Any]) -> ServerSentEvent:
         finally:
             live.unwatch(queue)
 
-    return ServerSentEvent(events(), headers={"cache-control": "no-store"})
+    return ServerSentEvent(events(), headers=NO_STORE)
 
 
 def _still_allowed(request: Request[Any, Any, Any]) -> bool:
@@ -183,15 +231,23 @@ def _admin_only(request: Request[Any, Any, Any]) -> None:
         )
 
 
-@post("/api/models/{model:str}/{action:str}", status_code=200)
-async def control_route(
-    request: Request[Any, Any, Any], model: FromPath[str], action: FromPath[str]
-) -> Any:
-    """load (returns once it is on its way: the page follows its state), unload (waits for
-    its requests, as `gatewayctl unload` does), reload (returns when the new worker serves)."""
+class ControlBody(msgspec.Struct, forbid_unknown_fields=True):
+    model: str  # a name or alias; any characters ("org/repo" included)
+
+
+@post("/api/models/{action:str}", status_code=200)
+async def control_route(request: Request[Any, Any, Any], action: FromPath[str]) -> Any:
+    """`{"model": NAME}` to load (returns once it is on its way: the page follows its
+    state), unload (waits for its requests, as `gatewayctl unload` does) or reload (returns
+    when the new worker serves)."""
     _admin_only(request)
+    if action not in ACTIONS:
+        raise GatewayError(
+            ErrorCode.NOT_FOUND, f"unknown action {action!r}: load, unload or reload", "action"
+        )
+    body = decode_body(await request.body(), ControlBody)
     supervisor: Supervisor = request.app.state.supervisor
-    name = supervisor.resolve(model).name
+    name = supervisor.resolve(body.model).name
     ctx = _ctx(request)
     if ctx is not None:
         ctx.model = name
@@ -199,14 +255,12 @@ async def control_route(
         slot = await supervisor.load(name, wait=False)
         return {"model": name, "state": slot.state.value}
     if action == "unload":
-        unloaded = await supervisor.unload(name)
-        return {"model": name, "unloaded": unloaded}
-    if action == "reload":
-        handle = await supervisor.reload(name)
-        return {"model": name, "pid": handle.pid, "state": "ready"}
-    raise GatewayError(
-        ErrorCode.NOT_FOUND, f"unknown action {action!r}: load, unload or reload", "action"
-    )
+        return {"model": name, "unloaded": await supervisor.unload(name)}
+    handle = await supervisor.reload(name)
+    return {"model": name, "pid": handle.pid, "state": "ready"}
+
+
+ACTIONS = ("load", "unload", "reload")
 
 
 @get("/", sync_to_thread=False)
@@ -215,7 +269,8 @@ def page() -> File:
 
 
 def _secure(response: Response[Any]) -> Response[Any]:
-    response.headers.update(SECURITY_HEADERS)
+    for name, value in SECURITY_HEADERS.items():
+        response.headers.setdefault(name, value)  # the API's own no-store stays
     return response
 
 

@@ -22,6 +22,8 @@
     pending: new Set(), // models with a control call in flight
     chat: [],
     chatAbort: null,
+    retryTimer: null,
+    rows: new Map(), // model -> {tr, cells, buttons}: the table is updated in place
   };
   window.mlxConsole = state; // for people poking at it in the browser's devtools
 
@@ -72,6 +74,8 @@
   // ---- the live connection ---------------------------------------------------------------
 
   async function connect() {
+    clearTimeout(state.retryTimer);
+    state.retryTimer = null;
     if (state.streamAbort) state.streamAbort.abort();
     const abort = new AbortController();
     state.streamAbort = abort;
@@ -95,8 +99,10 @@
       for await (const { event, data } of events(response)) {
         const body = JSON.parse(data);
         if (event === "state") showState(body);
-        else if (event === "update") showUpdate(body);
-        state.retry = 0;
+        else if (event === "update") {
+          showUpdate(body);
+          state.retry = 0; // a stream that keeps going: the next break retries at once
+        }
       }
       if (!abort.signal.aborted) reconnect("The live connection ended");
     } catch (err) {
@@ -107,7 +113,8 @@
   function reconnect(why) {
     const delay = Math.min(10, 1 + state.retry++) * 1000;
     banner(`${why}; trying again in ${delay / 1000} s.`);
-    setTimeout(connect, delay);
+    clearTimeout(state.retryTimer);
+    state.retryTimer = setTimeout(connect, delay);
   }
 
   function banner(text) {
@@ -118,7 +125,27 @@
 
   // ---- key -------------------------------------------------------------------------------
 
+  // What one key saw goes when another (or none) takes over: the figures, the tables, the
+  // playground's conversation, the header.
+  function resetSession() {
+    if (state.chatAbort) state.chatAbort.abort();
+    state.chat = [];
+    state.session = null;
+    state.history = [];
+    state.recent = [];
+    state.models = [];
+    state.rows.clear();
+    $("models").tBodies[0].replaceChildren();
+    $("recent").tBodies[0].replaceChildren();
+    $("chat-log").replaceChildren();
+    $("chat-stats").textContent = "";
+    $("action-status").textContent = "";
+    $("who").textContent = "";
+    $("memory-block").hidden = true;
+  }
+
   function askForKey(error) {
+    resetSession();
     $("app").hidden = true;
     $("key-section").hidden = false;
     $("key-error").textContent = error || "";
@@ -132,6 +159,7 @@
     state.key = $("key-input").value.trim();
     $("key-input").value = "";
     sessionStorage.setItem(KEY_STORE, state.key);
+    resetSession();
     $("key-section").hidden = true;
     connect();
   });
@@ -140,6 +168,7 @@
     sessionStorage.removeItem(KEY_STORE);
     state.key = "";
     if (state.streamAbort) state.streamAbort.abort();
+    resetSession();
     connect();
   });
 
@@ -148,7 +177,8 @@
   function showState(body) {
     banner("");
     state.session = body.session;
-    state.history = body.history.slice(-WINDOW_S * 2);
+    const last = body.history.length ? body.history[body.history.length - 1].t : 0;
+    state.history = body.history.filter((p) => p.t >= last - WINDOW_S);
     state.recent = body.recent;
     $("key-section").hidden = true;
     $("app").hidden = false;
@@ -211,12 +241,12 @@
     $("memory-text").textContent = `${bytes(g.memory_used_bytes)} of ${bytes(g.memory_budget_bytes)} (machine: ${bytes(g.memory_total_bytes)})`;
   }
 
-  function cell(row, text, cls) {
+  function cell(row, text, cls, table) {
     const td = document.createElement("td");
     td.textContent = text;
     if (cls) td.className = cls;
     // the column's name, shown beside the value where a phone's width stacks the row
-    const th = row.closest("table").tHead.rows[0].cells[row.cells.length];
+    const th = (table || row.closest("table")).tHead.rows[0].cells[row.cells.length];
     if (th) td.dataset.label = th.textContent;
     row.appendChild(td);
     return td;
@@ -234,61 +264,91 @@
     return `${Math.round((100 * stats.hits) / stats.lookups)}% hits · ${held}`;
   }
 
+  // One row per model, made once and then updated in place: a click or a focused button
+  // survives the updates that come each second.
+  function modelRow(model) {
+    let row = state.rows.get(model);
+    if (row) return row;
+    const tr = document.createElement("tr");
+    tr.dataset.model = model;
+    const cells = {};
+    for (const name of ["model", "kind", "state", "memory", "ttl", "restarts", "running", "waiting", "tokens", "cache", "actions"]) {
+      const numeric = ["memory", "ttl", "restarts", "running", "waiting", "tokens"].includes(name);
+      cells[name] = cell(tr, "", numeric ? "num" : name === "actions" ? "actions" : "", $("models"));
+    }
+    cells.model.tabIndex = -1; // where focus goes when the button it was on is disabled
+    const name = document.createElement("span");
+    const alias = document.createElement("span");
+    alias.className = "alias";
+    cells.model.append(name, alias);
+    const badge = document.createElement("span");
+    cells.state.appendChild(badge);
+    const buttons = {};
+    // only for a key that may use them (the rows are made again for another key)
+    const actions = state.session && state.session.can_control ? [["load", "Load"], ["unload", "Unload"], ["reload", "Reload"]] : [];
+    for (const [action, label] of actions) {
+      const b = document.createElement("button");
+      b.type = "button";
+      b.textContent = label;
+      b.dataset.model = model;
+      b.dataset.action = action;
+      b.setAttribute("aria-label", `${label} ${model}`);
+      b.addEventListener("click", () => control(model, action));
+      cells.actions.appendChild(b);
+      buttons[action] = b;
+    }
+    row = { tr, cells, name, alias, badge, buttons };
+    state.rows.set(model, row);
+    return row;
+  }
+
+  function setText(el, text) {
+    if (el.textContent !== text) el.textContent = text;
+  }
+
   function showModels(rows) {
     state.models = rows;
     const body = $("models").tBodies[0];
-    const focused = document.activeElement && document.activeElement.dataset.action
-      ? `${document.activeElement.dataset.model}/${document.activeElement.dataset.action}` : null;
-    body.replaceChildren();
+    const wanted = rows.map((r) => modelRow(r.model).tr);
     if (!rows.length) {
-      const tr = body.insertRow();
-      const td = cell(tr, "No models this key may use.", "empty");
+      const tr = document.createElement("tr");
+      const td = cell(tr, "No models this key may use.", "empty", $("models"));
       td.colSpan = 11;
+      wanted.push(tr);
     }
+    for (const [model, row] of state.rows) {
+      if (!rows.some((r) => r.model === model)) state.rows.delete(model);
+    }
+    const current = [...body.rows];
+    if (current.length !== wanted.length || current.some((tr, i) => tr !== wanted[i])) {
+      body.replaceChildren(...wanted);
+    }
+    const control = state.session && state.session.can_control;
     for (const r of rows) {
-      const tr = body.insertRow();
-      tr.dataset.model = r.model;
-      const name = cell(tr, r.model);
-      if (r.aliases && r.aliases.length) {
-        const alias = document.createElement("span");
-        alias.className = "alias";
-        alias.textContent = `also ${r.aliases.join(", ")}`;
-        name.appendChild(alias);
-      }
-      cell(tr, r.kind);
-      const st = cell(tr, "");
-      const badge = document.createElement("span");
-      badge.className = `badge state-${r.state}`;
-      badge.textContent = r.state;
-      badge.title = r.error || r.last_error || "";
-      st.appendChild(badge);
-      cell(tr, bytes(r.memory_bytes || r.rss_bytes), "num");
-      cell(tr, r.ttl_s == null ? "never" : duration(r.ttl_left_s), "num");
-      cell(tr, String(r.restarts), "num");
-      cell(tr, String(r.running), "num");
-      cell(tr, String(r.waiting), "num");
+      const row = state.rows.get(r.model);
+      const c = row.cells;
+      setText(row.name, r.model);
+      setText(row.alias, r.aliases && r.aliases.length ? `also ${r.aliases.join(", ")}` : "");
+      setText(c.kind, r.kind);
+      setText(row.badge, r.state);
+      row.badge.className = `badge state-${r.state}`;
+      row.badge.title = r.error || r.last_error || "";
+      setText(c.memory, bytes(r.memory_bytes || r.rss_bytes));
+      setText(c.ttl, r.ttl_s == null ? "never" : duration(r.ttl_left_s));
+      setText(c.restarts, String(r.restarts));
+      setText(c.running, String(r.running));
+      setText(c.waiting, String(r.waiting));
       const now = latest(r.model);
-      cell(tr, now ? now.tokens_per_s.toFixed(1) : "–", "num");
-      cell(tr, prefixCache(r.prefix_cache));
-      const actions = cell(tr, "", "actions");
-      if (state.session && state.session.can_control) {
-        const busy = state.pending.has(r.model);
-        const add = (action, label, enabled) => {
-          const b = document.createElement("button");
-          b.type = "button";
-          b.textContent = label;
-          b.dataset.model = r.model;
-          b.dataset.action = action;
-          b.setAttribute("aria-label", `${label} ${r.model}`);
-          b.disabled = busy || !enabled;
-          b.addEventListener("click", () => control(r.model, action));
-          actions.appendChild(b);
-          if (focused === `${r.model}/${action}`) b.focus();
-        };
-        const loaded = ["ready", "loading"].includes(r.state);
-        add("load", "Load", !loaded && r.state !== "unloading");
-        add("unload", "Unload", loaded);
-        add("reload", "Reload", r.state === "ready");
+      setText(c.tokens, now ? now.tokens_per_s.toFixed(1) : "–");
+      setText(c.cache, prefixCache(r.prefix_cache));
+      c.actions.hidden = !control;
+      const busy = state.pending.has(r.model);
+      const loaded = ["ready", "loading"].includes(r.state);
+      const enabled = { load: !loaded && r.state !== "unloading", unload: loaded, reload: r.state === "ready" };
+      for (const [action, b] of Object.entries(row.buttons)) {
+        const disabled = busy || !enabled[action];
+        if (disabled && document.activeElement === b) c.model.focus(); // keep focus in the row
+        b.disabled = disabled;
       }
     }
     showChatModels();
@@ -366,8 +426,13 @@
       const total = (f) => Object.values(last.models).reduce((a, v) => a + (v[f] || 0), 0);
       $("now-tokens").textContent = `now ${total("tokens_per_s").toFixed(1)}`;
       $("now-requests").textContent = `now ${total("running")} running, ${total("waiting")} waiting`;
-      const ttfts = Object.values(last.models).map((v) => v.ttft_s).filter((v) => v != null);
-      $("now-ttft").textContent = ttfts.length ? `last ${ms(Math.max(...ttfts))}` : "";
+      // the latest second in the window in which a request finished
+      let ttft = null;
+      for (let i = state.history.length - 1; i >= 0 && ttft === null; i--) {
+        const seen = Object.values(state.history[i].models).map((v) => v.ttft_s).filter((v) => v != null);
+        if (seen.length) ttft = Math.max(...seen);
+      }
+      $("now-ttft").textContent = ttft === null ? "" : `last ${ms(ttft)}`;
     }
   }
 
@@ -386,8 +451,9 @@
     const status = $("action-status");
     status.textContent = `${action[0].toUpperCase()}${action.slice(1)}ing ${model}…`;
     try {
-      const response = await fetch(`/console/api/models/${encodeURIComponent(model)}/${action}`, {
-        method: "POST", headers: headers({ "content-type": "application/json" }), body: "{}",
+      const response = await fetch(`/console/api/models/${action}`, {
+        method: "POST", headers: headers({ "content-type": "application/json" }),
+        body: JSON.stringify({ model }),
       });
       status.textContent = response.ok ? `${model}: ${action} done.` : `${model}: ${action} failed: ${await errorText(response)}`;
     } catch (err) {
@@ -443,6 +509,7 @@
     let first = null;
     let usage = null;
     let reply = "";
+    let thinking = null;
     try {
       const response = await fetch("/v1/chat/completions", {
         method: "POST",
@@ -460,11 +527,21 @@
         if (chunk.error) throw new Error(chunk.error.message || "the stream failed");
         if (chunk.usage) usage = chunk.usage;
         const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
-        const piece = delta && (delta.content || delta.reasoning_content || "");
-        if (piece) {
+        if (delta && (delta.content || delta.reasoning_content)) {
           if (first === null) first = performance.now();
-          reply += piece;
-          out.textContent = reply;
+          if (delta.reasoning_content) {
+            // the model's thinking: shown apart, never sent back as part of its answer
+            if (!thinking) {
+              thinking = document.createElement("span");
+              thinking.className = "thinking";
+              out.before(thinking);
+            }
+            thinking.textContent += delta.reasoning_content;
+          }
+          if (delta.content) {
+            reply += delta.content;
+            out.textContent = reply;
+          }
           $("chat-log").scrollTop = $("chat-log").scrollHeight;
         }
       }
