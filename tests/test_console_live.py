@@ -35,7 +35,7 @@ class Clock:
 
 
 def finished(model: str, path: str = "/v1/chat/completions", ttft: float = 0.2) -> RequestContext:
-    ctx = RequestContext("r", "POST", path, model=model, status=200)
+    ctx = RequestContext("r", "POST", path, model=model, model_known=bool(model), status=200)
     ctx.started = 10.0
     ctx.first_token_at = 10.0 + ttft
     ctx.last_token_at = ctx.finished_at = 11.0

@@ -115,7 +115,9 @@ def test_an_inference_key_sees_its_models_and_its_requests_only(
     app, keys = keyed
     store: KeyStore = app.state.key_store
     for name, model in (("user", "b"), ("other", "a"), ("user", "b")):
-        ctx = RequestContext("r", "POST", "/v1/chat/completions", model=model, status=200)
+        ctx = RequestContext(
+            "r", "POST", "/v1/chat/completions", model=model, model_known=True, status=200
+        )
         ctx.key = next(k for k in store.all() if k.name == name)
         app.state.recent.observe(ctx)
     state = call(app, "GET", "/console/api/state", keys["user"]).json()

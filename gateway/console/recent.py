@@ -33,7 +33,7 @@ class RecentRequests:
                 "id": ctx.request_id,
                 "finished_at": round(time.time(), 3),
                 "path": ctx.path,
-                "model": ctx.model or None,
+                "model": ctx.model if ctx.model_known else None,
                 "key": ctx.key.name if ctx.key is not None else None,
                 "key_id": ctx.key.id if ctx.key is not None else None,
                 "status": ctx.status,

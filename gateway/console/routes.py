@@ -250,7 +250,7 @@ async def control_route(request: Request[Any, Any, Any], action: FromPath[str]) 
     name = supervisor.resolve(body.model).name
     ctx = _ctx(request)
     if ctx is not None:
-        ctx.model = name
+        ctx.model, ctx.model_known = name, True
     if action == "load":
         slot = await supervisor.load(name, wait=False)
         return {"model": name, "state": slot.state.value}

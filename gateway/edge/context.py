@@ -44,7 +44,8 @@ class RequestContext:
     client_request_id: str = ""
     user: str = ""  # an end-user id the client sent (OpenAI user / safety_identifier, ...)
     started: float = field(default_factory=time.perf_counter)
-    model: str = ""
+    model: str = ""  # as asked for, then the configured name once resolved
+    model_known: bool = False  # `model` is a configured model's name (a metrics label)
     stream: bool = False
     status: int = 0
     error_code: str = ""  # the ErrorCode of a failure after the status line went out

@@ -25,7 +25,7 @@ from gateway.edge.context import RequestContext
 from gateway.workers.client import ModelState, WorkerClient
 from shared.modelinfo import kind_served
 
-UNKNOWN = "-"  # the model label of a request refused before it named one (401, 400)
+UNKNOWN = "-"  # the model label of a request that named no configured model (401, 400, 404)
 
 # LLM serving spans milliseconds (a token) to minutes (a long generation).
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -104,7 +104,9 @@ class Metrics:
         """The finish hook: only API requests count (not /metrics, /health, /admin)."""
         if not counted(ctx.path):
             return
-        model, key = ctx.model or UNKNOWN, ctx.key_name
+        # Only configured names become labels: a label per name that callers make up would
+        # let anyone grow the metrics without bound (the access log keeps what was asked).
+        model, key = ctx.model if ctx.model_known else UNKNOWN, ctx.key_name
         self.requests.labels(model, str(ctx.status), key).inc()
         self.duration.labels(model, "true" if ctx.stream else "false").observe(ctx.duration_s)
         if ctx.ttft_s is not None:

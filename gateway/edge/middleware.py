@@ -63,7 +63,7 @@ def authorize_model(
     canonical = canonical_of(model)
     if ctx is None:
         return
-    ctx.model = canonical
+    ctx.model, ctx.model_known = canonical, True
     key = ctx.key
     if key is not None and not may_use(key, canonical, canonical_of):
         allowed = ", ".join(key.models)
