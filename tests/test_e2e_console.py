@@ -149,7 +149,17 @@ def test_the_table_shows_the_model_ready_and_unload_and_load_work_from_the_page(
     new_pid = gw.ps()["demo"]["pid"]
     assert new_pid != pid and psutil.pid_exists(new_pid)
     expect(page.locator("#action-status")).to_contain_text("demo: load done")
+    # reload: a new worker takes over, the model stays ready
+    demo.get_by_role("button", name="Reload demo", exact=True).click()
+    expect(page.locator("#action-status")).to_contain_text("demo: reload done")
+    expect(demo.locator(".badge")).to_have_text("ready")
+    reloaded = gw.ps()["demo"]["pid"]
+    assert reloaded not in (pid, new_pid) and psutil.pid_exists(reloaded)
     assert page.evaluate("() => window.notReloaded === true")
+    # the machine: version, uptime, the memory budget's use
+    expect(page.locator("#machine")).to_contain_text("Version ")
+    expect(page.locator("#machine")).to_contain_text(" up ")
+    expect(page.locator("#memory-text")).to_contain_text(" of ")
 
 
 def _alive(pid: int) -> bool:
