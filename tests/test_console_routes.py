@@ -195,12 +195,12 @@ def test_a_live_stream_ends_when_its_key_is_revoked(
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
             request = asyncio.create_task(client.get("/console/api/live", headers=headers))
             for _ in range(500):  # bounded: the stream watches once its first event is out
-                if live._watchers:
+                if live.watching:
                     break
                 await asyncio.sleep(0.01)
             live.publish(live.sample())  # the key is good: an update goes out
             for _ in range(500):
-                if all(q.empty() for q in live._watchers):
+                if all(q.empty() for q in live._watchers):  # the update went out
                     break
                 await asyncio.sleep(0.01)
             app.state.key_store.revoke("other")
@@ -212,4 +212,4 @@ def test_a_live_stream_ends_when_its_key_is_revoked(
     assert reply.headers["content-type"].startswith("text/event-stream")
     events = [line for line in reply.text.splitlines() if line.startswith("event:")]
     assert events == ["event: state", "event: update"]
-    assert not live._watchers
+    assert live.watching == 0

@@ -28,6 +28,7 @@ from gateway.edge.middleware import context_of, may_use
 from gateway.errors import GatewayError
 from gateway.workers.supervisor import Supervisor
 from shared.types import ErrorCode
+from shared.version import project_version
 
 STATIC = Path(__file__).parent / "static"
 RECENT_SHOWN = 100
@@ -62,7 +63,7 @@ def session(request: Request[Any, Any, Any]) -> dict[str, Any]:
         # model control needs an admin-scope key, always: with no keys at all the console
         # shows the models and the playground, and says how to make one
         "can_control": key is not None and key.scope == "admin",
-        "version": state.supervisor.status()["version"],
+        "version": project_version(),
     }
 
 
@@ -124,7 +125,7 @@ def _visible_rows(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
 def _recent(request: Request[Any, Any, Any], after: int = 0) -> list[dict[str, Any]]:
     recent: RecentRequests = request.app.state.recent
     ctx = _ctx(request)
-    own = None if _operator(ctx) or ctx is None or ctx.key is None else ctx.key.id
+    own = None if _operator(ctx) else ctx.key.id  # type: ignore[union-attr]
     return recent.latest(RECENT_SHOWN, own, after)
 
 
