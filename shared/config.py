@@ -152,6 +152,10 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     # snowflake-arctic-embed-m-v1.5, ...): a request's `dimensions` keeps its vectors' first
     # components, normalized again.
     matryoshka: bool = False
+    # Where its workers run: "local" (the gateway starts one on this machine; workers on
+    # other machines may join it as replicas) or "remote" (only workers that dial in serve
+    # it: the gateway never loads it here).
+    placement: Literal["local", "remote"] = "local"
     engine: EngineOptions = msgspec.field(default_factory=EngineOptions)
 
     @property
@@ -210,6 +214,12 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     # key, every request needs one. Serving a non-loopback address with no key is refused
     # unless insecure_no_auth is set.
     keys_file: str | None = None
+    # Workers on other machines (docs/operations.md, "Several machines"): the TCP address
+    # ("HOST:PORT") they dial in on, every frame CURVE-encrypted and only keys added with
+    # `gatewayctl workers add` let in; unset: no port is opened. cluster_dir holds the
+    # gateway's key pair and the allowed workers' keys (default: <user config dir>/cluster).
+    workers_listen: str | None = None
+    cluster_dir: str | None = None
     insecure_no_auth: bool = False
     admin_http: bool = False  # admin-scope keys may use /admin/* over HTTP
     metrics_open: bool = False  # /metrics without a key even when keys exist
@@ -432,5 +442,16 @@ def _validate(config: Config) -> None:
     ):
         if not 0 < getattr(server, key) < float("inf"):
             raise ConfigError(f"server.{key} must be a positive number of seconds")
+    if server.workers_listen is not None:
+        split_address(server.workers_listen, "server.workers_listen")
     if (server.tls_cert is None) != (server.tls_key is None):
         raise ConfigError("server.tls_cert and server.tls_key go together: set both or neither")
+
+
+def split_address(text: str, what: str = "address") -> tuple[str, int]:
+    """("host", port) from "HOST:PORT" ("[::1]:7380" for IPv6)."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{what}: {text!r} is not HOST:PORT")
+    return host, int(port)

@@ -4,7 +4,9 @@ loaded; the gateway (which never imports MLX) reads them here for models not loa
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -176,3 +178,26 @@ def _json(path: Path) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     return data if isinstance(data, dict) else None
+
+
+SAFETENSORS_HEADER_MAX = 100 * 2**20  # a header larger than this is not a safetensors file
+
+
+def model_identity(path: Path) -> str:
+    """The weights a folder holds, as a digest: its config.json, and each safetensors file's
+    name and header (every tensor's name, dtype, shape and offsets), read without the tensor
+    data. Two replicas of a model must agree on it; "" for a folder without either."""
+    digest = hashlib.sha256()
+    found = False
+    config = path / "config.json"
+    if config.is_file():
+        digest.update(b"config.json\0" + config.read_bytes())
+        found = True
+    for weights in sorted(path.glob("*.safetensors")):
+        with open(weights, "rb") as f:
+            head = f.read(8)
+            size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+            header = f.read(size) if size <= SAFETENSORS_HEADER_MAX else b""
+        digest.update(weights.name.encode() + b"\0" + header)
+        found = True
+    return f"sha256:{digest.hexdigest()[:32]}" if found else ""

@@ -17,7 +17,7 @@ import msgspec
 
 from shared.types import CanonicalRequest, RequestKind, RequestOutput, SamplingParams
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 
 class WorkerState(enum.StrEnum):
@@ -66,6 +66,22 @@ class Shutdown(_Frame, tag="shutdown"):
     timeout_s: float = 10.0
 
 
+class Rejoin(_Frame, tag="rejoin"):
+    """To a worker on another machine that the gateway does not know (it restarted, or it
+    took the worker for lost): drop every request it runs (the gateway no longer waits for
+    them) and say Hello and Ready again."""
+
+    reason: str = ""
+
+
+class Refuse(_Frame, tag="refuse"):
+    """To a worker on another machine that may not serve here (a model the gateway does not
+    serve, or other weights than its replicas', another protocol version): it exits, saying
+    why."""
+
+    reason: str
+
+
 # ---- worker -> gateway -------------------------------------------------------------
 
 
@@ -91,6 +107,9 @@ class Ready(_Frame, tag="ready"):
     device: str = ""  # MLX's device: "gpu" (Metal or CUDA) or "cpu"
     device_memory_bytes: int = 0  # what that device can hold (GPU memory, or host RAM on CPU)
     prefix_cache_bytes: int = 0  # the prefix cache's bound (0: off)
+    # The weights it serves: a digest of their config and index (shared/modelinfo.py);
+    # every replica of a model must serve the same.
+    identity: str = ""
 
 
 class StepOutputs(_Frame, tag="step"):
@@ -142,7 +161,7 @@ class WorkerDead(_Frame, tag="dead"):
     traceback_tail: str = ""
 
 
-ToWorker = Add | Abort | Control | Shutdown
+ToWorker = Add | Abort | Control | Shutdown | Rejoin | Refuse
 FromWorker = Hello | Ready | StepOutputs | Heartbeat | ControlReply | WorkerDead
 
 # What decoding a bad frame raises: msgspec.DecodeError (a ValidationError is one), or a

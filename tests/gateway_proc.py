@@ -68,9 +68,11 @@ class GatewayProc:
             "port": self.port,
             "run_dir": str(self.run_dir),
             "keys_file": keys,
+            "cluster_dir": str(self.run_dir / "cluster"),  # nor its worker keys
             "drain_timeout_s": 3.0,
             **server,
         }
+        self.workers_address: str = server.get("workers_listen") or ""
         self.config = write_config(self.run_dir / "config.toml", models, server)
         self.log = open(self.run_dir / "gateway.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(

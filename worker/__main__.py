@@ -1,4 +1,6 @@
-"""python -m worker --id ID --requests ADDR --outputs ADDR --model JSON"""
+"""python -m worker --id ID --requests ADDR --outputs ADDR --model JSON
+python -m worker --id ID --connect tcp://HOST:PORT --server-key KEY --key-file PATH --model JSON
+(the second: a worker on another machine; `gatewayctl worker` runs it)"""
 
 from __future__ import annotations
 
@@ -6,12 +8,14 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 import msgspec
 
+from shared.cluster import ClusterError, check_key, key_pair
 from shared.config import ModelConfig
 from shared.protocol import PROTOCOL_VERSION, Codec, Hello, WorkerDead
-from worker.channels import WorkerChannels
+from worker.channels import RemoteLink, WorkerChannels
 
 NO_BACKEND = (
     "MLX has no backend here ({error}): on Linux install mlx-gateway[cpu] or "
@@ -22,12 +26,21 @@ NO_BACKEND = (
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
     parser.add_argument("--id", required=True, help="worker identity (DEALER routing id)")
-    parser.add_argument("--requests", required=True, help="gateway ROUTER address")
-    parser.add_argument("--outputs", required=True, help="gateway PULL address")
+    parser.add_argument("--requests", help="gateway ROUTER address")
+    parser.add_argument("--outputs", help="gateway PULL address")
+    parser.add_argument("--connect", help="a remote gateway's worker port: tcp://HOST:PORT")
+    parser.add_argument("--server-key", help="with --connect: the gateway's public key")
+    parser.add_argument(
+        "--key-file", help="with --connect: this worker's key pair (made if absent)"
+    )
     parser.add_argument("--model", required=True, help="the model's config as JSON")
     parser.add_argument("--no-parent-watch", action="store_true", help="run on after the parent")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
+    if args.connect is None and (args.requests is None or args.outputs is None):
+        parser.error("give --requests and --outputs, or --connect")
+    if args.connect is not None and (args.server_key is None or args.key_file is None):
+        parser.error("--connect needs --server-key and --key-file")
     model = msgspec.json.decode(args.model, type=ModelConfig)
     handler = logging.StreamHandler(sys.stderr)
     # set by the gateway (gateway/edge/logs.py)
@@ -46,16 +59,32 @@ def main(argv: list[str] | None = None) -> int:
             logging.Formatter(f"%(asctime)s %(levelname)s worker[{args.id}] %(message)s")
         )
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    link = None
+    if args.connect is not None:
+        try:
+            pair = key_pair(Path(args.key_file))
+            link = RemoteLink(args.connect, check_key(args.server_key), pair.public, pair.secret)
+        except ClusterError as exc:
+            logging.getLogger("worker").error("%s", exc)
+            return 2
     try:
         from worker.proc import WorkerArgs, WorkerProc
     except ImportError as exc:  # mlx without libmlx.so: say so to the gateway, not only here
         reason = NO_BACKEND.format(error=exc) if "libmlx" in str(exc) else f"import failed: {exc}"
         logging.getLogger("worker").error(reason)
-        _report_dead(args.id, args.requests, args.outputs, model.name, reason)
+        if link is None:
+            _report_dead(args.id, args.requests, args.outputs, model.name, reason)
         logging.shutdown()
         os._exit(1)
     worker = WorkerProc(
-        WorkerArgs(args.id, args.requests, args.outputs, model, not args.no_parent_watch)
+        WorkerArgs(
+            args.id,
+            args.requests or "",
+            args.outputs or "",
+            model,
+            not args.no_parent_watch and link is None,
+            link,
+        )
     )
     code = worker.run()
     logging.shutdown()

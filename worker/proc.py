@@ -22,7 +22,7 @@ import psutil
 import zmq
 
 from shared.config import ModelConfig
-from shared.modelinfo import kind_in
+from shared.modelinfo import kind_in, model_identity
 from shared.protocol import (
     PROTOCOL_VERSION,
     UNDECODABLE,
@@ -33,6 +33,9 @@ from shared.protocol import (
     ControlReply,
     Heartbeat,
     Hello,
+    Ready,
+    Refuse,
+    Rejoin,
     Shutdown,
     ShutdownMode,
     StepOutputs,
@@ -40,8 +43,9 @@ from shared.protocol import (
     WorkerState,
 )
 from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput
-from worker.channels import WorkerChannels
+from worker.channels import RemoteLink, WorkerChannels
 from worker.faults import Faults
+from worker.link import REFUSED, LinkWatch, leave
 from worker.loader import resolve_source
 from worker.memory import IdleRelease, MemoryLimits, own_memory
 from worker.opening import Engine, open_model
@@ -50,6 +54,7 @@ from worker.preprocess import PreparedRequest, PreprocessError
 log = logging.getLogger("worker")
 
 HEARTBEAT_S = 1.0
+REJOIN_COALESCE_S = 1.0  # Rejoins queued together are answered once
 _STOP = object()
 
 
@@ -60,15 +65,27 @@ class WorkerArgs:
     outputs_addr: str
     model: ModelConfig
     watch_parent: bool = True
+    link: RemoteLink | None = None  # on another machine: dial the gateway over TCP
 
 
 class WorkerProc:
     def __init__(self, args: WorkerArgs) -> None:
         self.args = args
         self.worker_id = args.worker_id
-        self.channels = WorkerChannels.connect(
-            args.worker_id, args.requests_addr, args.outputs_addr
+        link = args.link
+        if link is None:
+            self.channels = WorkerChannels.connect(
+                args.worker_id, args.requests_addr, args.outputs_addr
+            )
+        else:
+            self.channels = WorkerChannels.dial(args.worker_id, link)
+        self.link_watch = (
+            LinkWatch(self.channels.events, link.endpoint, link.public_key)
+            if link is not None and self.channels.events is not None
+            else None
         )
+        self.ready: Ready | None = None  # said again when the gateway asks it to rejoin
+        self.rejoined_at = -REJOIN_COALESCE_S
         self.inputs: queue.Queue[object] = queue.Queue()
         self.outbox: queue.Queue[object] = queue.Queue()
         self.state = WorkerState.STARTING
@@ -90,8 +107,11 @@ class WorkerProc:
         self.limits = own_memory(self.args.model.engine)  # before any heartbeat reports them
         if self.args.watch_parent:
             threading.Thread(target=self._watch_parent, name="parent-watch", daemon=True).start()
+        if self.link_watch is not None:  # a key the gateway refuses ends it before loading
+            self.link_watch.start()
+            self.link_watch.wait_connected()
         self.outputs_thread.start()
-        self._send(Hello(self.worker_id, PROTOCOL_VERSION, os.getpid(), self.args.model.name))
+        self._send(self._hello())
         try:
             self.state = WorkerState.LOADING
             started = time.monotonic()
@@ -107,12 +127,14 @@ class WorkerProc:
             for probe in [None, *opened.probes]:
                 self._probe(probe)
             ready = opened.ready
+            ready.identity = model_identity(path)
             self.inputs_thread = threading.Thread(
                 target=self._input_loop, args=(opened.preprocess,), name="input", daemon=True
             )
             self.inputs_thread.start()
             self.state = WorkerState.READY
             ready.load_time_s = time.monotonic() - started
+            self.ready = ready
             self._send(ready)
             log.info("ready in %.1fs (probe passed)", time.monotonic() - started)
             if self.faults.crashes_after_ready():
@@ -128,6 +150,9 @@ class WorkerProc:
         finally:
             self._close()
 
+    def _hello(self) -> Hello:
+        return Hello(self.worker_id, PROTOCOL_VERSION, os.getpid(), self.args.model.name)
+
     def _close(self) -> None:
         """Sockets close only once the threads that own them are done (ZeroMQ sockets are
         not thread-safe); a thread stuck on a dead gateway is left to os._exit."""
@@ -137,6 +162,10 @@ class WorkerProc:
         if self.inputs_thread is not None:
             self.inputs_thread.join(timeout=2)
         threads = [self.outputs_thread, self.inputs_thread]
+        if self.link_watch is not None:
+            self.link_watch.stopping.set()
+            self.link_watch.thread.join(timeout=1)
+            threads.append(self.link_watch.thread)
         if not any(t is not None and t.is_alive() for t in threads):
             self.channels.close()  # the output socket lingers so the last frames leave
 
@@ -209,6 +238,8 @@ class WorkerProc:
             return self.engine.abort(item.request_ids)
         if isinstance(item, Shutdown):
             return self._shutdown(item)
+        if isinstance(item, Rejoin):
+            return self._rejoin(item)
         failed = self._add(item)  # a prepared request of the model's kind
         return [failed] if failed is not None else []
 
@@ -235,6 +266,21 @@ class WorkerProc:
             return self.engine.abort(self.engine.request_ids())
         self.draining_until = time.monotonic() + frame.timeout_s
         return []
+
+    def _rejoin(self, frame: Rejoin) -> list[RequestOutput]:
+        """The gateway does not know this worker (it restarted, or took it for lost): what
+        runs here is nobody's now; say Hello and Ready again."""
+        assert self.engine is not None
+        now = time.monotonic()
+        if now - self.rejoined_at < REJOIN_COALESCE_S:
+            return []
+        self.rejoined_at = now
+        log.warning("the gateway asks this worker to rejoin (%s)", frame.reason)
+        dropped = self.engine.abort(self.engine.request_ids())
+        self._send(self._hello())
+        if self.ready is not None:
+            self._send(self.ready)
+        return dropped
 
     def _drained(self) -> bool:
         if self.draining_until is None or self.engine is None:
@@ -272,6 +318,8 @@ class WorkerProc:
                 )
                 continue
             item: object | None = frame
+            if isinstance(frame, Refuse):
+                leave(REFUSED, f"the gateway refused this worker: {frame.reason}")
             if isinstance(frame, Add):
                 item = self._accept(frame, preprocess)
             elif isinstance(frame, Control):

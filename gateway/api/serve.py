@@ -213,6 +213,7 @@ async def submit_all(
                     priority=priority_of(ctx),
                     keep_alive=served.keep_alive,
                     needs=needs_of(served.kind, sampling, job.request),
+                    affinity=f"user:{served.user}" if served.user else None,
                 )
                 stream = await workers.submit(submission)
                 streams.append(stream)

@@ -18,6 +18,7 @@ from gateway.ctl import chat as chat_cli
 from gateway.ctl import keys as keys_cli
 from gateway.ctl import ps as ps_view
 from gateway.ctl import service as service_cli
+from gateway.ctl import workers as workers_cli
 from gateway.ctl.admin_client import AdminError
 from gateway.ctl.admin_client import call as _call
 from shared.config import Config, ConfigError, ModelConfig, load_config
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         help="serve a non-loopback address even with no API key (anyone may use it)",
     )
     keys_cli.add_parser(sub)
+    workers_cli.add_parsers(sub)
     load = sub.add_parser("load", help="start a model's worker (and wait until it is ready)")
     load.add_argument("model")
     load.add_argument("--wait", dest="wait", action="store_true", default=True, help="default")
@@ -101,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "keys":
         return keys_cli.run(args, config)
+    if args.command == "workers":
+        return workers_cli.run_workers(args, config)
+    if args.command == "worker":
+        return workers_cli.run_worker(args, config)
     if args.command == "serve":
         refusal = keys_cli.check_bind(config)
         if refusal is not None:
@@ -131,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 print(json.dumps(rows, indent=2))
             else:
-                term.show(ps_view.table(rows), ps_view.notes(rows))
+                if ps_view.has_replicas(rows):
+                    term.show(ps_view.table(rows))
+                    term.show(ps_view.replicas(rows), ps_view.notes(rows))
+                else:
+                    term.show(ps_view.table(rows), ps_view.notes(rows))
         elif args.command == "status":
             info = _call(admin, "GET", "/status")
             print(json.dumps(info, indent=2) if args.json else ps_view.status(info))

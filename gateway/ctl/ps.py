@@ -50,6 +50,46 @@ def table(rows: list[dict[str, Any]]) -> Table:
     return grid
 
 
+REPLICA_HEADER = (
+    "MODEL",
+    "WORKER",
+    "HOST",
+    "KEY",
+    "STATE",
+    "PID",
+    "RUNNING",
+    "WAITING",
+    "REQUESTS",
+    "CACHE HITS",
+)
+
+
+def has_replicas(rows: list[dict[str, Any]]) -> bool:
+    """Whether any model has a worker on another machine (then each worker gets a row)."""
+    return any(rep.get("key") for r in rows for rep in r.get("replicas") or [])
+
+
+def replicas(rows: list[dict[str, Any]]) -> Table:
+    """Each model's workers, this machine's and others': host, state, load, cache hits."""
+    grid = term.table(REPLICA_HEADER)
+    for r in rows:
+        for rep in r.get("replicas") or []:
+            hits = rep.get("cache_hits")
+            grid.add_row(
+                r["model"],
+                rep["worker_id"],
+                rep["host"],
+                rep.get("key") or "-",
+                rep["state"],
+                str(rep.get("pid") or "-"),
+                str(rep.get("running", 0)),
+                str(rep.get("waiting", 0)),
+                str(rep.get("requests", 0)),
+                "-" if hits is None else f"{hits} ({rep.get('cache_hit_tokens', 0)} tokens)",
+            )
+    return grid
+
+
 def notes(rows: list[dict[str, Any]]) -> list[str]:
     """Lines under the table: why a model failed, or when a backing-off one tries again."""
     out = []
@@ -65,12 +105,19 @@ def notes(rows: list[dict[str, Any]]) -> list[str]:
             continue
         if r.get("exit_code") is not None:
             out.append(f"  exit status {r['exit_code']}; `gatewayctl logs {r['model']}`")
+    for r in rows:
+        for rep in r.get("replicas") or []:
+            if rep.get("state") == "lost":
+                out.append(f"{r['model']}: worker {rep['worker_id']} lost: {rep.get('error')}")
     return out
 
 
 def plain(rows: list[dict[str, Any]]) -> str:
     """The table and its notes as plain text (what `ps` prints when not on a terminal)."""
-    return "\n".join([term.plain(table(rows)), *notes(rows)])
+    parts = [term.plain(table(rows))]
+    if has_replicas(rows):
+        parts.append(term.plain(replicas(rows)))
+    return "\n".join([*parts, *notes(rows)])
 
 
 def prefix_cache(stats: dict[str, int] | None) -> str:

@@ -21,8 +21,8 @@ from gateway.workers.client import Submission
 from gateway.workers.control import ControlCalls
 from gateway.workers.lifetime import Lifetime
 from gateway.workers.pool import Pool
-from gateway.workers.processes import Processes
-from gateway.workers.slots import Slot, lease
+from gateway.workers.routing import Router, first_block
+from gateway.workers.slots import Slot, WorkerHandle, lease
 from gateway.workers.stream import RequestStream
 from gateway.workers.transport import Transport
 from shared.config import ServerConfig
@@ -40,7 +40,8 @@ class Admission:
         server: ServerConfig,
         catalog: Catalog,
         pool: Pool,
-        processes: Processes,
+        find: Callable[[str], WorkerHandle | None],
+        router: Router,
         lifetime: Lifetime,
         transport: Transport,
         calls: ControlCalls,
@@ -49,7 +50,8 @@ class Admission:
         self.server = server
         self.catalog = catalog
         self.pool = pool
-        self.processes = processes
+        self.find = find
+        self.router = router
         self.lifetime = lifetime
         self.transport = transport
         self.calls = calls
@@ -71,9 +73,10 @@ class Admission:
         if needs:
             check_capabilities(slot, needs)
         add = Add(request_id, sub.kind, request, sub.sampling, sub.priority)
-        if slot.backoff_until is not None:  # crash-looped: refused until it restarts
+        elsewhere = bool(slot.ready_remotes())  # another machine serves it meanwhile
+        if slot.backoff_until is not None and not elsewhere:  # refused until it restarts
             await self.pool.acquire(slot)  # raises the 503 with the time left
-        if slot.restarting:  # queued: it runs on the new worker once that is Ready
+        if slot.restarting and not elsewhere:  # queued: it runs on the new worker once Ready
             if len(slot.replay) >= self.server.max_queued:
                 raise self._queue_full(slot, len(slot.replay))
             stream = RequestStream(request_id, slot.name, "")
@@ -82,7 +85,7 @@ class Admission:
             slot.served += 1
             self.lifetime.touch(slot)
             return stream
-        handle = await self.pool.acquire(slot)
+        handle = await self.worker_for(slot, sub.affinity or first_block(request))
         if needs:
             check_capabilities(slot, needs, handle.info)
         capacity = handle.capacity
@@ -97,6 +100,21 @@ class Admission:
         slot.served += 1
         self.lifetime.touch(slot)
         return stream
+
+    async def worker_for(self, slot: Slot, affinity: str | None) -> WorkerHandle:
+        """The replica a request goes to: among those serving now (routing.py) when the
+        model has workers on other machines, else its own worker, loaded on demand."""
+        replicas = slot.replicas()
+        if slot.remotes and replicas:
+            return self.router.choose(replicas, affinity)
+        if slot.config.placement == "remote":
+            raise GatewayError(
+                ErrorCode.WORKER_UNAVAILABLE,
+                f"model {slot.name!r} is served by workers on other machines and none is "
+                "connected now (start one with `gatewayctl worker`)",
+                retry_after=5,
+            )
+        return await self.pool.acquire(slot)
 
     def _queue_full(self, slot: Slot, in_flight: int) -> GatewayError:
         return GatewayError(
@@ -114,7 +132,7 @@ class Admission:
             slot.replay.remove(stream)
             self.lifetime.released(slot)
             return
-        handle = self.processes.get(stream.worker_id)
+        handle = self.find(stream.worker_id)
         if handle is None or handle.streams.pop(stream.request_id, None) is None:
             return
         self.transport.send(handle.worker_id, Abort([stream.request_id]))
@@ -127,7 +145,7 @@ class Admission:
         if self.draining():
             raise shutting_down()
         slot = self.catalog.slot(name)
-        handle = await self.pool.acquire(slot)
+        handle = await self.worker_for(slot, None)
         result = await self.calls.call(
             self.transport, handle.worker_id, name, method, args, timeout
         )

@@ -54,6 +54,8 @@ class Catalog:
     def must_load(self, name: str) -> bool:
         """A request for this model would wait for a worker to load or restart."""
         slot = self.slot(name)
+        if slot.config.placement == "remote":
+            return False  # nothing loads here: a request waits for no worker
         return slot.state in (ModelState.UNLOADED, ModelState.LOADING) and not (
             slot.state == ModelState.UNLOADED and slot.config.on_demand == "refuse"
         )

@@ -72,6 +72,9 @@ class Submission:
     # Capabilities the request relies on: a model without one is a 400 before anything is
     # sent ("chat", "completion", "logprobs", "echo", "tokenize").
     needs: Sequence[str] = ()
+    # What keeps a conversation on the replica holding its prefix cache (the `user` field);
+    # None: the prompt's first block.
+    affinity: str | None = None
 
 
 class WorkerClient(Protocol):

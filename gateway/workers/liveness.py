@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from gateway.workers.slots import WorkerHandle
 from shared.config import ServerConfig
@@ -42,17 +43,30 @@ def verdict(handle: WorkerHandle, now: float, silence_s: float, wedge_s: float) 
     return None
 
 
+class Lose(Protocol):
+    """What becomes of a remote worker found dead: the gateway cannot kill it, it is lost."""
+
+    def __call__(self, handle: WorkerHandle, reason: str) -> None: ...
+
+
 class Liveness:
-    def __init__(self, server: ServerConfig) -> None:
+    def __init__(self, server: ServerConfig, lose: Lose | None = None) -> None:
         self.silence_s = server.heartbeat_timeout_s
         self.wedge_s = server.wedge_timeout_s
+        self.lose = lose
 
     def sweep(self, handles: list[WorkerHandle], now: float) -> list[WorkerHandle]:
-        """Kill every worker found dead or wedged; returns them."""
+        """Kill every local worker found dead or wedged, lose every such remote one;
+        returns them."""
         killed = []
         for handle in handles:
             why = verdict(handle, now, self.silence_s, self.wedge_s)
             if why is None:
+                continue
+            if handle.process is None:
+                if self.lose is not None:
+                    self.lose(handle, why)
+                killed.append(handle)
                 continue
             handle.error, handle.killed = why, True
             log.error("model %s: %s; killing pid %d", handle.config.name, why, handle.pid)

@@ -62,6 +62,12 @@ class Pool:
     async def load(self, name: str, wait: bool = True) -> Slot:
         """Explicit load: also retries a failed model."""
         slot = self.catalog.slot(name)
+        if slot.config.placement == "remote":
+            raise GatewayError(
+                ErrorCode.INVALID_REQUEST,
+                f"model {name!r} is served by workers on other machines (placement = "
+                '"remote"): start one there with `gatewayctl worker`',
+            )
         if slot.state == ModelState.UNLOADING:
             raise GatewayError(
                 ErrorCode.WORKER_UNAVAILABLE, f"model {name!r} is being unloaded", retry_after=2

@@ -129,6 +129,7 @@ class Processes:
 
     async def kill(self, handle: WorkerHandle, sig: int, grace: float) -> None:
         """Signal it; SIGKILL if it has not exited after `grace` seconds. Returns once gone."""
+        assert handle.process is not None, "only a local worker is signalled"
         with contextlib.suppress(ProcessLookupError):
             handle.process.send_signal(sig)
         try:
@@ -139,6 +140,7 @@ class Processes:
             await handle.exited.wait()
 
     async def _watch_exit(self, handle: WorkerHandle) -> None:
+        assert handle.process is not None
         handle.exit_code = await handle.process.wait()
         self.by_id.pop(handle.worker_id, None)
         handle.exited.set()

@@ -29,12 +29,25 @@ GiB = 2**30
 LOG_TAIL_BYTES = 4000
 
 
+@dataclass(frozen=True, slots=True)
+class RemotePeer:
+    """A worker on another machine: the allowed key it dialed in with, from where."""
+
+    name: str  # as added with `gatewayctl workers add`
+    public_key: str
+    address: str  # its IP address as the gateway's socket saw it
+    pid: int  # on its own machine
+
+
 @dataclass(slots=True, eq=False)
 class WorkerHandle:
     config: ModelConfig
     worker_id: str
-    process: asyncio.subprocess.Process
+    process: asyncio.subprocess.Process | None  # None: a worker on another machine
     restart: bool = False  # spawned to replace a crashed worker
+    remote: RemotePeer | None = None
+    lost: bool = False  # a remote worker gone silent or disconnected (until it dials in again)
+    requests: int = 0  # requests sent to it
     started_at: float = field(default_factory=time.time)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     exited: asyncio.Event = field(default_factory=asyncio.Event)
@@ -53,7 +66,13 @@ class WorkerHandle:
 
     @property
     def pid(self) -> int:
-        return self.process.pid
+        if self.process is not None:
+            return self.process.pid
+        return self.remote.pid if self.remote is not None else 0
+
+    @property
+    def host(self) -> str:
+        return self.remote.address if self.remote is not None else "local"
 
     @property
     def is_ready(self) -> bool:
@@ -100,6 +119,9 @@ class Slot:
     idle_since: float | None = None
     replay: list[RequestStream] = field(default_factory=list)
     last_info: Ready | None = None  # the last Ready: capabilities and context stay known
+    # workers on other machines serving it too (lost ones stay listed until they rejoin)
+    remotes: list[WorkerHandle] = field(default_factory=list)
+    identity: str | None = None  # the weights its replicas must all serve (Ready.identity)
     peeked: list[str] | None = None  # capabilities its files promise, before its first Ready
 
     @property
@@ -114,7 +136,7 @@ class Slot:
             return ModelState.BACKOFF
         if self.unloading:
             return ModelState.UNLOADING
-        if self.handle is not None and self.handle.is_ready:
+        if (self.handle is not None and self.handle.is_ready) or self.ready_remotes():
             return ModelState.READY
         if self.loading is not None or self.handle is not None or self.restarting:
             return ModelState.LOADING
@@ -125,11 +147,26 @@ class Slot:
         return self.loading is None and not self.unloading and not self.restarting
 
     def in_flight(self) -> int:
-        workers = ([self.handle] if self.handle else []) + self.retiring
+        workers = ([self.handle] if self.handle else []) + self.retiring + self.remotes
         return sum(len(w.streams) for w in workers) + len(self.replay)
 
+    def ready_remotes(self) -> list[WorkerHandle]:
+        return [h for h in self.remotes if h.is_ready and not h.lost]
+
+    def replicas(self) -> list[WorkerHandle]:
+        """The workers a new request may go to now."""
+        local = [self.handle] if self.handle is not None and self.handle.is_ready else []
+        return local + self.ready_remotes()
+
+    def serving(self) -> WorkerHandle | None:
+        """The worker whose figures stand for the model's (the local one first)."""
+        if self.handle is not None:
+            return self.handle
+        remotes = self.ready_remotes()
+        return remotes[0] if remotes else None
+
     def view(self) -> ModelView:
-        handle = self.handle
+        handle = self.serving()
         return ModelView(
             self.config,
             self.state,
@@ -151,6 +188,7 @@ def lease(transport: Transport, handle: WorkerHandle, stream: RequestStream) -> 
     handle.streams[stream.request_id] = stream
     try:
         if transport.send(handle.worker_id, stream.next_add()):
+            handle.requests += 1
             return True
     except (OverflowError, TypeError, ValueError) as exc:  # unencodable: never leak it
         handle.streams.pop(stream.request_id, None)
@@ -211,7 +249,6 @@ def remove_sockets(run_dir: RunDir) -> None:
 
 def status_row(slot: Slot, ttl: float, now: float) -> dict[str, object]:
     """One model's row of `gatewayctl ps`."""
-    handle = slot.handle
     row: dict[str, object] = {
         "model": slot.name,
         "kind": kind_served(
@@ -247,14 +284,18 @@ def status_row(slot: Slot, ttl: float, now: float) -> dict[str, object]:
         # The current worker's prefix cache as its last heartbeat reported it (None: no
         # worker, or one that reports none): held now, and counted since it started.
         "prefix_cache": None,
+        # every worker serving it, this machine's and others' (lost ones until they rejoin)
+        "replicas": [replica_row(h) for h in ([slot.handle] if slot.handle else []) + slot.remotes],
     }
     if slot.idle_since is not None and ttl >= 0:
         row["ttl_left_s"] = round(max(0.0, ttl - (now - slot.idle_since)), 1)
+    handle = slot.serving()
     if handle is not None:
         row.update(pid=handle.pid, memory_bytes=handle.memory_bytes() or None)
         row["uptime_s"] = round(time.time() - handle.started_at, 1)
-        with contextlib.suppress(psutil.Error):
-            row["rss_bytes"] = psutil.Process(handle.pid).memory_info().rss
+        if handle.process is not None:
+            with contextlib.suppress(psutil.Error):
+                row["rss_bytes"] = psutil.Process(handle.pid).memory_info().rss
         hb = handle.heartbeat
         if hb is not None:
             row.update(running=hb.running, waiting=hb.waiting)
@@ -263,3 +304,33 @@ def status_row(slot: Slot, ttl: float, now: float) -> dict[str, object]:
             if not handle.is_ready:
                 row.update(stage=hb.stage, progress=hb.progress)
     return row
+
+
+def replica_row(handle: WorkerHandle) -> dict[str, object]:
+    """One worker of a model, for `gatewayctl ps`."""
+    hb = handle.heartbeat
+    state = (
+        "lost"
+        if handle.lost
+        else "ready"
+        if handle.is_ready
+        else "exited"
+        if handle.exited.is_set()
+        else "loading"
+    )
+    cache = hb.prefix_cache if hb is not None else None
+    return {
+        "worker_id": handle.worker_id,
+        "host": handle.host,
+        "key": handle.remote.name if handle.remote is not None else None,
+        "state": state,
+        "pid": handle.pid,
+        "running": hb.running if hb is not None else 0,
+        "waiting": hb.waiting if hb is not None else 0,
+        "in_flight": len(handle.streams),
+        "requests": handle.requests,
+        "memory_bytes": handle.memory_bytes() or None,
+        "cache_hits": cache.hits if cache is not None else None,
+        "cache_hit_tokens": cache.hit_tokens if cache is not None else None,
+        "error": handle.error if handle.lost else None,
+    }

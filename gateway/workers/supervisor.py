@@ -30,10 +30,14 @@ from gateway.workers.memory import MemoryBudget
 from gateway.workers.pool import Pool
 from gateway.workers.processes import Command, Processes
 from gateway.workers.recovery import Recovery
+from gateway.workers.remote import RemoteDoor
+from gateway.workers.replicas import Replicas
+from gateway.workers.routing import Router
 from gateway.workers.slots import Slot, WorkerHandle, remove_sockets, status_row
 from gateway.workers.stream import RequestStream
 from gateway.workers.tasks import Tasks
 from gateway.workers.transport import Transport
+from shared.cluster import cluster_dir
 from shared.config import Config, ModelConfig
 from shared.paths import RunDir
 from shared.protocol import (
@@ -92,27 +96,52 @@ class Supervisor:
             self.transport,
             self.tasks,
         )
+        self.router = Router()
+        # workers on other machines dial in here (server.workers_listen; off when unset)
+        self.door = (
+            RemoteDoor(server.workers_listen, cluster_dir(server.cluster_dir))
+            if server.workers_listen
+            else None
+        )
+        self.transport.remote = self.door
+        self.replicas = (
+            Replicas(
+                self.door,
+                self.catalog,
+                self.calls,
+                self.recovery,
+                self.router,
+                self.pool.load_task,
+                self.lifetime.released,
+            )
+            if self.door is not None
+            else None
+        )
         self.admission = Admission(
             server,
             self.catalog,
             self.pool,
-            self.processes,
+            self.find,
+            self.router,
             self.lifetime,
             self.transport,
             self.calls,
             lambda: self._draining,
         )
-        self.liveness = Liveness(server)
+        self.liveness = Liveness(server, self.replicas.lose if self.replicas else None)
 
     # ---- lifecycle ------------------------------------------------------------------
 
     async def start(self) -> None:
         self.run_dir.create()
         reap_leftovers(self.run_dir.workers_file)
-        self.transport.bind(self._on_frame)
-        self.tasks.spawn(self.liveness.watch(self.processes.alive))
+        self.transport.bind(self._on_local)
+        if self.door is not None and self.replicas is not None:
+            self.door.bind(self._on_remote, self.replicas.disconnected)
+            self.tasks.spawn(self.replicas.watch_keys())
+        self.tasks.spawn(self.liveness.watch(self._watched))
         for slot in self.catalog:
-            if slot.config.preload:
+            if slot.config.preload and slot.config.placement == "local":
                 self.pool.load_task(slot)
         loads = [s.loading for s in self.catalog if s.loading is not None]
         await asyncio.gather(*loads, return_exceptions=True)
@@ -132,7 +161,11 @@ class Supervisor:
             *(self.unload(name, timeout=timeout) for name in self.catalog.slots),
             return_exceptions=True,
         )
+        if self.replicas is not None:
+            await self.replicas.drain(timeout)
         self.tasks.cancel_all()
+        if self.door is not None:
+            self.door.close()
         await self.transport.close()
         remove_sockets(self.run_dir)
 
@@ -140,6 +173,21 @@ class Supervisor:
         slot = self.catalog.slots.get(handle.config.name)
         if slot is not None:
             self.recovery.exited(slot, handle)
+            ready = slot.ready_remotes()
+            if ready and slot.replay and self.replicas is not None:
+                # another machine serves it meanwhile: the waiting requests go there
+                self.replicas.serve_waiting(slot, self.router.choose(ready, None))
+
+    def find(self, worker_id: str) -> WorkerHandle | None:
+        """A worker by id, local or remote."""
+        handle = self.processes.get(worker_id)
+        if handle is None and self.replicas is not None:
+            handle = self.replicas.get(worker_id)
+        return handle
+
+    def _watched(self) -> list[WorkerHandle]:
+        remote = self.replicas.live() if self.replicas is not None else []
+        return self.processes.alive() + remote
 
     def _restart(self, slot: Slot) -> Coroutine[Any, Any, WorkerHandle]:
         return self.pool.bring_up(slot, restart=True)
@@ -221,7 +269,13 @@ class Supervisor:
 
     # ---- frames from workers --------------------------------------------------------
 
-    def _on_frame(self, frame: FromWorker) -> None:
+    def _on_remote(self, frame: FromWorker, key: str, peer: str) -> None:
+        assert self.replicas is not None
+        handle = self.replicas.admit(frame, key, peer)
+        if handle is not None:
+            self._on_frame(frame, handle)
+
+    def _on_local(self, frame: FromWorker) -> None:
         handle = self.processes.get(frame.worker_id)
         if handle is None:  # an exited worker's last frames, or a worker nobody spawned
             if isinstance(frame, Hello):
@@ -233,6 +287,9 @@ class Supervisor:
                     frame.protocol_version,
                 )
             return
+        self._on_frame(frame, handle)
+
+    def _on_frame(self, frame: FromWorker, handle: WorkerHandle) -> None:
         if isinstance(frame, Hello | Ready) and handle.info is not None:
             # the handshake is done: a worker says each once, before any output
             kind = type(frame).__name__
@@ -272,14 +329,23 @@ class Supervisor:
                 self.transport.send(handle.worker_id, Shutdown(ShutdownMode.ABORT, 0))
                 self.tasks.spawn(self.processes.kill(handle, signal.SIGTERM, grace=2))
         elif isinstance(frame, Ready):
+            if handle.remote is not None:
+                assert self.replicas is not None
+                if not self.replicas.ready(handle, frame):
+                    return
             handle.info = frame
             slot = self.catalog.slots.get(handle.config.name)
             if slot is not None:
                 slot.last_info = frame
+                if slot.identity is None and frame.identity:
+                    slot.identity = frame.identity
             handle.capacity = frame.capacity
-            self.memory.observe(frame)
+            if handle.remote is None:
+                self.memory.observe(frame)  # another machine's memory is not this budget's
             handle.ready.set()
             log.info("model %s ready in %.1fs", handle.config.name, frame.load_time_s)
+            if handle.remote is not None and slot is not None and self.replicas is not None:
+                self.replicas.serve_waiting(slot, handle)
         elif isinstance(frame, WorkerDead):
             handle.error = frame.reason
             log.error("model %s: worker failed: %s", handle.config.name, frame.reason)

@@ -6,11 +6,15 @@ import asyncio
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
 from shared.protocol import UNDECODABLE, Codec, FromWorker, ToWorker
+
+if TYPE_CHECKING:
+    from gateway.workers.remote import RemoteDoor
 
 log = logging.getLogger("gateway.workers.transport")
 
@@ -35,6 +39,7 @@ class Transport:
         self.context: zmq.Context[zmq.Socket[bytes]] | None = None
         self.router: zmq.Socket[bytes]
         self.pull: zmq.Socket[bytes]
+        self.remote: RemoteDoor | None = None  # workers on other machines (over TCP)
 
     def bind(self, on_frame: Callable[[FromWorker], None]) -> None:
         # Plain sockets: ROUTER only ever sends, without blocking; PULL is read from the
@@ -65,6 +70,9 @@ class Transport:
 
     def send(self, worker_id: str, frame: ToWorker) -> bool:
         """Queue a frame for a worker; False when the worker is not connected."""
+        remote = self.remote
+        if remote is not None and worker_id in remote.routes:
+            return remote.send(worker_id, frame)
         if self._fd is None:  # not bound, or closed
             return False
         try:
