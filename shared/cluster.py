@@ -24,6 +24,7 @@ from zmq.utils import z85
 GATEWAY_KEY = "gateway.key"
 WORKER_KEY = "worker.key"
 ALLOWED_FILE = "workers.json"
+Z85_CHARS = frozenset(z85.Z85CHARS.decode())
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -56,7 +57,7 @@ def check_key(text: str) -> str:
     """A Z85 public key as given on a command line; a ClusterError says what is wrong."""
     key = text.strip()
     try:
-        valid = len(key) == 40 and len(z85.decode(key)) == 32
+        valid = len(key) == 40 and set(key) <= Z85_CHARS and len(z85.decode(key)) == 32
     except (ValueError, KeyError, IndexError):
         valid = False
     if not valid:

@@ -6,6 +6,7 @@ one, and a replica killed under load (its unstarted requests go to the other).""
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -166,7 +167,7 @@ def test_a_conversation_stays_on_one_replica(
     after = {k: r["requests"] for k, r in replicas(gw, "chat").items()}
     served = sorted(after[k] - before.get(k, 0) for k in ("chat@a", "chat@b"))
     assert served == [0, 4]  # every turn on the same replica
-    assert all(b > a for a, b in zip(cached, cached[1:], strict=False)), cached
+    assert all(b > a for a, b in itertools.pairwise(cached)), cached
 
 
 def test_a_removed_key_is_dropped(
@@ -177,9 +178,7 @@ def test_a_removed_key_is_dropped(
     try:
         wait_ready_replicas(gw, ["chat@extra"])
         gw.ctl("workers", "remove", "extra")
-        wait_for(
-            lambda: replicas(gw, "chat")["chat@extra"]["state"] == "lost", 10, "extra lost"
-        )
+        wait_for(lambda: replicas(gw, "chat")["chat@extra"]["state"] == "lost", 10, "extra lost")
         assert "key was removed" in replicas(gw, "chat")["chat@extra"]["error"]
         assert extra.proc.wait(30) == 78  # told so, it leaves
     finally:

@@ -19,6 +19,8 @@ from shared.protocol import (
     Hello,
     PrefixCacheStats,
     Ready,
+    Refuse,
+    Rejoin,
     Shutdown,
     ShutdownMode,
     StepOutputs,
@@ -371,6 +373,8 @@ TO_WORKER = {
         Shutdown(ShutdownMode.DRAIN, 2.5),
         "93a873687574646f776ea5647261696ecb4004000000000000",
     ),
+    "rejoin": (Rejoin("x"), "92a672656a6f696ea178"),
+    "refuse": (Refuse("no"), "92a6726566757365a26e6f"),
 }
 
 
@@ -383,9 +387,9 @@ FROM_WORKER = {
     "hello": (Hello("w1", 1, 4242, "demo"), "95a568656c6c6fa2773101cd1092a464656d6f"),
     "ready": (
         Ready("w1", Capacity(64, 256, 2048), {"mlx": "0.32.4"}, ["chat"], 1.25),
-        # 99 (was 96): device, device_memory_bytes and prefix_cache_bytes appended
-        "99a57265616479a277319340cd0100cd080081a36d6c78a6302e33322e3491a463686174cb3ff40000"
-        "00000000a00000",
+        # 9a (99 before identity, 96 before device, device_memory_bytes, prefix_cache_bytes)
+        "9aa57265616479a277319340cd0100cd080081a36d6c78a6302e33322e3491a463686174cb3ff40000"
+        "00000000a00000a0",
     ),
     "ready_device": (
         Ready(
@@ -398,8 +402,8 @@ FROM_WORKER = {
             1 << 34,
             1 << 31,
         ),
-        "99a57265616479a277319340cd0100cd080081a36d6c78a6302e33322e3491a463686174cb3ff40000"
-        "00000000a3677075cf0000000400000000ce80000000",
+        "9aa57265616479a277319340cd0100cd080081a36d6c78a6302e33322e3491a463686174cb3ff40000"
+        "00000000a3677075cf0000000400000000ce80000000a0",
     ),
     "step": (
         STEP,
@@ -573,7 +577,7 @@ def test_protocol_2_frames_decode_with_the_new_fields_defaulted() -> None:
 
 def test_protocol_version_is_an_int() -> None:
     assert type(PROTOCOL_VERSION) is int
-    assert PROTOCOL_VERSION == 9  # bumped with resumed requests (V8_ADD)
+    assert PROTOCOL_VERSION == 10  # bumped with Rejoin and Refuse (workers on other machines)
     hello = Codec().from_worker.decode(Codec().encode(Hello("w", PROTOCOL_VERSION, 1, "m")))
     assert isinstance(hello, Hello)
     assert hello.protocol_version == PROTOCOL_VERSION
@@ -620,6 +624,7 @@ def test_shorter_frames_from_an_older_peer_decode_with_defaults() -> None:
     ready = codec.from_worker.decode(msgspec.msgpack.encode(["ready", "w1", [8, 16, 512]]))
     assert ready == Ready("w1", Capacity(8, 16, 512))
     assert ready.versions == {} and ready.capabilities == [] and ready.load_time_s == 0.0
+    assert ready.identity == ""  # a v9 worker's Ready: no identity
     hb = codec.from_worker.decode(msgspec.msgpack.encode(["hb", "w1", "draining", 3, 2, 1]))
     assert hb == Heartbeat("w1", WorkerState.DRAINING, 3, 2, 1, memory_bytes=0)
     shutdown = codec.to_worker.decode(msgspec.msgpack.encode(["shutdown"]))

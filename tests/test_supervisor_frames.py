@@ -39,11 +39,11 @@ async def test_a_handshake_after_ready_changes_nothing(
     serving (and a second Ready could zero its capacity): neither is a real worker's."""
     sup, handle, process = supervised(tmp_path)
     ready = Ready("m-1", Capacity(4, 8, 1024))
-    sup._on_frame(Hello("m-1", PROTOCOL_VERSION, process.pid, "m"))
-    sup._on_frame(ready)
+    sup._on_local(Hello("m-1", PROTOCOL_VERSION, process.pid, "m"))
+    sup._on_local(ready)
     with caplog.at_level(logging.WARNING):
-        sup._on_frame(Hello("m-1", PROTOCOL_VERSION + 1, 1, "m"))
-        sup._on_frame(Ready("m-1", Capacity(0, 0, 0)))
+        sup._on_local(Hello("m-1", PROTOCOL_VERSION + 1, 1, "m"))
+        sup._on_local(Ready("m-1", Capacity(0, 0, 0)))
     assert handle.info is ready and handle.capacity == Capacity(4, 8, 1024)
     assert handle.error is None and process.signals == []
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
@@ -55,7 +55,7 @@ async def test_a_handshake_after_ready_changes_nothing(
 
 async def test_a_first_hello_of_another_version_still_ends_the_worker(tmp_path: Path) -> None:
     sup, handle, process = supervised(tmp_path)
-    sup._on_frame(Hello("m-1", PROTOCOL_VERSION + 1, process.pid, "m"))
+    sup._on_local(Hello("m-1", PROTOCOL_VERSION + 1, process.pid, "m"))
     await asyncio.sleep(0)  # the kill task runs
     assert (
         handle.error == f"protocol version {PROTOCOL_VERSION + 1} != gateway's {PROTOCOL_VERSION}"
@@ -69,9 +69,9 @@ async def test_frames_from_workers_nobody_spawned_are_ignored(
 ) -> None:
     sup, handle, _ = supervised(tmp_path)
     with caplog.at_level(logging.WARNING):
-        sup._on_frame(Hello("stranger", PROTOCOL_VERSION + 1, 7, "x" * 1000))
-        sup._on_frame(StepOutputs("stranger", 1, [RequestOutput("r")]))
-        sup._on_frame(Ready("stranger", Capacity(1, 1, 1)))
+        sup._on_local(Hello("stranger", PROTOCOL_VERSION + 1, 7, "x" * 1000))
+        sup._on_local(StepOutputs("stranger", 1, [RequestOutput("r")]))
+        sup._on_local(Ready("stranger", Capacity(1, 1, 1)))
     assert handle.info is None and handle.step == -1
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert warning.startswith("hello from unknown worker 'stranger' (pid 7, model 'xxx")

@@ -19,6 +19,7 @@ from gateway.workers.memory import MemoryBudget
 from gateway.workers.pool import Pool
 from gateway.workers.processes import Processes
 from gateway.workers.recovery import Recovery
+from gateway.workers.routing import Router
 from gateway.workers.slots import WorkerHandle
 from gateway.workers.tasks import Tasks
 from gateway.workers.transport import Transport
@@ -215,7 +216,9 @@ def rig(
     memory = MemoryBudget(config, HOST)
     pool = Pool(config, catalog, p, recovery, lifetime, memory, t, tasks)
     draining: list[bool] = []
-    admission = Admission(config, catalog, pool, p, lifetime, t, calls, lambda: bool(draining))
+    admission = Admission(
+        config, catalog, pool, p.get, Router(), lifetime, t, calls, lambda: bool(draining)
+    )
     r = Rig(
         config,
         catalog,
