@@ -91,9 +91,10 @@ class Bench:
             self.ctl(self.config, "workers", "add", "b", key)
         gateway_key = self.ctl(self.config, "workers", "key").strip()
         log = open(self.worker_home / "worker.log", "ab")  # noqa: SIM115
+        argv = [sys.executable, "-m", "gateway", "--config", str(self.worker_config), "worker"]
+        argv += ["--gateway", self.listen, "--gateway-key", gateway_key, "--model", NAME, "--once"]
         self.worker = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "--config", str(self.worker_config), "worker"]
-            + ["--gateway", self.listen, "--gateway-key", gateway_key, "--model", NAME, "--once"],
+            argv,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=self.env,

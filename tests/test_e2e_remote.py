@@ -261,3 +261,32 @@ def test_kill_9_of_a_replica_replays_its_unstarted_requests(
             first.stop()
             if second is not None:
                 second.stop()
+
+
+def test_a_worker_rejoins_a_restarted_gateway(chat_model: Path) -> None:
+    listen = f"127.0.0.1:{free_port()}"
+    first = GatewayProc(gateway_models(chat_model), workers_listen=listen)
+    worker: RemoteWorker | None = None
+    second: GatewayProc | None = None
+    try:
+        first.wait_ready([])
+        worker = RemoteWorker(first, "steady", chat_model_entry(chat_model))
+        wait_ready_replicas(first, ["chat@steady"])
+        first.stop()
+        # the same run directory and keys, the same worker port: the worker dials it again,
+        # the new gateway does not know it and asks it to rejoin
+        second = GatewayProc(
+            gateway_models(chat_model), run_dir=str(first.run_dir), workers_listen=listen
+        )
+        second.wait_ready([])
+        wait_ready_replicas(second, ["chat@steady"], timeout=60)
+        reply = ask(openai_client(second), [{"role": "user", "content": "Still there?"}])
+        assert reply.usage.completion_tokens > 0
+        assert "asks this worker to rejoin" in worker.logs()
+        assert worker.proc.poll() is None  # the same run all along
+    finally:
+        if worker is not None:
+            worker.stop()
+        if second is not None:
+            second.stop()
+        first.stop()
