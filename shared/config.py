@@ -156,6 +156,11 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     # other machines may join it as replicas) or "remote" (only workers that dial in serve
     # it: the gateway never loads it here).
     placement: Literal["local", "remote"] = "local"
+    # Served by this many worker processes in one mlx.distributed group (the ring backend,
+    # over loopback), the model tensor-parallel over them (mlx-lm's shard(): each layer's
+    # matrices split; heads, key-value heads and the MLP size must divide by shards). Text
+    # models of the families mlx-lm shards (Llama, Qwen2/3, DeepSeek, ...).
+    shards: int = 1
     engine: EngineOptions = msgspec.field(default_factory=EngineOptions)
 
     @property
@@ -412,6 +417,14 @@ def _validate(config: Config) -> None:
             )
         if model.memory_gb is not None and model.memory_gb <= 0:
             raise ConfigError(f"model {model.name!r}: memory_gb must be positive")
+        if model.shards < 1:
+            raise ConfigError(f"model {model.name!r}: shards must be at least 1")
+        if model.shards > 1 and model.placement == "remote":
+            raise ConfigError(
+                f'model {model.name!r}: a sharded model runs on this machine (placement = "local")'
+            )
+        if model.shards > 1 and model.kind not in (None, ModelKind.LLM):
+            raise ConfigError(f"model {model.name!r}: only text models (kind llm) are sharded")
     parse_duration(config.server.default_ttl, "server.default_ttl")
     parse_duration(config.server.responses_ttl, "server.responses_ttl")
     server = config.server

@@ -410,3 +410,24 @@ def test_a_model_without_kind_is_what_its_worker_served() -> None:
     assert kind_served(hub, ["chat", "completion"]) is ModelKind.LLM
     configured = ModelConfig(name="c", source="x/y", kind=ModelKind.RERANK)
     assert kind_served(configured, ["chat", "completion"]) is ModelKind.RERANK  # as configured
+
+
+def test_several_machines_and_shards_are_checked(tmp_path: Path) -> None:
+    def load(server: str, model: str) -> Config:
+        text = f'[server]\n{server}\n\n[[models]]\nname = "m"\nsource = "/m"\n{model}\n'
+        return load_config(str(write(tmp_path, text)))
+
+    config = load('workers_listen = "0.0.0.0:7380"', 'placement = "remote"')
+    assert config.server.workers_listen == "0.0.0.0:7380"
+    assert config.models[0].placement == "remote"
+    assert load("", "shards = 2").models[0].shards == 2
+    for server, model, error in [
+        ('workers_listen = "7380"', "", "not HOST:PORT"),
+        ('workers_listen = "host:99999"', "", "not HOST:PORT"),
+        ("", 'placement = "elsewhere"', "placement"),
+        ("", "shards = 0", "shards must be at least 1"),
+        ("", 'shards = 2\nplacement = "remote"', "runs on this machine"),
+        ("", 'shards = 2\nkind = "embedding"', "only text models"),
+    ]:
+        with pytest.raises(ConfigError, match=error):
+            load(server, model)

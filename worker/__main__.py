@@ -14,7 +14,9 @@ import msgspec
 
 from shared.cluster import ClusterError, check_key, key_pair
 from shared.config import ModelConfig
+from shared.modelinfo import kind_in
 from shared.protocol import PROTOCOL_VERSION, Codec, Hello, WorkerDead
+from shared.sharding import rank_of
 from worker.channels import RemoteLink, WorkerChannels
 
 NO_BACKEND = (
@@ -55,10 +57,15 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     else:
+        rank = f"/r{rank_of()}" if model.shards > 1 else ""
         handler.setFormatter(
-            logging.Formatter(f"%(asctime)s %(levelname)s worker[{args.id}] %(message)s")
+            logging.Formatter(f"%(asctime)s %(levelname)s worker[{args.id}{rank}] %(message)s")
         )
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    if model.shards > 1 and rank_of() > 0:  # a sharded model's other rank: no sockets
+        code = run_follower(args.id, model)
+        logging.shutdown()
+        os._exit(code)
     link = None
     if args.connect is not None:
         try:
@@ -89,6 +96,35 @@ def main(argv: list[str] | None = None) -> int:
     code = worker.run()
     logging.shutdown()
     os._exit(code)  # never wait on a daemon thread stuck in a send to a vanished gateway
+
+
+def run_follower(worker_id: str, model: ModelConfig) -> int:
+    """Rank > 0 of a sharded model: its shard, the same probe as rank 0, then rank 0's
+    turns until it stops (or the group breaks: a rank died)."""
+    from worker.faults import Faults
+    from worker.loader import resolve_source
+    from worker.lockstep import Follower, Lockstep
+    from worker.memory import own_memory
+    from worker.opening import open_model
+
+    log = logging.getLogger("worker")
+    try:
+        own_memory(model.engine)
+        lockstep = Lockstep(model.shards)
+        log.info("rank %d of %d joined", lockstep.rank, model.shards)
+        path = resolve_source(model)
+        kind = model.kind or kind_in(path)
+        faults = Faults.for_model(model.name)
+        opened = open_model(model, path, kind, worker_id, faults, _quiet, lockstep.group)
+        opened.engine.probe()
+        return Follower(model, lockstep).run(opened.engine, opened.preprocess)
+    except Exception:
+        log.exception("rank %d failed", rank_of())
+        return 1
+
+
+def _quiet(stage: str, fraction: float) -> None:
+    """Progress is rank 0's to report."""
 
 
 def _report_dead(worker_id: str, requests: str, outputs: str, model: str, reason: str) -> None:

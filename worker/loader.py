@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -131,18 +132,29 @@ def _download(config: ModelConfig, progress: Progress) -> Path:
 
 
 def load_model(
-    config: ModelConfig, progress: Progress = _no_progress, path: Path | None = None
+    config: ModelConfig,
+    progress: Progress = _no_progress,
+    path: Path | None = None,
+    group: Any = None,
 ) -> LoadedModel:
-    """The text model of `config` (at `path` when the caller resolved its source)."""
-    from worker.backends.mlx_lm import load
+    """The text model of `config` (at `path` when the caller resolved its source); with an
+    mlx.distributed `group`, this rank's shard of it (worker/lockstep.py)."""
+    from worker.backends.mlx_lm import load, load_sharded
 
     path = path or resolve_source(config, progress)
     progress("loading weights", -1.0)
+    if group is not None:
+        check_shardable(path, config.shards)
     try:
-        model, tokenizer = load(str(path), trust_remote_code=config.trust_remote_code)
+        if group is None:
+            model, tokenizer = load(str(path), trust_remote_code=config.trust_remote_code)
+        else:
+            model, tokenizer = load_sharded(str(path), group, config.trust_remote_code)
     except Exception as exc:
         raise LoadError(f"model {config.name!r}: mlx-lm could not load {path}: {exc}") from exc
-    if config.engine.fused_cpu_ops:
+    # Not for a sharded model: its warm-up is a forward pass (collectives across the ranks)
+    # under a lock between processes, which the ranks would each wait on for the other.
+    if config.engine.fused_cpu_ops and group is None:
         from worker.backends.cpu_ops import fuse_for_cpu
 
         progress("compiling CPU kernels", -1.0)
@@ -155,3 +167,24 @@ def load_model(
                 time.monotonic() - started,
             )
     return LoadedModel(model, tokenizer, path, context_length(path, config), config.is_demo)
+
+
+def check_shardable(path: Path, shards: int) -> None:
+    """A LoadError naming what does not divide: mlx-lm's tensor sharding splits heads and
+    sizes without checking (three heads over two ranks gives wrong tokens, silently)."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise LoadError(f"cannot read {path / 'config.json'}: {exc}") from exc
+    text = config.get("text_config", config)
+    heads = text.get("num_attention_heads", 0)
+    sizes = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": text.get("num_key_value_heads", heads),
+        "intermediate_size": text.get("intermediate_size", 0),
+    }
+    for key, value in sizes.items():
+        if not value or value % shards:
+            raise LoadError(
+                f"tensor sharding over shards={shards} needs {key} divisible by it ({value})"
+            )

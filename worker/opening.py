@@ -70,7 +70,7 @@ class Opened:
 
 def open_model(
     config: ModelConfig, path: Path, kind: ModelKind, worker_id: str, faults: Faults,
-    progress: Progress,
+    progress: Progress, group: Any = None,
 ) -> Opened:  # fmt: skip
     if kind in (ModelKind.EMBEDDING, ModelKind.RERANK):
         return _embeddings(config, path, kind, worker_id, faults, progress)
@@ -79,13 +79,18 @@ def open_model(
         return _vision(config, path, worker_id, faults, progress)
     if kind in (ModelKind.TRANSCRIPTION, ModelKind.SPEECH):
         return _speech(config, path, kind, worker_id, faults, progress)
-    return _text(config, path, worker_id, faults, progress)
+    return _text(config, path, worker_id, faults, progress, group)
 
 
 def _text(
-    config: ModelConfig, path: Path, worker_id: str, faults: Faults, progress: Progress
+    config: ModelConfig,
+    path: Path,
+    worker_id: str,
+    faults: Faults,
+    progress: Progress,
+    group: Any = None,
 ) -> Opened:
-    loaded = load_model(config, progress, path)
+    loaded = load_model(config, progress, path, group)
     engine = text_engine(config, loaded, faults)
     opts = config.engine
     formats = model_formats(loaded.tokenizer, opts.tool_parser)

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-import msgspec
 import psutil
 import zmq
 
@@ -30,7 +29,6 @@ from shared.protocol import (
     Add,
     Codec,
     Control,
-    ControlReply,
     Heartbeat,
     Hello,
     Ready,
@@ -43,10 +41,12 @@ from shared.protocol import (
     WorkerState,
 )
 from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput
+from worker.calls import answer
 from worker.channels import RemoteLink, WorkerChannels
 from worker.faults import Faults
 from worker.link import REFUSED, LinkWatch, leave
 from worker.loader import resolve_source
+from worker.lockstep import Lockstep, Turn
 from worker.memory import IdleRelease, MemoryLimits, own_memory
 from worker.opening import Engine, open_model
 from worker.preprocess import PreparedRequest, PreprocessError
@@ -85,6 +85,8 @@ class WorkerProc:
             else None
         )
         self.ready: Ready | None = None  # said again when the gateway asks it to rejoin
+        self.lockstep: Lockstep | None = None  # rank 0 of a sharded model's group
+        self.preprocess: Any = None
         self.rejoined_at = -REJOIN_COALESCE_S
         self.inputs: queue.Queue[object] = queue.Queue()
         self.outbox: queue.Queue[object] = queue.Queue()
@@ -119,10 +121,17 @@ class WorkerProc:
                 time.sleep(self.faults.load_delay_s)
             log.info("loading model %s from %s", self.args.model.name, self.args.model.source)
             config = self.args.model
+            if config.shards > 1:  # the other ranks join (the supervisor started them)
+                self._progress("joining the group", -1.0)
+                self.lockstep = Lockstep(config.shards)
+            group = self.lockstep.group if self.lockstep is not None else None
             path = resolve_source(config, self._progress)
             # what the files say once they are here (a hub id's, downloaded just now)
             kind = config.kind or kind_in(path)
-            opened = open_model(config, path, kind, self.worker_id, self.faults, self._progress)
+            opened = open_model(
+                config, path, kind, self.worker_id, self.faults, self._progress, group
+            )
+            self.preprocess = opened.preprocess
             self.engine = opened.engine
             for probe in [None, *opened.probes]:
                 self._probe(probe)
@@ -198,15 +207,34 @@ class WorkerProc:
         while self.state != WorkerState.FAILED and not self._drained():
             self._process_inputs()
             self._step()
+        if self.lockstep is not None:  # the other ranks leave with it
+            self.lockstep.share(Turn(stop=True))
 
     def _process_inputs(self) -> None:
         """Whatever arrived, into the engine; an idle engine blocks here (no CPU spin)."""
         assert self.engine is not None
         outputs: list[RequestOutput] = []
-        for item in self._take(block=not self.engine.has_work):
+        items = self._take(block=not self.engine.has_work)
+        if self.lockstep is not None:  # raw frames, shared with the other ranks first
+            items = self._share(items)
+        for item in items:
             outputs += self._handle(item)
         if outputs:
             self._emit(outputs)
+
+    def _share(self, items: list[object]) -> list[object]:
+        """Rank 0's turn, handled alike on every rank: the frames it received, and a drain's
+        end decided here (time is rank 0's alone) as an Abort of what is left."""
+        assert self.engine is not None and self.lockstep is not None
+        frames = [item for item in items if isinstance(item, bytes)]
+        engine, until = self.engine, self.draining_until
+        if until is not None and time.monotonic() >= until and engine.has_work:
+            frames.append(self.codec.encode(Abort(engine.request_ids())))
+        shared: list[object] = []
+        for raw in self.lockstep.share(Turn(frames)).frames:
+            frame = self.codec.to_worker.decode(raw)
+            shared.append(self._accept(frame, self.preprocess) if isinstance(frame, Add) else frame)
+        return [item for item in shared if item is not None]
 
     def _step(self) -> None:
         engine = self.engine
@@ -285,6 +313,8 @@ class WorkerProc:
     def _drained(self) -> bool:
         if self.draining_until is None or self.engine is None:
             return False
+        if self.lockstep is not None:  # its drain's end goes through _share
+            return not self.engine.has_work
         if self.engine.has_work and time.monotonic() >= self.draining_until:
             outputs = self.engine.abort(self.engine.request_ids())
             self._emit(outputs)
@@ -320,10 +350,12 @@ class WorkerProc:
             item: object | None = frame
             if isinstance(frame, Refuse):
                 leave(REFUSED, f"the gateway refused this worker: {frame.reason}")
-            if isinstance(frame, Add):
+            if self.lockstep is not None and isinstance(frame, Add | Abort | Shutdown):
+                item = raw  # prepared on the engine thread, with the other ranks
+            elif isinstance(frame, Add):
                 item = self._accept(frame, preprocess)
             elif isinstance(frame, Control):
-                self._send(self._control(frame, preprocess))
+                self._send(answer(self.worker_id, self.engine, frame, preprocess))
                 item = None
             if item is not None:
                 self.inputs.put(item)
@@ -362,37 +394,6 @@ class WorkerProc:
         out = RequestOutput(frame.request_id, finish_reason=FinishReason.ERROR, error=error)
         self._send(StepOutputs(self.worker_id, -1, [out]))
         return None
-
-    def _control(self, frame: Control, preprocess: Any) -> ControlReply:
-        """Calls answered on the input thread, beside the engine loop (never inside it)."""
-        try:
-            if frame.method == "stats" and self.engine is not None:
-                running, waiting = self.engine.counts()
-                steps = getattr(self.engine, "steps", 0)
-                result = {"running": running, "waiting": waiting, "steps": steps}
-            elif frame.method == "tokenize" and hasattr(preprocess, "tokenize_call"):
-                result = preprocess.tokenize_call(frame.args)
-            elif frame.method == "detokenize" and hasattr(preprocess, "detokenize_call"):
-                result = preprocess.detokenize_call(frame.args)
-            else:
-                return ControlReply(
-                    self.worker_id, frame.call_id, False, error=f"unknown method {frame.method}"
-                )
-        except PreprocessError as exc:
-            return ControlReply(
-                self.worker_id,
-                frame.call_id,
-                False,
-                {"code": exc.error.code.value, "param": exc.error.param},
-                exc.error.message,
-            )
-        try:
-            msgspec.msgpack.encode(result)
-        except (TypeError, ValueError, OverflowError) as exc:  # never let a reply kill a thread
-            return ControlReply(
-                self.worker_id, frame.call_id, False, error=f"{frame.method}: unencodable: {exc}"
-            )
-        return ControlReply(self.worker_id, frame.call_id, True, result)
 
     # ---- output thread ----------------------------------------------------------------
 

@@ -129,6 +129,11 @@ def worker_command(args: argparse.Namespace, config: Config) -> list[str]:
             f"model {args.model!r} is not in this machine's config: give --source (its "
             "weights here)"
         )
+    if model.shards > 1:
+        raise ConfigError(
+            f"model {model.name!r} has shards = {model.shards}: a worker on another machine "
+            "runs one process (serve a sharded model from the gateway's machine)"
+        )
     model = msgspec.structs.replace(model, placement="local", preload=True)
     worker_id = args.id or f"{model.name}@{socket.gethostname()}"
     key_file = (

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import socket
 import sys
 import uuid
 from collections.abc import Callable
@@ -23,9 +24,18 @@ from gateway.workers.transport import Transport
 from shared.blas import worker_env
 from shared.config import ModelConfig, ServerConfig
 from shared.paths import RunDir
+from shared.sharding import HOSTFILE_ENV, RANK_ENV, hostfile
 from shared.types import ErrorCode
 
 log = logging.getLogger("gateway.workers.processes")
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a sharded model's ranks to listen on)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
 
 # The command line of a worker: (worker id, the model's config as JSON) -> argv.
 Command = Callable[[str, str], list[str]]
@@ -87,19 +97,32 @@ class Processes:
         worker_id = f"{model.name}-{next(self._serial)}-{uuid.uuid4().hex[:6]}"
         server = self.server
         argv = self.command(worker_id, msgspec.json.encode(self.worker_model(model)).decode())
+        env = worker_env(server.blas, server.blas_threads, device=self.device_kind)
+        envs = [env]
+        if model.shards > 1:  # one group: every rank the same command, its own MLX_RANK
+            group_file = self.run_dir.root / f"ring-{worker_id}.json"
+            group_file.write_text(hostfile([free_port() for _ in range(model.shards)]))
+            envs = [
+                {**env, RANK_ENV: str(rank), HOSTFILE_ENV: str(group_file)}
+                for rank in range(model.shards)
+            ]
         log_file = open(self.run_dir.worker_log(model.name), "ab")  # noqa: SIM115
         try:
-            process = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=log_file,
-                env=worker_env(server.blas, server.blas_threads, device=self.device_kind),
-                start_new_session=True,
-            )
+            processes = [
+                await asyncio.create_subprocess_exec(
+                    *argv,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=log_file,
+                    env=rank_env,
+                    start_new_session=True,
+                )
+                for rank_env in envs
+            ]
         finally:
             log_file.close()
-        handle = WorkerHandle(model, worker_id, process, restart=restart)
+        process = processes[0]
+        handle = WorkerHandle(model, worker_id, process, restart=restart, ranks=processes[1:])
         self.by_id[worker_id] = handle
         self._save_pids()
         self.tasks.spawn(self._watch_exit(handle))
@@ -130,23 +153,52 @@ class Processes:
     async def kill(self, handle: WorkerHandle, sig: int, grace: float) -> None:
         """Signal it; SIGKILL if it has not exited after `grace` seconds. Returns once gone."""
         assert handle.process is not None, "only a local worker is signalled"
-        with contextlib.suppress(ProcessLookupError):
-            handle.process.send_signal(sig)
+        for process in [handle.process, *handle.ranks]:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(sig)
         try:
             await asyncio.wait_for(handle.exited.wait(), grace or 0.001)
         except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                handle.process.kill()
+            for process in [handle.process, *handle.ranks]:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
             await handle.exited.wait()
 
     async def _watch_exit(self, handle: WorkerHandle) -> None:
         assert handle.process is not None
-        handle.exit_code = await handle.process.wait()
+        if handle.ranks:
+            handle.exit_code = await self._watch_group(handle)
+        else:
+            handle.exit_code = await handle.process.wait()
         self.by_id.pop(handle.worker_id, None)
         handle.exited.set()
         self._save_pids()
         self.calls.fail(handle.worker_id, f"the worker of model {handle.config.name!r} exited")
         self.on_exit(handle)
 
+    async def _watch_group(self, handle: WorkerHandle) -> int:
+        """A sharded model's ranks: the first to exit ends the group (the others are
+        killed: MLX's ring raises on a lost peer, but a frozen one would hold them forever);
+        its exit status is the group's."""
+        assert handle.process is not None
+        ranks = [handle.process, *handle.ranks]
+        waits = {asyncio.ensure_future(p.wait()): rank for rank, p in enumerate(ranks)}
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        first = min(done, key=lambda task: waits[task])
+        rank, code = waits[first], first.result()
+        for process in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+        await asyncio.gather(*waits)
+        if rank and not handle.retiring:
+            handle.error = handle.error or (
+                f"rank {rank} of its {len(ranks)}-process group exited "
+                f"({describe_exit(code)}); the group is restarted as a unit"
+            )
+        with contextlib.suppress(OSError):
+            (self.run_dir.root / f"ring-{handle.worker_id}.json").unlink()
+        return code
+
     def _save_pids(self) -> None:
-        save_pids(self.run_dir.workers_file, (h.pid for h in self.by_id.values()))
+        pids = (p.pid for h in self.by_id.values() if h.process for p in [h.process, *h.ranks])
+        save_pids(self.run_dir.workers_file, pids)

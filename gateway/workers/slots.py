@@ -48,6 +48,8 @@ class WorkerHandle:
     remote: RemotePeer | None = None
     lost: bool = False  # a remote worker gone silent or disconnected (until it dials in again)
     requests: int = 0  # requests sent to it
+    # a sharded model's other ranks (rank 0 is `process`): one group, ended as a unit
+    ranks: list[asyncio.subprocess.Process] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     exited: asyncio.Event = field(default_factory=asyncio.Event)
@@ -333,4 +335,5 @@ def replica_row(handle: WorkerHandle) -> dict[str, object]:
         "cache_hits": cache.hits if cache is not None else None,
         "cache_hit_tokens": cache.hit_tokens if cache is not None else None,
         "error": handle.error if handle.lost else None,
+        "ranks": [handle.pid, *(p.pid for p in handle.ranks)] if handle.ranks else None,
     }

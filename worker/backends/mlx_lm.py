@@ -19,6 +19,7 @@ from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
+from mlx_lm.utils import sharded_load
 
 from shared.config import EngineOptions
 from worker.backends.rows import RowBatch
@@ -32,6 +33,15 @@ log = logging.getLogger(__name__)
 def load(path: str, trust_remote_code: bool = False) -> tuple[Any, Any]:
     model, tokenizer = mlx_lm_load(path, trust_remote_code=trust_remote_code)[:2]
     return model, tokenizer
+
+
+def load_sharded(
+    path: str, group: mx.distributed.Group, trust_remote_code: bool = False
+) -> tuple[Any, Any]:
+    """This rank's shard of the model, tensor parallel over `group` (mlx-lm's
+    sharded_load); every rank of the group calls it together."""
+    loaded = sharded_load(path, tensor_group=group, trust_remote_code=trust_remote_code)
+    return loaded[0], loaded[1]
 
 
 def parameter_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:

@@ -1,0 +1,103 @@
+"""A model sharded over two worker processes (MLX's ring backend on loopback, tensor
+parallel), through the gateway: greedy output token for token as the same model
+in one process; one rank killed takes the group down and the supervisor restarts it as a
+unit; an unload ends every rank."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import psutil
+import pytest
+
+from tests.gateway_proc import GatewayProc, openai_client, running_gateway, wait_for
+from tests.remote_workers import kill9
+
+PROMPTS = ["Tell me about the sea.", "Count to five.", "What is a ring?"]
+
+
+@pytest.fixture(scope="module")
+def gw(chat_model: Path) -> Iterator[GatewayProc]:
+    models = [
+        {"name": "single", "source": str(chat_model)},
+        {"name": "sharded", "source": str(chat_model), "shards": 2},
+    ]
+    with running_gateway(models, request_timeout_s=60.0) as gateway:
+        yield gateway
+
+
+def greedy(client: openai.OpenAI, model: str, prompt: str) -> Any:
+    return client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=24,
+        temperature=0,
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
+
+
+def tokens(reply: Any) -> list[str]:
+    return list(reply.choices[0].logprobs.tokens)
+
+
+def test_greedy_output_is_the_single_process_models(gw: GatewayProc) -> None:
+    client = openai_client(gw)
+    for prompt in PROMPTS:
+        one, two = greedy(client, "single", prompt), greedy(client, "sharded", prompt)
+        assert tokens(two) == tokens(one) and len(tokens(one)) == 24
+        assert two.choices[0].text == one.choices[0].text
+    # a conversation's second turn from each rank's prefix cache: still the same tokens
+    messages = [
+        {"role": "system", "content": "You answer in short sentences about the weather."},
+        {"role": "user", "content": "Hi"},
+    ]
+    for turn in range(2):
+        reply = {
+            model: client.chat.completions.create(
+                model=model,
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=8,
+                temperature=0,
+            )
+            for model in ("single", "sharded")
+        }
+        text = reply["single"].choices[0].message.content
+        assert reply["sharded"].choices[0].message.content == text
+        cached = reply["sharded"].usage.prompt_tokens_details
+        assert (cached.cached_tokens if cached else 0) > 0 or turn == 0
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "And?"}]
+    row = gw.ps()["sharded"]
+    (replica,) = row["replicas"]
+    assert len(replica["ranks"]) == 2 and replica["ranks"][0] == row["pid"]
+    assert all(psutil.pid_exists(pid) for pid in replica["ranks"])
+
+
+def test_a_killed_rank_restarts_the_group(gw: GatewayProc) -> None:
+    client = openai_client(gw)
+    before = gw.ps()["sharded"]
+    ranks = before["replicas"][0]["ranks"]
+    kill9(ranks[1])
+
+    def restarted() -> bool:
+        row = gw.ps()["sharded"]
+        return row["restarts"] > before["restarts"] and row["state"] == "ready"
+
+    wait_for(restarted, 90, "the group restarted")
+    row = gw.ps()["sharded"]
+    assert "rank 1 of its 2-process group exited (killed by SIGKILL)" in row["last_error"]
+    new_ranks = row["replicas"][0]["ranks"]
+    assert not set(new_ranks) & set(ranks)
+    assert not any(psutil.pid_exists(pid) for pid in ranks)  # the old group is gone whole
+    one = greedy(client, "single", PROMPTS[0])
+    assert tokens(greedy(client, "sharded", PROMPTS[0])) == tokens(one)
+
+
+def test_an_unload_ends_every_rank(gw: GatewayProc) -> None:
+    ranks = gw.ps()["sharded"]["replicas"][0]["ranks"]
+    gw.ctl("unload", "sharded")
+    assert gw.ps()["sharded"]["state"] == "unloaded"
+    wait_for(lambda: not any(psutil.pid_exists(pid) for pid in ranks), 20, "ranks gone")

@@ -1,0 +1,108 @@
+"""A model sharded over several worker processes (`shards = N`): one mlx.distributed group
+(MLX's ring backend over loopback), every rank running the same engine in lockstep.
+
+Rank 0 is the worker the gateway knows: it has the sockets, and at each turn of its loop it
+shares what it took in (the frames, as received) with the other ranks, which handle the
+same frames in the same order and step the same engine; only rank 0's outputs go anywhere.
+The engine is deterministic given its inputs (the scheduler reads no clock; unseeded
+sampling draws from MLX's global generator, seeded alike on every rank), so every rank
+decides the same. What depends on time (a drain's deadline) is decided by rank 0 and shared
+as a frame. The other ranks have no socket and no heartbeat: a rank that dies takes the
+group down (the ring raises on the others), and the gateway restarts the group as a unit.
+
+The ranks are started by the gateway's supervisor (MLX_RANK, MLX_HOSTFILE: the variables
+mlx.launch sets), not by mlx.launch itself, whose launcher process polls its pipes without
+sleeping and exits 0 whatever its ranks did.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import mlx.core as mx
+import msgspec
+import numpy as np
+
+from shared.config import ModelConfig
+from shared.protocol import UNDECODABLE, Abort, Add, Codec, Rejoin
+
+log = logging.getLogger("worker.lockstep")
+
+SEED = 0  # MLX's global generator, alike on every rank
+
+
+class Turn(msgspec.Struct, array_like=True):
+    """What rank 0 took in during one turn of its loop."""
+
+    frames: list[bytes] = []
+    stop: bool = False  # drained: every rank leaves its loop
+
+
+class Lockstep:
+    def __init__(self, shards: int) -> None:
+        group = mx.distributed.init(strict=True, backend="ring")
+        if group.size() != shards:
+            raise RuntimeError(f"the group has {group.size()} ranks, not shards={shards}")
+        self.group = group
+        self.rank = group.rank()
+        mx.random.seed(SEED)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(Turn)
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def share(self, turn: Turn | None) -> Turn:
+        """Rank 0's turn, on every rank (the others pass None)."""
+        data = self._encoder.encode(turn) if turn is not None else b""
+        size = mx.distributed.all_sum(
+            mx.array([len(data)], dtype=mx.int32), group=self.group, stream=mx.cpu
+        )
+        n = int(np.array(size)[0])
+        if turn is not None:
+            buffer = mx.array(np.frombuffer(data, dtype=np.uint8))
+        else:
+            buffer = mx.zeros((n,), dtype=mx.uint8)
+        shared = mx.distributed.all_sum(buffer, group=self.group, stream=mx.cpu)
+        return self._decoder.decode(bytes(np.array(shared, copy=False)))
+
+
+class Follower:
+    """A rank other than 0: the same model and engine, fed rank 0's turns."""
+
+    def __init__(self, config: ModelConfig, lockstep: Lockstep) -> None:
+        self.config = config
+        self.lockstep = lockstep
+        self.codec = Codec()
+
+    def run(self, engine: Any, preprocess: Any) -> int:
+        while True:
+            turn = self.lockstep.share(None)
+            for raw in turn.frames:
+                self.handle(engine, preprocess, raw)
+            if turn.stop:
+                return 0
+            if engine.has_work:
+                engine.step()
+
+    def handle(self, engine: Any, preprocess: Any, raw: bytes) -> None:
+        """As rank 0 handles it, its outputs dropped (rank 0's go to the gateway)."""
+        try:
+            frame = self.codec.to_worker.decode(raw)
+        except UNDECODABLE:
+            return  # rank 0 dropped it too
+        if isinstance(frame, Add):
+            try:
+                prepared = preprocess(frame)
+            except Exception:  # refused on rank 0 as well (PreprocessError, or a bug there)
+                return
+            try:
+                engine.add(prepared)
+            except Exception:  # refused by rank 0's engine as well
+                log.debug("request %s refused by the engine", frame.request_id)
+        elif isinstance(frame, Abort):
+            engine.abort(frame.request_ids)
+        elif isinstance(frame, Rejoin):
+            engine.abort(engine.request_ids())
