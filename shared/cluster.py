@@ -76,6 +76,8 @@ def key_pair(path: Path, create: bool = True) -> KeyPair:
         raise ClusterError(f"cannot read the key pair in {path}: {exc}") from exc
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     public, secret = zmq.curve_keypair()
+    while public.startswith(b"-"):  # Z85 has "-": such a key would read as an option
+        public, secret = zmq.curve_keypair()
     pair = KeyPair(public.decode(), secret.decode())
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

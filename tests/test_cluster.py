@@ -26,6 +26,14 @@ def test_a_key_pair_is_made_once_private_and_then_reused(tmp_path: Path) -> None
         key_pair(tmp_path / "bad.key")
 
 
+def test_no_key_made_here_reads_as_a_command_line_option(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made = [(b"-" + b"a" * 39, b"s" * 40), (b"b" * 40, b"t" * 40)]
+    monkeypatch.setattr(zmq, "curve_keypair", lambda: made.pop(0))
+    assert key_pair(tmp_path / "k.key").public == "b" * 40
+
+
 def test_public_keys_are_checked() -> None:
     public, _ = zmq.curve_keypair()
     assert check_key(f" {public.decode()}\n") == public.decode()

@@ -112,8 +112,8 @@ class WorkerProc:
         if self.link_watch is not None:  # a key the gateway refuses ends it before loading
             self.link_watch.start()
             self.link_watch.wait_connected()
+        self._send(self._hello())  # queued first: the gateway hears it before any heartbeat
         self.outputs_thread.start()
-        self._send(self._hello())
         try:
             self.state = WorkerState.LOADING
             started = time.monotonic()
@@ -422,7 +422,8 @@ class WorkerProc:
         codec = Codec()
         sock = self.channels.outputs
         process = psutil.Process()
-        next_beat = 0.0
+        # the first frame out is the Hello queued before this thread started; beats follow
+        next_beat = time.monotonic() + HEARTBEAT_S
         while True:
             now = time.monotonic()
             if now >= next_beat:
