@@ -468,3 +468,8 @@ def split_address(text: str, what: str = "address") -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"{what}: {text!r} is not HOST:PORT")
     return host, int(port)
+
+
+def tcp_endpoint(host: str, port: int) -> str:
+    """ZeroMQ's address for HOST:PORT (an IPv6 host in brackets)."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"

@@ -35,7 +35,7 @@ from shared.cluster import (
     cluster_dir,
     key_pair,
 )
-from shared.config import Config, ConfigError, ModelConfig, split_address
+from shared.config import Config, ConfigError, ModelConfig, split_address, tcp_endpoint
 
 log = logging.getLogger("gatewayctl.worker")
 
@@ -141,7 +141,7 @@ def worker_command(args: argparse.Namespace, config: Config) -> list[str]:
         if args.key_file
         else cluster_dir(config.server.cluster_dir) / WORKER_KEY
     )
-    endpoint = f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"
+    endpoint = tcp_endpoint(host, port)
     return [
         sys.executable,
         "-m",

@@ -25,8 +25,9 @@ import msgspec
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from gateway.workers.transport import route
 from shared.cluster import GATEWAY_KEY, AllowedWorkers, ClusterError, key_pair
-from shared.config import split_address
+from shared.config import split_address, tcp_endpoint
 from shared.protocol import UNDECODABLE, Abort, Codec, FromWorker, ToWorker
 
 log = logging.getLogger("gateway.workers.remote")
@@ -76,8 +77,7 @@ class Gatekeeper:
 
 class RemoteDoor:
     def __init__(self, address: str, cluster: Path) -> None:
-        host, port = split_address(address, "server.workers_listen")
-        self.endpoint = f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"
+        self.endpoint = tcp_endpoint(*split_address(address, "server.workers_listen"))
         self.cluster = cluster
         self.allowed = AllowedWorkers(cluster / "workers.json")
         self.public_key = ""
@@ -131,14 +131,7 @@ class RemoteDoor:
     def send(self, worker_id: str, frame: ToWorker) -> bool:
         if not self._fds:
             return False
-        try:
-            self.router.send_multipart(
-                [worker_id.encode(), self.codec.encode(frame)], flags=zmq.NOBLOCK
-            )
-            return True
-        except zmq.ZMQError as exc:
-            log.warning("cannot send to remote worker %s: %s", worker_id, exc)
-            return False
+        return route(self.router, self.codec, worker_id, frame, "remote worker")
 
     def reachable(self, worker_id: str) -> bool:
         """Whether the worker's requests connection is open (a no-op Abort goes to it)."""

@@ -6,15 +6,21 @@ import asyncio
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 import zmq
 
 from shared.protocol import UNDECODABLE, Codec, FromWorker, ToWorker
 
-if TYPE_CHECKING:
-    from gateway.workers.remote import RemoteDoor
+
+class Door(Protocol):
+    """Workers reached another way (gateway/workers/remote.py: on other machines)."""
+
+    routes: set[str]  # the ids of the workers behind it
+
+    def send(self, worker_id: str, frame: ToWorker) -> bool: ...
+
 
 log = logging.getLogger("gateway.workers.transport")
 
@@ -25,6 +31,19 @@ SEND_HWM = 10_000
 # that peer's connection; ZeroMQ's handshake (its routing id: 255 bytes at most) still fits.
 ROUTER_MAX_INBOUND = 1024
 DRAIN_BATCH = 256  # frames handled per wakeup before yielding to the event loop
+
+
+def route(
+    router: zmq.Socket[bytes], codec: Codec, worker_id: str, frame: ToWorker, what: str = "worker"
+) -> bool:
+    """A frame to the peer whose routing id is `worker_id`, without blocking; False (logged)
+    when it is not connected or its queue is full. An unencodable value raises."""
+    try:
+        router.send_multipart([worker_id.encode(), codec.encode(frame)], flags=zmq.NOBLOCK)
+        return True
+    except zmq.ZMQError as exc:
+        log.warning("cannot send to %s %s: %s", what, worker_id, exc)
+        return False
 
 
 class Transport:
@@ -39,7 +58,7 @@ class Transport:
         self.context: zmq.Context[zmq.Socket[bytes]] | None = None
         self.router: zmq.Socket[bytes]
         self.pull: zmq.Socket[bytes]
-        self.remote: RemoteDoor | None = None  # workers on other machines (over TCP)
+        self.remote: Door | None = None  # workers on other machines (over TCP)
 
     def bind(self, on_frame: Callable[[FromWorker], None]) -> None:
         # Plain sockets: ROUTER only ever sends, without blocking; PULL is read from the
@@ -75,14 +94,7 @@ class Transport:
             return remote.send(worker_id, frame)
         if self._fd is None:  # not bound, or closed
             return False
-        try:
-            self.router.send_multipart(
-                [worker_id.encode(), self.codec.encode(frame)], flags=zmq.NOBLOCK
-            )
-            return True
-        except zmq.ZMQError as exc:
-            log.warning("cannot send to worker %s: %s", worker_id, exc)
-            return False
+        return route(self.router, self.codec, worker_id, frame)
 
     def _drain(self) -> None:
         """The PULL socket's FD signals edges, not levels: read until it is empty (or a
