@@ -32,7 +32,7 @@ from shared.protocol import (
     WorkerState,
 )
 from shared.types import CanonicalRequest, ErrorCode, RequestKind, RequestOutput, SamplingParams
-from tests.worker_fakes import Rig, rig
+from tests.worker_fakes import Rig, chat, rig
 
 pytestmark = pytest.mark.anyio
 
@@ -210,3 +210,23 @@ async def test_a_request_sent_to_a_replica_counts_there(
     assert a.requests == 1 and a.streams == {"r1": waiting} and not world.slot.replay
     waiting.put(outputs[0])
     assert waiting.received
+
+
+async def test_a_local_crash_sends_its_requests_to_a_ready_replica(tmp_path: Path) -> None:
+    world = World(tmp_path, ModelConfig(name="m", source="/nowhere"))
+    r = world.rig
+    await r.pool.load("m")
+    local = r.handle()
+    started = await r.admission.submit(chat("started"))
+    waiting = await r.admission.submit(chat("waiting"))
+    started.put(RequestOutput("started", text="Hel", token_ids=[5]))
+    remote = world.join("m@a", "a")
+    r.processes.exit(local, -9)
+    assert {s.request_id for s in world.slot.replay} == {"started", "waiting"}
+    world.replicas.local_exited(world.slot)
+    assert not world.slot.replay and set(remote.streams) == {"started", "waiting"}
+    adds = {a.request_id: a for w, a in r.transport.sent if w == "m@a" and isinstance(a, Add)}
+    assert adds["started"].request.resumed == [5]  # it goes on from its token there
+    assert adds["waiting"].request.resumed == []
+    assert not started.finished and not waiting.finished
+    r.tasks.cancel_all()

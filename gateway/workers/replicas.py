@@ -170,6 +170,13 @@ class Replicas:
             "model %s: %d waiting request(s) sent to %s", slot.name, len(waiting), handle.worker_id
         )
 
+    def local_exited(self, slot: Slot) -> None:
+        """The model's own worker exited (recovery has dealt with it): while another
+        machine serves the model, the requests waiting for the next local worker go there."""
+        ready = slot.ready_remotes()
+        if ready and slot.replay:
+            self.serve_waiting(slot, self.router.choose(ready, None))
+
     # ---- losing one -------------------------------------------------------------------
 
     def lose(self, handle: WorkerHandle, reason: str) -> None:

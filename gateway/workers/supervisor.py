@@ -173,10 +173,8 @@ class Supervisor:
         slot = self.catalog.slots.get(handle.config.name)
         if slot is not None:
             self.recovery.exited(slot, handle)
-            ready = slot.ready_remotes()
-            if ready and slot.replay and self.replicas is not None:
-                # another machine serves it meanwhile: the waiting requests go there
-                self.replicas.serve_waiting(slot, self.router.choose(ready, None))
+            if self.replicas is not None:
+                self.replicas.local_exited(slot)
 
     def find(self, worker_id: str) -> WorkerHandle | None:
         """A worker by id, local or remote."""
