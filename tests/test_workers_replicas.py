@@ -5,6 +5,7 @@ own worker, or fail when none may serve)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any, cast
 
@@ -12,7 +13,7 @@ import pytest
 import zmq
 
 from gateway.workers.remote import RemoteDoor
-from gateway.workers.replicas import Replicas
+from gateway.workers.replicas import LOADING_PER_KEY, LOST_KEPT, Replicas
 from gateway.workers.routing import Router
 from gateway.workers.slots import Slot, WorkerHandle
 from gateway.workers.stream import RequestStream
@@ -22,6 +23,8 @@ from shared.protocol import (
     PROTOCOL_VERSION,
     Add,
     Capacity,
+    Control,
+    ControlReply,
     Heartbeat,
     Hello,
     Ready,
@@ -32,7 +35,7 @@ from shared.protocol import (
     WorkerState,
 )
 from shared.types import CanonicalRequest, ErrorCode, RequestKind, RequestOutput, SamplingParams
-from tests.worker_fakes import Rig, chat, rig
+from tests.worker_fakes import Rig, chat, rig, until
 
 pytestmark = pytest.mark.anyio
 
@@ -45,12 +48,14 @@ class FakeDoor:
         self.routes: set[str] = set()
         self.sent: list[tuple[str, ToWorker]] = []
         self.gone: set[str] = set()
+        self.probes = 0
 
-    def send(self, worker_id: str, frame: ToWorker) -> bool:
+    def send(self, worker_id: str, frame: ToWorker, quiet: bool = False) -> bool:
         self.sent.append((worker_id, frame))
         return True
 
     def reachable(self, worker_id: str) -> bool:
+        self.probes += 1
         return worker_id not in self.gone
 
     def frames(self, kind: type) -> list[tuple[str, Any]]:
@@ -85,7 +90,8 @@ class World:
 
     def join(self, worker_id: str, name: str, identity: str = "") -> WorkerHandle:
         key = self.key(name)
-        self.replicas.admit(Hello(worker_id, PROTOCOL_VERSION, 42, "m"), key, "10.0.0.7")
+        hello = Hello(worker_id, PROTOCOL_VERSION, 42, "m")
+        self.replicas.admit(hello, key, "10.0.0.7", worker_id.encode())
         handle = self.replicas.get(worker_id)
         assert handle is not None
         ready = Ready(worker_id, Capacity(2, 8, 4096), identity=identity)
@@ -109,34 +115,56 @@ async def test_an_allowed_key_joins_and_its_frames_are_its_own(tmp_path: Path) -
     assert handle.host == "10.0.0.7" and handle.pid == 42
     assert world.slot.replicas() == [handle] and "m@a" in world.door.routes
     beat = Heartbeat("m@a", WorkerState.READY, 1, 0, 0)
-    assert world.replicas.admit(beat, world.keys["a"], "x") is handle
+    assert world.replicas.admit(beat, world.keys["a"], "x", b"any") is handle
     # another allowed key speaking for it: dropped
-    assert world.replicas.admit(beat, world.key("b"), "x") is None
+    assert world.replicas.admit(beat, world.key("b"), "x", b"any") is None
+    # a Hello for it from another connection than its requests socket: dropped
+    world.replicas.admit(Hello("m@a", PROTOCOL_VERSION, 1, "m"), world.key("b"), "x", b"m@b")
+    assert world.replicas.get("m@a") is handle and not world.door.sent
 
 
 async def test_who_may_not_join_is_refused_saying_why(tmp_path: Path) -> None:
     world = World(tmp_path)
     stranger = zmq.curve_keypair()[0].decode()
-    admit = world.replicas.admit
-    admit(Hello("m@s", PROTOCOL_VERSION, 1, "m"), stranger, "x")
-    admit(Hello("m@v", PROTOCOL_VERSION + 1, 1, "m"), world.key("a"), "x")
-    admit(Hello("z@a", PROTOCOL_VERSION, 1, "zzz"), world.key("a"), "x")
-    world.join("m@a", "a")
-    admit(Hello("m@a", PROTOCOL_VERSION, 1, "m"), world.key("b"), "x")  # its id, not its key
-    reasons = [f.reason for _, f in world.door.frames(Refuse)]
+    world.replicas.is_local = lambda worker_id: worker_id == "m-1-abc"
+
+    def admit(worker_id: str, version: int, model: str, key: str) -> None:
+        hello = Hello(worker_id, version, 1, model)
+        world.replicas.admit(hello, key, "x", worker_id.encode())
+
+    admit("m@s", PROTOCOL_VERSION, "m", stranger)
+    admit("m@v", PROTOCOL_VERSION + 1, "m", world.key("a"))
+    admit("z@a", PROTOCOL_VERSION, "zzz", world.key("a"))
+    admit("m-1-abc", PROTOCOL_VERSION, "m", world.key("a"))
+    refused = world.door.frames(Refuse)
+    assert [w for w, _ in refused] == ["m@s", "m@v", "z@a", "m-1-abc"]  # each to itself
+    reasons = [f.reason for _, f in refused]
     assert "not allowed" in reasons[0]
     assert "protocol version" in reasons[1]
     assert "'zzz' is not configured" in reasons[2]
-    assert "taken by another worker" in reasons[3]
-    assert [h.worker_id for h in world.slot.remotes] == ["m@a"]
+    assert "one of the gateway's own" in reasons[3]
+    assert world.slot.remotes == []
+
+
+async def test_a_hello_on_a_live_workers_id_means_its_connection_is_gone(tmp_path: Path) -> None:
+    world = World(tmp_path)
+    first = world.join("m@a", "a")
+    fresh = stream("r1", first)
+    # another key holds the id now: ZeroMQ gives an id to one connection at a time
+    second = world.join("m@a", "b")
+    assert first.lost and second is not first and world.slot.remotes == [second]
+    assert not world.door.frames(Refuse)
+    assert not fresh.finished and world.slot.replay == [fresh]  # for its Ready
+    world.replicas.serve_waiting(world.slot, second)
+    assert second.streams == {"r1": fresh}
 
 
 async def test_a_stranger_is_asked_to_rejoin_once_in_a_while(tmp_path: Path) -> None:
     world = World(tmp_path)
     beat = Heartbeat("m@gone", WorkerState.READY, 1, 0, 0)
     for _ in range(3):
-        assert world.replicas.admit(beat, world.key("a"), "x") is None
-    world.replicas.admit(WorkerDead("m@other", "bye"), world.key("a"), "x")
+        assert world.replicas.admit(beat, world.key("a"), "x", b"random") is None
+    world.replicas.admit(WorkerDead("m@other", "bye"), world.key("a"), "x", b"random")
     assert [w for w, _ in world.door.frames(Rejoin)] == ["m@gone"]
 
 
@@ -230,3 +258,74 @@ async def test_a_local_crash_sends_its_requests_to_a_ready_replica(tmp_path: Pat
     assert adds["waiting"].request.resumed == []
     assert not started.finished and not waiting.finished
     r.tasks.cancel_all()
+
+
+async def test_a_control_reply_answers_only_a_call_made_to_its_sender(tmp_path: Path) -> None:
+    world = World(tmp_path)
+    a, b = world.join("m@a", "a"), world.join("m@b", "b")
+    transport = cast(Any, world.rig.transport)
+    call = asyncio.ensure_future(
+        world.rig.calls.call(transport, a.worker_id, "m", "stats", {}, timeout=5)
+    )
+    await until(lambda: bool(transport.sent))
+    (_, control), *_ = [(w, f) for w, f in transport.sent if isinstance(f, Control)]
+    world.rig.calls.resolve(ControlReply("m@b", control.call_id, True, {"forged": 1}), b.worker_id)
+    assert not call.done()
+    world.rig.calls.resolve(ControlReply("m@a", control.call_id, True, {"steps": 3}), a.worker_id)
+    assert await call == {"steps": 3}
+
+
+async def test_lost_replicas_listed_are_bounded_and_slow_loaders_are_lost(
+    tmp_path: Path,
+) -> None:
+    world = World(tmp_path)
+    for i in range(LOST_KEPT + 5):
+        world.replicas.lose(world.join(f"m@{i}", f"k{i}"), "gone")
+    assert len(world.slot.remotes) <= LOST_KEPT
+    assert len(world.replicas.by_id) <= LOST_KEPT
+    world.replicas.load_timeout_s = 0.0
+    key = world.key("slow")
+    world.replicas.admit(Hello("m@slow", PROTOCOL_VERSION, 1, "m"), key, "x", b"m@slow")
+    world.replicas.check_keys()
+    slow = world.replicas.by_id["m@slow"]
+    assert slow.lost and "not ready within" in (slow.error or "")
+
+
+async def test_one_key_may_have_only_so_many_workers_loading(tmp_path: Path) -> None:
+    world = World(tmp_path)
+    key = world.key("busy")
+    for i in range(LOADING_PER_KEY + 1):
+        hello = Hello(f"m@{i}", PROTOCOL_VERSION, 1, "m")
+        world.replicas.admit(hello, key, "x", hello.worker_id.encode())
+    assert len(world.replicas.live()) == LOADING_PER_KEY
+    ((_, refusal),) = world.door.frames(Refuse)
+    assert "loading already" in refusal.reason
+
+
+async def test_at_shutdown_what_waits_and_what_a_lost_replica_held_end_clearly(
+    tmp_path: Path,
+) -> None:
+    world = World(tmp_path, ModelConfig(name="m", source="/nowhere"))
+    a = world.join("m@a", "a")
+    waiting = RequestStream("w", "m", "")
+    world.slot.replay.append(waiting)
+    fresh = stream("r1", a)
+    await world.replicas.drain(0.0)
+    world.replicas.lose(a, "its connection closed")
+    assert waiting.finished and fresh.finished and not world.loads  # no load at shutdown
+    for s in (waiting, fresh):
+        error = (await s.get()).error
+        assert error is not None and error.code == ErrorCode.SHUTTING_DOWN
+
+
+async def test_disconnects_share_one_second_check(tmp_path: Path) -> None:
+    world = World(tmp_path)
+    world.join("m@a", "a")
+    for _ in range(50):  # connections opened and closed by anyone: one check, then one more
+        world.replicas.disconnected()
+    assert world.door.probes == 1 and world.replicas._recheck is not None
+    world.door.gone.add("m@a")
+    world.replicas._rechecked()
+    assert world.door.probes == 2 and world.replicas.by_id["m@a"].lost
+    assert world.replicas._recheck is not None  # closes came meanwhile: once more
+    world.replicas._recheck.cancel()

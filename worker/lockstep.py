@@ -25,7 +25,7 @@ import msgspec
 import numpy as np
 
 from shared.config import ModelConfig
-from shared.protocol import UNDECODABLE, Abort, Add, Codec, Rejoin
+from shared.protocol import UNDECODABLE, Abort, Add, Codec, Shutdown, ShutdownMode
 
 log = logging.getLogger("worker.lockstep")
 
@@ -76,6 +76,7 @@ class Follower:
         self.config = config
         self.lockstep = lockstep
         self.codec = Codec()
+        self.draining = False  # as rank 0: after a Shutdown, requests are refused
 
     def run(self, engine: Any, preprocess: Any) -> int:
         while True:
@@ -94,6 +95,8 @@ class Follower:
         except UNDECODABLE:
             return  # rank 0 dropped it too
         if isinstance(frame, Add):
+            if self.draining:
+                return  # refused on rank 0 as well
             try:
                 prepared = preprocess(frame)
             except Exception:  # refused on rank 0 as well (PreprocessError, or a bug there)
@@ -104,5 +107,7 @@ class Follower:
                 log.debug("request %s refused by the engine", frame.request_id)
         elif isinstance(frame, Abort):
             engine.abort(frame.request_ids)
-        elif isinstance(frame, Rejoin):
-            engine.abort(engine.request_ids())
+        elif isinstance(frame, Shutdown):
+            self.draining = True
+            if frame.mode == ShutdownMode.ABORT:
+                engine.abort(engine.request_ids())

@@ -112,7 +112,7 @@ class WorkerProc:
         if self.link_watch is not None:  # a key the gateway refuses ends it before loading
             self.link_watch.start()
             self.link_watch.wait_connected()
-        self._send(self._hello())  # queued first: the gateway hears it before any heartbeat
+        self._say_hello()  # first: the gateway hears it before any heartbeat
         self.outputs_thread.start()
         try:
             self.state = WorkerState.LOADING
@@ -218,6 +218,10 @@ class WorkerProc:
         if self.lockstep is not None:  # raw frames, shared with the other ranks first
             items = self._share(items)
         for item in items:
+            if isinstance(item, Add):  # shared: prepared here, in order (after a Shutdown
+                item = self._accept(item, self.preprocess)  # in the same turn: refused)
+                if item is None:
+                    continue
             outputs += self._handle(item)
         if outputs:
             self._emit(outputs)
@@ -230,11 +234,9 @@ class WorkerProc:
         engine, until = self.engine, self.draining_until
         if until is not None and time.monotonic() >= until and engine.has_work:
             frames.append(self.codec.encode(Abort(engine.request_ids())))
-        shared: list[object] = []
-        for raw in self.lockstep.share(Turn(frames)).frames:
-            frame = self.codec.to_worker.decode(raw)
-            shared.append(self._accept(frame, self.preprocess) if isinstance(frame, Add) else frame)
-        return [item for item in shared if item is not None]
+        return [
+            self.codec.to_worker.decode(raw) for raw in self.lockstep.share(Turn(frames)).frames
+        ]
 
     def _step(self) -> None:
         engine = self.engine
@@ -295,17 +297,22 @@ class WorkerProc:
         self.draining_until = time.monotonic() + frame.timeout_s
         return []
 
+    def _say_hello(self) -> None:
+        """A worker on another machine says it on its requests socket (the gateway ties
+        the socket's routing id, its worker id, to the key it proved): from the main thread
+        before the input thread starts, then from the input thread only. A local worker
+        says it on its output socket, through the outbox."""
+        if self.args.link is None:
+            self._send(self._hello())
+        else:
+            self.channels.requests.send(self.codec.encode(self._hello()))
+
     def _rejoin(self, frame: Rejoin) -> list[RequestOutput]:
         """The gateway does not know this worker (it restarted, or took it for lost): what
-        runs here is nobody's now; say Hello and Ready again."""
+        runs here is nobody's now; Ready again (the input thread said Hello)."""
         assert self.engine is not None
-        now = time.monotonic()
-        if now - self.rejoined_at < REJOIN_COALESCE_S:
-            return []
-        self.rejoined_at = now
         log.warning("the gateway asks this worker to rejoin (%s)", frame.reason)
         dropped = self.engine.abort(self.engine.request_ids())
-        self._send(self._hello())
         if self.ready is not None:
             self._send(self.ready)
         return dropped
@@ -350,6 +357,12 @@ class WorkerProc:
             item: object | None = frame
             if isinstance(frame, Refuse):
                 leave(REFUSED, f"the gateway refused this worker: {frame.reason}")
+            if isinstance(frame, Rejoin):  # Hello now, on this socket; Ready from the engine
+                now = time.monotonic()
+                if now - self.rejoined_at < REJOIN_COALESCE_S:
+                    continue  # one queued with it: answered already
+                self.rejoined_at = now
+                sock.send(codec.encode(self._hello()))
             if self.lockstep is not None and isinstance(frame, Add | Abort | Shutdown):
                 item = raw  # prepared on the engine thread, with the other ranks
             elif isinstance(frame, Add):

@@ -4,7 +4,8 @@ On the gateway's machine, `gatewayctl workers key | add | remove | list` manage 
 in (the running gateway sees a change within a second; a removed worker is dropped). On a
 worker's machine, `gatewayctl worker --gateway HOST:PORT --gateway-key KEY --model NAME`
 runs a worker that dials in, and keeps it running: it starts it again after a crash (after a
-backoff), and after a refusal of its key (a key allowed meanwhile then gets in).
+backoff), after a refusal of its key (a key allowed meanwhile then gets in) and, a minute
+later, after a refusal by the gateway (other weights than the model's, say).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from shared.config import Config, ConfigError, ModelConfig, split_address, tcp_e
 log = logging.getLogger("gatewayctl.worker")
 
 RETRY_REFUSED_S = 10.0  # a refused key: dial again this much later
+RETRY_REJECTED_S = 60.0  # refused by the gateway (other weights, ...): again this much later
 BACKOFF_S, BACKOFF_MAX_S = 1.0, 60.0  # after a crash, doubling while it keeps crashing
 STABLE_S = 60.0  # a run this long resets the backoff
 EXIT_REFUSED_KEY, EXIT_REFUSED = 77, 78  # worker/link.py

@@ -46,9 +46,11 @@ class ControlCalls:
             raise GatewayError(ErrorCode(code), reply.error or method, reply.result.get("param"))
         return reply.result
 
-    def resolve(self, reply: ControlReply) -> None:
+    def resolve(self, reply: ControlReply, worker_id: str) -> None:
+        """A reply from `worker_id` (the frame's sender, as the transport knows it): it
+        answers only a call made to that worker."""
         entry = self._pending.get(reply.call_id)
-        if entry is not None and not entry[1].done():
+        if entry is not None and entry[0] == worker_id and not entry[1].done():
             entry[1].set_result(reply)
 
     def fail(self, worker_id: str, message: str) -> None:

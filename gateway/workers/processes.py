@@ -107,18 +107,24 @@ class Processes:
                 for rank in range(model.shards)
             ]
         log_file = open(self.run_dir.worker_log(model.name), "ab")  # noqa: SIM115
+        processes: list[asyncio.subprocess.Process] = []
         try:
-            processes = [
-                await asyncio.create_subprocess_exec(
-                    *argv,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=log_file,
-                    stderr=log_file,
-                    env=rank_env,
-                    start_new_session=True,
+            for rank_env in envs:
+                processes.append(
+                    await asyncio.create_subprocess_exec(
+                        *argv,
+                        stdin=asyncio.subprocess.DEVNULL,
+                        stdout=log_file,
+                        stderr=log_file,
+                        env=rank_env,
+                        start_new_session=True,
+                    )
                 )
-                for rank_env in envs
-            ]
+        except BaseException:  # a rank that cannot start: the ones started go with it
+            for started in processes:
+                with contextlib.suppress(ProcessLookupError):
+                    started.kill()
+            raise
         finally:
             log_file.close()
         process = processes[0]

@@ -41,8 +41,10 @@ ZMQ_HEARTBEAT_IVL_MS = 2_000
 ZMQ_HEARTBEAT_TIMEOUT_MS = 10_000
 REFUSAL_LOG_S = 60.0  # an unknown key's refusal is logged once per minute at most
 
-# (frame, the public key its connection proved, the peer's IP address)
-OnRemoteFrame = Callable[[FromWorker, str, str], None]
+# (frame, the public key its connection proved, the peer's IP address, the routing id of
+# the connection it came on)
+OnRemoteFrame = Callable[[FromWorker, str, str, bytes], None]
+REFUSALS_LOGGED = 10  # unknown keys' refusals logged per minute, all keys together
 
 
 class Gatekeeper:
@@ -54,17 +56,16 @@ class Gatekeeper:
         self._logged: dict[bytes, float] = {}
 
     def callback(self, domain: str, key: bytes) -> bool:
-        try:
+        try:  # an exception here would end the authenticator's thread: no one could join
             record = self.allowed.lookup(key.decode("ascii", "replace"))
-        except ClusterError as exc:
-            log.error("remote worker refused: %s", exc)
+        except Exception as exc:
+            log.error("remote worker refused: cannot read the allowed workers: %s", exc)
             return False
         if record is not None:
             return True
         now = time.monotonic()
-        if now - self._logged.get(key, -REFUSAL_LOG_S) >= REFUSAL_LOG_S:
-            if len(self._logged) > 1000:
-                self._logged.clear()
+        self._logged = {k: t for k, t in self._logged.items() if now - t < REFUSAL_LOG_S}
+        if key not in self._logged and len(self._logged) < REFUSALS_LOGGED:
             self._logged[key] = now
             log.warning(
                 "a worker with an unknown key was refused: %s (allow it with "
@@ -105,8 +106,10 @@ class RemoteDoor:
         router.curve_server = True
         router.curve_secretkey = pair.secret.encode()
         router.curve_publickey = pair.public.encode()
+        # No ROUTER_HANDOVER: a routing id stays with the connection that has it until that
+        # connection closes (a worker dialing in again gets it once its old one is gone), so
+        # the id a Hello proved on its key cannot be taken by another connection.
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a worker dialing in again takes its id back
         router.setsockopt(zmq.SNDHWM, SEND_HWM)
         router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
         router.setsockopt(zmq.LINGER, 0)
@@ -128,10 +131,12 @@ class RemoteDoor:
             loop.call_soon(reader)
         log.info("listening for workers on %s (CURVE; key %s)", self.endpoint, pair.public)
 
-    def send(self, worker_id: str, frame: ToWorker) -> bool:
+    def send(self, worker_id: str, frame: ToWorker, quiet: bool = False) -> bool:
         if not self._fds:
             return False
-        return route(self.router, self.codec, worker_id, frame, "remote worker")
+        sent = route(self.router, self.codec, worker_id, frame, None if quiet else "remote worker")
+        self._rearm()
+        return sent
 
     def reachable(self, worker_id: str) -> bool:
         """Whether the worker's requests connection is open (a no-op Abort goes to it)."""
@@ -146,6 +151,15 @@ class RemoteDoor:
             return True
         except zmq.ZMQError:
             return False
+        finally:
+            self._rearm()
+
+    def _rearm(self) -> None:
+        """A send on the ROUTER may consume the edge its FD would have signalled for frames
+        that arrived meanwhile: read them on the next loop turn."""
+        events = self.router.getsockopt(zmq.EVENTS)
+        if self._loop is not None and isinstance(events, int) and events & zmq.POLLIN:
+            self._loop.call_soon(self._drain)
 
     def _drain(self) -> None:
         on_frame = self._on_frame
@@ -160,7 +174,7 @@ class RemoteDoor:
                 return
             if len(parts) != 2:
                 continue
-            payload = parts[1]
+            sender, payload = parts[0].bytes, parts[1]
             key = payload.get("User-Id")
             peer = payload.get("Peer-Address")
             try:
@@ -169,7 +183,7 @@ class RemoteDoor:
                 log.warning("undecodable frame from remote worker %s, dropped: %s", key, exc)
                 continue
             try:
-                on_frame(frame, str(key), str(peer))
+                on_frame(frame, str(key), str(peer), sender)
             except Exception:
                 log.exception("error handling %s", type(frame).__name__)
         assert self._loop is not None

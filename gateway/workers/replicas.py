@@ -48,6 +48,8 @@ log = logging.getLogger("gateway.workers.replicas")
 REJOIN_EVERY_S = 2.0  # a worker the gateway does not know is asked to rejoin this often
 KEY_CHECK_S = 1.0
 RECHECK_S = 0.5  # after a disconnect, reachability is checked again this much later
+LOST_KEPT = 8  # lost replicas listed per model (the oldest dropped past this)
+LOADING_PER_KEY = 8  # workers of one key joined and not Ready yet, at most
 
 
 class Replicas:
@@ -60,6 +62,8 @@ class Replicas:
         router: Router,
         load_local: Callable[[Slot], object],
         released: Callable[[Slot | None], None],
+        is_local: Callable[[str], bool] = lambda worker_id: False,
+        load_timeout_s: float = 300.0,
     ) -> None:
         self.door = door
         self.catalog = catalog
@@ -68,8 +72,14 @@ class Replicas:
         self.router = router
         self.load_local = load_local
         self.released = released
+        self.is_local = is_local
+        self.load_timeout_s = load_timeout_s
+        self.closing = False  # the gateway shuts down
+        self._recheck: asyncio.TimerHandle | None = None
+        self._again = False
         self.by_id: dict[str, WorkerHandle] = {}
         self._rejoin_sent: dict[str, float] = {}
+        self._warned: dict[str, float] = {}
 
     def get(self, worker_id: str) -> WorkerHandle | None:
         handle = self.by_id.get(worker_id)
@@ -80,11 +90,17 @@ class Replicas:
 
     # ---- frames -----------------------------------------------------------------------
 
-    def admit(self, frame: FromWorker, key: str, peer: str) -> WorkerHandle | None:
+    def admit(self, frame: FromWorker, key: str, peer: str, sender: bytes) -> WorkerHandle | None:
         """The replica this frame is for, or None when it was dealt with here (a Hello, a
-        worker to rejoin, a frame from the wrong key)."""
+        worker to rejoin, a frame from the wrong key). `sender`: the routing id of the
+        connection it came on."""
         handle = self.get(frame.worker_id)
         if isinstance(frame, Hello):
+            # said on its requests socket, whose routing id is its worker id: the id is this
+            # connection's (no other can take it while it is open), and so this key's
+            if sender != frame.worker_id.encode():
+                self._warn("hello", f"a Hello for {frame.worker_id!r} not from its requests socket")
+                return None
             self.join(frame, key, peer, handle)
             return None
         if handle is None:
@@ -93,11 +109,16 @@ class Replicas:
             return None
         assert handle.remote is not None
         if handle.remote.public_key != key:
-            log.warning(
-                "a frame for worker %.80r from another key (%s), dropped", frame.worker_id, key
-            )
+            self._warn("key", f"a frame for worker {frame.worker_id!r} from another key ({key})")
             return None
         return handle
+
+    def _warn(self, kind: str, message: str) -> None:
+        """Logged once a minute per kind: a peer cannot flood the log."""
+        now = time.monotonic()
+        if now - self._warned.get(kind, -60.0) >= 60.0:
+            self._warned[kind] = now
+            log.warning("%.200s, dropped (such frames are logged once a minute)", message)
 
     def join(self, frame: Hello, key: str, peer: str, current: WorkerHandle | None) -> None:
         worker_id = frame.worker_id
@@ -115,14 +136,24 @@ class Replicas:
         if slot is None:
             self.refuse(worker_id, f"model {frame.model!r} is not configured on this gateway")
             return
-        if current is not None:
-            assert current.remote is not None
-            if current.remote.public_key != key:
-                self.refuse(worker_id, f"worker id {worker_id!r} is taken by another worker")
-                return
-            self.lose(current, "it dialed in again (its previous run ended)")
+        if self.is_local(worker_id):
+            self.refuse(worker_id, f"worker id {worker_id!r} is one of the gateway's own")
+            return
+        loading = [
+            h for h in self.live() if not h.is_ready and h.remote and h.remote.public_key == key
+        ]
+        if len(loading) >= LOADING_PER_KEY:
+            self.refuse(worker_id, f"{len(loading)} workers of its key are loading already")
+            return
+        if current is not None:  # its connection is gone: this one holds the id now
+            self.lose(current, "it dialed in again (its previous connection ended)", True)
         for old in [h for h in slot.remotes if h.worker_id == worker_id]:
             slot.remotes.remove(old)  # lost: the new run takes its place in the list
+        lost = [h for h in slot.remotes if h.lost]
+        for old in lost[: max(0, len(lost) - LOST_KEPT + 1)]:
+            slot.remotes.remove(old)
+            if self.by_id.get(old.worker_id) is old:
+                del self.by_id[old.worker_id]
         handle = WorkerHandle(
             slot.config, worker_id, None, remote=RemotePeer(record.name, key, peer, frame.pid)
         )
@@ -179,7 +210,9 @@ class Replicas:
 
     # ---- losing one -------------------------------------------------------------------
 
-    def lose(self, handle: WorkerHandle, reason: str) -> None:
+    def lose(self, handle: WorkerHandle, reason: str, back: bool = False) -> None:
+        """`back`: it is dialing in again right now; what it had not started may wait for
+        its Ready when no other replica serves."""
         if handle.lost:
             return
         handle.lost = True
@@ -217,26 +250,48 @@ class Replicas:
             len(fresh),
             len(started),
         )
-        replicas = slot.replicas()
+        replicas = [] if self.closing else slot.replicas()
         for stream in fresh:
-            if replicas:
+            if self.closing:
+                stream.fail(ErrorCode.SHUTTING_DOWN, f"{message}; the gateway is shutting down")
+            elif replicas:
                 self.recovery.send(slot, self.router.choose(replicas, None), stream)
             else:
                 slot.replay.append(stream)
-        if slot.replay and not replicas:
+        if slot.replay and not replicas and not back and not self.closing:
             self._no_replica(slot, message)
+        self._forget_identity(slot)
         self.released(slot)
+
+    def _forget_identity(self, slot: Slot) -> None:
+        """Nothing serves a model whose weights only its replicas knew: the next replica
+        says again what they are (the weights may have been updated meanwhile)."""
+        own = slot.handle is not None or Path(slot.config.source).expanduser().is_dir()
+        if not own and not slot.ready_remotes():
+            slot.identity = None
 
     def _no_replica(self, slot: Slot, message: str) -> None:
         """Requests wait and no replica serves: the model's own worker, if it may have one."""
         if slot.handle is not None or slot.loading is not None or slot.restarting:
             return  # it comes: its Ready sends them
         if slot.config.placement == "local" and slot.config.on_demand == "load":
-            self.load_local(slot)
+            task = self.load_local(slot)
+            if isinstance(task, asyncio.Task):  # a load that fails ends what waited for it
+                task.add_done_callback(lambda t: self._load_done(slot, t, message))
             return
         failed, slot.replay = slot.replay, []
         for stream in failed:
             stream.fail(ErrorCode.WORKER_UNAVAILABLE, f"{message}; no other worker serves it now")
+
+    def _load_done(self, slot: Slot, task: asyncio.Task[object], message: str) -> None:
+        failed_load = task.cancelled() or task.exception() is not None
+        if failed_load and slot.handle is None and not slot.replicas():
+            failed, slot.replay = slot.replay, []
+            for stream in failed:
+                stream.fail(
+                    ErrorCode.WORKER_UNAVAILABLE,
+                    f"{message}; the model's own worker failed to load",
+                )
 
     def _drop(self, slot: Slot, handle: WorkerHandle) -> None:
         handle.lost = True
@@ -247,10 +302,9 @@ class Replicas:
             slot.remotes.remove(handle)
 
     def refuse(self, worker_id: str, reason: str) -> None:
+        """To the connection holding `worker_id` on the worker port (never a local worker)."""
         log.warning("worker %.80r refused: %s", worker_id, reason)
-        self.door.routes.add(worker_id)
-        self.door.send(worker_id, Refuse(reason))
-        self.door.routes.discard(worker_id)
+        self.door.send(worker_id, Refuse(reason), quiet=True)
 
     def rejoin(self, worker_id: str) -> None:
         now = time.monotonic()
@@ -259,15 +313,30 @@ class Replicas:
         if len(self._rejoin_sent) > 1000:
             self._rejoin_sent.clear()
         self._rejoin_sent[worker_id] = now
-        self.door.send(worker_id, Rejoin("the gateway does not know this worker"))
+        self.door.send(worker_id, Rejoin("the gateway does not know this worker"), quiet=True)
 
     # ---- watching them ----------------------------------------------------------------
 
     def disconnected(self) -> None:
         """A connection closed: a worker whose requests socket is gone is lost (checked at
-        once and again shortly after, while ZeroMQ finishes closing its pipe)."""
+        once and again shortly after, while ZeroMQ finishes closing its pipe; any number of
+        closes meanwhile share that second check)."""
+        if self.closing:
+            return
+        if self._recheck is not None:
+            self._again = True  # one more check after the pending one
+            return
         self._check_reachable()
-        asyncio.get_running_loop().call_later(RECHECK_S, self._check_reachable)
+        self._recheck = asyncio.get_running_loop().call_later(RECHECK_S, self._rechecked)
+
+    def _rechecked(self) -> None:
+        self._recheck = None
+        if self.closing:
+            return
+        self._check_reachable()
+        if self._again:
+            self._again = False
+            self._recheck = asyncio.get_running_loop().call_later(RECHECK_S, self._rechecked)
 
     def _check_reachable(self) -> None:
         for handle in self.live():
@@ -275,11 +344,19 @@ class Replicas:
                 self.lose(handle, "its connection closed")
 
     def check_keys(self) -> None:
+        """Workers whose key was removed, and workers not Ready within load_timeout_s of
+        their Hello, are lost."""
+        allowed = self.door.allowed.refresh()
+        now = time.time()
         for handle in self.live():
             assert handle.remote is not None
-            if self.door.allowed.lookup(handle.remote.public_key) is None:
+            if handle.remote.public_key not in allowed:
                 self.lose(handle, "its key was removed (gatewayctl workers remove)")
                 self.refuse(handle.worker_id, "its key was removed")
+            elif not handle.is_ready and now - handle.started_at > self.load_timeout_s:
+                self.lose(
+                    handle, f"not ready within server.load_timeout_s={self.load_timeout_s:g}s"
+                )
 
     async def watch_keys(self) -> None:
         while True:
@@ -291,7 +368,11 @@ class Replicas:
 
     async def drain(self, timeout: float) -> None:
         """At shutdown: the requests on remote workers may finish for `timeout` seconds;
-        those left then end with shutting_down."""
+        those left then end with shutting_down, as do those waiting for a worker."""
+        self.closing = True
+        if self._recheck is not None:
+            self._recheck.cancel()
+            self._recheck = None
         deadline = time.monotonic() + timeout
         while any(h.streams for h in self.live()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -302,6 +383,10 @@ class Replicas:
                 stream.fail(ErrorCode.SHUTTING_DOWN, "the gateway is shutting down")
             if held:
                 self.door.send(handle.worker_id, Abort([s.request_id for s in held]))
+        for slot in self.catalog:
+            waiting, slot.replay = slot.replay, []
+            for stream in waiting:
+                stream.fail(ErrorCode.SHUTTING_DOWN, "the gateway is shutting down")
 
 
 def identity(slot: Slot) -> str | None:

@@ -113,6 +113,8 @@ class Supervisor:
                 self.router,
                 self.pool.load_task,
                 self.lifetime.released,
+                lambda worker_id: self.processes.get(worker_id) is not None,
+                server.load_timeout_s,
             )
             if self.door is not None
             else None
@@ -157,12 +159,12 @@ class Supervisor:
     async def _drain_all(self) -> None:
         timeout = self.server.drain_timeout_s
         log.info("shutting down: draining in-flight requests for up to %gs", timeout)
+        remote = [self.replicas.drain(timeout)] if self.replicas is not None else []
         await asyncio.gather(
             *(self.unload(name, timeout=timeout) for name in self.catalog.slots),
+            *remote,
             return_exceptions=True,
         )
-        if self.replicas is not None:
-            await self.replicas.drain(timeout)
         self.tasks.cancel_all()
         if self.door is not None:
             self.door.close()
@@ -267,9 +269,9 @@ class Supervisor:
 
     # ---- frames from workers --------------------------------------------------------
 
-    def _on_remote(self, frame: FromWorker, key: str, peer: str) -> None:
+    def _on_remote(self, frame: FromWorker, key: str, peer: str, sender: bytes) -> None:
         assert self.replicas is not None
-        handle = self.replicas.admit(frame, key, peer)
+        handle = self.replicas.admit(frame, key, peer, sender)
         if handle is not None:
             self._on_frame(frame, handle)
 
@@ -335,8 +337,8 @@ class Supervisor:
             slot = self.catalog.slots.get(handle.config.name)
             if slot is not None:
                 slot.last_info = frame
-                if slot.identity is None and frame.identity:
-                    slot.identity = frame.identity
+                if handle.remote is None and frame.identity:
+                    slot.identity = frame.identity  # its own worker says what it serves now
             handle.capacity = frame.capacity
             if handle.remote is None:
                 self.memory.observe(frame)  # another machine's memory is not this budget's
@@ -348,4 +350,4 @@ class Supervisor:
             handle.error = frame.reason
             log.error("model %s: worker failed: %s", handle.config.name, frame.reason)
         elif isinstance(frame, ControlReply):
-            self.calls.resolve(frame)
+            self.calls.resolve(frame, handle.worker_id)

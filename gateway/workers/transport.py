@@ -34,15 +34,21 @@ DRAIN_BATCH = 256  # frames handled per wakeup before yielding to the event loop
 
 
 def route(
-    router: zmq.Socket[bytes], codec: Codec, worker_id: str, frame: ToWorker, what: str = "worker"
+    router: zmq.Socket[bytes],
+    codec: Codec,
+    worker_id: str,
+    frame: ToWorker,
+    what: str | None = "worker",
 ) -> bool:
-    """A frame to the peer whose routing id is `worker_id`, without blocking; False (logged)
-    when it is not connected or its queue is full. An unencodable value raises."""
+    """A frame to the peer whose routing id is `worker_id`, without blocking; False when it
+    is not connected or its queue is full (logged, unless `what` is None). An unencodable
+    value raises."""
     try:
         router.send_multipart([worker_id.encode(), codec.encode(frame)], flags=zmq.NOBLOCK)
         return True
     except zmq.ZMQError as exc:
-        log.warning("cannot send to %s %s: %s", what, worker_id, exc)
+        if what is not None:
+            log.warning("cannot send to %s %s: %s", what, worker_id, exc)
         return False
 
 
