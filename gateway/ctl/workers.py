@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import json
 import logging
 import signal
@@ -64,7 +65,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     worker.add_argument("--gateway-key", help="its public key (`gatewayctl workers key` there)")
     worker.add_argument("--model", help="the model's name on the gateway")
     worker.add_argument("--source", help="its weights here: a folder or a hub id")
-    worker.add_argument("--id", help="this worker's id (default: MODEL@HOSTNAME)")
+    worker.add_argument("--id", help="this worker's id (default: MODEL@HOSTNAME-KEYHASH)")
     worker.add_argument("--key-file", help="this worker's key pair (made if absent)")
     worker.add_argument("--show-key", action="store_true", help="print this worker's key")
     worker.add_argument("--once", action="store_true", help="do not start it again after exit")
@@ -115,7 +116,15 @@ def run_workers(args: argparse.Namespace, config: Config) -> int:
         return 2
 
 
-def worker_command(args: argparse.Namespace, config: Config) -> list[str]:
+def default_id(model: str, public_key: str) -> str:
+    """MODEL@HOSTNAME-xxxxxx: the same on every run of this machine (it takes its row back
+    when it dials in again), another on another machine even with the same host name (the
+    suffix comes from this machine's worker key)."""
+    digest = hashlib.sha256(public_key.encode()).hexdigest()[:6]
+    return f"{model}@{socket.gethostname()}-{digest}"
+
+
+def worker_command(args: argparse.Namespace, config: Config, public_key: str) -> list[str]:
     """The worker's command line, from the arguments and this machine's config."""
     if not args.gateway or not args.gateway_key or not args.model:
         raise ConfigError("gatewayctl worker needs --gateway, --gateway-key and --model")
@@ -137,7 +146,7 @@ def worker_command(args: argparse.Namespace, config: Config) -> list[str]:
             "runs one process (serve a sharded model from the gateway's machine)"
         )
     model = msgspec.structs.replace(model, placement="local", preload=True)
-    worker_id = args.id or f"{model.name}@{socket.gethostname()}"
+    worker_id = args.id or default_id(model.name, public_key)
     key_file = (
         Path(args.key_file)
         if args.key_file
@@ -171,7 +180,7 @@ def run_worker(args: argparse.Namespace, config: Config) -> int:
         if args.show_key:
             print(pair.public)
             return 0
-        argv = worker_command(args, config)
+        argv = worker_command(args, config, pair.public)
     except (ClusterError, ConfigError) as exc:
         print(f"gatewayctl worker: {exc}", file=sys.stderr)
         return 2
