@@ -245,7 +245,9 @@ def test_the_live_chart_moves_while_a_load_generator_runs(
         stop.set()
         for w in workers:
             w.join(60)
-    assert chart.screenshot() != before  # the line is drawn where it was flat
+    # the line is drawn where it was flat (the canvas redraws on the next samples: a
+    # loaded browser may take a few seconds)
+    wait_for(lambda: chart.screenshot() != before, 15, "the chart redrawn")
     _screenshots(page, shots)  # with the figures of that load in the charts
 
 

@@ -36,9 +36,10 @@ async def test_a_call_gets_its_own_reply() -> None:
     second = await _call(calls, transport)
     (_, frame) = transport.sent[0]
     assert isinstance(frame, Control) and frame.method == "tokenize" and frame.args == {"x": 1}
-    calls.resolve(ControlReply("w1", 2, True, {"tokens": [2]}))
-    calls.resolve(ControlReply("w1", 1, True, {"tokens": [1]}))
-    calls.resolve(ControlReply("w1", 99, True))  # nobody waits for it: ignored
+    calls.resolve(ControlReply("w2", 2, True, {"forged": 1}), "w2")  # not a call made to w2
+    calls.resolve(ControlReply("w1", 2, True, {"tokens": [2]}), "w1")
+    calls.resolve(ControlReply("w1", 1, True, {"tokens": [1]}), "w1")
+    calls.resolve(ControlReply("w1", 99, True), "w1")  # nobody waits for it: ignored
     assert await first == {"tokens": [1]} and await second == {"tokens": [2]}
 
 
@@ -46,7 +47,8 @@ async def test_a_refusal_is_the_workers_error_with_its_param() -> None:
     calls, transport = ControlCalls(), FakeTransport()
     task = await _call(calls, transport)
     result = {"code": ErrorCode.INVALID_REQUEST.value, "param": "tokens"}
-    calls.resolve(ControlReply("w1", 1, False, result, "token id 9 is outside the vocabulary"))
+    refusal = ControlReply("w1", 1, False, result, "token id 9 is outside the vocabulary")
+    calls.resolve(refusal, "w1")
     with pytest.raises(GatewayError) as err:
         await task
     assert err.value.code == ErrorCode.INVALID_REQUEST and err.value.param == "tokens"
