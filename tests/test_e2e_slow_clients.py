@@ -81,6 +81,7 @@ def answered_promptly(gw: GatewayProc) -> float:
             model="model",
             messages=MESSAGES,  # type: ignore[arg-type]
             max_tokens=8,
+            extra_body={"ignore_eos": True},  # sampled: an early end of turn is no answer here
         )
     assert reply.usage is not None and reply.usage.completion_tokens == 8
     return time.monotonic() - start
