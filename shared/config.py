@@ -17,6 +17,7 @@ import msgspec
 from shared.types import reserved_template_kwarg
 
 DEMO_SOURCE = "builtin:demo"
+MAX_SHARDS = 16  # worker processes of one sharded model, all on the gateway's machine
 # the embedded default's random-weight models of the other kinds (generated on first use)
 VISION_DEMO_SOURCE = "builtin:demo-vision"
 STT_DEMO_SOURCE = "builtin:demo-stt"
@@ -417,8 +418,11 @@ def _validate(config: Config) -> None:
             )
         if model.memory_gb is not None and model.memory_gb <= 0:
             raise ConfigError(f"model {model.name!r}: memory_gb must be positive")
-        if model.shards < 1:
-            raise ConfigError(f"model {model.name!r}: shards must be at least 1")
+        if not 1 <= model.shards <= MAX_SHARDS:
+            raise ConfigError(
+                f"model {model.name!r}: shards must be between 1 and {MAX_SHARDS} (processes "
+                "on this machine)"
+            )
         if model.shards > 1 and model.placement == "remote":
             raise ConfigError(
                 f'model {model.name!r}: a sharded model runs on this machine (placement = "local")'

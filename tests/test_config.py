@@ -425,7 +425,8 @@ def test_several_machines_and_shards_are_checked(tmp_path: Path) -> None:
         ('workers_listen = "7380"', "", "not HOST:PORT"),
         ('workers_listen = "host:99999"', "", "not HOST:PORT"),
         ("", 'placement = "elsewhere"', "placement"),
-        ("", "shards = 0", "shards must be at least 1"),
+        ("", "shards = 0", "shards must be between 1 and 16"),
+        ("", "shards = 100000", "shards must be between 1 and 16"),
         ("", 'shards = 2\nplacement = "remote"', "runs on this machine"),
         ("", 'shards = 2\nkind = "embedding"', "only text models"),
     ]:

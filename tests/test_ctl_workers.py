@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,45 @@ def test_the_command_carries_the_model_and_the_gateways_address(tmp_path: Path) 
 def test_what_it_refuses(given: dict[str, object], config: Config, error: str) -> None:
     with pytest.raises(ConfigError, match=error):
         worker_command(args(**given), config, "k" * 40)
+
+
+def test_the_keeper_starts_its_worker_again_until_told_to_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs of a stand-in worker that exits 1, then 77 (key refused), then 78 (refused by
+    the gateway): each is started again, after its wait, until a SIGTERM stops the keeper."""
+    import signal
+    import sys
+    import threading
+
+    from gateway.ctl import workers
+
+    monkeypatch.setattr(workers, "BACKOFF_S", 0.05)
+    monkeypatch.setattr(workers, "RETRY_REFUSED_S", 0.05)
+    monkeypatch.setattr(workers, "RETRY_REJECTED_S", 0.05)
+    runs = tmp_path / "runs"
+    script = (
+        "import pathlib, sys; p = pathlib.Path(sys.argv[1]); n = len(p.read_text()) "
+        "if p.exists() else 0; p.write_text('x' * (n + 1)); sys.exit([1, 77, 78, 0][min(n, 3)])"
+    )
+    keeper = workers.Keeper([sys.executable, "-c", script, str(runs)], {})
+
+    def stop_after_four() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (not runs.exists() or len(runs.read_text()) < 4):
+            time.sleep(0.02)
+        keeper._stop(signal.SIGTERM, None)
+
+    stopper = threading.Thread(target=stop_after_four)
+    stopper.start()
+    try:
+        assert keeper.run() == 0
+    finally:
+        stopper.join()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert len(runs.read_text()) >= 4  # crash, refused key, refused worker, and again
+    once = workers.Keeper([sys.executable, "-c", "raise SystemExit(5)"], {}, once=True)
+    assert once.run() == 5
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -8,7 +8,6 @@ from typing import Any, cast
 
 import msgspec
 
-from shared.config import ModelConfig
 from shared.protocol import Abort, Add, Codec, Shutdown, ShutdownMode
 from shared.types import CanonicalRequest, RequestKind, SamplingParams
 from worker.lockstep import Follower, Lockstep, Turn
@@ -35,7 +34,7 @@ def add(request_id: str) -> bytes:
 
 
 def test_the_other_ranks_handle_frames_as_rank_0() -> None:
-    follower = Follower(ModelConfig(name="m", source="/m"), cast(Lockstep, None))
+    follower = Follower(cast(Lockstep, None))
     engine = Engine()
 
     def prepare(frame: Add) -> Add:

@@ -117,7 +117,7 @@ def run_follower(worker_id: str, model: ModelConfig) -> int:
         faults = Faults.for_model(model.name)
         opened = open_model(model, path, kind, worker_id, faults, _quiet, lockstep.group)
         opened.engine.probe()
-        return Follower(model, lockstep).run(opened.engine, opened.preprocess)
+        return Follower(lockstep).run(opened.engine, opened.preprocess)
     except Exception:
         log.exception("rank %d failed", rank_of())
         return 1

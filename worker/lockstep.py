@@ -24,7 +24,6 @@ import mlx.core as mx
 import msgspec
 import numpy as np
 
-from shared.config import ModelConfig
 from shared.protocol import UNDECODABLE, Abort, Add, Codec, Shutdown, ShutdownMode
 
 log = logging.getLogger("worker.lockstep")
@@ -72,8 +71,7 @@ class Lockstep:
 class Follower:
     """A rank other than 0: the same model and engine, fed rank 0's turns."""
 
-    def __init__(self, config: ModelConfig, lockstep: Lockstep) -> None:
-        self.config = config
+    def __init__(self, lockstep: Lockstep) -> None:
         self.lockstep = lockstep
         self.codec = Codec()
         self.draining = False  # as rank 0: after a Shutdown, requests are refused

@@ -26,6 +26,7 @@ from types import FrameType
 import msgspec
 
 from gateway.workers.device import detect_device
+from gateway.workers.processes import worker_argv
 from shared.blas import worker_env
 from shared.cluster import (
     ALLOWED_FILE,
@@ -152,24 +153,18 @@ def worker_command(args: argparse.Namespace, config: Config, public_key: str) ->
         if args.key_file
         else cluster_dir(config.server.cluster_dir) / WORKER_KEY
     )
-    endpoint = tcp_endpoint(host, port)
-    return [
-        sys.executable,
-        "-m",
-        "worker",
-        "--id",
+    return worker_argv(
         worker_id,
+        msgspec.json.encode(model).decode(),
         "--connect",
-        endpoint,
+        tcp_endpoint(host, port),
         "--server-key",
         server_key,
         "--key-file",
         str(key_file),
-        "--model",
-        msgspec.json.encode(model).decode(),
         "--log-level",
         config.server.log_level,
-    ]
+    )
 
 
 def run_worker(args: argparse.Namespace, config: Config) -> int:
@@ -218,13 +213,14 @@ class Keeper:
             code = self.child.wait()
             if self.stopping or self.once:
                 return 0 if self.stopping else code
-            if code == EXIT_REFUSED:
+            if code == EXIT_REFUSED:  # the gateway's side may change (weights, its config)
+                wait = RETRY_REJECTED_S
                 print(
-                    "gatewayctl worker: the gateway refused this worker (see above)",
+                    f"gatewayctl worker: the gateway refused this worker (see above); "
+                    f"again in {wait:g}s",
                     file=sys.stderr,
                 )
-                return code
-            if code == EXIT_REFUSED_KEY:
+            elif code == EXIT_REFUSED_KEY:
                 wait = RETRY_REFUSED_S
             else:
                 if time.monotonic() - started >= STABLE_S:

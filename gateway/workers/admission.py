@@ -85,7 +85,7 @@ class Admission:
             slot.served += 1
             self.lifetime.touch(slot)
             return stream
-        handle = await self.worker_for(slot, sub.affinity or first_block(request))
+        handle = await self.worker_for(slot, sub.affinity, request)
         if needs:
             check_capabilities(slot, needs, handle.info)
         capacity = handle.capacity
@@ -101,11 +101,17 @@ class Admission:
         self.lifetime.touch(slot)
         return stream
 
-    async def worker_for(self, slot: Slot, affinity: str | None) -> WorkerHandle:
+    async def worker_for(
+        self, slot: Slot, affinity: str | None, request: CanonicalRequest | None = None
+    ) -> WorkerHandle:
         """The replica a request goes to: among those serving now (routing.py) when the
-        model has workers on other machines, else its own worker, loaded on demand."""
+        model has workers on other machines, else its own worker, loaded on demand. The
+        conversation's key (`affinity`, else the prompt's first block) is only worked out
+        when there is a choice to make."""
         replicas = slot.replicas()
         if slot.remotes and replicas:
+            if len(replicas) > 1 and affinity is None and request is not None:
+                affinity = first_block(request)
             return self.router.choose(replicas, affinity)
         if slot.config.placement == "remote":
             raise GatewayError(

@@ -30,6 +30,11 @@ from shared.types import ErrorCode
 log = logging.getLogger("gateway.workers.processes")
 
 
+def worker_argv(worker_id: str, model_json: str, *where: str) -> list[str]:
+    """`python -m worker`: its id, how it reaches the gateway (`where`), its model."""
+    return [sys.executable, "-m", "worker", "--id", worker_id, *where, "--model", model_json]
+
+
 def free_port() -> int:
     """A TCP port free on loopback now (for a sharded model's ranks to listen on)."""
     with socket.socket() as sock:
@@ -71,19 +76,14 @@ class Processes:
         return list(self.by_id.values())
 
     def _worker_command(self, worker_id: str, model_json: str) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "worker",
-            "--id",
+        return worker_argv(
             worker_id,
+            model_json,
             "--requests",
             self.transport.requests_addr,
             "--outputs",
             self.transport.outputs_addr,
-            "--model",
-            model_json,
-        ]
+        )
 
     def worker_model(self, model: ModelConfig) -> ModelConfig:
         """The model's config as its worker sees it: server-wide request limits filled in."""
