@@ -8,8 +8,16 @@ the first WARM_STEPS left out, under three drivers:
 - `batchgenerator`: mlx-lm's BatchGenerator alone (what the serving ceiling runs);
 - `engine-mlx_lm`: the worker's EngineCore on BatchGenerator (`engine.batcher = "mlx_lm"`),
   detokenizing, checking stops and encoding each step's deltas as the worker sends them;
-- `engine-rows`: the same on the engine's own batch (`engine.batcher = "rows"`).
-Prints one JSON line per (rows, repeat): each driver's median step in ms.
+- `engine-rows`: the same on the engine's own batch (`engine.batcher = "rows"`) with
+  mlx-lm's forward pass (`engine.decode_step = "model"`);
+- `engine-compiled`: the rows batch with the project's compiled decode step
+  (`engine.decode_step = "compiled"`, worker/backends/decode_step.py);
+- `engine-fused`: the same with each layer's Q/K/V and gate/up weights stacked into one
+  matrix each (copies: a variant to measure, not a setting);
+- `generate_step` (batch 1 only): mlx-lm's single-stream generation, no batch at all.
+Prints one JSON line per (rows, repeat): each driver's median step in ms, and where NVML
+answers (an NVIDIA GPU with `pynvml`), the GPU's busy share over its timed steps
+(`<driver>_gpu_busy`, percent).
 """
 
 from __future__ import annotations
@@ -21,9 +29,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks._nvml import BusyMeter
+
 WARM_STEPS = 20
 PROMPT = list(range(5, 133))  # 128 tokens, inside every generated vocabulary
-DRIVERS = ("batchgenerator", "engine-mlx_lm", "engine-rows")
+DRIVERS = (
+    "batchgenerator",
+    "engine-mlx_lm",
+    "engine-rows",
+    "engine-compiled",
+    "engine-fused",
+    "generate_step",
+)
 
 
 def _positive_list(text: str) -> list[int]:
@@ -43,11 +60,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=150, help="steps timed a driver and size")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-running", type=int, default=128, help="the batch's row limit")
+    p.add_argument(
+        "--drivers",
+        default=",".join(DRIVERS),
+        help=f"comma-separated, of: {', '.join(DRIVERS)}",
+    )
     args = p.parse_args(argv)
     if args.steps < 1 or args.repeats < 1:
         p.error("--steps and --repeats must be at least 1")
     if max(args.rows) > args.max_running:
         p.error("--rows above --max-running")
+    args.drivers = [d.strip() for d in args.drivers.split(",") if d.strip()]
+    unknown = sorted(set(args.drivers) - set(DRIVERS))
+    if unknown or not args.drivers:
+        p.error(f"--drivers: unknown {', '.join(unknown) or '(none given)'}")
     return args
 
 
@@ -85,8 +111,29 @@ def batchgenerator(model: Any, rows: int, steps: int, max_running: int) -> float
         gen.close()
 
 
+def generate_step(model: Any, steps: int) -> float:
+    """mlx-lm's single-stream generation (batch 1), greedy."""
+    from mlx_lm.generate import generate_step as mlx_lm_generate_step
+
+    stream = mlx_lm_generate_step(mx_array(PROMPT), model, max_tokens=steps + WARM_STEPS + 8)
+    return _median_ms(lambda: next(stream, None) is not None, steps)
+
+
+def mx_array(tokens: list[int]) -> Any:
+    import mlx.core as mx
+
+    return mx.array(tokens)
+
+
 def engine(
-    model: Any, tokenizer: Any, batcher: str, rows: int, steps: int, max_running: int
+    model: Any,
+    tokenizer: Any,
+    batcher: str,
+    rows: int,
+    steps: int,
+    max_running: int,
+    decode_step: str = "model",
+    fuse: bool = False,
 ) -> float:
     from shared.config import EngineOptions
     from shared.protocol import Codec, StepOutputs
@@ -99,9 +146,15 @@ def engine(
         max_running=max_running,
         prefill_batch_size=max_running,
         batcher=batcher,  # type: ignore[arg-type]
+        decode_step=decode_step,  # type: ignore[arg-type]
         prefix_cache=False,
     )
-    core = EngineCore(make_backend(model, tokenizer, options), options)
+    backend = make_backend(model, tokenizer, options)
+    if fuse:
+        from worker.backends.decode_step import build
+
+        backend.batch.decode = build(model, fuse=True)  # type: ignore[attr-defined]
+    core = EngineCore(backend, options)
     codec = Codec()
     sampling = SamplingParams(temperature=0.0, ignore_eos=True)
     for i in range(rows):
@@ -126,13 +179,32 @@ def main(argv: list[str] | None = None) -> int:
     from worker.backends.mlx_lm import load
 
     model, tokenizer = load(args.model)
+    runs: dict[str, Callable[[int], float]] = {
+        "batchgenerator": lambda rows: batchgenerator(model, rows, args.steps, args.max_running),
+        "engine-mlx_lm": lambda rows: engine(
+            model, tokenizer, "mlx_lm", rows, args.steps, args.max_running
+        ),
+        "engine-rows": lambda rows: engine(
+            model, tokenizer, "rows", rows, args.steps, args.max_running
+        ),
+        "engine-compiled": lambda rows: engine(
+            model, tokenizer, "rows", rows, args.steps, args.max_running, "compiled"
+        ),
+        "engine-fused": lambda rows: engine(
+            model, tokenizer, "rows", rows, args.steps, args.max_running, "compiled", True
+        ),
+        "generate_step": lambda rows: generate_step(model, args.steps),
+    }
     for rows in args.rows:
         for repeat in range(args.repeats):
             line: dict[str, Any] = {"rows": rows, "repeat": repeat}
-            line["batchgenerator"] = batchgenerator(model, rows, args.steps, args.max_running)
-            for batcher in ("mlx_lm", "rows"):
-                ms = engine(model, tokenizer, batcher, rows, args.steps, args.max_running)
-                line[f"engine-{batcher}"] = ms
+            for driver in args.drivers:
+                if driver == "generate_step" and rows != 1:
+                    continue
+                with BusyMeter() as busy:
+                    line[driver] = runs[driver](rows)
+                if busy.share is not None:
+                    line[f"{driver}_gpu_busy"] = busy.share
             rounded = {k: round(v, 3) if isinstance(v, float) else v for k, v in line.items()}
             print(json.dumps(rounded), flush=True)
             mx.clear_cache()

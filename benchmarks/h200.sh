@@ -8,8 +8,10 @@
 # $PYTHON (default python3). Models are built under $MODELS (default /tmp/models) on first use.
 # SMALL=1 swaps in tiny shapes, to rehearse the whole script on a CPU machine; SERVING_ARGS
 # and AGENT_ARGS add flags to benchmarks.serving and benchmarks.agent_session; SOURCES picks
-# the servers of 1b / 8b (default gateway,gateway-rows,mlx_lm; gateway-rows-settle is the rows
-# batch with engine.join_settle_steps = $SETTLE, default 2) and LEVELS_1B / LEVELS_8B their
+# the servers of 1b / 8b (default gateway,gateway-rows,mlx_lm; gateway is BatchGenerator's batch,
+# gateway-rows the rows batch with mlx-lm's forward pass, gateway-compiled the rows batch with
+# the compiled decode step, gateway-rows-settle the rows batch with engine.join_settle_steps =
+# $SETTLE, default 2) and LEVELS_1B / LEVELS_8B their
 # concurrency levels (default 1,8,32,64,128 and 1,32,128).
 # - 1b / 8b: benchmarks.serving, closed loop, 128-token prompts and outputs: mlx-lm's
 #   BatchGenerator in one process (the ceiling), this gateway (engine.batcher mlx_lm, then
@@ -22,8 +24,9 @@
 # - arrivals: benchmarks.arrivals on the 1b shape in one process: mlx-lm's BatchGenerator and
 #   the project's rows batch (joins at once and settled) with sequences starting together
 #   and spread, and what one join costs each.
-# - steps: benchmarks.engine_steps on the 1b shape: the decode step of BatchGenerator alone and
-#   of the engine on each batch, in one process, at 1, 32 and 128 rows.
+# - steps / steps8b: benchmarks.engine_steps on the 1b / 8b shape: the decode step of
+#   BatchGenerator alone, of mlx-lm's generate_step (1 row) and of the engine on each batch and
+#   decode step, in one process, at 1, 32 and 128 rows ($STEPS_DRIVERS: the drivers).
 # - profile: the gateway on the 1b shape at c=$PROFILE_LEVEL (default 64; max_running
 #   $PROFILE_MAX, default the level; engine.batcher $PROFILE_BATCHER, default mlx_lm) while
 #   py-spy samples the worker's and the gateway's threads for 20 s, idle time included
@@ -63,7 +66,7 @@ model() {  # NAME SHAPE...
   echo "$M/$name"
 }
 
-gateway_config() {  # MODEL_DIR MAX_CONCURRENCY [BATCHER] [SETTLE] -> config path; the ceiling's batch sizes
+gateway_config() {  # MODEL_DIR MAX_CONCURRENCY [BATCHER] [SETTLE] [DECODE_STEP] -> config path; the ceiling's batch sizes
   local cfg run
   cfg=$(mktemp /tmp/gw-XXXX.toml)
   run=$(mktemp -d /tmp/gwXXXX)
@@ -81,6 +84,7 @@ prefill_batch_size = $2
 max_prefill_tokens = 65536
 batcher = "${3:-mlx_lm}"
 join_settle_steps = ${4:-0}
+decode_step = "${5:-auto}"
 TOML
   echo "$cfg"
 }
@@ -92,10 +96,11 @@ throughput() {  # NAME SHAPE LEVELS: the ceiling, then each of $SOURCES
   max=${3##*,}
   for src in ${SOURCES//,/ }; do
     case $src in
-      gateway | gateway-rows | gateway-rows-settle)
+      gateway | gateway-rows | gateway-rows-settle | gateway-compiled)
         case $src in
           gateway) cfg=$(gateway_config "$dir" "$max" mlx_lm) ;;
-          gateway-rows) cfg=$(gateway_config "$dir" "$max" rows) ;;
+          gateway-rows) cfg=$(gateway_config "$dir" "$max" rows 0 model) ;;
+          gateway-compiled) cfg=$(gateway_config "$dir" "$max" rows 0 compiled) ;;
           *) cfg=$(gateway_config "$dir" "$max" rows "${SETTLE:-2}") ;;
         esac
         launch+=(--launch-cmd "$src={python} -m gateway --config $cfg serve --port {port}"
@@ -172,9 +177,11 @@ for step in $STEPS; do
       $PY -m benchmarks.arrivals "$(model 1b $SHAPE_1B)" --modes join --concurrency 48 \
         --join 1,16,64 --batchers mlx_lm,rows 2>&1 | tee -a "$OUT/arrivals.jsonl"
       ;;
-    steps)
-      $PY -m benchmarks.engine_steps "$(model 1b $SHAPE_1B)" --rows "$ROWS_STEPS" \
-        --max-running "${ROWS_STEPS##*,}" 2>&1 | tee "$OUT/steps.jsonl"
+    steps | steps8b)
+      if [ "$step" = steps ]; then dir=$(model 1b $SHAPE_1B); else dir=$(model 8b $SHAPE_8B); fi
+      $PY -m benchmarks.engine_steps "$dir" --rows "$ROWS_STEPS" \
+        --max-running "${ROWS_STEPS##*,}" ${STEPS_DRIVERS:+--drivers $STEPS_DRIVERS} 2>&1 |
+        tee "$OUT/$step.jsonl"
       ;;
     profile) profile ;;
     *) echo "unknown step $step" >&2; exit 2 ;;

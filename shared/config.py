@@ -116,6 +116,12 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # clients), at most as long as a small group waits. 0: it starts at once. Experimental:
     # docs/benchmarks.md has what it was measured at.
     join_settle_steps: int = 0
+    # Rows batch only: how a decode step runs the model. "compiled": the project's own step
+    # for Llama-family models (worker/backends/decode_step.py: compiled layers over the
+    # model's own weights, the same tokens; other models keep mlx-lm's forward pass),
+    # "model": mlx-lm's forward pass, "auto": compiled where it was measured faster
+    # (docs/benchmarks.md).
+    decode_step: Literal["auto", "compiled", "model"] = "auto"
     # The model's tool-call format: the name of one of mlx-lm's tool parsers
     # (mlx_lm/tool_parsers: json_tools, qwen3_coder, mistral, pythonic, glm47, ...).
     # Default: the one mlx-lm infers from the model's chat template, if any.

@@ -22,6 +22,7 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokeni
 from mlx_lm.utils import sharded_load
 
 from shared.config import EngineOptions
+from worker.backends import decode_step
 from worker.backends.rows import RowBatch
 from worker.backends.sampling import guide_processors, make_processors, make_sampler
 from worker.engine.backend import Insertion, Sampled
@@ -228,11 +229,15 @@ class MlxRowsBackend(MlxLmBackend):
                 f"this one uses {', '.join(sorted(kinds))}: use batcher = 'mlx_lm'"
             )
         self._setup(model, tokenizer, options)
+        self.decode = None
+        if decode_step_wanted(options.decode_step, self.device):
+            self.decode = decode_step.build(model)
         self.batch = RowBatch(
             model,
             options.prefill_step_size,
             self.prefill_batch_size,
             settle_steps=options.join_settle_steps,
+            decode=self.decode,
         )
 
     def insert(self, items: list[Insertion]) -> list[int]:
@@ -267,6 +272,13 @@ class MlxRowsBackend(MlxLmBackend):
 
     def close(self) -> None:
         pass
+
+
+def decode_step_wanted(setting: str, device: str) -> bool:
+    """Whether the rows batch decodes with the compiled step (engine.decode_step)."""
+    if setting == "auto":
+        return device == "gpu"
+    return setting == "compiled"
 
 
 def cache_kinds(model: Any) -> set[str]:

@@ -110,8 +110,11 @@ class RowBatch:
         prefill_step_size: int = 2048,
         max_group: int = 64,
         settle_steps: int = 0,
+        decode: Any = None,
     ) -> None:
         self.model = model
+        # the one-token step (worker/backends/decode_step.py), or None: the model's forward
+        self.decode = decode
         self.prefill_step_size = max(1, prefill_step_size)
         self.max_group = max(1, max_group)  # rows prefilled side by side
         # Into a large batch, a group big enough to join waits until no row has arrived for
@@ -344,8 +347,11 @@ class RowBatch:
     def _decode(self, want_logprobs: bool) -> list[tuple[int, int, mx.array | None]]:
         inputs = self.inputs
         assert inputs is not None
-        shifted = {"shifts": self.shifts} if self.shifts is not None else {}
-        logits = self.model(inputs[:, None], cache=self.step_caches, **shifted)[:, -1, :]
+        if self.decode is not None and self.shifts is None:
+            logits = self.decode(inputs, self.caches, masked=self.padded)
+        else:
+            shifted = {"shifts": self.shifts} if self.shifts is not None else {}
+            logits = self.model(inputs[:, None], cache=self.step_caches, **shifted)[:, -1, :]
         tokens: list[int] | None = None
         ahead, self._ahead = self._ahead, None
         if ahead is not None or self.guided:

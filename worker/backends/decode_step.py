@@ -1,0 +1,337 @@
+"""A one-token decode step of our own for Llama-family models, on the model's own weights.
+
+On a GPU a decode step is bound by the host: mlx-lm's forward pass builds the graph of every
+operation of every layer in Python at every step, and MLX encodes each one as a kernel
+(docs/benchmarks.md; issue 23). This step computes the same function with fewer, cheaper
+graph nodes:
+- each decoder layer is two `mx.compile`d functions, taking the layer's weights as inputs
+  (one trace serves every layer): the input norm, Q/K/V projections, the head norms where
+  the model has them and RoPE; then the output projection, residual, norm, gated MLP and
+  residual. Compilation fuses their elementwise chains and replays the traced graph without
+  Python's per-operation work;
+- the RoPE positions and the attention mask are computed once a step, not once a layer;
+- a token's queries, keys and values are reshaped straight to the attention's layout (one
+  position: no transposes), and the attention's output straight back;
+- attention itself is MLX's fused `scaled_dot_product_attention` over the layer's own cache,
+  written through the cache's public `update_and_fetch`, so that the rest of the engine
+  (prefill, joins, compaction, the prefix cache) sees the caches it always did.
+
+The operations are the model's own, in its order and dtypes, so greedy tokens are the same
+(tests compare them with mlx-lm's forward pass). `build` takes only the architectures it
+knows (llama, mistral, qwen2, qwen3 with plain or quantized linear layers and full
+attention in every layer), and checks its step against the model's forward pass on a probe
+before it is used: a model it does not know, or an mlx-lm whose model no longer computes
+what this step does, keeps mlx-lm's forward pass (logged). Prefill (several tokens a row)
+always runs the model's own forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+@dataclass(frozen=True, slots=True)
+class Projection:
+    """How a layer's linear projection multiplies (its arrays are the compiled function's
+    inputs; this is the static part of the trace)."""
+
+    quantized: bool
+    bias: bool  # an added bias vector
+    scale_biases: bool = False  # quantized: affine mode's per-group biases
+    group_size: int = 0
+    bits: int = 0
+    mode: str = "affine"
+
+
+def projection(module: Any) -> tuple[Projection, list[mx.array]] | None:
+    """A linear layer's kind and arrays; None for a layer of another kind (a sharded or
+    LoRA layer, say): the model's forward pass is then the only one that knows it."""
+    bias = getattr(module, "bias", None)
+    if type(module) is nn.Linear:
+        arrays = [module.weight] + ([bias] if bias is not None else [])
+        return Projection(False, bias is not None), arrays
+    if type(module) is nn.QuantizedLinear:
+        biases = getattr(module, "biases", None)
+        arrays = [module.weight, module.scales]
+        arrays += [biases] if biases is not None else []
+        arrays += [bias] if bias is not None else []
+        kind = Projection(
+            True,
+            bias is not None,
+            biases is not None,
+            module.group_size,
+            module.bits,
+            module.mode,
+        )
+        return kind, arrays
+    return None
+
+
+def apply(x: mx.array, kind: Projection, arrays: Sequence[mx.array]) -> mx.array:
+    """`x` through a projection, as its module computes it."""
+    if not kind.quantized:
+        y = x @ arrays[0].T
+        return y + arrays[1] if kind.bias else y
+    weight, scales, *rest = arrays
+    biases = rest[0] if kind.scale_biases else None
+    y = mx.quantized_matmul(
+        x,
+        weight,
+        scales=scales,
+        biases=biases,
+        transpose=True,
+        group_size=kind.group_size,
+        bits=kind.bits,
+        mode=kind.mode,
+    )
+    return y + rest[-1] if kind.bias else y
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """What every decoder layer of the model shares: the static part of both traces."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    head_norm_eps: float | None  # qwen3's per-head query and key norms
+    projections: tuple[Projection, ...]  # q, k, v, o, gate, up, down; fused: qkv, o, gate+up, down
+    fused: bool = False
+
+
+@dataclass(slots=True)
+class Layer:
+    attend: list[mx.array]  # input norm; q, k, v arrays; head norms
+    mlp: list[mx.array]  # o arrays; post-attention norm; gate, up, down arrays
+    counts: tuple[int, ...]  # arrays per projection, in Shape.projections' order
+
+
+def _split(arrays: Sequence[mx.array], counts: Sequence[int]) -> list[list[mx.array]]:
+    out, at = [], 0
+    for n in counts:
+        out.append(list(arrays[at : at + n]))
+        at += n
+    return out
+
+
+def _fuse(
+    found: list[tuple[Projection, list[mx.array]]],
+) -> tuple[Projection, list[mx.array]] | None:
+    """Projections of the same input as one (their weights stacked by output rows)."""
+    kinds = {f[0] for f in found}
+    if len(kinds) != 1:
+        return None
+    arrays = [mx.concatenate([f[1][i] for f in found], axis=0) for i in range(len(found[0][1]))]
+    return kinds.pop(), arrays
+
+
+def _layer(block: Any, fuse: bool = False) -> tuple[Shape, Layer] | None:
+    attn, mlp = block.self_attn, block.mlp
+    modules = [
+        attn.q_proj,
+        attn.k_proj,
+        attn.v_proj,
+        attn.o_proj,
+        mlp.gate_proj,
+        mlp.up_proj,
+        mlp.down_proj,
+    ]
+    found = [projection(m) for m in modules]
+    if any(f is None for f in found):
+        return None
+    kinds = tuple(f[0] for f in found if f is not None)
+    arrays = [f[1] for f in found if f is not None]
+    norms = [block.input_layernorm, block.post_attention_layernorm]
+    head_norms = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+    if any(not isinstance(n, nn.RMSNorm) for n in norms):
+        return None
+    has_head_norms = head_norms[0] is not None or head_norms[1] is not None
+    if has_head_norms and any(not isinstance(n, nn.RMSNorm) for n in head_norms):
+        return None
+    heads = attn.n_heads
+    shape = Shape(
+        heads,
+        attn.n_kv_heads,
+        attn.q_proj.weight.shape[0] // heads,  # output rows, packed or not
+        norms[0].eps,
+        head_norms[0].eps if has_head_norms else None,
+        kinds,
+    )
+    if norms[1].eps != shape.eps:
+        return None
+    if fuse:
+        qkv = _fuse([f for f in found[:3] if f is not None])
+        gate_up = _fuse([f for f in found[4:6] if f is not None])
+        if qkv is None or gate_up is None:
+            return None
+        kinds = (qkv[0], kinds[3], gate_up[0], kinds[6])
+        shape = Shape(
+            shape.heads, shape.kv_heads, shape.head_dim, shape.eps, shape.head_norm_eps, kinds, True
+        )
+        arrays = [qkv[1], arrays[3], gate_up[1], arrays[6]]
+        attend = [norms[0].weight, *arrays[0]]
+        if has_head_norms:
+            attend += [head_norms[0].weight, head_norms[1].weight]
+        mlp_arrays = [*arrays[1], norms[1].weight, *arrays[2], *arrays[3]]
+        return shape, Layer(attend, mlp_arrays, tuple(len(a) for a in arrays))
+    attend = [norms[0].weight, *arrays[0], *arrays[1], *arrays[2]]
+    if has_head_norms:
+        attend += [head_norms[0].weight, head_norms[1].weight]
+    mlp_arrays = [*arrays[3], norms[1].weight, *arrays[4], *arrays[5], *arrays[6]]
+    return shape, Layer(attend, mlp_arrays, tuple(len(a) for a in arrays))
+
+
+class DecodeStep:
+    """`step(tokens, caches, masked)`: the logits of one decode step (rows, vocabulary)."""
+
+    def __init__(self, model: Any, shape: Shape, layers: list[Layer]) -> None:
+        self.model = model
+        self.shape = shape
+        self.layers = layers
+        inner = model.model
+        rope = inner.layers[0].self_attn.rope
+        self.scale = inner.layers[0].self_attn.scale
+        self.embed = inner.embed_tokens
+        self.norm = inner.norm
+        self.head: Callable[[mx.array], mx.array] = (
+            model.lm_head if hasattr(model, "lm_head") else inner.embed_tokens.as_linear
+        )
+        counts = layers[0].counts
+        kinds = shape.projections
+        heads, kv_heads, head_dim, eps = shape.heads, shape.kv_heads, shape.head_dim, shape.eps
+        norm_eps = shape.head_norm_eps
+
+        def attend(
+            x: mx.array, offset: mx.array, arrays: list[mx.array]
+        ) -> tuple[mx.array, mx.array, mx.array]:
+            rows = x.shape[0]
+            h = mx.fast.rms_norm(x, arrays[0], eps)
+            if shape.fused:
+                y = apply(h, kinds[0], arrays[1 : 1 + counts[0]])
+                q, k, v = mx.split(y, [heads * head_dim, (heads + kv_heads) * head_dim], axis=-1)
+            else:
+                qkv = _split(arrays[1:], counts[:3])
+                q, k, v = (apply(h, kinds[i], qkv[i]) for i in range(3))
+            q = q.reshape(rows, heads, 1, head_dim)
+            k = k.reshape(rows, kv_heads, 1, head_dim)
+            v = v.reshape(rows, kv_heads, 1, head_dim)
+            if norm_eps is not None:
+                q = mx.fast.rms_norm(q, arrays[-2], norm_eps)
+                k = mx.fast.rms_norm(k, arrays[-1], norm_eps)
+            return rope(q, offset=offset), rope(k, offset=offset), v
+
+        def finish(x: mx.array, out: mx.array, arrays: list[mx.array]) -> mx.array:
+            rows = x.shape[0]
+            o_at = 1 if shape.fused else 3
+            o_count = counts[o_at]
+            o, norm, rest = arrays[:o_count], arrays[o_count], arrays[o_count + 1 :]
+            h = x + apply(out.reshape(rows, 1, heads * head_dim), kinds[o_at], o)
+            m = mx.fast.rms_norm(h, norm, eps)
+            if shape.fused:
+                gate_up, down = _split(rest, counts[2:])
+                g, u = mx.split(apply(m, kinds[2], gate_up), 2, axis=-1)
+                a = nn.silu(g) * u
+                return h + apply(a, kinds[3], down)
+            gate, up, down = _split(rest, counts[4:])
+            a = nn.silu(apply(m, kinds[4], gate)) * apply(m, kinds[5], up)
+            return h + apply(a, kinds[6], down)
+
+        self._attend = mx.compile(attend)
+        self._finish = mx.compile(finish)
+
+    def __call__(self, tokens: mx.array, caches: Sequence[Any], masked: bool) -> mx.array:
+        """Logits of one step: `tokens` (rows,) are each row's next input; `caches` the
+        model's layer caches (BatchKVCache, or KVCache for one row); `masked`: some row is
+        padded (mlx-lm's mask for the cache, else none, as MLX's fused kernel wants)."""
+        x = self.embed(tokens[:, None])
+        mask = create_attention_mask(x, caches[0]) if masked else None
+        offset = caches[0].offset
+        if not isinstance(offset, mx.array):
+            offset = mx.array(offset)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            q, k, v = self._attend(x, offset, layer.attend)
+            k, v = cache.update_and_fetch(k, v)
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+            x = self._finish(x, out, layer.mlp)
+        return self.head(self.norm(x))[:, -1, :]
+
+
+def build(model: Any, fuse: bool = False) -> DecodeStep | None:
+    """The model's decode step, or None (and why, logged) where it keeps mlx-lm's. With
+    `fuse`, each layer's Q, K and V projections are one matrix, and so are its gate and up
+    projections: fewer, larger multiplications, for copies of those weights (a benchmark's
+    variant: the model keeps its own)."""
+    reason = _unsupported(model)
+    if reason is None:
+        found = [_layer(block, fuse) for block in model.model.layers]
+        if any(f is None for f in found):
+            reason = "a decoder layer of a kind the step does not know"
+        else:
+            shapes = {f[0] for f in found if f is not None}
+            if len(shapes) != 1:
+                reason = "decoder layers of different shapes"
+    if reason is not None:
+        log.info("decode step: mlx-lm's forward pass (%s)", reason)
+        return None
+    step = DecodeStep(model, shapes.pop(), [f[1] for f in found if f is not None])
+    if not probe(model, step):
+        log.warning(
+            "decode step: mlx-lm's forward pass (the compiled step's logits differ from the "
+            "model's on a probe: this mlx-lm's model computes something else)"
+        )
+        return None
+    return step
+
+
+def _unsupported(model: Any) -> str | None:
+    model_type = getattr(model, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        return f"model type {model_type!r}"
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not layers:
+        return "no decoder layers where mlx-lm keeps them"
+    if any(getattr(block, "use_sliding", False) for block in layers):
+        return "sliding-window layers"
+    for name in ("embed_tokens", "norm"):
+        if not hasattr(inner, name):
+            return f"no {name}"
+    if not isinstance(inner.norm, nn.RMSNorm):
+        return "a final norm of another kind"
+    # One trace serves every layer with the first layer's RoPE: mlx-lm builds each layer's
+    # from the same settings (the probe checks that they compute the same).
+    ropes = {type(getattr(b.self_attn, "rope", None)) for b in layers}
+    if len(ropes) != 1 or type(None) in ropes:
+        return "layers with rotary embeddings of different kinds"
+    return None
+
+
+def probe(model: Any, step: DecodeStep, rows: int = 2) -> bool:
+    """Whether the step's logits match the model's for a few steps after a short prefill."""
+    vocab = step.embed.weight.shape[0] if hasattr(step.embed, "weight") else 2
+    prompt = mx.arange(1, 6).reshape(1, -1) % vocab
+    mine = [KVCache() for _ in model.model.layers]
+    theirs = [KVCache() for _ in model.model.layers]
+    model(prompt, cache=mine)
+    model(prompt, cache=theirs)
+    token = mx.array([3 % vocab])
+    for _ in range(3):
+        want = model(token[:, None], cache=theirs)[:, -1, :].astype(mx.float32)
+        got = step(token, mine, masked=False).astype(mx.float32)
+        if want.shape != got.shape or not mx.allclose(got, want, rtol=2e-2, atol=2e-2).item():
+            return False
+        token = mx.argmax(want, axis=-1)
+    return True
