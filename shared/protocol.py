@@ -17,7 +17,7 @@ import msgspec
 
 from shared.types import CanonicalRequest, RequestKind, RequestOutput, SamplingParams
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 
 class WorkerState(enum.StrEnum):
@@ -44,6 +44,9 @@ class Add(_Frame, tag="add"):
     # Scheduling class: INTERACTIVE first; BATCH requests wait while interactive ones do and
     # hold at most `engine.batch_share` of the running batch (see worker/daemon.py).
     priority: int = 0
+    # A worker on another machine: the session (its Hello's) it was sent to. One still in
+    # flight when the worker joined again is dropped there: the gateway sends it again.
+    session: int = 0
 
 
 class Abort(_Frame, tag="abort"):
@@ -90,6 +93,11 @@ class Hello(_Frame, tag="hello"):
     protocol_version: int
     pid: int
     model: str
+    # A worker on another machine counts its joins: each Hello after a dropped connection
+    # or a Rejoin starts a new session, and its StepOutputs carry the session they belong
+    # to, so that tokens of requests it dropped, still in flight, are never taken for
+    # tokens of the requests sent to it since.
+    session: int = 0
 
 
 class Capacity(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -116,6 +124,7 @@ class StepOutputs(_Frame, tag="step"):
     worker_id: str
     step: int
     outputs: list[RequestOutput]
+    session: int = 0  # the Hello's whose requests these are
 
 
 class PrefixCacheStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -22,6 +22,7 @@ class RemoteWorker:
         once: bool = True,
         env: dict[str, str] | None = None,
         gateway_key: str | None = None,
+        address: str | None = None,  # where it dials (default: the gateway's worker port)
     ) -> None:
         self.name = name
         self.home = gw.run_dir / f"host-{name}"
@@ -35,7 +36,8 @@ class RemoteWorker:
         if allow:
             gw.ctl("workers", "add", name, self.public_key)
         key = gateway_key or gw.ctl("workers", "key").stdout.strip()
-        args = ["--gateway", gw.workers_address, "--gateway-key", key, "--model", model["name"]]
+        where = address or gw.workers_address
+        args = ["--gateway", where, "--gateway-key", key, "--model", model["name"]]
         args += ["--id", f"{model['name']}@{name}"]
         self.log = open(self.home / "worker.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(

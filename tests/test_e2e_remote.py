@@ -1,7 +1,8 @@
 """Workers on other machines, through real processes over TCP loopback: `gatewayctl worker`
 dialing in with CURVE, its key allowed with `gatewayctl workers add`; refused keys, plain
 TCP and other weights served nothing; two replicas sharing load, a conversation kept on
-one, and a replica killed under load (its unstarted requests go to the other)."""
+one, a replica killed under load (its unstarted requests go to the other), and a link that
+drops under load (every request gets one whole answer or one error)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import zmq
 from shared.protocol import PROTOCOL_VERSION, Hello
 from tests.gateway_proc import GatewayProc, free_port, openai_client, running_gateway, wait_for
 from tests.remote_workers import RemoteWorker, kill9, replicas
+from tests.tcp_relay import relay_to
 
 SYSTEM = "You are the assistant of a small team. Keep answers short and name your sources."
 
@@ -188,16 +190,21 @@ def test_a_removed_key_is_dropped(
 # ---- a replica killed under load ------------------------------------------------------
 
 
-def stream_until_started(client: openai.OpenAI, content: str) -> Any:
-    """A long streamed request and its first chunk with text (it has started)."""
-    stream = client.chat.completions.create(
+def long_stream(client: openai.OpenAI, content: str, max_tokens: int = 1500) -> Any:
+    """A streamed greedy request that runs `max_tokens` tokens."""
+    return client.chat.completions.create(
         model="chat",
         messages=[{"role": "user", "content": content}],
-        max_tokens=1500,
+        max_tokens=max_tokens,
         temperature=0,
         stream=True,
         extra_body={"ignore_eos": True},
     )
+
+
+def stream_until_started(client: openai.OpenAI, content: str) -> Any:
+    """A long streamed request and its first chunk with text (it has started)."""
+    stream = long_stream(client, content)
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             return stream
@@ -282,7 +289,7 @@ def test_a_worker_rejoins_a_restarted_gateway(chat_model: Path) -> None:
         wait_ready_replicas(second, ["chat@steady"], timeout=60)
         reply = ask(openai_client(second), [{"role": "user", "content": "Still there?"}])
         assert reply.usage.completion_tokens > 0
-        assert "asks this worker to rejoin" in worker.logs()
+        assert "joins the gateway again" in worker.logs()
         assert worker.proc.poll() is None  # the same run all along
     finally:
         if worker is not None:
@@ -290,3 +297,61 @@ def test_a_worker_rejoins_a_restarted_gateway(chat_model: Path) -> None:
         if second is not None:
             second.stop()
         first.stop()
+
+
+def whole_or_error(client: openai.OpenAI, content: str) -> tuple[str, str]:
+    """A streamed greedy answer: ("text", all of it) or ("error", the message)."""
+    try:
+        stream = long_stream(client, content, 600)
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        return "text", text
+    except openai.APIError as exc:
+        return "error", str(exc)
+
+
+@pytest.mark.parametrize(
+    "which",
+    [
+        pytest.param(None, id="every-connection"),
+        # its output connections only (dialed after its requests socket's): the gateway can
+        # still reach it, and only the worker knows tokens were lost
+        pytest.param(slice(1, None), id="outputs-only"),
+    ],
+)
+def test_a_dropped_link_loses_no_request_and_mixes_none(
+    chat_model: Path, which: slice | None
+) -> None:
+    listen = f"127.0.0.1:{free_port()}"
+    with (
+        running_gateway(gateway_models(chat_model), workers_listen=listen) as gw,
+        relay_to(gw.workers_address) as relay,
+    ):
+        entry = chat_model_entry(chat_model, max_running=4)
+        worker = RemoteWorker(gw, "flaky", entry, address=relay.address)
+        try:
+            wait_ready_replicas(gw, ["chat@flaky"])
+            client = openai_client(gw, timeout=120)
+            prompts = [f"Tell story number {i}." for i in range(6)]
+            with concurrent.futures.ThreadPoolExecutor(6) as pool:
+                futures = [pool.submit(whole_or_error, client, p) for p in prompts]
+                wait_for(lambda: gw.ps()["chat"]["in_flight"] == 6, 60, "all in flight")
+                cut = relay.cut(which)
+                assert cut == (3 if which is None else 2)
+                outcomes = [f.result(timeout=120) for f in futures]
+            # it dialed in again through the relay and joined again
+            wait_ready_replicas(gw, ["chat@flaky"], timeout=60)
+            assert relay.accepted >= 3 + cut
+            # every answer that came whole is the answer: no token lost, none twice, none
+            # from a request the worker dropped
+            for prompt, (kind, text) in zip(prompts, outcomes, strict=True):
+                if kind == "text":
+                    assert whole_or_error(client, prompt) == ("text", text)
+            errors = [message for kind, message in outcomes if kind == "error"]
+            assert errors, outcomes  # those running when the link dropped
+            for message in errors:
+                assert "was lost" in message, message
+            if which is not None:  # only the worker could tell
+                assert "dropped" in worker.logs() and "joins the gateway again" in worker.logs()
+            assert whole_or_error(client, "And now?")[0] == "text"
+        finally:
+            worker.stop()

@@ -380,8 +380,8 @@ def test_bad_frames_to_a_real_worker_are_dropped(chat_model: Path, wire_root: Pa
         # field appended, which this worker does not know and passes over)
         gateway.send(worker_id, codec.encode(chat_add("wire-1")))
         now = codec.encode(chat_add("wire-2"))
-        assert now[0] == 0x96  # an array of six: the tag and Add's five fields
-        gateway.send(worker_id, bytes([0x97]) + now[1:] + pack("a later field"))
+        assert now[0] == 0x97  # an array of seven: the tag and Add's six fields
+        gateway.send(worker_id, bytes([0x98]) + now[1:] + pack("a later field"))
         finished = finish(gateway, worker_id, {"wire-1", "wire-2"}, time.monotonic() + 30)
         for output in finished.values():
             assert output.finish_reason is FinishReason.LENGTH and output.error is None

@@ -30,8 +30,12 @@ class WorkerChannels:
     requests: zmq.Socket[bytes]  # DEALER, identity = worker id; owned by the input thread
     outputs: zmq.Socket[bytes]  # PUSH; owned by the output thread (heartbeats, replies)
     steps: zmq.Socket[bytes]  # PUSH; owned by the engine thread (StepOutputs, no thread hop)
-    # a remote worker's requests socket's handshake events (ZeroMQ's monitor; link thread)
+    # a remote worker's requests socket's handshake and disconnect events (ZeroMQ's
+    # monitor; link thread)
     events: zmq.Socket[bytes] | None = None
+    # its output sockets' disconnect events: frames in flight on a connection that drops
+    # are lost without a word (link thread)
+    drops: tuple[zmq.Socket[bytes], ...] = ()
 
     @classmethod
     def connect(cls, worker_id: str, requests_addr: str, outputs_addr: str) -> WorkerChannels:
@@ -69,15 +73,20 @@ class WorkerChannels:
             | zmq.EVENT_HANDSHAKE_FAILED_AUTH
             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_DISCONNECTED
         )
+        drops = tuple(s.get_monitor_socket(zmq.EVENT_DISCONNECTED) for s in (outputs, steps))
         for sock in (requests, outputs, steps):
             sock.connect(link.endpoint)
-        return cls(context, requests, outputs, steps, events)
+        return cls(context, requests, outputs, steps, events, drops)
 
     def close(self) -> None:
         if self.events is not None:
             self.requests.disable_monitor()
             self.events.close()
+        for sock, monitor in zip((self.outputs, self.steps), self.drops, strict=False):
+            sock.disable_monitor()
+            monitor.close()
         self.requests.close()
         self.outputs.close()
         self.steps.close()

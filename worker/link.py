@@ -1,11 +1,19 @@
 """A remote worker's link to its gateway: waiting for the CURVE handshake before loading the
-model, and leaving at once, saying why, when the gateway refuses this worker's key.
+model, leaving at once, saying why, when the gateway refuses this worker's key, and noticing
+when one of its connections drops.
 
 The gateway refuses an unknown key during the handshake, and ZeroMQ does not dial again
 after that: the worker exits with REFUSED_KEY (`gatewayctl worker` tries again a while
 later, so a key allowed meanwhile gets in). A Refuse frame (another model, other weights,
 another protocol) ends it with REFUSED. A failed handshake of another kind (a wrong gateway
 key) is logged, and ZeroMQ dials again.
+
+ZeroMQ dials a dropped connection again by itself, but the frames that were in flight on it
+(requests to the worker, tokens from it) are gone without a word. So a drop of any of the
+worker's three connections once it has joined sets `dropped`: the worker then gives up
+what it was running and joins again (Hello, Ready), and the gateway, seeing a Hello from a
+worker it knew, ends that worker's started requests with one error and sends the others
+elsewhere: a request is never left waiting for a frame that was lost.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -21,6 +30,7 @@ from zmq.utils.monitor import recv_monitor_message
 log = logging.getLogger("worker.link")
 
 REFUSED_KEY = 77  # exit status: the gateway does not allow this worker's key
+REJOIN_COALESCE_S = 1.0  # reasons to join again that come together are answered once
 REFUSED = 78  # exit status: the gateway refused this worker (the log says why)
 WAIT_LOG_S = 30.0
 
@@ -32,12 +42,46 @@ def leave(code: int, message: str) -> None:
     os._exit(code)
 
 
+@dataclass(frozen=True, slots=True)
+class Rejoined:
+    """To the engine thread: the worker said Hello again, starting this session."""
+
+    session: int
+
+
+class Joins:
+    """A remote worker's sessions, counted by its input thread: each Hello after the first
+    starts one (the gateway keeps the requests of one session apart from the next's)."""
+
+    def __init__(self) -> None:
+        self.said = 0  # the session of the last Hello
+        self._at = -REJOIN_COALESCE_S
+
+    def again(self, why: str) -> int | None:
+        """The new session, or None if one started just now (the same event, twice)."""
+        now = time.monotonic()
+        if now - self._at < REJOIN_COALESCE_S:
+            return None
+        self._at = now
+        log.warning("this worker joins the gateway again (%s)", why)
+        self.said += 1
+        return self.said
+
+
 class LinkWatch:
-    def __init__(self, events: zmq.Socket[bytes], endpoint: str, public_key: str) -> None:
+    def __init__(
+        self,
+        events: zmq.Socket[bytes],
+        endpoint: str,
+        public_key: str,
+        drops: tuple[zmq.Socket[bytes], ...] = (),
+    ) -> None:
         self.events = events
+        self.drops = drops
         self.endpoint = endpoint
         self.public_key = public_key
         self.connected = threading.Event()
+        self.dropped = threading.Event()  # a connection dropped since the worker last joined
         self.stopping = threading.Event()
         self._warned = -WAIT_LOG_S
         self.thread = threading.Thread(target=self._run, name="link", daemon=True)
@@ -52,27 +96,46 @@ class LinkWatch:
         log.info("connected to the gateway at %s", self.endpoint)
 
     def _run(self) -> None:
+        poller = zmq.Poller()
+        for sock in (self.events, *self.drops):
+            poller.register(sock, zmq.POLLIN)
         while not self.stopping.is_set():
             try:
-                if not self.events.poll(200):
-                    continue
-                event = recv_monitor_message(self.events)
+                ready = dict(poller.poll(200))
             except zmq.ZMQError:
                 return
-            kind = event["event"]
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.connected.set()
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                leave(
-                    REFUSED_KEY,
-                    f"the gateway at {self.endpoint} refused this worker's key; on the "
-                    f"gateway's machine: gatewayctl workers add NAME {self.public_key}",
-                )
-            elif time.monotonic() - self._warned >= WAIT_LOG_S:
-                # a wrong gateway key, or no CURVE peer there; ZeroMQ dials again
-                self._warned = time.monotonic()
+            for sock in (self.events, *self.drops):
+                if sock not in ready:
+                    continue
+                try:
+                    event = recv_monitor_message(sock)
+                except zmq.ZMQError:
+                    return
+                self._on(event["event"])
+
+    def _on(self, kind: int) -> None:
+        if kind == zmq.EVENT_DISCONNECTED:
+            if self.connected.is_set() and not self.dropped.is_set():
                 log.warning(
-                    "the handshake with %s failed: is the gateway key right "
-                    "(`gatewayctl workers key` on the gateway's machine)?",
+                    "a connection to the gateway at %s dropped: frames in flight on it are "
+                    "lost, so this worker drops its requests and joins again",
                     self.endpoint,
                 )
+                self.dropped.set()
+            return
+        if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.connected.set()
+        elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            leave(
+                REFUSED_KEY,
+                f"the gateway at {self.endpoint} refused this worker's key; on the "
+                f"gateway's machine: gatewayctl workers add NAME {self.public_key}",
+            )
+        elif time.monotonic() - self._warned >= WAIT_LOG_S:
+            # a wrong gateway key, or no CURVE peer there; ZeroMQ dials again
+            self._warned = time.monotonic()
+            log.warning(
+                "the handshake with %s failed: is the gateway key right "
+                "(`gatewayctl workers key` on the gateway's machine)?",
+                self.endpoint,
+            )

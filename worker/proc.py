@@ -44,7 +44,7 @@ from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput
 from worker.calls import answer
 from worker.channels import RemoteLink, WorkerChannels
 from worker.faults import Faults
-from worker.link import REFUSED, LinkWatch, leave
+from worker.link import REFUSED, Joins, LinkWatch, Rejoined, leave
 from worker.loader import resolve_source
 from worker.lockstep import Lockstep, Turn
 from worker.memory import IdleRelease, MemoryLimits, own_memory
@@ -54,7 +54,8 @@ from worker.preprocess import PreparedRequest, PreprocessError
 log = logging.getLogger("worker")
 
 HEARTBEAT_S = 1.0
-REJOIN_COALESCE_S = 1.0  # Rejoins queued together are answered once
+
+
 _STOP = object()
 
 
@@ -80,14 +81,15 @@ class WorkerProc:
         else:
             self.channels = WorkerChannels.dial(args.worker_id, link)
         self.link_watch = (
-            LinkWatch(self.channels.events, link.endpoint, link.public_key)
+            LinkWatch(self.channels.events, link.endpoint, link.public_key, self.channels.drops)
             if link is not None and self.channels.events is not None
             else None
         )
         self.ready: Ready | None = None  # said again when the gateway asks it to rejoin
         self.lockstep: Lockstep | None = None  # rank 0 of a sharded model's group
         self.preprocess: Any = None
-        self.rejoined_at = -REJOIN_COALESCE_S
+        self.joins = Joins()  # a worker on another machine: its sessions (input thread)
+        self.session = 0  # the session of the requests the engine runs (engine thread)
         self.inputs: queue.Queue[object] = queue.Queue()
         self.outbox: queue.Queue[object] = queue.Queue()
         self.state = WorkerState.STARTING
@@ -160,7 +162,8 @@ class WorkerProc:
             self._close()
 
     def _hello(self) -> Hello:
-        return Hello(self.worker_id, PROTOCOL_VERSION, os.getpid(), self.args.model.name)
+        model = self.args.model.name
+        return Hello(self.worker_id, PROTOCOL_VERSION, os.getpid(), model, self.joins.said)
 
     def _close(self) -> None:
         """Sockets close only once the threads that own them are done (ZeroMQ sockets are
@@ -268,7 +271,7 @@ class WorkerProc:
             return self.engine.abort(item.request_ids)
         if isinstance(item, Shutdown):
             return self._shutdown(item)
-        if isinstance(item, Rejoin):
+        if isinstance(item, Rejoined):
             return self._rejoin(item)
         failed = self._add(item)  # a prepared request of the model's kind
         return [failed] if failed is not None else []
@@ -307,15 +310,24 @@ class WorkerProc:
         else:
             self.channels.requests.send(self.codec.encode(self._hello()))
 
-    def _rejoin(self, frame: Rejoin) -> list[RequestOutput]:
-        """The gateway does not know this worker (it restarted, or took it for lost): what
-        runs here is nobody's now; Ready again (the input thread said Hello)."""
+    def _rejoin(self, item: Rejoined) -> list[RequestOutput]:
+        """The worker joined again (the input thread said Hello and Ready): what ran here is
+        nobody's now, and nobody waits for its end; later outputs are the new session's."""
         assert self.engine is not None
-        log.warning("the gateway asks this worker to rejoin (%s)", frame.reason)
-        dropped = self.engine.abort(self.engine.request_ids())
-        if self.ready is not None:
-            self._send(self.ready)
-        return dropped
+        self.engine.abort(self.engine.request_ids())
+        self.session = item.session
+        return []
+
+    def _join_again(self, sock: zmq.Socket[bytes], codec: Codec, why: str) -> None:
+        """Input thread: Hello and Ready again in a new session, on the requests socket (one
+        connection: in that order), then the engine drops what it ran. Requests that arrive
+        after are queued behind that."""
+        session = self.joins.again(why)
+        if session is not None:
+            sock.send(codec.encode(self._hello()))
+            if self.ready is not None:
+                sock.send(codec.encode(self.ready))
+            self.inputs.put(Rejoined(session))
 
     def _drained(self) -> bool:
         if self.draining_until is None or self.engine is None:
@@ -340,7 +352,11 @@ class WorkerProc:
     def _input_loop(self, preprocess: Any) -> None:
         codec = Codec()
         sock = self.channels.requests
+        link = self.link_watch
         while not self.stopping.is_set():
+            if link is not None and link.dropped.is_set():
+                link.dropped.clear()
+                self._join_again(sock, codec, "a connection to it dropped")
             try:
                 if not sock.poll(200):
                     continue
@@ -357,16 +373,15 @@ class WorkerProc:
             item: object | None = frame
             if isinstance(frame, Refuse):
                 leave(REFUSED, f"the gateway refused this worker: {frame.reason}")
-            if isinstance(frame, Rejoin):  # Hello now, on this socket; Ready from the engine
-                now = time.monotonic()
-                if now - self.rejoined_at < REJOIN_COALESCE_S:
-                    continue  # one queued with it: answered already
-                self.rejoined_at = now
-                sock.send(codec.encode(self._hello()))
+            if isinstance(frame, Rejoin):
+                self._join_again(sock, codec, f"it asks this worker to rejoin: {frame.reason}")
+                continue
             if self.lockstep is not None and isinstance(frame, Add | Abort | Shutdown):
                 item = raw  # prepared on the engine thread, with the other ranks
             elif isinstance(frame, Add):
-                item = self._accept(frame, preprocess)
+                # sent before this worker joined again: the gateway sends it again
+                stale = frame.session != self.joins.said
+                item = None if stale else self._accept(frame, preprocess)
             elif isinstance(frame, Control):
                 self._send(answer(self.worker_id, self.engine, frame, preprocess))
                 item = None
@@ -405,7 +420,7 @@ class WorkerProc:
             log.exception("preparing request %s failed", frame.request_id)
             error = RequestError(ErrorCode.INTERNAL, f"preparing the request failed: {exc}")
         out = RequestOutput(frame.request_id, finish_reason=FinishReason.ERROR, error=error)
-        self._send(StepOutputs(self.worker_id, -1, [out]))
+        self._send(StepOutputs(self.worker_id, -1, [out], self.joins.said))
         return None
 
     # ---- output thread ----------------------------------------------------------------
@@ -414,7 +429,7 @@ class WorkerProc:
         """Engine thread only: deltas go straight out on its own socket, no thread hop."""
         assert self.engine is not None
         self.channels.steps.send(
-            self.codec.encode(StepOutputs(self.worker_id, self.engine.steps, outputs))
+            self.codec.encode(StepOutputs(self.worker_id, self.engine.steps, outputs, self.session))
         )
         if log.isEnabledFor(logging.DEBUG):
             for o in outputs:

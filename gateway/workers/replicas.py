@@ -155,7 +155,10 @@ class Replicas:
             if self.by_id.get(old.worker_id) is old:
                 del self.by_id[old.worker_id]
         handle = WorkerHandle(
-            slot.config, worker_id, None, remote=RemotePeer(record.name, key, peer, frame.pid)
+            slot.config,
+            worker_id,
+            None,
+            remote=RemotePeer(record.name, key, peer, frame.pid, frame.session),
         )
         slot.remotes.append(handle)
         self.by_id[worker_id] = handle

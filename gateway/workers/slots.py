@@ -37,6 +37,7 @@ class RemotePeer:
     public_key: str
     address: str  # its IP address as the gateway's socket saw it
     pid: int  # on its own machine
+    session: int = 0  # its Hello's: step outputs of another session are of dropped requests
 
 
 @dataclass(slots=True, eq=False)
@@ -189,7 +190,10 @@ def lease(transport: Transport, handle: WorkerHandle, stream: RequestStream) -> 
     stream.worker_id = handle.worker_id
     handle.streams[stream.request_id] = stream
     try:
-        if transport.send(handle.worker_id, stream.next_add()):
+        add = stream.next_add()
+        if handle.remote is not None and handle.remote.session:
+            add = msgspec.structs.replace(add, session=handle.remote.session)
+        if transport.send(handle.worker_id, add):
             handle.requests += 1
             return True
     except (OverflowError, TypeError, ValueError) as exc:  # unencodable: never leak it
@@ -336,4 +340,6 @@ def replica_row(handle: WorkerHandle) -> dict[str, object]:
         "cache_hit_tokens": cache.hit_tokens if cache is not None else None,
         "error": handle.error if handle.lost else None,
         "ranks": [handle.pid, *(p.pid for p in handle.ranks)] if handle.ranks else None,
+        # a group over several machines: each rank's (over ssh, `ranks` has its ssh client)
+        "rank_hosts": list(handle.config.hosts.ranks) if handle.ranks else None,
     }
