@@ -1,6 +1,7 @@
 """Sharded-model benchmark: time per output token of a model served by one worker process
-and by ``--shards`` processes in one mlx.distributed group (tensor parallel, the ring
-backend on loopback), through the gateway, at concurrency 1 (one person, one agent) and
+and by ``--shards`` processes in one mlx.distributed group (tensor parallel, or with
+``--sharding pipeline`` each rank its own layers; the ring backend on loopback), through the
+gateway, at concurrency 1 (one person, one agent) and
 ``--concurrency``.
 
 One gateway serves ``--model`` twice (as ``single`` and as ``sharded``); the two are measured
@@ -9,6 +10,7 @@ Per level: inter-token latency p50 (ms per token after the first) and output tok
 over the repeats, and the ratio sharded / single. Run from the repository root::
 
     python -m benchmarks.sharded --model /tmp/bench-llama --shards 2 --repeats 3
+    python -m benchmarks.sharded --model /tmp/bench-qwen2 --sharding pipeline
 
 All traffic goes to 127.0.0.1; every loop is bounded in count and time.
 """
@@ -35,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="model dir")
     p.add_argument("--shards", type=int, default=2)
+    p.add_argument("--sharding", choices=("tensor", "pipeline"), default="tensor")
     p.add_argument("--concurrency", type=int, default=8, help="the second level")
     p.add_argument("--requests", type=int, default=8, help="per level run at c = 1")
     p.add_argument("--prompt-tokens", type=int, default=128)
@@ -46,7 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def write_config(path: Path, run_dir: Path, model: str, shards: int) -> Path:
+def write_config(
+    path: Path, run_dir: Path, model: str, shards: int, sharding: str = "tensor"
+) -> Path:
     lines = [
         "[server]",
         f'run_dir = "{run_dir}"',
@@ -55,6 +60,7 @@ def write_config(path: Path, run_dir: Path, model: str, shards: int) -> Path:
     ]
     for name, n in zip(NAMES, (1, shards), strict=True):
         lines += ["", "[[models]]", f'name = "{name}"', f'source = "{model}"', f"shards = {n}"]
+        lines += [f'sharding = "{sharding}"'] if n > 1 else []
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -72,7 +78,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {name: {} for name in NAMES}
     with tempfile.TemporaryDirectory(prefix="sharded") as tmp:
         config = write_config(
-            Path(tmp) / "gateway.toml", _launch.gateway_run_dir(), args.model, args.shards
+            Path(tmp) / "gateway.toml",
+            _launch.gateway_run_dir(),
+            args.model,
+            args.shards,
+            args.sharding,
         )
         env = _launch.child_env(_launch.resolve_blas("auto"))
         fields = {"python": sys.executable, "config": str(config)}

@@ -14,10 +14,10 @@ from typing import Literal
 
 import msgspec
 
+from shared.sharding import Hosts, check_group
 from shared.types import reserved_template_kwarg
 
 DEMO_SOURCE = "builtin:demo"
-MAX_SHARDS = 16  # worker processes of one sharded model, all on the gateway's machine
 # the embedded default's random-weight models of the other kinds (generated on first use)
 VISION_DEMO_SOURCE = "builtin:demo-vision"
 STT_DEMO_SOURCE = "builtin:demo-stt"
@@ -116,12 +116,12 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # clients), at most as long as a small group waits. 0: it starts at once. Experimental:
     # docs/benchmarks.md has what it was measured at.
     join_settle_steps: int = 0
-    # Rows batch only: how a decode step runs the model. "compiled": the project's own step
-    # for Llama-family models (worker/backends/decode_step.py: compiled layers over the
-    # model's own weights, the same tokens; other models keep mlx-lm's forward pass),
-    # "model": mlx-lm's forward pass, "auto": compiled where it was measured faster
-    # (docs/benchmarks.md).
-    decode_step: Literal["auto", "compiled", "model"] = "auto"
+    # Rows batch only: how a decode step runs the model. "model": mlx-lm's forward pass.
+    # "compiled": the project's own one-token step for Llama-family models (llama, mistral,
+    # qwen2, qwen3; worker/backends/decode_step.py: compiled layers over the model's own
+    # weights, the same tokens; other models keep mlx-lm's forward pass). Experimental: the
+    # default until it is measured faster on GPUs (docs/benchmarks.md).
+    decode_step: Literal["model", "compiled"] = "model"
     # The model's tool-call format: the name of one of mlx-lm's tool parsers
     # (mlx_lm/tool_parsers: json_tools, qwen3_coder, mistral, pythonic, glm47, ...).
     # Default: the one mlx-lm infers from the model's chat template, if any.
@@ -164,10 +164,16 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     # it: the gateway never loads it here).
     placement: Literal["local", "remote"] = "local"
     # Served by this many worker processes in one mlx.distributed group (the ring backend,
-    # over loopback), the model tensor-parallel over them (mlx-lm's shard(): each layer's
-    # matrices split; heads, key-value heads and the MLP size must divide by shards). Text
-    # models of the families mlx-lm shards (Llama, Qwen2/3, DeepSeek, ...).
+    # over loopback, or over several machines with [models.hosts]), the model
+    # tensor-parallel over them (mlx-lm's shard(): each layer's matrices split; heads,
+    # key-value heads and the MLP size must divide by shards). Text models of the families
+    # mlx-lm shards (Llama, Qwen2/3, DeepSeek, ...).
     shards: int = 1
+    # How it is split: "tensor" (every layer's matrices over the ranks: an all_sum per layer
+    # and a step) or "pipeline" (each rank its own run of layers, activations passed on: one
+    # hop per rank and a step; mlx-lm's pipeline models: Qwen2, DeepSeek, GLM, ...).
+    sharding: Literal["tensor", "pipeline"] = "tensor"
+    hosts: Hosts = msgspec.field(default_factory=Hosts)  # shared/sharding.py
     engine: EngineOptions = msgspec.field(default_factory=EngineOptions)
 
     @property
@@ -402,6 +408,11 @@ def _validate(config: Config) -> None:
             raise ConfigError(
                 f"model {model.name!r}: engine.join_settle_steps must not be negative"
             )
+        if opts.decode_step == "compiled" and opts.batcher == "mlx_lm":
+            raise ConfigError(
+                f"model {model.name!r}: engine.decode_step = 'compiled' runs in the rows "
+                "batch; BatchGenerator (batcher = 'mlx_lm') steps with mlx-lm's forward pass"
+            )
         if opts.join_settle_steps and opts.batcher == "mlx_lm":
             raise ConfigError(
                 f"model {model.name!r}: engine.join_settle_steps applies to the rows batch "
@@ -424,17 +435,14 @@ def _validate(config: Config) -> None:
             )
         if model.memory_gb is not None and model.memory_gb <= 0:
             raise ConfigError(f"model {model.name!r}: memory_gb must be positive")
-        if not 1 <= model.shards <= MAX_SHARDS:
-            raise ConfigError(
-                f"model {model.name!r}: shards must be between 1 and {MAX_SHARDS} (processes "
-                "on this machine)"
-            )
-        if model.shards > 1 and model.placement == "remote":
-            raise ConfigError(
-                f'model {model.name!r}: a sharded model runs on this machine (placement = "local")'
-            )
-        if model.shards > 1 and model.kind not in (None, ModelKind.LLM):
-            raise ConfigError(f"model {model.name!r}: only text models (kind llm) are sharded")
+        problem = check_group(
+            model.shards,
+            model.hosts,
+            model.placement == "remote",
+            model.kind not in (None, ModelKind.LLM),
+        )
+        if problem is not None:
+            raise ConfigError(f"model {model.name!r}: {problem}")
     parse_duration(config.server.default_ttl, "server.default_ttl")
     parse_duration(config.server.responses_ttl, "server.responses_ttl")
     server = config.server

@@ -1,13 +1,52 @@
 """How a sharded model's ranks find each other: the variables MLX's ring backend reads (the
-ones mlx.launch sets), set by the gateway's supervisor for each rank it starts."""
+ones mlx.launch sets), set by the gateway's supervisor for each rank it starts; and, for a
+group over several machines, where each rank runs and the ssh command that starts it there.
+
+A rank on another machine is started through `ssh -tt`: the remote process then has a
+terminal, and when the gateway ends the ssh client (the group stops, or a rank died) the
+remote side hangs up and the rank exits with it: no rank outlives its group.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
 import os
+import re
+import shlex
+import socket
+
+import msgspec
 
 RANK_ENV = "MLX_RANK"  # this process's rank in the group
 HOSTFILE_ENV = "MLX_HOSTFILE"  # a JSON file: one list of "ip:port" per rank, each its own
+MAX_SHARDS = 16  # worker processes of one sharded model
+RING_PORT = 32323
+# what a rank on another machine takes from the gateway's environment (the project's own
+# switches: fault injection, step traces); the rest is that machine's
+PASSED_ENV_PREFIX = "MLX_GATEWAY_"
+# set for a rank whose host file is a temporary file of its machine: removed once read
+TEMP_HOSTFILE_ENV = "MLX_GATEWAY_TEMP_HOSTFILE"
+_USER = re.compile(r"[A-Za-z0-9._][A-Za-z0-9._-]*")
+
+
+class Hosts(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """Where a sharded model's ranks run ([models.hosts]); no `ranks`: all on this machine,
+    over loopback."""
+
+    # "[user@]IPv4 address" of each rank's machine, in rank order. Rank 0, the one that
+    # talks to the gateway, runs here: its entry is an address of this machine (the one the
+    # others reach it at), without a user. The others are started over ssh, unless their
+    # entry is an address of this machine without a user.
+    ranks: list[str] = []
+    # The ring backend's ports: rank r listens on ring_port + r at its address.
+    ring_port: int = RING_PORT
+    # The ssh command and its options (key, port, ...); the target and the command follow.
+    ssh: list[str] = msgspec.field(default_factory=lambda: ["ssh", "-o", "BatchMode=yes"])
+    # The Python that has mlx-gateway installed on the other machines; default: the
+    # gateway's own path (the same install layout on every machine).
+    python: str | None = None
 
 
 def rank_of(env: dict[str, str] | None = None) -> int:
@@ -17,3 +56,94 @@ def rank_of(env: dict[str, str] | None = None) -> int:
 def hostfile(ports: list[int], host: str = "127.0.0.1") -> str:
     """The ring backend's host file for ranks on `host`, rank r listening on ports[r]."""
     return json.dumps([[f"{host}:{port}"] for port in ports])
+
+
+def split_entry(entry: str) -> tuple[str | None, str]:
+    """A `ranks` entry's user (or None) and address."""
+    user, sep, address = entry.rpartition("@")
+    return (user if sep else None), address
+
+
+def is_local(address: str) -> bool:
+    """Whether `address` is one of this machine's (a socket can be bound to it)."""
+    with contextlib.suppress(OSError), socket.socket() as sock:
+        sock.bind((address, 0))
+        return True
+    return False
+
+
+def check_group(shards: int, hosts: Hosts, remote: bool, not_text: bool) -> str | None:
+    """What is wrong with a model's sharding settings, or None."""
+    if not 1 <= shards <= MAX_SHARDS:
+        return f"shards must be between 1 and {MAX_SHARDS}"
+    if hosts.ranks and shards == 1:
+        return "hosts.ranks is for a sharded model (shards > 1)"
+    if shards > 1 and remote:
+        return 'a sharded model\'s rank 0 runs on this machine (placement = "local")'
+    if shards > 1 and not_text:
+        return "only text models (kind llm) are sharded"
+    return check_hosts(hosts, shards)
+
+
+def check_hosts(hosts: Hosts, shards: int) -> str | None:
+    """What is wrong with a model's [models.hosts] for its `shards`, or None."""
+    if not hosts.ranks:
+        return None
+    if len(hosts.ranks) != shards:
+        return f"hosts.ranks names {len(hosts.ranks)} machines for shards = {shards}: one per rank"
+    for rank, entry in enumerate(hosts.ranks):
+        user, address = split_entry(entry)
+        try:
+            ipaddress.IPv4Address(address)
+        except ValueError:
+            return (
+                f"hosts.ranks[{rank}] = {entry!r}: the ring backend needs an IPv4 address "
+                "([user@]address)"
+            )
+        if user is not None and not _USER.fullmatch(user):
+            return f"hosts.ranks[{rank}] = {entry!r}: not a user name"
+    user, address = split_entry(hosts.ranks[0])
+    if user is not None or not is_local(address):
+        return (
+            f"hosts.ranks[0] = {hosts.ranks[0]!r}: rank 0 talks to the gateway and runs on "
+            "this machine: give this machine's address (the one the other machines reach), "
+            "without a user"
+        )
+    if not 1024 <= hosts.ring_port <= 65535 - shards:
+        return f"hosts.ring_port must be between 1024 and {65535 - shards}"
+    if not hosts.ssh or not hosts.ssh[0]:
+        return "hosts.ssh must name the ssh command"
+    return None
+
+
+def ring_hostfile(hosts: Hosts) -> str:
+    """The ring backend's host file for ranks on several machines."""
+    return json.dumps(
+        [[f"{split_entry(e)[1]}:{hosts.ring_port + r}"] for r, e in enumerate(hosts.ranks)]
+    )
+
+
+def runs_here(hosts: Hosts, rank: int) -> bool:
+    """Whether the gateway starts this rank as a process of its own machine."""
+    if not hosts.ranks:
+        return True
+    user, address = split_entry(hosts.ranks[rank])
+    return user is None and is_local(address)
+
+
+def remote_argv(
+    hosts: Hosts, rank: int, argv: list[str], group: str, env: dict[str, str]
+) -> list[str]:
+    """The ssh command that starts `argv` (a worker's command line, its interpreter first)
+    as `rank` on its machine: the group's host file written there, the rank and the project's
+    switches from `env` exported, the interpreter replaced by `hosts.python` if set."""
+    python = hosts.python or argv[0]
+    exports = {k: v for k, v in env.items() if k.startswith(PASSED_ENV_PREFIX)}
+    exports["PYTHONUNBUFFERED"] = "1"
+    exports[RANK_ENV] = str(rank)
+    exports[TEMP_HOSTFILE_ENV] = "1"
+    script = 'f=$(mktemp) && printf "%s" ' + shlex.quote(group) + ' > "$f" && '
+    script += f'export {HOSTFILE_ENV}="$f" '
+    script += " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(exports.items()))
+    script += " && exec " + shlex.join([python, *argv[1:]])
+    return [*hosts.ssh, "-tt", hosts.ranks[rank], script]

@@ -20,6 +20,10 @@ OTHER_SPEC = TinyModelSpec(hidden_size=48, num_layers=1, vocab_size=384, logit_s
 # Tool calling and thinking, in each tool-call format mlx-lm parses (worker/chat_templates.py).
 HERMES_SPEC = TinyModelSpec(logit_scale=8.0, seed=3, tool_format="hermes", thinking=True)
 CODER_SPEC = TinyModelSpec(logit_scale=8.0, seed=4, tool_format="qwen3_coder", thinking=True)
+# A Qwen2 (biased Q/K/V; mlx-lm can pipeline it), three layers for two or three ranks
+QWEN2_SPEC = TinyModelSpec(
+    hidden_size=64, num_layers=3, vocab_size=512, logit_scale=8.0, seed=5, model_type="qwen2"
+)
 # A Qwen2-VL (mlx-vlm): wide greedy margins, as CHAT_SPEC
 VISION_SPEC = TinyVisionSpec(logit_scale=8.0)
 
@@ -56,6 +60,11 @@ def chat(chat_model: Path) -> Loaded:
 def prompts(chat: Loaded) -> list[list[int]]:
     """PROMPT_TEXTS tokenized by the chat model: prompts of several shapes."""
     return [chat.tokenizer.encode(t) for t in PROMPT_TEXTS]
+
+
+@pytest.fixture(scope="session")
+def qwen2_model(model_root: Path) -> Path:
+    return build_tiny_model(model_root / "qwen2", QWEN2_SPEC)
 
 
 @pytest.fixture(scope="session")
@@ -113,14 +122,18 @@ def anyio_backend() -> str:
 __all__ = ["GatewayProc"]
 
 
-@pytest.fixture(params=["mlx_lm", "rows"])
+@pytest.fixture(params=["mlx_lm", "rows", "compiled"])
 def batcher(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Engines built in the test use this continuous batch (engine.batcher), unless the test
-    names another; modules opt in with `pytestmark = pytest.mark.usefixtures("batcher")`."""
+    """Engines built in the test use this continuous batch (engine.batcher; "compiled": the
+    rows batch with the compiled decode step, engine.decode_step), unless the test names
+    another; modules opt in with `pytestmark = pytest.mark.usefixtures("batcher")`."""
     from tests import engine_fixtures
 
-    engine_fixtures.ENGINE_DEFAULTS["batcher"] = request.param
+    compiled = request.param == "compiled"
+    engine_fixtures.ENGINE_DEFAULTS["batcher"] = "rows" if compiled else request.param
+    engine_fixtures.ENGINE_DEFAULTS["decode_step"] = "compiled" if compiled else "model"
     try:
         yield request.param
     finally:
         engine_fixtures.ENGINE_DEFAULTS.pop("batcher", None)
+        engine_fixtures.ENGINE_DEFAULTS.pop("decode_step", None)

@@ -401,6 +401,17 @@ def test_batcher_is_auto_mlx_lm_or_rows(tmp_path: Path) -> None:
         load_config(write(tmp_path, head + 'batcher = "vllm"\n'))
 
 
+def test_decode_step_is_the_models_or_the_compiled_one_in_the_rows_batch(tmp_path: Path) -> None:
+    head = '[[models]]\nname = "a"\nsource = "x"\n[models.engine]\n'
+    assert load_config(write(tmp_path, head)).models[0].engine.decode_step == "model"
+    chosen = load_config(write(tmp_path, head + 'decode_step = "compiled"\n'))
+    assert chosen.models[0].engine.decode_step == "compiled"
+    with pytest.raises(ConfigError, match="decode_step"):
+        load_config(write(tmp_path, head + 'decode_step = "fast"\n'))
+    with pytest.raises(ConfigError, match="decode_step = 'compiled' runs in the rows batch"):
+        load_config(write(tmp_path, head + 'batcher = "mlx_lm"\ndecode_step = "compiled"\n'))
+
+
 def test_a_model_without_kind_is_what_its_worker_served() -> None:
     hub = ModelConfig(name="h", source="BAAI/bge-small-en-v1.5")  # a hub id: files unknown
     assert kind_served(hub, None) is ModelKind.LLM
@@ -421,7 +432,15 @@ def test_several_machines_and_shards_are_checked(tmp_path: Path) -> None:
     assert config.server.workers_listen == "0.0.0.0:7380"
     assert config.models[0].placement == "remote"
     assert load("", "shards = 2").models[0].shards == 2
+    hosts = '\n[models.hosts]\nranks = ["127.0.0.1", "me@10.0.0.2"]\nssh = ["ssh", "-p", "22"]'
+    spread = load("", "shards = 2" + hosts).models[0].hosts
+    assert spread.ranks == ["127.0.0.1", "me@10.0.0.2"] and spread.ssh == ["ssh", "-p", "22"]
+    assert spread.ring_port == 32323 and spread.python is None
     for server, model, error in [
+        ("", "shards = 1" + hosts, "hosts.ranks is for a sharded model"),
+        ("", "shards = 3" + hosts, "names 2 machines for shards = 3"),
+        ("", 'shards = 2\n[models.hosts]\nranks = ["a", "b"]', "needs an IPv4 address"),
+        ("", "shards = 2\n[models.hosts]\nlanes = 2", "lanes"),
         ('workers_listen = "7380"', "", "not HOST:PORT"),
         ('workers_listen = "host:99999"', "", "not HOST:PORT"),
         ("", 'placement = "elsewhere"', "placement"),

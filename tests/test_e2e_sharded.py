@@ -1,7 +1,7 @@
 """A model sharded over two worker processes (MLX's ring backend on loopback, tensor
-parallel), through the gateway: greedy output token for token as the same model
-in one process; one rank killed takes the group down and the supervisor restarts it as a
-unit; an unload ends every rank."""
+parallel, and a Qwen2 pipelined), through the gateway: greedy output token for token as the
+same model in one process, prefix-cache hits included; one rank killed takes the group down
+and the supervisor restarts it as a unit; an unload ends every rank."""
 
 from __future__ import annotations
 
@@ -20,10 +20,12 @@ PROMPTS = ["Tell me about the sea.", "Count to five.", "What is a ring?"]
 
 
 @pytest.fixture(scope="module")
-def gw(chat_model: Path) -> Iterator[GatewayProc]:
+def gw(chat_model: Path, qwen2_model: Path) -> Iterator[GatewayProc]:
     models = [
         {"name": "single", "source": str(chat_model)},
         {"name": "sharded", "source": str(chat_model), "shards": 2},
+        {"name": "qwen2", "source": str(qwen2_model)},
+        {"name": "piped", "source": str(qwen2_model), "shards": 2, "sharding": "pipeline"},
     ]
     with running_gateway(models, request_timeout_s=60.0) as gateway:
         yield gateway
@@ -44,10 +46,13 @@ def tokens(reply: Any) -> list[str]:
     return list(reply.choices[0].logprobs.tokens)
 
 
-def test_greedy_output_is_the_single_process_models(gw: GatewayProc) -> None:
+@pytest.mark.parametrize(("single", "sharded"), [("single", "sharded"), ("qwen2", "piped")])
+def test_greedy_output_is_the_single_process_models(
+    gw: GatewayProc, single: str, sharded: str
+) -> None:
     client = openai_client(gw)
     for prompt in PROMPTS:
-        one, two = greedy(client, "single", prompt), greedy(client, "sharded", prompt)
+        one, two = greedy(client, single, prompt), greedy(client, sharded, prompt)
         assert tokens(two) == tokens(one) and len(tokens(one)) == 24
         assert two.choices[0].text == one.choices[0].text
     # a conversation's second turn from each rank's prefix cache: still the same tokens
@@ -63,14 +68,18 @@ def test_greedy_output_is_the_single_process_models(gw: GatewayProc) -> None:
                 max_tokens=8,
                 temperature=0,
             )
-            for model in ("single", "sharded")
+            for model in (single, sharded)
         }
-        text = reply["single"].choices[0].message.content
-        assert reply["sharded"].choices[0].message.content == text
-        cached = reply["sharded"].usage.prompt_tokens_details
+        text = reply[single].choices[0].message.content
+        assert reply[sharded].choices[0].message.content == text
+        cached = reply[sharded].usage.prompt_tokens_details
         assert (cached.cached_tokens if cached else 0) > 0 or turn == 0
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "And?"}]
-    row = gw.ps()["sharded"]
+    if sharded == "piped":  # each rank ran its own layers (mlx-lm's pipeline), not a slice
+        log = (gw.run_dir / "logs" / "worker-piped.log").read_text()
+        assert "pipeline rank 0 of 2: layers 1-2" in log
+        assert "pipeline rank 1 of 2: layers 0-0" in log
+    row = gw.ps()[sharded]
     (replica,) = row["replicas"]
     assert len(replica["ranks"]) == 2 and replica["ranks"][0] == row["pid"]
     assert all(psutil.pid_exists(pid) for pid in replica["ranks"])

@@ -52,3 +52,15 @@ def test_a_text_config_inside_is_read_and_a_missing_file_says_so(tmp_path: Path)
         check_shardable(tmp_path, 4)
     with pytest.raises(LoadError, match="cannot read"):
         check_shardable(tmp_path / "nowhere", 2)
+
+
+def test_a_pipeline_needs_a_layer_a_rank_and_the_weights_index(tmp_path: Path) -> None:
+    # heads that do not divide do not matter to a pipeline: each rank runs whole layers
+    path = folder(tmp_path, num_attention_heads=3, num_hidden_layers=3, intermediate_size=7)
+    with pytest.raises(LoadError, match=r"model\.safetensors\.index\.json"):
+        check_shardable(path, 2, "pipeline")
+    (path / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    check_shardable(path, 2, "pipeline")
+    check_shardable(path, 3, "pipeline")
+    with pytest.raises(LoadError, match="as many layers"):
+        check_shardable(path, 4, "pipeline")

@@ -242,3 +242,18 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert modelgen.main([*argv, "--tool-format", "qwen3_coder", "--thinking"]) == 0
     template = json.loads((out / "tokenizer_config.json").read_text())["chat_template"]
     assert template == chat_template("qwen3_coder", thinking=True)
+
+
+def test_a_qwen2_has_biased_projections_and_every_tensor_in_the_index(tmp_path: Path) -> None:
+    path = build_tiny_model(tmp_path / "q", TinyModelSpec(model_type="qwen2", seed=3))
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "qwen2"
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
+    model, _ = mlx_load(str(path))
+    assert type(model).__module__ == "mlx_lm.models.qwen2"
+    names = {name for name, _ in tree_flatten(model.parameters())}
+    assert "model.layers.0.self_attn.q_proj.bias" in names
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == names and set(index.values()) == {"model.safetensors"}
+    with pytest.raises(ValueError, match="model_type"):
+        build_tiny_model(tmp_path / "x", TinyModelSpec(model_type="gpt2"))

@@ -5,6 +5,7 @@ python -m worker --id ID --connect tcp://HOST:PORT --server-key KEY --key-file P
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -16,7 +17,7 @@ from shared.cluster import ClusterError, check_key, key_pair
 from shared.config import ModelConfig
 from shared.modelinfo import kind_in
 from shared.protocol import PROTOCOL_VERSION, Codec, Hello, WorkerDead
-from shared.sharding import rank_of
+from shared.sharding import HOSTFILE_ENV, TEMP_HOSTFILE_ENV, rank_of
 from worker.channels import RemoteLink, WorkerChannels
 
 NO_BACKEND = (
@@ -112,6 +113,9 @@ def run_follower(worker_id: str, model: ModelConfig) -> int:
         own_memory(model.engine)
         lockstep = Lockstep(model.shards)
         log.info("rank %d of %d joined", lockstep.rank, model.shards)
+        if os.environ.get(TEMP_HOSTFILE_ENV) == "1":  # written by the ssh command: read now
+            with contextlib.suppress(OSError):
+                os.unlink(os.environ[HOSTFILE_ENV])
         path = resolve_source(model)
         kind = model.kind or kind_in(path)
         faults = Faults.for_model(model.name)

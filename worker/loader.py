@@ -144,14 +144,25 @@ def load_model(
     path = path or resolve_source(config, progress)
     progress("loading weights", -1.0)
     if group is not None:
-        check_shardable(path, config.shards)
+        check_shardable(path, config.shards, config.sharding)
     try:
         if group is None:
             model, tokenizer = load(str(path), trust_remote_code=config.trust_remote_code)
         else:
-            model, tokenizer = load_sharded(str(path), group, config.trust_remote_code)
+            model, tokenizer = load_sharded(
+                str(path), group, config.trust_remote_code, config.sharding == "pipeline"
+            )
     except Exception as exc:
         raise LoadError(f"model {config.name!r}: mlx-lm could not load {path}: {exc}") from exc
+    if group is not None and config.sharding == "pipeline":
+        inner = model.model  # mlx-lm's pipeline: each rank keeps its own run of layers
+        log.info(
+            "pipeline rank %d of %d: layers %d-%d",
+            group.rank(),
+            group.size(),
+            inner.start_idx,
+            inner.end_idx - 1,
+        )
     # Not for a sharded model: its warm-up is a forward pass (collectives across the ranks)
     # under a lock between processes, which the ranks would each wait on for the other.
     if config.engine.fused_cpu_ops and group is None:
@@ -169,14 +180,27 @@ def load_model(
     return LoadedModel(model, tokenizer, path, context_length(path, config), config.is_demo)
 
 
-def check_shardable(path: Path, shards: int) -> None:
+def check_shardable(path: Path, shards: int, sharding: str = "tensor") -> None:
     """A LoadError naming what does not divide: mlx-lm's tensor sharding splits heads and
-    sizes without checking (three heads over two ranks gives wrong tokens, silently)."""
+    sizes without checking (three heads over two ranks gives wrong tokens, silently); its
+    pipeline needs a layer for each rank and reads the weights' index."""
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise LoadError(f"cannot read {path / 'config.json'}: {exc}") from exc
     text = config.get("text_config", config)
+    if sharding == "pipeline":
+        layers = text.get("num_hidden_layers", 0)
+        if layers < shards:
+            raise LoadError(
+                f"pipeline sharding over shards={shards} needs as many layers ({layers})"
+            )
+        if not (path / "model.safetensors.index.json").is_file():
+            raise LoadError(
+                "pipeline sharding reads the weights' index (model.safetensors.index.json), "
+                f"which {path} lacks: use sharding = 'tensor'"
+            )
+        return
     heads = text.get("num_attention_heads", 0)
     sizes = {
         "num_attention_heads": heads,

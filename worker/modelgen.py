@@ -45,6 +45,9 @@ BIGRAM_SCALE = 50.0
 RMS_NORM_EPS = 1e-5
 ROPE_THETA = 10000.0
 DTYPES = ("float32", "bfloat16", "float16")
+# mlx-lm's model type -> the Hugging Face architecture (Qwen2: biased Q/K/V projections, and
+# mlx-lm's pipeline-parallel support)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # Bump when the generator or DEMO_SPEC changes, so cached demo models are rebuilt.
 DEMO_VERSION = "v3"
 
@@ -81,6 +84,7 @@ class TinyModelSpec:
     # whose generation prompt opens the reasoning unless enable_thinking is false.
     tool_format: str | None = None
     thinking: bool = False
+    model_type: str = "llama"
 
 
 DEFAULT_SPEC = TinyModelSpec()
@@ -225,8 +229,8 @@ def _model_config(spec: TinyModelSpec, vocab_size: int) -> dict[str, Any]:
         "_comment": RANDOM_WEIGHTS_COMMENT,
         "mlx_gateway_demo": True,
         "mlx_gateway_spec": extra,
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[spec.model_type]],
+        "model_type": spec.model_type,
         "hidden_size": spec.hidden_size,
         "num_hidden_layers": spec.num_layers,
         "num_attention_heads": spec.num_heads,
@@ -259,7 +263,7 @@ def _init_param(name: str, shape: tuple[int, ...], key: mx.array, spec: TinyMode
     import mlx.core as mx
 
     if len(shape) == 1:
-        return mx.ones(shape)
+        return mx.zeros(shape) if name.endswith(".bias") else mx.ones(shape)
     if name.endswith("embed_tokens.weight"):
         return mx.random.normal(shape, key=key)
     std = shape[-1] ** -0.5
@@ -308,6 +312,9 @@ def _write_weights(path: Path, weights: dict[str, mx.array], dtype: str) -> None
 
     cast = {name: w.astype(getattr(mx, dtype)) for name, w in weights.items()}
     mx.save_safetensors(str(path / "model.safetensors"), cast, metadata={"format": "mlx"})
+    # the index large models ship with (mlx-lm's pipeline loading reads it)
+    index = {"metadata": {}, "weight_map": {name: "model.safetensors" for name in sorted(cast)}}
+    _write_json(path / "model.safetensors.index.json", index)
 
 
 # --- build -------------------------------------------------------------------------------------
@@ -316,6 +323,8 @@ def _write_weights(path: Path, weights: dict[str, mx.array], dtype: str) -> None
 def _validate(spec: TinyModelSpec) -> None:
     if spec.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, not {spec.dtype!r}")
+    if spec.model_type not in ARCHITECTURES:
+        raise ValueError(f"model_type must be one of {tuple(ARCHITECTURES)}")
     if spec.hidden_size % spec.num_heads:
         raise ValueError("hidden_size must be a multiple of num_heads")
     if spec.num_heads % spec.num_kv_heads:
@@ -451,6 +460,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default=d.dtype)
     p.add_argument("--tool-format", choices=TOOL_FORMATS, help="tool calls in the template")
     p.add_argument("--thinking", action="store_true", help="<think> tokens and template")
+    p.add_argument("--model-type", choices=tuple(ARCHITECTURES), default=d.model_type)
     return p
 
 
@@ -470,6 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype=args.dtype,
         tool_format=args.tool_format,
         thinking=args.thinking,
+        model_type=args.model_type,
     )
     start = time.perf_counter()
     out = build_tiny_model(args.out_dir, spec)

@@ -24,7 +24,14 @@ from gateway.workers.transport import Transport
 from shared.blas import worker_env
 from shared.config import ModelConfig, ServerConfig
 from shared.paths import RunDir
-from shared.sharding import HOSTFILE_ENV, RANK_ENV, hostfile
+from shared.sharding import (
+    HOSTFILE_ENV,
+    RANK_ENV,
+    hostfile,
+    remote_argv,
+    ring_hostfile,
+    runs_here,
+)
 from shared.types import ErrorCode
 
 log = logging.getLogger("gateway.workers.processes")
@@ -98,22 +105,32 @@ class Processes:
         server = self.server
         argv = self.command(worker_id, msgspec.json.encode(self.worker_model(model)).decode())
         env = worker_env(server.blas, server.blas_threads, device=self.device_kind)
-        envs = [env]
+        ranks = [(argv, env, True)]  # each rank's command line, environment, and whether here
         if model.shards > 1:  # one group: every rank the same command, its own MLX_RANK
+            hosts = model.hosts
+            group = (
+                ring_hostfile(hosts)
+                if hosts.ranks
+                else hostfile([free_port() for _ in range(model.shards)])
+            )
             group_file = self.run_dir.root / f"ring-{worker_id}.json"
-            group_file.write_text(hostfile([free_port() for _ in range(model.shards)]))
-            envs = [
-                {**env, RANK_ENV: str(rank), HOSTFILE_ENV: str(group_file)}
+            group_file.write_text(group)
+            ranks = [
+                (argv, {**env, RANK_ENV: str(rank), HOSTFILE_ENV: str(group_file)}, True)
+                if runs_here(hosts, rank)
+                else (remote_argv(hosts, rank, argv, group, env), env, False)
                 for rank in range(model.shards)
             ]
         log_file = open(self.run_dir.worker_log(model.name), "ab")  # noqa: SIM115
         processes: list[asyncio.subprocess.Process] = []
         try:
-            for rank_env in envs:
+            for rank_argv, rank_env, here in ranks:
                 processes.append(
                     await asyncio.create_subprocess_exec(
-                        *argv,
-                        stdin=asyncio.subprocess.DEVNULL,
+                        *rank_argv,
+                        # a rank over ssh keeps the client's input open: closing it (the
+                        # client ends) hangs the remote terminal up, and the rank exits
+                        stdin=asyncio.subprocess.DEVNULL if here else asyncio.subprocess.PIPE,
                         stdout=log_file,
                         stderr=log_file,
                         env=rank_env,
@@ -197,9 +214,14 @@ class Processes:
                 process.kill()
         await asyncio.gather(*waits)
         if rank and not handle.retiring:
+            where = handle.config.hosts.ranks[rank] if handle.config.hosts.ranks else None
+            how = describe_exit(code)
+            if where is not None and not runs_here(handle.config.hosts, rank):
+                how += ", ssh's 255: the machine was not reached" if code == 255 else ""
+                where = f" (on {where}, over ssh)"
             handle.error = handle.error or (
-                f"rank {rank} of its {len(ranks)}-process group exited "
-                f"({describe_exit(code)}); the group is restarted as a unit"
+                f"rank {rank}{where or ''} of its {len(ranks)}-process group exited "
+                f"({how}); the group is restarted as a unit"
             )
         with contextlib.suppress(OSError):
             (self.run_dir.root / f"ring-{handle.worker_id}.json").unlink()

@@ -37,20 +37,27 @@ def load(path: str, trust_remote_code: bool = False) -> tuple[Any, Any]:
 
 
 def load_sharded(
-    path: str, group: mx.distributed.Group, trust_remote_code: bool = False
+    path: str, group: mx.distributed.Group, trust_remote_code: bool = False, pipeline: bool = False
 ) -> tuple[Any, Any]:
-    """This rank's shard of the model, tensor parallel over `group` (mlx-lm's
-    sharded_load); every rank of the group calls it together."""
-    loaded = sharded_load(path, tensor_group=group, trust_remote_code=trust_remote_code)
+    """This rank's shard of the model, tensor parallel (or with `pipeline`, its run of
+    layers) over `group` (mlx-lm's sharded_load); every rank of the group calls it together."""
+    loaded = sharded_load(
+        path,
+        pipeline_group=group if pipeline else None,
+        tensor_group=None if pipeline else group,
+        trust_remote_code=trust_remote_code,
+    )
     return loaded[0], loaded[1]
 
 
 def parameter_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of mlx-lm's Llama parameters for a config (its arrays stay lazy)."""
+    """Names and shapes of mlx-lm's Llama (or Qwen2) parameters for a config (its arrays
+    stay lazy)."""
     from mlx.utils import tree_flatten
-    from mlx_lm.models.llama import Model, ModelArgs
+    from mlx_lm.models import llama, qwen2
 
-    model = Model(ModelArgs.from_dict(config))
+    module = qwen2 if config.get("model_type") == "qwen2" else llama
+    model = module.Model(module.ModelArgs.from_dict(config))
     params: dict[str, Any] = dict(tree_flatten(model.parameters()))
     return {name: tuple(p.shape) for name, p in params.items()}
 
@@ -229,9 +236,7 @@ class MlxRowsBackend(MlxLmBackend):
                 f"this one uses {', '.join(sorted(kinds))}: use batcher = 'mlx_lm'"
             )
         self._setup(model, tokenizer, options)
-        self.decode = None
-        if decode_step_wanted(options.decode_step, self.device):
-            self.decode = decode_step.build(model)
+        self.decode = decode_step.build(model) if options.decode_step == "compiled" else None
         self.batch = RowBatch(
             model,
             options.prefill_step_size,
@@ -274,13 +279,6 @@ class MlxRowsBackend(MlxLmBackend):
         pass
 
 
-def decode_step_wanted(setting: str, device: str) -> bool:
-    """Whether the rows batch decodes with the compiled step (engine.decode_step)."""
-    if setting == "auto":
-        return device == "gpu"
-    return setting == "compiled"
-
-
 def cache_kinds(model: Any) -> set[str]:
     """The KV cache classes of the model's layers (by name)."""
     return {type(c).__name__ for c in make_prompt_cache(model)}
@@ -296,6 +294,11 @@ def make_backend(model: Any, tokenizer: Any, options: EngineOptions) -> MlxLmBac
         if batcher == "mlx_lm" and options.join_settle_steps:
             log.warning(
                 "engine.join_settle_steps has no effect: this model's caches need "
+                "BatchGenerator (batcher = 'mlx_lm')"
+            )
+        if batcher == "mlx_lm" and options.decode_step == "compiled":
+            log.warning(
+                "engine.decode_step = 'compiled' has no effect: this model's caches need "
                 "BatchGenerator (batcher = 'mlx_lm')"
             )
     if batcher == "rows":

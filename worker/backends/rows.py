@@ -102,6 +102,14 @@ class _Unpadded:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.cache, name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # a model may write the cache's arrays (mlx-lm's pipeline makes its last layer's
+        # keys depend on the activations it sends on): they are the cache's
+        if name == "cache":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.cache, name, value)
+
 
 class RowBatch:
     def __init__(
