@@ -84,7 +84,7 @@ prefill_batch_size = $2
 max_prefill_tokens = 65536
 batcher = "${3:-mlx_lm}"
 join_settle_steps = ${4:-0}
-decode_step = "${5:-auto}"
+decode_step = "${5:-model}"
 TOML
   echo "$cfg"
 }

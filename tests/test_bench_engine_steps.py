@@ -28,12 +28,29 @@ def test_every_driver_is_timed_at_every_size(
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(line["rows"], line["repeat"]) for line in lines] == [(1, 0), (3, 0)]
     for line in lines:
-        assert all(line[driver] > 0 for driver in engine_steps.DRIVERS), line
+        # generate_step is single-stream: timed at one row only
+        drivers = [d for d in engine_steps.DRIVERS if d != "generate_step" or line["rows"] == 1]
+        assert all(line[driver] > 0 for driver in drivers), line
+    assert "generate_step" in lines[0] and "generate_step" not in lines[1]
+
+
+def test_drivers_can_be_picked(chat_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [str(chat_model), "--rows", "2", "--steps", "3", "--repeats", "1"]
+    argv += ["--max-running", "2", "--drivers", "engine-rows,engine-compiled"]
+    assert engine_steps.main(argv) == 0
+    (line,) = [json.loads(text) for text in capsys.readouterr().out.splitlines()]
+    assert set(line) == {"rows", "repeat", "engine-rows", "engine-compiled"}
 
 
 @pytest.mark.parametrize(
     "bad",
-    [["--rows", "0"], ["--rows", "x"], ["--steps", "0"], ["--rows", "8", "--max-running", "4"]],
+    [
+        ["--rows", "0"],
+        ["--rows", "x"],
+        ["--steps", "0"],
+        ["--rows", "8", "--max-running", "4"],
+        ["--drivers", "engine-rows,warp"],
+    ],
 )
 def test_bad_arguments_are_refused_before_loading(
     bad: list[str], capsys: pytest.CaptureFixture[str]

@@ -149,48 +149,43 @@ def _layer(block: Any, fuse: bool = False) -> tuple[Shape, Layer] | None:
         mlp.up_proj,
         mlp.down_proj,
     ]
-    found = [projection(m) for m in modules]
-    if any(f is None for f in found):
+    found: list[tuple[Projection, list[mx.array]]] = []
+    for module in modules:
+        one = projection(module)
+        if one is None:
+            return None
+        found.append(one)
+    norm, post_norm = block.input_layernorm, block.post_attention_layernorm
+    if not isinstance(norm, nn.RMSNorm) or not isinstance(post_norm, nn.RMSNorm):
         return None
-    kinds = tuple(f[0] for f in found if f is not None)
-    arrays = [f[1] for f in found if f is not None]
-    norms = [block.input_layernorm, block.post_attention_layernorm]
-    head_norms = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
-    if any(not isinstance(n, nn.RMSNorm) for n in norms):
+    if post_norm.eps != norm.eps:
         return None
-    has_head_norms = head_norms[0] is not None or head_norms[1] is not None
-    if has_head_norms and any(not isinstance(n, nn.RMSNorm) for n in head_norms):
+    head_norms: list[Any] = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+    if head_norms != [None, None] and not all(isinstance(n, nn.RMSNorm) for n in head_norms):
         return None
+    head_norm_arrays = [n.weight for n in head_norms] if head_norms[0] is not None else []
+    if fuse:
+        qkv, gate_up = _fuse(found[:3]), _fuse(found[4:6])
+        if qkv is None or gate_up is None:
+            return None
+        found = [qkv, found[3], gate_up, found[6]]
+        attend_count = 1
+    else:
+        attend_count = 3
     heads = attn.n_heads
     shape = Shape(
         heads,
         attn.n_kv_heads,
         attn.q_proj.weight.shape[0] // heads,  # output rows, packed or not
-        norms[0].eps,
-        head_norms[0].eps if has_head_norms else None,
-        kinds,
+        norm.eps,
+        head_norms[0].eps if head_norms[0] is not None else None,
+        tuple(f[0] for f in found),
+        fuse,
     )
-    if norms[1].eps != shape.eps:
-        return None
-    if fuse:
-        qkv = _fuse([f for f in found[:3] if f is not None])
-        gate_up = _fuse([f for f in found[4:6] if f is not None])
-        if qkv is None or gate_up is None:
-            return None
-        kinds = (qkv[0], kinds[3], gate_up[0], kinds[6])
-        shape = Shape(
-            shape.heads, shape.kv_heads, shape.head_dim, shape.eps, shape.head_norm_eps, kinds, True
-        )
-        arrays = [qkv[1], arrays[3], gate_up[1], arrays[6]]
-        attend = [norms[0].weight, *arrays[0]]
-        if has_head_norms:
-            attend += [head_norms[0].weight, head_norms[1].weight]
-        mlp_arrays = [*arrays[1], norms[1].weight, *arrays[2], *arrays[3]]
-        return shape, Layer(attend, mlp_arrays, tuple(len(a) for a in arrays))
-    attend = [norms[0].weight, *arrays[0], *arrays[1], *arrays[2]]
-    if has_head_norms:
-        attend += [head_norms[0].weight, head_norms[1].weight]
-    mlp_arrays = [*arrays[3], norms[1].weight, *arrays[4], *arrays[5], *arrays[6]]
+    arrays = [f[1] for f in found]
+    attend = [norm.weight] + [a for one in arrays[:attend_count] for a in one] + head_norm_arrays
+    rest = [a for one in arrays[attend_count + 1 :] for a in one]
+    mlp_arrays = [*arrays[attend_count], post_norm.weight, *rest]
     return shape, Layer(attend, mlp_arrays, tuple(len(a) for a in arrays))
 
 
@@ -284,7 +279,7 @@ def build(model: Any, fuse: bool = False) -> DecodeStep | None:
             if len(shapes) != 1:
                 reason = "decoder layers of different shapes"
     if reason is not None:
-        log.info("decode step: mlx-lm's forward pass (%s)", reason)
+        log.warning("decode step: mlx-lm's forward pass (%s)", reason)
         return None
     step = DecodeStep(model, shapes.pop(), [f[1] for f in found if f is not None])
     if not probe(model, step):
@@ -293,6 +288,7 @@ def build(model: Any, fuse: bool = False) -> DecodeStep | None:
             "model's on a probe: this mlx-lm's model computes something else)"
         )
         return None
+    log.info("decode step: compiled, %d layers%s", len(step.layers), " (fused)" if fuse else "")
     return step
 
 
@@ -304,12 +300,13 @@ def _unsupported(model: Any) -> str | None:
     layers = getattr(inner, "layers", None)
     if not layers:
         return "no decoder layers where mlx-lm keeps them"
+    if any(b is None for b in layers) or getattr(inner, "pipeline_size", 1) > 1:
+        return "a pipeline shard of the model (its activations pass between ranks)"
     if any(getattr(block, "use_sliding", False) for block in layers):
         return "sliding-window layers"
-    for name in ("embed_tokens", "norm"):
-        if not hasattr(inner, name):
-            return f"no {name}"
-    if not isinstance(inner.norm, nn.RMSNorm):
+    if not hasattr(inner, "embed_tokens"):
+        return "no embed_tokens"
+    if not isinstance(getattr(inner, "norm", None), nn.RMSNorm):
         return "a final norm of another kind"
     # One trace serves every layer with the first layer's RoPE: mlx-lm builds each layer's
     # from the same settings (the probe checks that they compute the same).

@@ -1,0 +1,173 @@
+"""worker/backends/decode_step.py: the compiled one-token step gives mlx-lm's tokens on every
+architecture it takes (plain, biased, quantized, with head norms), inside the rows batch with
+and without padding; it refuses what it does not know, and a model that no longer computes
+what it does fails its probe."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models import llama, qwen2, qwen3
+from mlx_lm.models.cache import make_prompt_cache
+
+from shared.config import EngineOptions
+from tests.engine_fixtures import Loaded, reference_greedy
+from worker.backends import decode_step
+from worker.backends.mlx_lm import make_backend
+from worker.backends.rows import RowBatch
+from worker.backends.sampling import greedy
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [20]]
+
+
+def _tiny(module: Any, **overrides: Any) -> Any:
+    args: dict[str, Any] = {
+        "model_type": module.__name__.rsplit(".", 1)[-1],
+        "hidden_size": 64,
+        "num_hidden_layers": 3,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 97,
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+    }
+    if module is qwen3:
+        args.update(head_dim=16, max_position_embeddings=512)
+    args.update(overrides)
+    mx.random.seed(7)
+    model = module.Model(module.ModelArgs(**args))
+    mx.eval(model.parameters())
+    return model
+
+
+def _decode(model: Any, step: Any, prompts: list[list[int]], late: int, steps: int) -> list:
+    """Greedy tokens of each prompt in one rows batch; the last `late` prompts join after
+    three steps (their rows are padded: the masked path)."""
+    batch = RowBatch(model, decode=step)
+    out: dict[int, list[int]] = {}
+
+    def insert(group: list[list[int]]) -> list[int]:
+        return batch.insert(
+            group,
+            [make_prompt_cache(model) for _ in group],
+            [[] for _ in group],
+            [greedy] * len(group),
+            [[] for _ in group],
+        )
+
+    uids = insert(prompts[: len(prompts) - late])
+    for n in range(steps):
+        if n == 3 and late:
+            uids += insert(prompts[len(prompts) - late :])
+        for uid, token, _ in batch.step(logprobs=False):
+            out.setdefault(uid, []).append(token)
+    return [out[u] for u in uids]
+
+
+ARCHITECTURES = [
+    pytest.param(llama, {}, id="llama"),
+    pytest.param(llama, {"attention_bias": True, "mlp_bias": True}, id="llama-bias"),
+    pytest.param(llama, {"tie_word_embeddings": True}, id="llama-tied"),
+    pytest.param(qwen2, {}, id="qwen2"),
+    pytest.param(qwen3, {}, id="qwen3"),
+]
+
+
+@pytest.mark.parametrize(("module", "overrides"), ARCHITECTURES)
+@pytest.mark.parametrize("quantized", [False, True], ids=["plain", "4bit"])
+def test_the_same_greedy_tokens_as_the_models_forward_pass(
+    module: Any, overrides: dict[str, Any], quantized: bool
+) -> None:
+    model = _tiny(module, **overrides)
+    if quantized:
+        nn.quantize(model, group_size=32, bits=4)
+    step = decode_step.build(model)
+    assert step is not None
+    calls = {"masked": 0, "plain": 0}
+
+    def counted(tokens: mx.array, caches: list[Any], masked: bool) -> mx.array:
+        calls["masked" if masked else "plain"] += 1
+        return step(tokens, caches, masked)
+
+    # one row alone (no mask), rows that started together, rows joining later (padded)
+    for prompts, late in (([PROMPTS[0]], 0), (PROMPTS[:3], 0), (PROMPTS, 2)):
+        got = _decode(model, counted, prompts, late, 14)
+        assert got == _decode(model, None, prompts, late, 14)
+    assert calls["masked"] > 5 and calls["plain"] > 5  # both paths were the step's
+
+
+def test_a_row_decodes_as_mlx_lms_generate_step(chat: Loaded, prompts: list[list[int]]) -> None:
+    step = decode_step.build(chat.model)
+    assert step is not None
+    got = _decode(chat.model, step, prompts[:4], 2, 24)
+    for tokens, prompt in zip(got, prompts[:4], strict=True):
+        assert tokens[:16] == reference_greedy(chat.model, prompt, 16)
+
+
+def test_fused_projections_give_the_same_tokens() -> None:
+    model = _tiny(llama)
+    step = decode_step.build(model, fuse=True)
+    assert step is not None and step.shape.fused
+    assert _decode(model, step, PROMPTS, 2, 14) == _decode(model, None, PROMPTS, 2, 14)
+
+
+def test_models_it_does_not_know_keep_their_forward_pass(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger=decode_step.__name__)
+    sliding = _tiny(
+        llama,
+        layer_types=["full_attention", "sliding_attention", "full_attention"],
+        sliding_window=4,
+    )
+    assert decode_step.build(sliding) is None
+    other = _tiny(llama)
+    other.model_type = "gemma"  # our own test model: what build reads to pick architectures
+    assert decode_step.build(other) is None
+    lora = _tiny(llama)
+    # a layer of another kind (here a LoRA-like wrapper) is one the step cannot multiply
+    lora.model.layers[1].mlp.up_proj = _Wrapped(lora.model.layers[1].mlp.up_proj)
+    assert decode_step.build(lora) is None
+    piped = _tiny(qwen2)  # a pipeline rank's model: the layers of other ranks are None
+    piped.model.layers = [None, *piped.model.layers[1:]]
+    assert decode_step.build(piped) is None
+    reasons = [r.getMessage() for r in caplog.records]
+    assert len(reasons) == 4
+    assert "a pipeline shard" in reasons[3]
+    assert "sliding-window layers" in reasons[0]
+    assert "model type 'gemma'" in reasons[1]
+    assert "a decoder layer of a kind the step does not know" in reasons[2]
+
+
+class _Wrapped(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.inner(x)
+
+
+def test_a_model_that_computes_something_else_fails_the_probe(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = _tiny(llama)
+    # the step takes the first layer's RoPE for every layer: a model whose later layers
+    # rotate differently is one whose forward pass the step would not reproduce
+    model.model.layers[2].self_attn.rope = nn.RoPE(16, base=500.0)
+    model.model.layers[0].self_attn.rope = nn.RoPE(16, base=10000.0)
+    assert decode_step.build(model) is None
+    assert "differ from the model's on a probe" in caplog.text
+
+
+def test_the_engine_setting_picks_the_step(chat: Loaded) -> None:
+    compiled = make_backend(
+        chat.model, chat.tokenizer, EngineOptions(batcher="rows", decode_step="compiled")
+    )
+    assert compiled.batch.decode is not None  # type: ignore[attr-defined]
+    plain = make_backend(chat.model, chat.tokenizer, EngineOptions(batcher="rows"))
+    assert plain.batch.decode is None  # type: ignore[attr-defined]
