@@ -14,7 +14,7 @@ from typing import Literal
 
 import msgspec
 
-from shared.sharding import Hosts, check_group
+from shared.sharding import Hosts, check_group, overlapping_rings
 from shared.types import reserved_template_kwarg
 
 DEMO_SOURCE = "builtin:demo"
@@ -440,9 +440,13 @@ def _validate(config: Config) -> None:
             model.hosts,
             model.placement == "remote",
             model.kind not in (None, ModelKind.LLM),
+            model.sharding == "pipeline" and model.engine.batcher == "mlx_lm",
         )
         if problem is not None:
             raise ConfigError(f"model {model.name!r}: {problem}")
+    rings = overlapping_rings([(m.name, m.hosts) for m in config.models])
+    if rings is not None:
+        raise ConfigError(rings)
     parse_duration(config.server.default_ttl, "server.default_ttl")
     parse_duration(config.server.responses_ttl, "server.responses_ttl")
     server = config.server

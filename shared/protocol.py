@@ -125,6 +125,9 @@ class StepOutputs(_Frame, tag="step"):
     step: int
     outputs: list[RequestOutput]
     session: int = 0  # the Hello's whose requests these are
+    # A remote worker numbers each session's step outputs from 1, those of its engine
+    # (step >= 0) and its refusals (step -1) apart: a gap means frames were lost on the way.
+    seq: int = 0
 
 
 class PrefixCacheStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

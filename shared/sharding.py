@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import itertools
 import json
 import os
 import re
@@ -40,7 +41,9 @@ class Hosts(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     # others reach it at), without a user. The others are started over ssh, unless their
     # entry is an address of this machine without a user.
     ranks: list[str] = []
-    # The ring backend's ports: rank r listens on ring_port + r at its address.
+    # The ring backend's ports: rank r listens on ring_port + r at its address, or on
+    # ring_port + shards + r for the group that replaces a running one (a reload starts the
+    # new group before the old one leaves): 2 x shards ports from ring_port.
     ring_port: int = RING_PORT
     # The ssh command and its options (key, port, ...); the target and the command follow.
     ssh: list[str] = msgspec.field(default_factory=lambda: ["ssh", "-o", "BatchMode=yes"])
@@ -72,8 +75,12 @@ def is_local(address: str) -> bool:
     return False
 
 
-def check_group(shards: int, hosts: Hosts, remote: bool, not_text: bool) -> str | None:
+def check_group(
+    shards: int, hosts: Hosts, remote: bool, not_text: bool, piped_generator: bool = False
+) -> str | None:
     """What is wrong with a model's sharding settings, or None."""
+    if piped_generator:  # measured: other tokens than one process's on a prefix-cache hit
+        return "sharding = 'pipeline' runs on the rows batch, not batcher = 'mlx_lm'"
     if not 1 <= shards <= MAX_SHARDS:
         return f"shards must be between 1 and {MAX_SHARDS}"
     if hosts.ranks and shards == 1:
@@ -103,24 +110,44 @@ def check_hosts(hosts: Hosts, shards: int) -> str | None:
         if user is not None and not _USER.fullmatch(user):
             return f"hosts.ranks[{rank}] = {entry!r}: not a user name"
     user, address = split_entry(hosts.ranks[0])
+    elsewhere = not all(is_local(split_entry(e)[1]) for e in hosts.ranks[1:])
+    if elsewhere and (ipaddress.IPv4Address(address).is_loopback or address == "0.0.0.0"):
+        return (
+            f"hosts.ranks[0] = {address!r}: the other machines reach rank 0 at this address; "
+            "give this machine's address on the link between them"
+        )
     if user is not None or not is_local(address):
         return (
             f"hosts.ranks[0] = {hosts.ranks[0]!r}: rank 0 talks to the gateway and runs on "
             "this machine: give this machine's address (the one the other machines reach), "
             "without a user"
         )
-    if not 1024 <= hosts.ring_port <= 65535 - shards:
-        return f"hosts.ring_port must be between 1024 and {65535 - shards}"
+    if not 1024 <= hosts.ring_port <= 65536 - 2 * shards:
+        return f"hosts.ring_port must be between 1024 and {65536 - 2 * shards}"
     if not hosts.ssh or not hosts.ssh[0]:
         return "hosts.ssh must name the ssh command"
     return None
 
 
-def ring_hostfile(hosts: Hosts) -> str:
-    """The ring backend's host file for ranks on several machines."""
-    return json.dumps(
-        [[f"{split_entry(e)[1]}:{hosts.ring_port + r}"] for r, e in enumerate(hosts.ranks)]
+def ring_hostfile(hosts: Hosts, turn: int = 0) -> str:
+    """The ring backend's host file for ranks on several machines; `turn` 1 takes the second
+    range of ports (a group that replaces a running one)."""
+    base = hosts.ring_port + turn * len(hosts.ranks)
+    return json.dumps([[f"{split_entry(e)[1]}:{base + r}"] for r, e in enumerate(hosts.ranks)])
+
+
+def overlapping_rings(models: list[tuple[str, Hosts]]) -> str | None:
+    """Two models over several machines whose ring ports overlap, said as an error."""
+    spans = sorted(
+        (h.ring_port, h.ring_port + 2 * len(h.ranks), name) for name, h in models if h.ranks
     )
+    for (_, end, first), (start, _, second) in itertools.pairwise(spans):
+        if start < end:
+            return (
+                f"models {first!r} and {second!r}: their hosts.ring_port ranges overlap "
+                "(each takes 2 x shards ports)"
+            )
+    return None
 
 
 def runs_here(hosts: Hosts, rank: int) -> bool:
@@ -146,4 +173,5 @@ def remote_argv(
     script += f'export {HOSTFILE_ENV}="$f" '
     script += " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(exports.items()))
     script += " && exec " + shlex.join([python, *argv[1:]])
-    return [*hosts.ssh, "-tt", hosts.ranks[rank], script]
+    # through /bin/sh whatever the login shell (zsh on a Mac, or fish, csh...)
+    return [*hosts.ssh, "-tt", hosts.ranks[rank], "exec /bin/sh -c " + shlex.quote(script)]

@@ -98,5 +98,6 @@ def test_warm_levels_run_each_level_once_before_measuring(
     for level in model["targets"]["gw"]["levels"]:
         run = level["runs"][0]
         assert run["prefill_mean_ms"] > 0 and run["queue_mean_ms"] >= 0
-        assert run["gateway_itl_mean_ms"] > 0 and run["itl_mean_ms"] > 0
+        # (a loaded client may read a request's few tokens in one chunk: 0 between them)
+        assert run["gateway_itl_mean_ms"] > 0 and run["itl_mean_ms"] >= 0
     assert all("prefill_mean_ms" not in lv["runs"][0] for lv in model["inprocess"]["levels"])

@@ -432,9 +432,9 @@ def test_several_machines_and_shards_are_checked(tmp_path: Path) -> None:
     assert config.server.workers_listen == "0.0.0.0:7380"
     assert config.models[0].placement == "remote"
     assert load("", "shards = 2").models[0].shards == 2
-    hosts = '\n[models.hosts]\nranks = ["127.0.0.1", "me@10.0.0.2"]\nssh = ["ssh", "-p", "22"]'
+    hosts = '\n[models.hosts]\nranks = ["127.0.0.1", "me@127.0.0.1"]\nssh = ["ssh", "-p", "22"]'
     spread = load("", "shards = 2" + hosts).models[0].hosts
-    assert spread.ranks == ["127.0.0.1", "me@10.0.0.2"] and spread.ssh == ["ssh", "-p", "22"]
+    assert spread.ranks == ["127.0.0.1", "me@127.0.0.1"] and spread.ssh == ["ssh", "-p", "22"]
     assert spread.ring_port == 32323 and spread.python is None
     for server, model, error in [
         ("", "shards = 1" + hosts, "hosts.ranks is for a sharded model"),
@@ -451,3 +451,24 @@ def test_several_machines_and_shards_are_checked(tmp_path: Path) -> None:
     ]:
         with pytest.raises(ConfigError, match=error):
             load(server, model)
+
+
+def test_models_over_several_machines_keep_their_ring_ports_apart(tmp_path: Path) -> None:
+    model = (
+        '[[models]]\nname = "{name}"\nsource = "/m"\nshards = 2\n{extra}'
+        '[models.hosts]\nranks = ["127.0.0.1", "me@127.0.0.1"]\nring_port = {port}\n'
+    )
+    two = model.format(name="a", port=40000, extra="") + model.format(
+        name="b", port=40003, extra=""
+    )
+    with pytest.raises(ConfigError, match=r"'a' and 'b': their hosts\.ring_port ranges overlap"):
+        load_config(write(tmp_path, two))
+    apart = model.format(name="a", port=40000, extra="") + model.format(
+        name="b", port=40004, extra=""
+    )
+    assert [m.hosts.ring_port for m in load_config(write(tmp_path, apart)).models] == [40000, 40004]
+    piped = model.format(
+        name="p", port=40000, extra='sharding = "pipeline"\n[models.engine]\nbatcher = "mlx_lm"\n'
+    )
+    with pytest.raises(ConfigError, match="'pipeline' runs on the rows batch"):
+        load_config(write(tmp_path, piped))

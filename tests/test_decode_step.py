@@ -11,6 +11,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import llama, qwen2, qwen3
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -100,6 +101,31 @@ def test_the_same_greedy_tokens_as_the_models_forward_pass(
         got = _decode(model, counted, prompts, late, 14)
         assert got == _decode(model, None, prompts, late, 14)
     assert calls["masked"] > 5 and calls["plain"] > 5  # both paths were the step's
+
+
+@pytest.mark.parametrize(("module", "overrides"), ARCHITECTURES)
+def test_the_same_logits_in_half_precision(module: Any, overrides: dict[str, Any]) -> None:
+    """bfloat16 rounds every step the model's way (a bias added as nn.Linear adds it):
+    the logits are the same bits, not only the same argmax."""
+    model = _tiny(module, **overrides)
+    model.set_dtype(mx.bfloat16)
+    for name, value in tree_flatten(model.parameters()):
+        if name.endswith("bias"):  # biases that matter (the tiny model's start at 0)
+            model.update(
+                tree_unflatten([(name, mx.random.normal(value.shape).astype(value.dtype))])
+            )
+    step = decode_step.build(model)
+    assert step is not None
+    mine, theirs = make_prompt_cache(model), make_prompt_cache(model)
+    prompt = mx.array([PROMPTS[2]])
+    model(prompt, cache=mine)
+    model(prompt, cache=theirs)
+    token = mx.array([4])
+    for _ in range(6):
+        want = model(token[:, None], cache=theirs)[:, -1, :]
+        got = step(token, mine, masked=False)
+        assert mx.array_equal(got, want).item()
+        token = mx.argmax(want, axis=-1)
 
 
 def test_a_row_decodes_as_mlx_lms_generate_step(chat: Loaded, prompts: list[list[int]]) -> None:

@@ -102,6 +102,19 @@ def test_greedy_output_is_the_single_process_models(gw: GatewayProc, sshd: Sshd)
     assert replica["rank_hosts"] == ["127.0.0.1", f"{sshd.user}@127.0.0.1"]
 
 
+def test_a_reload_starts_the_new_group_beside_the_old(gw: GatewayProc) -> None:
+    # the ring's ports are fixed over several machines: the new group takes the other range
+    old = _remote_rank(gw)
+    gw.ctl("reload", "sharded")
+    fresh = _remote_rank(gw)
+    assert fresh.pid != old.pid and _under_sshd(fresh)
+    client = openai_client(gw)
+    assert tokens(greedy(client, "sharded", PROMPTS[1])) == tokens(
+        greedy(client, "single", PROMPTS[1])
+    )
+    wait_for(lambda: not old.is_running(), 30, "the old group gone")
+
+
 def test_a_killed_remote_rank_restarts_the_group(gw: GatewayProc) -> None:
     before = gw.ps()["sharded"]
     rank = _remote_rank(gw)

@@ -4,7 +4,6 @@ ssh command that starts a rank on another machine."""
 from __future__ import annotations
 
 import json
-import shlex
 import subprocess
 import sys
 
@@ -15,7 +14,9 @@ from shared.sharding import (
     RANK_ENV,
     TEMP_HOSTFILE_ENV,
     Hosts,
+    check_group,
     check_hosts,
+    overlapping_rings,
     remote_argv,
     ring_hostfile,
     runs_here,
@@ -34,8 +35,9 @@ def test_entries_are_an_optional_user_and_an_address() -> None:
         (["127.0.0.1"], 2, "names 1 machines for shards = 2"),
         (["127.0.0.1", "mac-mini.local"], 2, "needs an IPv4 address"),
         (["127.0.0.1", "bad user@10.0.0.2"], 2, "not a user name"),
-        (["me@127.0.0.1", "10.0.0.2"], 2, "rank 0 talks to the gateway"),
+        (["me@127.0.0.1", "127.0.0.1"], 2, "rank 0 talks to the gateway"),
         (["203.0.113.7", "10.0.0.2"], 2, "rank 0 talks to the gateway"),  # not this machine's
+        (["127.0.0.1", "10.0.0.2"], 2, "the other machines reach rank 0 at this address"),
     ],
 )
 def test_bad_hosts_are_refused_saying_why(ranks: list[str], shards: int, problem: str) -> None:
@@ -45,9 +47,11 @@ def test_bad_hosts_are_refused_saying_why(ranks: list[str], shards: int, problem
 
 def test_good_hosts_pass_and_none_means_loopback() -> None:
     assert check_hosts(Hosts(), 2) is None
-    assert check_hosts(Hosts(ranks=["127.0.0.1", "me@10.0.0.2"]), 2) is None
-    assert "ring_port" in str(check_hosts(Hosts(ranks=["127.0.0.1", "10.0.0.2"], ring_port=80), 2))
-    assert "ssh" in str(check_hosts(Hosts(ranks=["127.0.0.1", "10.0.0.2"], ssh=[]), 2))
+    assert check_hosts(Hosts(ranks=["127.0.0.1", "127.0.0.1"]), 2) is None  # all here
+    assert check_hosts(Hosts(ranks=["127.0.0.1", "me@127.0.0.1"]), 2) is None
+    here = ["127.0.0.1", "me@127.0.0.1"]
+    assert "ring_port" in str(check_hosts(Hosts(ranks=here, ring_port=80), 2))
+    assert "ssh" in str(check_hosts(Hosts(ranks=here, ssh=[]), 2))
 
 
 def test_the_ring_lists_each_ranks_address_and_port() -> None:
@@ -66,25 +70,43 @@ def test_the_ring_lists_each_ranks_address_and_port() -> None:
 def test_the_remote_command_writes_the_ring_and_execs_the_worker() -> None:
     hosts = Hosts(ranks=["127.0.0.1", "me@10.0.0.2"], ssh=["ssh", "-p", "2222"])
     group = ring_hostfile(hosts)
-    argv = [sys.executable, "-m", "worker", "--id", "w-1", "--model", '{"name": "it\'s"}']
+    # the worker's argv, its interpreter made to show what it was given instead
+    argv = [sys.executable, "-c", _SHOW, "-m", "worker", "--id", "w-1"]
+    argv += ["--model", '{"name": "it\'s $HOME `x` !"}']
     env = {"MLX_GATEWAY_FAULTS": "x", "HOME": "/home/gw", "LD_PRELOAD": "libopenblas.so"}
     command = remote_argv(hosts, 1, argv, group, env)
     assert command[:5] == ["ssh", "-p", "2222", "-tt", "me@10.0.0.2"]
-    script = command[5]
-    assert "LD_PRELOAD" not in script and "HOME" not in script  # that machine's own
-    # run here by a shell (as sshd would), the script leaves the worker's exact argv, the
-    # ring's file and the rank, and the project's switches
-    probe = script.replace(
-        "exec " + shlex.join([sys.executable, *argv[1:]]),
-        "exec " + shlex.join([sys.executable, "-c", _SHOW, *argv[1:]]),
-    )
-    shown = json.loads(subprocess.run(["sh", "-c", probe], capture_output=True, check=True).stdout)
-    assert shown["argv"] == argv[1:]
-    assert shown["env"][RANK_ENV] == "1" and shown["env"][TEMP_HOSTFILE_ENV] == "1"
-    assert shown["env"]["MLX_GATEWAY_FAULTS"] == "x"
-    assert shown["ring"] == group
+    remote = command[5]  # what sshd hands the login shell: /bin/sh whatever that shell is
+    assert remote.startswith("exec /bin/sh -c ")
+    assert "LD_PRELOAD" not in remote and "HOME=" not in remote  # that machine's own
+    # run by a login shell here: the worker's exact argv, the ring's file and the rank, and
+    # the project's switches
+    for shell in ("sh", "bash"):
+        done = subprocess.run([shell, "-c", remote], capture_output=True, check=True)
+        shown = json.loads(done.stdout)
+        assert shown["argv"] == argv[3:]
+        assert shown["env"][RANK_ENV] == "1" and shown["env"][TEMP_HOSTFILE_ENV] == "1"
+        assert shown["env"]["MLX_GATEWAY_FAULTS"] == "x"
+        assert shown["ring"] == group
     with_python = remote_argv(Hosts(ranks=hosts.ranks, python="/opt/py"), 1, argv, group, {})
-    assert "exec /opt/py -m worker" in with_python[-1]
+    assert "exec /opt/py -c" in with_python[-1]
+
+
+def test_a_replacing_group_takes_the_second_port_range() -> None:
+    hosts = Hosts(ranks=["127.0.0.1", "10.0.0.2"], ring_port=40000)
+    assert json.loads(ring_hostfile(hosts, 1)) == [["127.0.0.1:40002"], ["10.0.0.2:40003"]]
+    here = ["127.0.0.1", "me@127.0.0.1"]
+    assert "between 1024 and 65532" in str(check_hosts(Hosts(here, 65534), 2))
+    assert overlapping_rings([("a", hosts), ("b", Hosts(hosts.ranks, 40004))]) is None
+    clash = overlapping_rings([("a", hosts), ("b", Hosts(hosts.ranks, 40003))])
+    assert clash is not None and "'a' and 'b'" in clash
+    # ranks all on this machine take free ports: never in the way
+    assert overlapping_rings([("a", hosts), ("c", Hosts())]) is None
+
+
+def test_pipelines_run_on_the_rows_batch_only() -> None:
+    assert "rows batch" in str(check_group(2, Hosts(), False, False, piped_generator=True))
+    assert check_group(2, Hosts(), False, False) is None
 
 
 _SHOW = """

@@ -30,6 +30,7 @@ from shared.protocol import (
     Ready,
     Refuse,
     Rejoin,
+    StepOutputs,
     ToWorker,
     WorkerDead,
     WorkerState,
@@ -157,6 +158,32 @@ async def test_a_hello_on_a_live_workers_id_means_its_connection_is_gone(tmp_pat
     assert not fresh.finished and world.slot.replay == [fresh]  # for its Ready
     world.replicas.serve_waiting(world.slot, second)
     assert second.streams == {"r1": fresh}
+
+
+async def test_step_outputs_are_taken_in_order_and_a_gap_loses_the_worker(
+    tmp_path: Path,
+) -> None:
+    world = World(tmp_path)
+    a, b = world.join("m@a", "a"), world.join("m@b", "b")
+    key = world.keys["a"]
+
+    def steps(seq: int, step: int = 3, session: int = 0) -> StepOutputs:
+        return StepOutputs("m@a", step, [], session, seq)
+
+    # its engine's and its refusals' numbers run apart; a local worker's (0) are not checked
+    for frame in (steps(1), steps(2), steps(1, -1), steps(3), steps(2, -1), steps(0)):
+        assert world.replicas.admit(frame, key, "x", b"steps") is a
+    # another session's: not numbered against this one's (the supervisor drops them)
+    assert world.replicas.admit(steps(9, session=4), key, "x", b"steps") is a
+    started, fresh = stream("r1", a, received=True), stream("r2", a)
+    assert world.replicas.admit(steps(5), key, "x", b"steps") is None  # 4 never came
+    assert a.lost and "step outputs from it were lost on the way" in str(a.error)
+    error = (await started.get()).error
+    assert error is not None and error.code == ErrorCode.WORKER_DIED
+    assert b.streams == {"r2": fresh}  # not started: sent to the other replica
+    # its next frame: a worker the gateway does not know, asked to rejoin
+    world.replicas.admit(steps(6), key, "x", b"steps")
+    assert [w for w, _ in world.door.frames(Rejoin)] == ["m@a"]
 
 
 async def test_a_stranger_is_asked_to_rejoin_once_in_a_while(tmp_path: Path) -> None:

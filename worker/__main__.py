@@ -111,11 +111,13 @@ def run_follower(worker_id: str, model: ModelConfig) -> int:
     log = logging.getLogger("worker")
     try:
         own_memory(model.engine)
-        lockstep = Lockstep(model.shards)
+        try:
+            lockstep = Lockstep(model.shards)
+        finally:
+            if os.environ.get(TEMP_HOSTFILE_ENV) == "1":  # written by the ssh command: read
+                with contextlib.suppress(OSError, KeyError):
+                    os.unlink(os.environ[HOSTFILE_ENV])
         log.info("rank %d of %d joined", lockstep.rank, model.shards)
-        if os.environ.get(TEMP_HOSTFILE_ENV) == "1":  # written by the ssh command: read now
-            with contextlib.suppress(OSError):
-                os.unlink(os.environ[HOSTFILE_ENV])
         path = resolve_source(model)
         kind = model.kind or kind_in(path)
         faults = Faults.for_model(model.name)

@@ -51,20 +51,30 @@ class Rejoined:
 
 class Joins:
     """A remote worker's sessions, counted by its input thread: each Hello after the first
-    starts one (the gateway keeps the requests of one session apart from the next's)."""
+    starts one (the gateway keeps the requests of one session apart from the next's). Each
+    session's step outputs are numbered from 1, the engine's and the input thread's
+    (refusals) apart: a gap tells the gateway that some were lost on the way."""
 
     def __init__(self) -> None:
         self.said = 0  # the session of the last Hello
+        self.seq = 0  # the input thread's step outputs this session
         self._at = -REJOIN_COALESCE_S
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def due(self) -> bool:
+        """Whether a session may start now (one started just now answers the same event)."""
+        return time.monotonic() - self._at >= REJOIN_COALESCE_S
 
     def again(self, why: str) -> int | None:
         """The new session, or None if one started just now (the same event, twice)."""
-        now = time.monotonic()
-        if now - self._at < REJOIN_COALESCE_S:
+        if not self.due():
             return None
-        self._at = now
+        self._at = time.monotonic()
         log.warning("this worker joins the gateway again (%s)", why)
-        self.said += 1
+        self.said, self.seq = self.said + 1, 0
         return self.said
 
 

@@ -4,11 +4,13 @@ limits the worker sets on MLX's memory."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import psutil
 
 from shared.config import EngineOptions
+from shared.protocol import Heartbeat, WorkerState
 
 GiB = 1 << 30
 KV_HEADROOM = 0.9  # of what is left: activations, the buffer cache, fragmentation
@@ -89,3 +91,32 @@ class IdleRelease:
             return False
         self.released = True
         return True
+
+
+def heartbeat(
+    worker_id: str,
+    where: tuple[WorkerState, str, float],
+    engine: Any,
+    limits: MemoryLimits,
+    process: psutil.Process,
+) -> Heartbeat:
+    """A worker's heartbeat: its state, stage and progress (`where`), its engine's counts and
+    prefix cache, and its memory as the process and MLX see it, with the limits it set."""
+    state, stage, progress = where
+    running, waiting = engine.counts() if engine else (0, 0)
+    return Heartbeat(
+        worker_id,
+        state,
+        engine.steps if engine else 0,
+        running,
+        waiting,
+        process.memory_info().rss,
+        mx.get_active_memory(),
+        mx.get_cache_memory(),
+        mx.get_peak_memory(),
+        stage,
+        progress,
+        engine.prefix_stats() if engine else None,
+        limits.wired_bytes,
+        limits.cache_bytes,
+    )

@@ -16,7 +16,6 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-import mlx.core as mx
 import psutil
 import zmq
 
@@ -29,7 +28,6 @@ from shared.protocol import (
     Add,
     Codec,
     Control,
-    Heartbeat,
     Hello,
     Ready,
     Refuse,
@@ -47,7 +45,7 @@ from worker.faults import Faults
 from worker.link import REFUSED, Joins, LinkWatch, Rejoined, leave
 from worker.loader import resolve_source
 from worker.lockstep import Lockstep, Turn
-from worker.memory import IdleRelease, MemoryLimits, own_memory
+from worker.memory import IdleRelease, MemoryLimits, heartbeat, own_memory
 from worker.opening import Engine, open_model
 from worker.preprocess import PreparedRequest, PreprocessError
 
@@ -90,6 +88,7 @@ class WorkerProc:
         self.preprocess: Any = None
         self.joins = Joins()  # a worker on another machine: its sessions (input thread)
         self.session = 0  # the session of the requests the engine runs (engine thread)
+        self.step_seq = 0  # the engine's step outputs this session (refusals: self.joins)
         self.inputs: queue.Queue[object] = queue.Queue()
         self.outbox: queue.Queue[object] = queue.Queue()
         self.state = WorkerState.STARTING
@@ -139,14 +138,15 @@ class WorkerProc:
                 self._probe(probe)
             ready = opened.ready
             ready.identity = model_identity(path)
+            ready.load_time_s = time.monotonic() - started
+            self.ready = ready  # a remote worker's input thread says it, after its Hello
             self.inputs_thread = threading.Thread(
                 target=self._input_loop, args=(opened.preprocess,), name="input", daemon=True
             )
-            self.inputs_thread.start()
             self.state = WorkerState.READY
-            ready.load_time_s = time.monotonic() - started
-            self.ready = ready
-            self._send(ready)
+            self.inputs_thread.start()
+            if self.args.link is None:
+                self._send(ready)
             log.info("ready in %.1fs (probe passed)", time.monotonic() - started)
             if self.faults.crashes_after_ready():
                 threading.Timer(self.faults.crash_after_ready_s or 0.0, Faults.die).start()
@@ -221,6 +221,9 @@ class WorkerProc:
         if self.lockstep is not None:  # raw frames, shared with the other ranks first
             items = self._share(items)
         for item in items:
+            if isinstance(item, Rejoined) and outputs:  # the old session's, sent as such
+                self._emit(outputs)
+                outputs = []
             if isinstance(item, Add):  # shared: prepared here, in order (after a Shutdown
                 item = self._accept(item, self.preprocess)  # in the same turn: refused)
                 if item is None:
@@ -315,7 +318,7 @@ class WorkerProc:
         nobody's now, and nobody waits for its end; later outputs are the new session's."""
         assert self.engine is not None
         self.engine.abort(self.engine.request_ids())
-        self.session = item.session
+        self.session, self.step_seq = item.session, 0
         return []
 
     def _join_again(self, sock: zmq.Socket[bytes], codec: Codec, why: str) -> None:
@@ -353,9 +356,11 @@ class WorkerProc:
         codec = Codec()
         sock = self.channels.requests
         link = self.link_watch
+        if link is not None and self.ready is not None:  # after its Hello, on one connection
+            sock.send(codec.encode(self.ready))
         while not self.stopping.is_set():
-            if link is not None and link.dropped.is_set():
-                link.dropped.clear()
+            if link is not None and link.dropped.is_set() and self.joins.due():
+                link.dropped.clear()  # (one seen just after a join is answered a second later)
                 self._join_again(sock, codec, "a connection to it dropped")
             try:
                 if not sock.poll(200):
@@ -420,7 +425,7 @@ class WorkerProc:
             log.exception("preparing request %s failed", frame.request_id)
             error = RequestError(ErrorCode.INTERNAL, f"preparing the request failed: {exc}")
         out = RequestOutput(frame.request_id, finish_reason=FinishReason.ERROR, error=error)
-        self._send(StepOutputs(self.worker_id, -1, [out], self.joins.said))
+        self._send(StepOutputs(self.worker_id, -1, [out], self.joins.said, self.joins.next_seq()))
         return None
 
     # ---- output thread ----------------------------------------------------------------
@@ -428,8 +433,11 @@ class WorkerProc:
     def _emit(self, outputs: list[RequestOutput]) -> None:
         """Engine thread only: deltas go straight out on its own socket, no thread hop."""
         assert self.engine is not None
+        self.step_seq += 1
         self.channels.steps.send(
-            self.codec.encode(StepOutputs(self.worker_id, self.engine.steps, outputs, self.session))
+            self.codec.encode(
+                StepOutputs(self.worker_id, self.engine.steps, outputs, self.session, self.step_seq)
+            )
         )
         if log.isEnabledFor(logging.DEBUG):
             for o in outputs:
@@ -457,7 +465,11 @@ class WorkerProc:
             if now >= next_beat:
                 next_beat = now + HEARTBEAT_S
                 try:
-                    beat = codec.encode(self._heartbeat(process))
+                    stage = "" if self.state == WorkerState.READY else self.stage
+                    where = (self.state, stage, self.stage_progress)
+                    beat = codec.encode(
+                        heartbeat(self.worker_id, where, self.engine, self.limits, process)
+                    )
                 except Exception:  # a bug: log it, keep the thread (and the outbox) alive
                     log.exception("cannot make a heartbeat")
                 else:
@@ -474,24 +486,3 @@ class WorkerProc:
                 log.exception("cannot encode %s", type(frame).__name__)
                 continue
             sock.send(data)
-
-    def _heartbeat(self, process: psutil.Process) -> Heartbeat:
-        engine = self.engine
-        running, waiting = engine.counts() if engine else (0, 0)
-        steps = engine.steps if engine else 0
-        return Heartbeat(
-            self.worker_id,
-            self.state,
-            steps,
-            running,
-            waiting,
-            process.memory_info().rss,
-            mx.get_active_memory(),
-            mx.get_cache_memory(),
-            mx.get_peak_memory(),
-            "" if self.state == WorkerState.READY else self.stage,
-            self.stage_progress,
-            engine.prefix_stats() if engine else None,
-            self.limits.wired_bytes,
-            self.limits.cache_bytes,
-        )

@@ -74,6 +74,7 @@ class Processes:
         self.on_exit = on_exit
         self.command = command or self._worker_command
         self.by_id: dict[str, WorkerHandle] = {}
+        self._ring_turns: dict[str, int] = {}  # models over several machines: port ranges
         self._serial = itertools.count(1)
 
     def get(self, worker_id: str) -> WorkerHandle | None:
@@ -108,11 +109,11 @@ class Processes:
         ranks = [(argv, env, True)]  # each rank's command line, environment, and whether here
         if model.shards > 1:  # one group: every rank the same command, its own MLX_RANK
             hosts = model.hosts
-            group = (
-                ring_hostfile(hosts)
-                if hosts.ranks
-                else hostfile([free_port() for _ in range(model.shards)])
-            )
+            if hosts.ranks:  # fixed ports: a replacing group takes the other range
+                turn = self._ring_turns[model.name] = 1 - self._ring_turns.get(model.name, 1)
+                group = ring_hostfile(hosts, turn)
+            else:
+                group = hostfile([free_port() for _ in range(model.shards)])
             group_file = self.run_dir.root / f"ring-{worker_id}.json"
             group_file.write_text(group)
             ranks = [
@@ -214,13 +215,12 @@ class Processes:
                 process.kill()
         await asyncio.gather(*waits)
         if rank and not handle.retiring:
-            where = handle.config.hosts.ranks[rank] if handle.config.hosts.ranks else None
-            how = describe_exit(code)
-            if where is not None and not runs_here(handle.config.hosts, rank):
+            hosts, how, where = handle.config.hosts, describe_exit(code), ""
+            if hosts.ranks and not runs_here(hosts, rank):
                 how += ", ssh's 255: the machine was not reached" if code == 255 else ""
-                where = f" (on {where}, over ssh)"
+                where = f" (on {hosts.ranks[rank]}, over ssh)"
             handle.error = handle.error or (
-                f"rank {rank}{where or ''} of its {len(ranks)}-process group exited "
+                f"rank {rank}{where} of its {len(ranks)}-process group exited "
                 f"({how}); the group is restarted as a unit"
             )
         with contextlib.suppress(OSError):

@@ -39,6 +39,7 @@ from shared.protocol import (
     Ready,
     Refuse,
     Rejoin,
+    StepOutputs,
     WorkerDead,
 )
 from shared.types import ErrorCode
@@ -107,10 +108,18 @@ class Replicas:
             if not isinstance(frame, WorkerDead):  # a lost worker's last word needs no answer
                 self.rejoin(frame.worker_id)
             return None
-        assert handle.remote is not None
-        if handle.remote.public_key != key:
+        remote = handle.remote
+        assert remote is not None
+        if remote.public_key != key:
             self._warn("key", f"a frame for worker {frame.worker_id!r} from another key ({key})")
             return None
+        if isinstance(frame, StepOutputs) and frame.seq and frame.session == remote.session:
+            stream = 1 if frame.step < 0 else 0  # its refusals, or its engine's steps
+            if frame.seq != remote.seqs[stream] + 1:
+                # a connection dropped with frames on it: what it runs is not whole anymore
+                self.lose(handle, "step outputs from it were lost on the way", True)
+                return None
+            remote.seqs[stream] = frame.seq
         return handle
 
     def _warn(self, kind: str, message: str) -> None:

@@ -38,6 +38,8 @@ class RemotePeer:
     address: str  # its IP address as the gateway's socket saw it
     pid: int  # on its own machine
     session: int = 0  # its Hello's: step outputs of another session are of dropped requests
+    # the last numbered step outputs seen this session: its engine's, its refusals'
+    seqs: list[int] = field(default_factory=lambda: [0, 0])
 
 
 @dataclass(slots=True, eq=False)

@@ -81,9 +81,8 @@ def projection(module: Any) -> tuple[Projection, list[mx.array]] | None:
 
 def apply(x: mx.array, kind: Projection, arrays: Sequence[mx.array]) -> mx.array:
     """`x` through a projection, as its module computes it."""
-    if not kind.quantized:
-        y = x @ arrays[0].T
-        return y + arrays[1] if kind.bias else y
+    if not kind.quantized:  # nn.Linear: one fused multiply-add with a bias (its rounding)
+        return mx.addmm(arrays[1], x, arrays[0].T) if kind.bias else x @ arrays[0].T
     weight, scales, *rest = arrays
     biases = rest[0] if kind.scale_biases else None
     y = mx.quantized_matmul(
