@@ -440,7 +440,7 @@ def _validate(config: Config) -> None:
             model.hosts,
             model.placement == "remote",
             model.kind not in (None, ModelKind.LLM),
-            model.sharding == "pipeline" and model.engine.batcher == "mlx_lm",
+            model.shards > 1 and model.sharding == "pipeline" and model.engine.batcher == "mlx_lm",
         )
         if problem is not None:
             raise ConfigError(f"model {model.name!r}: {problem}")

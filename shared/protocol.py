@@ -75,6 +75,9 @@ class Rejoin(_Frame, tag="rejoin"):
     them) and say Hello and Ready again."""
 
     reason: str = ""
+    # the session the gateway took for lost (-1: it knows none); a worker that has said
+    # Hello in a later one since ignores it
+    session: int = -1
 
 
 class Refuse(_Frame, tag="refuse"):

@@ -373,7 +373,7 @@ TO_WORKER = {
         Shutdown(ShutdownMode.DRAIN, 2.5),
         "93a873687574646f776ea5647261696ecb4004000000000000",
     ),
-    "rejoin": (Rejoin("x"), "92a672656a6f696ea178"),
+    "rejoin": (Rejoin("x"), "93a672656a6f696ea178ff"),
     "refuse": (Refuse("no"), "92a6726566757365a26e6f"),
 }
 

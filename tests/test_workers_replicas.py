@@ -181,9 +181,16 @@ async def test_step_outputs_are_taken_in_order_and_a_gap_loses_the_worker(
     error = (await started.get()).error
     assert error is not None and error.code == ErrorCode.WORKER_DIED
     assert b.streams == {"r2": fresh}  # not started: sent to the other replica
-    # its next frame: a worker the gateway does not know, asked to rejoin
+    # asked to rejoin at once, about the session it was lost in (a worker that has joined
+    # again since ignores it); its next frames meet the same answer, once in a while
     world.replicas.admit(steps(6), key, "x", b"steps")
-    assert [w for w, _ in world.door.frames(Rejoin)] == ["m@a"]
+    ((to, rejoin),) = world.door.frames(Rejoin)
+    assert to == "m@a" and rejoin.session == 0
+    # a stranger (a gateway that restarted knows no session of it)
+    world.replicas.admit(steps(1), world.key("c"), "x", b"steps-c")
+    assert world.door.frames(Rejoin)[-1] == ("m@a", rejoin)  # rate-limited for m@a
+    world.replicas.admit(StepOutputs("m@c", 1, [], 0, 1), world.key("c"), "x", b"c")
+    assert world.door.frames(Rejoin)[-1][1].session == -1
 
 
 async def test_a_stranger_is_asked_to_rejoin_once_in_a_while(tmp_path: Path) -> None:

@@ -75,7 +75,10 @@ class WorkerChannels:
             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
             | zmq.EVENT_DISCONNECTED
         )
-        drops = tuple(s.get_monitor_socket(zmq.EVENT_DISCONNECTED) for s in (outputs, steps))
+        drops = tuple(
+            s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            for s in (outputs, steps)
+        )
         for sock in (requests, outputs, steps):
             sock.connect(link.endpoint)
         return cls(context, requests, outputs, steps, events, drops)

@@ -60,10 +60,6 @@ class Joins:
         self.seq = 0  # the input thread's step outputs this session
         self._at = -REJOIN_COALESCE_S
 
-    def next_seq(self) -> int:
-        self.seq += 1
-        return self.seq
-
     def due(self) -> bool:
         """Whether a session may start now (one started just now answers the same event)."""
         return time.monotonic() - self._at >= REJOIN_COALESCE_S
@@ -92,6 +88,8 @@ class LinkWatch:
         self.public_key = public_key
         self.connected = threading.Event()
         self.dropped = threading.Event()  # a connection dropped since the worker last joined
+        self._down: set[int] = set()  # its sockets (0: requests) dropped and not back yet
+        self._lock = threading.Lock()
         self.stopping = threading.Event()
         self._warned = -WAIT_LOG_S
         self.thread = threading.Thread(target=self._run, name="link", daemon=True)
@@ -114,17 +112,25 @@ class LinkWatch:
                 ready = dict(poller.poll(200))
             except zmq.ZMQError:
                 return
-            for sock in (self.events, *self.drops):
+            for index, sock in enumerate((self.events, *self.drops)):
                 if sock not in ready:
                     continue
                 try:
                     event = recv_monitor_message(sock)
                 except zmq.ZMQError:
                     return
-                self._on(event["event"])
+                self._on(index, event["event"])
 
-    def _on(self, kind: int) -> None:
+    @property
+    def whole(self) -> bool:
+        """Every connection up: one join then answers every drop of the same outage."""
+        with self._lock:
+            return not self._down
+
+    def _on(self, index: int, kind: int) -> None:
         if kind == zmq.EVENT_DISCONNECTED:
+            with self._lock:
+                self._down.add(index)
             if self.connected.is_set() and not self.dropped.is_set():
                 log.warning(
                     "a connection to the gateway at %s dropped: frames in flight on it are "
@@ -134,7 +140,12 @@ class LinkWatch:
                 self.dropped.set()
             return
         if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self.connected.set()
+            with self._lock:
+                self._down.discard(index)
+            if index == 0:
+                self.connected.set()
+        elif index > 0:  # the output sockets' monitors say only the two above
+            return
         elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             leave(
                 REFUSED_KEY,

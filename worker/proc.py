@@ -89,6 +89,7 @@ class WorkerProc:
         self.joins = Joins()  # a worker on another machine: its sessions (input thread)
         self.session = 0  # the session of the requests the engine runs (engine thread)
         self.step_seq = 0  # the engine's step outputs this session (refusals: self.joins)
+        self.refusals = Codec()  # the thread that prepares requests encodes their refusals
         self.inputs: queue.Queue[object] = queue.Queue()
         self.outbox: queue.Queue[object] = queue.Queue()
         self.state = WorkerState.STARTING
@@ -359,8 +360,9 @@ class WorkerProc:
         if link is not None and self.ready is not None:  # after its Hello, on one connection
             sock.send(codec.encode(self.ready))
         while not self.stopping.is_set():
-            if link is not None and link.dropped.is_set() and self.joins.due():
-                link.dropped.clear()  # (one seen just after a join is answered a second later)
+            # once every connection is back (a second after a join at the earliest)
+            if link is not None and link.dropped.is_set() and link.whole and self.joins.due():
+                link.dropped.clear()
                 self._join_again(sock, codec, "a connection to it dropped")
             try:
                 if not sock.poll(200):
@@ -378,8 +380,9 @@ class WorkerProc:
             item: object | None = frame
             if isinstance(frame, Refuse):
                 leave(REFUSED, f"the gateway refused this worker: {frame.reason}")
-            if isinstance(frame, Rejoin):
-                self._join_again(sock, codec, f"it asks this worker to rejoin: {frame.reason}")
+            if isinstance(frame, Rejoin):  # (about a session this worker has left already: no)
+                if not 0 <= frame.session < self.joins.said:
+                    self._join_again(sock, codec, f"it asks this worker to rejoin: {frame.reason}")
                 continue
             if self.lockstep is not None and isinstance(frame, Add | Abort | Shutdown):
                 item = raw  # prepared on the engine thread, with the other ranks
@@ -425,7 +428,9 @@ class WorkerProc:
             log.exception("preparing request %s failed", frame.request_id)
             error = RequestError(ErrorCode.INTERNAL, f"preparing the request failed: {exc}")
         out = RequestOutput(frame.request_id, finish_reason=FinishReason.ERROR, error=error)
-        self._send(StepOutputs(self.worker_id, -1, [out], self.joins.said, self.joins.next_seq()))
+        step = StepOutputs(self.worker_id, -1, [out], self.joins.said, self.joins.seq + 1)
+        self._send(self.refusals.encode(step))  # encoded here: its number is taken only then
+        self.joins.seq += 1
         return None
 
     # ---- output thread ----------------------------------------------------------------
@@ -433,12 +438,10 @@ class WorkerProc:
     def _emit(self, outputs: list[RequestOutput]) -> None:
         """Engine thread only: deltas go straight out on its own socket, no thread hop."""
         assert self.engine is not None
-        self.step_seq += 1
-        self.channels.steps.send(
-            self.codec.encode(
-                StepOutputs(self.worker_id, self.engine.steps, outputs, self.session, self.step_seq)
-            )
-        )
+        seq = self.step_seq + 1  # taken once the frame is out: a failed send leaves no gap
+        step = StepOutputs(self.worker_id, self.engine.steps, outputs, self.session, seq)
+        self.channels.steps.send(self.codec.encode(step))
+        self.step_seq = seq
         if log.isEnabledFor(logging.DEBUG):
             for o in outputs:
                 if o.finish_reason is not None:
@@ -481,7 +484,7 @@ class WorkerProc:
             if frame is _STOP:
                 return
             try:
-                data = codec.encode(frame)  # type: ignore[arg-type]
+                data = frame if isinstance(frame, bytes) else codec.encode(frame)  # type: ignore[arg-type]
             except (TypeError, ValueError, OverflowError):  # a bug: log it, keep beating
                 log.exception("cannot encode %s", type(frame).__name__)
                 continue

@@ -74,7 +74,7 @@ class Processes:
         self.on_exit = on_exit
         self.command = command or self._worker_command
         self.by_id: dict[str, WorkerHandle] = {}
-        self._ring_turns: dict[str, int] = {}  # models over several machines: port ranges
+        self._ring_ranges: dict[str, int] = {}  # groups over several machines: their ports
         self._serial = itertools.count(1)
 
     def get(self, worker_id: str) -> WorkerHandle | None:
@@ -109,9 +109,8 @@ class Processes:
         ranks = [(argv, env, True)]  # each rank's command line, environment, and whether here
         if model.shards > 1:  # one group: every rank the same command, its own MLX_RANK
             hosts = model.hosts
-            if hosts.ranks:  # fixed ports: a replacing group takes the other range
-                turn = self._ring_turns[model.name] = 1 - self._ring_turns.get(model.name, 1)
-                group = ring_hostfile(hosts, turn)
+            if hosts.ranks:  # fixed ports: a group beside a running one takes the other range
+                group = ring_hostfile(hosts, self._ring_range(model.name, worker_id))
             else:
                 group = hostfile([free_port() for _ in range(model.shards)])
             group_file = self.run_dir.root / f"ring-{worker_id}.json"
@@ -139,6 +138,7 @@ class Processes:
                     )
                 )
         except BaseException:  # a rank that cannot start: the ones started go with it
+            self._ring_ranges.pop(worker_id, None)
             for started in processes:
                 with contextlib.suppress(ProcessLookupError):
                     started.kill()
@@ -195,6 +195,7 @@ class Processes:
         else:
             handle.exit_code = await handle.process.wait()
         self.by_id.pop(handle.worker_id, None)
+        self._ring_ranges.pop(handle.worker_id, None)
         handle.exited.set()
         self._save_pids()
         self.calls.fail(handle.worker_id, f"the worker of model {handle.config.name!r} exited")
@@ -226,6 +227,25 @@ class Processes:
         with contextlib.suppress(OSError):
             (self.run_dir.root / f"ring-{handle.worker_id}.json").unlink()
         return code
+
+    def _ring_range(self, model: str, worker_id: str) -> int:
+        """Which of a model's two ring port ranges a new group over several machines takes:
+        the one no group of the model still running holds (a reload's old one drains)."""
+        held = {
+            self._ring_ranges[h.worker_id]
+            for h in self.by_id.values()
+            if h.config.name == model and h.worker_id in self._ring_ranges
+        }
+        free = [r for r in (0, 1) if r not in held]
+        if not free:
+            raise GatewayError(
+                ErrorCode.WORKER_UNAVAILABLE,
+                f"model {model!r}: two groups of it still run (one draining): their ring "
+                "ports are both in use",
+                retry_after=5,
+            )
+        self._ring_ranges[worker_id] = free[0]
+        return free[0]
 
     def _save_pids(self) -> None:
         pids = (p.pid for h in self.by_id.values() if h.process for p in [h.process, *h.ranks])

@@ -117,7 +117,8 @@ class Replicas:
             stream = 1 if frame.step < 0 else 0  # its refusals, or its engine's steps
             if frame.seq != remote.seqs[stream] + 1:
                 # a connection dropped with frames on it: what it runs is not whole anymore
-                self.lose(handle, "step outputs from it were lost on the way", True)
+                self.lose(handle, "step outputs from it were lost on the way")
+                self.rejoin(frame.worker_id)
                 return None
             remote.seqs[stream] = frame.seq
         return handle
@@ -325,7 +326,10 @@ class Replicas:
         if len(self._rejoin_sent) > 1000:
             self._rejoin_sent.clear()
         self._rejoin_sent[worker_id] = now
-        self.door.send(worker_id, Rejoin("the gateway does not know this worker"), quiet=True)
+        known = self.by_id.get(worker_id)  # lost: the session it was lost in
+        session = known.remote.session if known is not None and known.remote else -1
+        frame = Rejoin("the gateway does not know this worker", session)
+        self.door.send(worker_id, frame, quiet=True)
 
     # ---- watching them ----------------------------------------------------------------
 

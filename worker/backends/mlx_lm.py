@@ -303,4 +303,10 @@ def make_backend(model: Any, tokenizer: Any, options: EngineOptions) -> MlxLmBac
             )
     if batcher == "rows":
         return MlxRowsBackend(model, tokenizer, options)
+    if getattr(getattr(model, "model", None), "pipeline_size", 1) > 1:
+        # through BatchGenerator, mlx-lm's pipeline gave other tokens on a prefix-cache hit
+        raise ValueError(
+            "a pipelined model runs on the rows batch, and this one's caches need "
+            "BatchGenerator: use sharding = 'tensor'"
+        )
     return MlxLmBackend(model, tokenizer, options)
