@@ -109,13 +109,15 @@ def check_hosts(hosts: Hosts, shards: int) -> str | None:
             )
         if user is not None and not _USER.fullmatch(user):
             return f"hosts.ranks[{rank}] = {entry!r}: not a user name"
+    addresses = [split_entry(e)[1] for e in hosts.ranks]
+    if not all(is_local(a) for a in addresses):  # another machine: every rank is reached
+        for rank, address in enumerate(addresses):
+            if ipaddress.IPv4Address(address).is_loopback or address == "0.0.0.0":
+                return (
+                    f"hosts.ranks[{rank}] = {address!r}: the other machines reach this rank "
+                    "at its address; give the machine's address on the link between them"
+                )
     user, address = split_entry(hosts.ranks[0])
-    elsewhere = not all(is_local(split_entry(e)[1]) for e in hosts.ranks[1:])
-    if elsewhere and (ipaddress.IPv4Address(address).is_loopback or address == "0.0.0.0"):
-        return (
-            f"hosts.ranks[0] = {address!r}: the other machines reach rank 0 at this address; "
-            "give this machine's address on the link between them"
-        )
     if user is not None or not is_local(address):
         return (
             f"hosts.ranks[0] = {hosts.ranks[0]!r}: rank 0 talks to the gateway and runs on "

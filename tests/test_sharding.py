@@ -37,7 +37,8 @@ def test_entries_are_an_optional_user_and_an_address() -> None:
         (["127.0.0.1", "bad user@10.0.0.2"], 2, "not a user name"),
         (["me@127.0.0.1", "127.0.0.1"], 2, "rank 0 talks to the gateway"),
         (["203.0.113.7", "10.0.0.2"], 2, "rank 0 talks to the gateway"),  # not this machine's
-        (["127.0.0.1", "10.0.0.2"], 2, "the other machines reach rank 0 at this address"),
+        (["127.0.0.1", "10.0.0.2"], 2, "the other machines reach this rank at its address"),
+        (["203.0.113.7", "10.0.0.2", "me@127.0.0.1"], 3, "hosts.ranks[2] = '127.0.0.1'"),
     ],
 )
 def test_bad_hosts_are_refused_saying_why(ranks: list[str], shards: int, problem: str) -> None:
