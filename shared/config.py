@@ -437,10 +437,11 @@ def _validate(config: Config) -> None:
             raise ConfigError(f"model {model.name!r}: memory_gb must be positive")
         problem = check_group(
             model.shards,
+            model.sharding,
             model.hosts,
             model.placement == "remote",
             model.kind not in (None, ModelKind.LLM),
-            model.shards > 1 and model.sharding == "pipeline" and model.engine.batcher == "mlx_lm",
+            model.engine.batcher,
         )
         if problem is not None:
             raise ConfigError(f"model {model.name!r}: {problem}")

@@ -76,15 +76,25 @@ def is_local(address: str) -> bool:
 
 
 def check_group(
-    shards: int, hosts: Hosts, remote: bool, not_text: bool, piped_generator: bool = False
+    shards: int,
+    sharding: str,
+    hosts: Hosts,
+    remote: bool = False,
+    not_text: bool = False,
+    batcher: str = "auto",
 ) -> str | None:
-    """What is wrong with a model's sharding settings, or None."""
-    if piped_generator:  # measured: other tokens than one process's on a prefix-cache hit
-        return "sharding = 'pipeline' runs on the rows batch, not batcher = 'mlx_lm'"
+    """What is wrong with a model's sharding settings (a setting that would do nothing
+    included), or None."""
     if not 1 <= shards <= MAX_SHARDS:
         return f"shards must be between 1 and {MAX_SHARDS}"
-    if hosts.ranks and shards == 1:
-        return "hosts.ranks is for a sharded model (shards > 1)"
+    if shards == 1 and (hosts.ranks or sharding != "tensor"):
+        return f"{'hosts.ranks' if hosts.ranks else 'sharding'} is for a sharded model (shards > 1)"
+    if sharding == "pipeline" and batcher == "mlx_lm":
+        # measured: other tokens than one process's on a prefix-cache hit
+        return "sharding = 'pipeline' runs on the rows batch, not batcher = 'mlx_lm'"
+    unused = [k for k in ("ring_port", "ssh", "python") if getattr(hosts, k) != getattr(Hosts(), k)]
+    if unused and not hosts.ranks:
+        return f"hosts.{unused[0]} is for ranks on several machines (hosts.ranks)"
     if shards > 1 and remote:
         return 'a sharded model\'s rank 0 runs on this machine (placement = "local")'
     if shards > 1 and not_text:

@@ -106,8 +106,19 @@ def test_a_replacing_group_takes_the_second_port_range() -> None:
 
 
 def test_pipelines_run_on_the_rows_batch_only() -> None:
-    assert "rows batch" in str(check_group(2, Hosts(), False, False, piped_generator=True))
-    assert check_group(2, Hosts(), False, False) is None
+    assert "rows batch" in str(check_group(2, "pipeline", Hosts(), batcher="mlx_lm"))
+    assert check_group(2, "pipeline", Hosts()) is None
+    assert check_group(2, "tensor", Hosts(), batcher="mlx_lm") is None
+
+
+def test_settings_that_would_do_nothing_are_refused() -> None:
+    assert "sharding is for a sharded model" in str(check_group(1, "pipeline", Hosts()))
+    spread = Hosts(ranks=["127.0.0.1"])
+    assert "hosts.ranks is for a sharded model" in str(check_group(1, "tensor", spread))
+    for setting in ({"ring_port": 40000}, {"ssh": ["ssh", "-p", "2"]}, {"python": "/py"}):
+        problem = check_group(2, "tensor", Hosts(**setting))  # type: ignore[arg-type]
+        assert f"hosts.{next(iter(setting))} is for ranks on several machines" in str(problem)
+    assert check_group(1, "tensor", Hosts()) is None
 
 
 _SHOW = """

@@ -173,8 +173,10 @@ async def test_step_outputs_are_taken_in_order_and_a_gap_loses_the_worker(
     # its engine's and its refusals' numbers run apart; a local worker's (0) are not checked
     for frame in (steps(1), steps(2), steps(1, -1), steps(3), steps(2, -1), steps(0)):
         assert world.replicas.admit(frame, key, "x", b"steps") is a
-    # another session's: not numbered against this one's (the supervisor drops them)
-    assert world.replicas.admit(steps(9, session=4), key, "x", b"steps") is a
+    # another session's (of requests it dropped when it joined again): dropped, and not
+    # numbered against this one's
+    assert world.replicas.admit(steps(9, session=4), key, "x", b"steps") is None
+    assert not a.lost
     started, fresh = stream("r1", a, received=True), stream("r2", a)
     assert world.replicas.admit(steps(5), key, "x", b"steps") is None  # 4 never came
     assert a.lost and "step outputs from it were lost on the way" in str(a.error)

@@ -52,8 +52,6 @@ from worker.preprocess import PreparedRequest, PreprocessError
 log = logging.getLogger("worker")
 
 HEARTBEAT_S = 1.0
-
-
 _STOP = object()
 
 

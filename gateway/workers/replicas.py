@@ -113,7 +113,9 @@ class Replicas:
         if remote.public_key != key:
             self._warn("key", f"a frame for worker {frame.worker_id!r} from another key ({key})")
             return None
-        if isinstance(frame, StepOutputs) and frame.seq and frame.session == remote.session:
+        if isinstance(frame, StepOutputs) and frame.session != remote.session:
+            return None  # of requests it dropped when it joined again: nobody waits for them
+        if isinstance(frame, StepOutputs) and frame.seq:
             stream = 1 if frame.step < 0 else 0  # its refusals, or its engine's steps
             if frame.seq != remote.seqs[stream] + 1:
                 # a connection dropped with frames on it: what it runs is not whole anymore

@@ -300,8 +300,6 @@ class Supervisor:
         now = time.monotonic()
         handle.last_seen = now
         if isinstance(frame, StepOutputs):
-            if handle.remote is not None and frame.session != handle.remote.session:
-                return  # of requests it dropped when it joined again: nobody waits for them
             note_step(handle, frame.step, now)
             streams = handle.streams
             released = False

@@ -236,13 +236,12 @@ class MlxRowsBackend(MlxLmBackend):
                 f"this one uses {', '.join(sorted(kinds))}: use batcher = 'mlx_lm'"
             )
         self._setup(model, tokenizer, options)
-        self.decode = decode_step.build(model) if options.decode_step == "compiled" else None
         self.batch = RowBatch(
             model,
             options.prefill_step_size,
             self.prefill_batch_size,
             settle_steps=options.join_settle_steps,
-            decode=self.decode,
+            decode=decode_step.build(model) if options.decode_step == "compiled" else None,
         )
 
     def insert(self, items: list[Insertion]) -> list[int]:
