@@ -1,6 +1,6 @@
 """worker/backends/rows.py: the project's own continuous batch on a real tiny model. Rows join
 with their first step in the batch's, leave lazily, and decode exactly as mlx-lm does alone.
-(The engine's tests run over it too: tests/test_engine.py, the `batcher` fixture.)"""
+(The engine's tests run over it too: tests/test_engine*.py, the `batcher` fixture.)"""
 
 from __future__ import annotations
 

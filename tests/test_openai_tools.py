@@ -31,7 +31,7 @@ from shared.types import (
     ToolChoiceMode,
     Usage,
 )
-from tests.test_translate import chat, completion, completions, one, rejected, sse
+from tests.openai_bodies import chat, completion, completions, one, rejected, sse
 
 WEATHER = {
     "type": "object",

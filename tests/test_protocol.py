@@ -1,4 +1,6 @@
-"""Wire frames: pinned bytes, round trips, direction checks and append-only evolution."""
+"""Wire frames' pinned bytes: every frame to and from a worker encodes to its golden bytes
+and decodes back to itself, and each direction's decoder rejects the other direction's
+frames."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import msgspec
 import pytest
 
 from shared.protocol import (
-    PROTOCOL_VERSION,
     Abort,
     Add,
     Capacity,
@@ -28,290 +29,35 @@ from shared.protocol import (
     WorkerState,
 )
 from shared.types import (
-    AudioPart,
-    CanonicalRequest,
     ErrorCode,
     FinishReason,
-    ImagePart,
     Message,
-    OutputFormat,
-    Reasoning,
-    RequestError,
     RequestKind,
-    RequestOutput,
-    ResponseFormat,
-    SamplingParams,
-    Segment,
-    TextPart,
     TokenLogprob,
-    Tool,
-    ToolCall,
-    ToolCallDelta,
-    ToolChoice,
-    ToolChoiceMode,
     TopLogprob,
     Usage,
-    Word,
 )
-
-ADD = Add(
-    "req-1",
-    RequestKind.CHAT,
-    CanonicalRequest(messages=[Message("system", "Be brief."), Message("user", "Hi", name="bob")]),
-    SamplingParams(
-        max_tokens=32,
-        temperature=0.5,
-        seed=7,
-        stop=["\n\n"],
-        stop_token_ids=[2],
-        logit_bias={5: -1.5},
-    ),
-)
-STEP = StepOutputs(
-    "w1",
-    17,
-    [
-        RequestOutput("req-1", text="h\u00e9", token_ids=[104, 233]),
-        RequestOutput(
-            "req-2",
-            finish_reason=FinishReason.ERROR,
-            usage=Usage(5, 1, 0),
-            error=RequestError(ErrorCode.INTERNAL, "boom", "x"),
-        ),
-    ],
-)
-
-# Completions' echo + logprobs with max_tokens 0 (lm-evaluation-harness's scoring request),
-# at batch priority: every field protocol 3 appended to SamplingParams set.
-ADD_ECHO = Add(
-    "req-3",
-    RequestKind.COMPLETION,
-    CanonicalRequest(prompt_token_ids=[0, 17, 42]),
-    SamplingParams(max_tokens=0, temperature=0.0, logprobs=True, top_logprobs=5, echo=True),
-    1,
-)
-# Every field protocol 3 appended to RequestOutput: an echo's prompt text and prompt
-# logprobs (the first has none), a sampled token's logprob with alternatives, a stop string.
-STEP_LOGPROBS = StepOutputs(
-    "w1",
-    18,
-    [
-        RequestOutput(
-            "req-3",
-            finish_reason=FinishReason.LENGTH,
-            usage=Usage(3),
-            prompt_logprobs=[
-                TokenLogprob(0, "ab"),
-                TokenLogprob(
-                    17, " c", -1.5, [TopLogprob(9, "x", -0.5), TopLogprob(17, " c", -1.5)]
-                ),
-            ],
-            prompt_text="ab c",
-        ),
-        RequestOutput(
-            "req-4",
-            text="d",
-            token_ids=[12],
-            finish_reason=FinishReason.STOP,
-            usage=Usage(4, 2),
-            logprobs=[
-                TokenLogprob(12, "d", -0.25, [TopLogprob(12, "d", -0.25, b"d")], b"d"),
-                TokenLogprob(13, "\ufffd", -0.5, [], b"\xc3"),
-            ],
-            stop="\n\n",
-        ),
-    ],
-)
-
-# Protocol 2's bytes for ADD and STEP, before SamplingParams gained (logprobs, top_logprobs,
-# echo) and RequestOutput (logprobs, prompt_logprobs, prompt_text, stop).
-V2_ADD = (
-    "96a3616464a57265712d31a463686174959293a673797374656da942652062726965662ec093a4757365"
-    "72a24869a3626f62c0c0c3809f20cb3fe0000000000000cb3ff000000000000000cb0000000000000000"
-    "0791a20a0a9102c200cb3ff0000000000000cb0000000000000000cb00000000000000008105cbbff800"
-    "0000000000c200"
-)
-V2_STEP = (
-    "94a473746570a27731119296a57265712d31a368c3a99268cce9c0c0c096a57265712d32a090a5657272"
-    "6f729305010093a8696e7465726e616ca4626f6f6da178"
-)
-
-# Protocol 3's bytes for ADD, before Message gained (parts, tool_calls, tool_call_id,
-# reasoning).
-V3_ADD = (
-    "96a3616464a57265712d31a463686174959293a673797374656da942652062726965662ec093a4757365"
-    "72a24869a3626f62c0c0c380dc001220cb3fe0000000000000cb3ff000000000000000cb000000000000"
-    "00000791a20a0a9102c200cb3ff0000000000000cb0000000000000000cb00000000000000008105cbbf"
-    "f8000000000000c2c200c200"
-)
-# Every field protocol 4 appended to Message: images as bytes and as a URL, audio, an
-# assistant's tool call and reasoning, a tool's result (and protocol 7's image `where`).
-ADD_RICH = Add(
-    "req-5",
-    RequestKind.CHAT,
-    CanonicalRequest(
-        messages=[
-            Message(
-                "user",
-                "Look: ",
-                parts=[
-                    TextPart("Look: "),
-                    ImagePart(b"\x89PNG", media_type="image/png", where="messages[0].content[1]"),
-                    ImagePart(url="https://example.com/a.jpg", detail="low"),
-                    AudioPart(b"RIFF", format="wav"),
-                ],
-            ),
-            Message(
-                "assistant",
-                "",
-                tool_calls=[ToolCall("call_1", "get_weather", '{"city": "Oslo"}')],
-                reasoning="They want weather.",
-            ),
-            Message("tool", "12C", tool_call_id="call_1"),
-        ]
-    ),
-    SamplingParams(),
-)
-
-# Protocol 4's bytes for ADD and STEP, before CanonicalRequest gained (tools, tool_choice,
-# response_format, reasoning) and RequestOutput (reasoning, tool_calls).
-V4_ADD = (
-    "96a3616464a57265712d31a463686174959297a673797374656da942652062726965662ec09090c0c097"
-    "a475736572a24869a3626f629090c0c0c0c0c380dc001220cb3fe0000000000000cb3ff0000000000000"
-    "00cb00000000000000000791a20a0a9102c200cb3ff0000000000000cb0000000000000000cb00000000"
-    "000000008105cbbff8000000000000c2c200c200"
-)
-V4_STEP = (
-    "94a473746570a2773111929ba57265712d31a368c3a99268cce9c0c0c09090c0c0c09ba57265712d32a0"
-    "90a56572726f729305010093a8696e7465726e616ca4626f6f6da1789090c0c0c0"
-)
-
-# Protocol 5: tools with a forced choice, a JSON schema, a thinking budget; a delta with
-# reasoning text and a tool call's first and later pieces.
-ADD_TOOLS = Add(
-    "req-6",
-    RequestKind.CHAT,
-    CanonicalRequest(
-        messages=[Message("user", "Weather?")],
-        tools=[Tool("get_weather", "Look it up", {"type": "object"}, strict=True)],
-        tool_choice=ToolChoice(ToolChoiceMode.REQUIRED, "get_weather", parallel=False),
-        response_format=ResponseFormat(OutputFormat.JSON_SCHEMA, {"type": "object"}, "w"),
-        reasoning=Reasoning(True, 64),
-    ),
-    SamplingParams(),
-)
-STEP_TOOLS = StepOutputs(
-    "w1",
-    19,
-    [
-        RequestOutput("req-6", reasoning="hm", tool_calls=[ToolCallDelta(0, "call_1", "f")]),
-        RequestOutput(
-            "req-6",
-            token_ids=[7],
-            finish_reason=FinishReason.TOOL_CALLS,
-            tool_calls=[ToolCallDelta(0, arguments='{"a": 1}')],
-        ),
-    ],
-)
-
-# Protocol 5's bytes for ADD and STEP, before CanonicalRequest gained (inputs,
-# input_token_ids, query, documents, dimensions) and RequestOutput (embeddings, dimensions,
-# scores).
-V5_ADD = (
-    "96a3616464a57265712d31a463686174999297a673797374656da942652062726965662ec09090c0c097"
-    "a475736572a24869a3626f629090c0c0c0c0c38090c0c0c0dc001220cb3fe0000000000000cb3ff00000"
-    "0000000000cb00000000000000000791a20a0a9102c200cb3ff0000000000000cb0000000000000000cb"
-    "00000000000000008105cbbff8000000000000c2c200c200"
-)
-V5_STEP = (
-    "94a473746570a2773111929da57265712d31a368c3a99268cce9c0c0c09090c0c0c0a0909da57265712d"
-    "32a090a56572726f72940501000093a8696e7465726e616ca4626f6f6da1789090c0c0c0a090"
-)
-# Protocol 6: an embedding request of two texts; its answer, two 2-dimensional vectors.
-ADD_EMBED = Add(
-    "req-7",
-    RequestKind.EMBEDDING,
-    CanonicalRequest(inputs=["a", "b c"]),
-    SamplingParams(),
-)
-STEP_EMBED = StepOutputs(
-    "w1",
-    20,
-    [
-        RequestOutput(
-            "req-7",
-            finish_reason=FinishReason.STOP,
-            usage=Usage(3),
-            embeddings=b"\x00\x00\x80?" * 4,
-            dimensions=2,
-        )
-    ],
-)
-
-# Protocol 7's bytes for ADD and STEP, before CanonicalRequest gained (audio, language,
-# timestamps, voice, speed, audio_format) and RequestOutput (segments, language, audio,
-# duration).
-V7_ADD = (
-    "96a3616464a57265712d31a4636861749e9297a673797374656da942652062726965662ec09090c0c097"
-    "a475736572a24869a3626f629090c0c0c0c0c38090c0c0c09090c090c0dc001220cb3fe0000000000000"
-    "cb3ff000000000000000cb00000000000000000791a20a0a9102c200cb3ff0000000000000cb00000000"
-    "00000000cb00000000000000008105cbbff8000000000000c2c200c200"
-)
-V7_STEP = (
-    "94a473746570a277311192dc0010a57265712d31a368c3a99268cce9c0c0c09090c0c0c0a090c4000090"
-    "dc0010a57265712d32a090a56572726f72940501000093a8696e7465726e616ca4626f6f6da1789090c0"
-    "c0c0a090c4000090"
-)
-# Protocol 8: a transcription of a WAV file with word timestamps, a speech request, and
-# their answers (segments with words; a chunk of audio).
-ADD_TRANSCRIBE = Add(
-    "req-8",
-    RequestKind.TRANSCRIPTION,
-    CanonicalRequest(
-        prompt="Earlier words.",
-        audio=AudioPart(b"RIFF", format="wav"),
-        language="en",
-        timestamps=["segment", "word"],
-    ),
-    SamplingParams(temperature=0.0),
-)
-ADD_SPEECH = Add(
-    "req-9",
-    RequestKind.SPEECH,
-    CanonicalRequest(prompt="Hello there.", voice="alloy", speed=1.25, audio_format="mp3"),
-    SamplingParams(),
-)
-STEP_SPEECH = StepOutputs(
-    "w1",
-    18,
-    [
-        RequestOutput(
-            "req-8",
-            "hello world",
-            finish_reason=FinishReason.STOP,
-            segments=[
-                Segment(0, 0.0, 1.5, " hello world", [50364, 7751], words=[Word("hello", 0.0, 0.7)])
-            ],
-            language="en",
-            duration=1.5,
-        ),
-        RequestOutput("req-9", audio=b"\xff\xfb", duration=0.5),
-    ],
-)
-
-# Protocol 8's bytes for ADD, before CanonicalRequest gained `resumed`.
-V8_ADD = (
-    "96a3616464a57265712d31a463686174dc00149297a673797374656da942652062726965662ec09090c0"
-    "c097a475736572a24869a3626f629090c0c0c0c0c38090c0c0c09090c090c0c0c090c0c0c0dc001220cb"
-    "3fe0000000000000cb3ff000000000000000cb00000000000000000791a20a0a9102c200cb3ff0000000"
-    "000000cb0000000000000000cb00000000000000008105cbbff8000000000000c2c200c200"
+from tests.protocol_frames import (
+    ADD,
+    ADD_ECHO,
+    ADD_EMBED,
+    ADD_RICH,
+    ADD_SPEECH,
+    ADD_TOOLS,
+    ADD_TRANSCRIBE,
+    STEP,
+    STEP_EMBED,
+    STEP_LOGPROBS,
+    STEP_SPEECH,
+    STEP_TOOLS,
 )
 
 TO_WORKER = {
     "add": (
         ADD,
-        # as V3_ADD, each Message a 7-array (97, was 93) ending 90 90 c0 c0; the request an
-        # 14-array (9e; 99 in v5, 95 before) ending 90 c0 c0 c0 90 90 c0 90 c0
+        # as V3_ADD (test_protocol_compat.py), each Message a 7-array (97, was 93) ending
+        # 90 90 c0 c0; the request an 14-array (9e; 99 in v5, 95 before) ending 90 c0 c0 c0
+        # 90 90 c0 90 c0
         "97a3616464a57265712d31a463686174dc00159297a673797374656da942652062726965662ec09090c0"
         "c097a475736572a24869a3626f629090c0c0c0c0c38090c0c0c09090c090c0c0c090c0c0c090dc001220"
         "cb3fe0000000000000cb3ff000000000000000cb00000000000000000791a20a0a9102c200cb3ff00000"
@@ -407,8 +153,9 @@ FROM_WORKER = {
     ),
     "step": (
         STEP,
-        # as V2_STEP, each RequestOutput a 16-array (dc0010; 9d in v5, 9b in v4, 96 in v2, 9a
-        # before timings were appended) ending 90 90 c0 c0 c0 a0 90 c4 00 00 90
+        # as V2_STEP (test_protocol_compat.py), each RequestOutput a 16-array (dc0010; 9d in
+        # v5, 9b in v4, 96 in v2, 9a before timings were appended) ending 90 90 c0 c0 c0 a0 90
+        # c4 00 00 90
         "96a473746570a277311192dc0014a57265712d31a368c3a99268cce9c0c0c09090c0c0c0a090c4000090"
         "90c0c400c0dc0014a57265712d32a090a56572726f72940501000093a8696e7465726e616ca4626f6f6d"
         "a1789090c0c0c0a090c400009090c0c400c00000",
@@ -540,156 +287,3 @@ def test_round_trip_keeps_logprob_types() -> None:
     )
     assert stopped.logprobs[1].token_bytes == b"\xc3"  # a byte token keeps its own byte
     assert stopped.prompt_logprobs == [] and stopped.prompt_text is None
-
-
-def test_protocol_2_frames_decode_with_the_new_fields_defaulted() -> None:
-    """A protocol-2 peer's Add and StepOutputs (shorter arrays) still decode: append-only."""
-    codec = Codec()
-    add = codec.to_worker.decode(bytes.fromhex(V2_ADD))
-    assert add == ADD
-    assert isinstance(add, Add)
-    assert (add.sampling.logprobs, add.sampling.top_logprobs, add.sampling.echo) == (
-        False,
-        0,
-        False,
-    )
-    step = codec.from_worker.decode(bytes.fromhex(V2_STEP))
-    assert step == STEP
-    assert isinstance(step, StepOutputs)
-    for output in step.outputs:
-        assert output.logprobs == [] and output.prompt_logprobs == []
-        assert output.prompt_text is None and output.stop is None and output.timings is None
-    # ... and the new bytes only append to the old ones' arrays
-    new = msgspec.msgpack.decode(codec.encode(ADD))
-    old = msgspec.msgpack.decode(bytes.fromhex(V2_ADD))
-    assert new[4][: len(old[4])] == old[4] and new[4][len(old[4]) :] == [False, 0, False]
-    new = msgspec.msgpack.decode(codec.encode(STEP))
-    old = msgspec.msgpack.decode(bytes.fromhex(V2_STEP))
-    for new_output, old_output in zip(new[3], old[3], strict=True):
-        for i, (new_field, old_field) in enumerate(zip(new_output, old_output, strict=False)):
-            if i == 4 and isinstance(old_field, list):  # Usage appended reasoning_tokens
-                assert new_field[: len(old_field)] == old_field
-            else:
-                assert new_field == old_field
-        appended = [[], [], None, None, None, "", [], b"", 0, [], [], None, b"", None]
-        assert new_output[len(old_output) :] == appended
-
-
-def test_protocol_version_is_an_int() -> None:
-    assert type(PROTOCOL_VERSION) is int
-    assert PROTOCOL_VERSION == 11  # bumped with sessions (a remote worker that joins again)
-    hello = Codec().from_worker.decode(Codec().encode(Hello("w", PROTOCOL_VERSION, 1, "m")))
-    assert isinstance(hello, Hello)
-    assert hello.protocol_version == PROTOCOL_VERSION
-
-
-class _OldFrame(msgspec.Struct, array_like=True, omit_defaults=True, tag_field="t", tag="x"):
-    request_id: str
-    count: int = 0
-
-
-class _NewFrame(msgspec.Struct, array_like=True, omit_defaults=True, tag_field="t", tag="x"):
-    request_id: str
-    count: int = 0
-    priority: int = 5  # appended, with a default
-
-
-class _ReorderedFrame(msgspec.Struct, array_like=True, omit_defaults=True, tag_field="t", tag="x"):
-    count: int = 0
-    request_id: str = ""
-
-
-def test_appending_a_defaulted_field_keeps_old_bytes_decodable() -> None:
-    old_bytes = msgspec.msgpack.encode(_OldFrame("r1", 3))
-    new = msgspec.msgpack.decode(old_bytes, type=_NewFrame)
-    assert new == _NewFrame("r1", 3, 5)
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(_OldFrame("r1")), type=_NewFrame) == (
-        _NewFrame("r1", 0, 5)
-    )
-    # old readers ignore trailing fields they do not know
-    newer_bytes = msgspec.msgpack.encode(_NewFrame("r1", 3, 9))
-    assert msgspec.msgpack.decode(newer_bytes, type=_OldFrame) == _OldFrame("r1", 3)
-
-
-def test_reordering_fields_breaks_old_bytes() -> None:
-    """Why the rule is 'append only': array_like frames are positional."""
-    old_bytes = msgspec.msgpack.encode(_OldFrame("r1", 3))
-    with pytest.raises(msgspec.ValidationError):
-        msgspec.msgpack.decode(old_bytes, type=_ReorderedFrame)
-
-
-def test_shorter_frames_from_an_older_peer_decode_with_defaults() -> None:
-    """A Ready/Heartbeat from a peer that predates the trailing fields still decodes."""
-    codec = Codec()
-    ready = codec.from_worker.decode(msgspec.msgpack.encode(["ready", "w1", [8, 16, 512]]))
-    assert ready == Ready("w1", Capacity(8, 16, 512))
-    assert ready.versions == {} and ready.capabilities == [] and ready.load_time_s == 0.0
-    assert ready.identity == ""  # a v9 worker's Ready: no identity
-    hb = codec.from_worker.decode(msgspec.msgpack.encode(["hb", "w1", "draining", 3, 2, 1]))
-    assert hb == Heartbeat("w1", WorkerState.DRAINING, 3, 2, 1, memory_bytes=0)
-    shutdown = codec.to_worker.decode(msgspec.msgpack.encode(["shutdown"]))
-    assert shutdown == Shutdown(ShutdownMode.ABORT, 10.0)
-
-
-def test_protocol_3_messages_decode_with_the_new_fields_defaulted() -> None:
-    codec = Codec()
-    add = codec.to_worker.decode(bytes.fromhex(V3_ADD))
-    assert add == ADD
-    rich = codec.to_worker.decode(codec.encode(ADD_RICH))
-    assert isinstance(rich, Add)
-    user, assistant, tool = rich.request.messages
-    assert [type(p) for p in user.parts] == [TextPart, ImagePart, ImagePart, AudioPart]
-    assert assistant.tool_calls[0].name == "get_weather"
-    assert (assistant.extras(), tool.extras()) == (["tool_calls", "reasoning"], ["tool_call_id"])
-    assert user.extras() == ["parts"] and Message("user", "hi").extras() == []
-
-
-def test_protocol_5_frames_decode_with_the_new_fields_defaulted() -> None:
-    codec = Codec()
-    assert codec.to_worker.decode(bytes.fromhex(V5_ADD)) == ADD
-    assert codec.from_worker.decode(bytes.fromhex(V5_STEP)) == STEP
-    add = codec.to_worker.decode(codec.encode(ADD_EMBED))
-    assert isinstance(add, Add) and add.kind is RequestKind.EMBEDDING
-    assert add.request.inputs == ["a", "b c"] and add.request.input_token_ids == []
-    step = codec.from_worker.decode(codec.encode(STEP_EMBED))
-    assert isinstance(step, StepOutputs)
-    [output] = step.outputs
-    assert output.dimensions == 2 and len(output.embeddings) == 16
-
-
-def test_protocol_4_frames_decode_with_the_new_fields_defaulted() -> None:
-    codec = Codec()
-    assert codec.to_worker.decode(bytes.fromhex(V4_ADD)) == ADD
-    assert codec.from_worker.decode(bytes.fromhex(V4_STEP)) == STEP
-    tools = codec.to_worker.decode(codec.encode(ADD_TOOLS))
-    assert isinstance(tools, Add)
-    assert tools.request.needs() == ["tools", "structured_output", "reasoning"]
-    assert tools.request.tool_choice == ToolChoice(ToolChoiceMode.REQUIRED, "get_weather", False)
-    step = codec.from_worker.decode(codec.encode(STEP_TOOLS))
-    assert isinstance(step, StepOutputs)
-    assert step.outputs[1].finish_reason is FinishReason.TOOL_CALLS
-    assert step.outputs[0].tool_calls == [ToolCallDelta(0, "call_1", "f")]
-
-
-def test_protocol_7_frames_decode_with_the_new_fields_defaulted() -> None:
-    codec = Codec()
-    assert codec.to_worker.decode(bytes.fromhex(V7_ADD)) == ADD
-    assert codec.from_worker.decode(bytes.fromhex(V7_STEP)) == STEP
-    add = codec.to_worker.decode(codec.encode(ADD_TRANSCRIBE))
-    assert isinstance(add, Add) and add.kind is RequestKind.TRANSCRIPTION
-    assert add.request.audio == AudioPart(b"RIFF", format="wav")
-    assert add.request.timestamps == ["segment", "word"]
-    step = codec.from_worker.decode(codec.encode(STEP_SPEECH))
-    assert isinstance(step, StepOutputs)
-    transcript, audio = step.outputs
-    assert transcript.segments[0].words == [Word("hello", 0.0, 0.7)]
-    assert audio.audio == b"\xff\xfb" and audio.duration == 0.5
-
-
-def test_protocol_8_frames_decode_with_nothing_resumed() -> None:
-    codec = Codec()
-    add = codec.to_worker.decode(bytes.fromhex(V8_ADD))
-    assert add == ADD and isinstance(add, Add) and add.request.resumed == []
-    resumed = msgspec.structs.replace(ADD, request=CanonicalRequest(prompt="x", resumed=[5, 6]))
-    back = codec.to_worker.decode(codec.encode(resumed))
-    assert isinstance(back, Add) and back.request.resumed == [5, 6]

@@ -10,10 +10,9 @@ from gateway.api.relay import Choice
 from gateway.api.responses.formatter import ResponsesFormatter
 from gateway.api.responses.translate import new_response
 from shared.types import FinishReason, RequestOutput, ToolCallDelta, Usage
+from tests.response_parser_helpers import TOOLS, formats
+from tests.responses_helpers import _parse, _request
 from tests.test_anthropic_tools import body, events_of, streamed
-from tests.test_response_parser import TOOLS, formats
-from tests.test_responses_tools import _request
-from tests.test_responses_unit import _parse
 from worker.parsing.response import ResponseParser
 
 # A slow reader merged these deltas: the rest of call 0's arguments, then the answer text
