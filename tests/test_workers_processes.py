@@ -4,6 +4,7 @@ signals, pid bookkeeping and the wait for Ready."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from gateway.workers.slots import WorkerHandle
 from gateway.workers.tasks import Tasks
 from shared.config import EngineOptions, ModelConfig, ServerConfig
 from shared.paths import RunDir
+from shared.sharding import Hosts
 from tests.worker_fakes import FakeTransport
 
 pytestmark = pytest.mark.anyio
@@ -95,3 +97,31 @@ async def test_the_worker_gets_its_model_with_server_wide_limits_filled_in(
     assert '"max_prompt_tokens":1000' in procs.run_dir.worker_log("m").read_text()
     own = ModelConfig(name="m", source="/x", engine=EngineOptions(max_prompt_tokens=50))
     assert procs.worker_model(own).engine.max_prompt_tokens == 50
+
+
+async def test_groups_over_several_machines_take_the_ring_range_no_running_group_holds(
+    tmp_path: Path,
+) -> None:
+    exits: list[WorkerHandle] = []
+    procs = _processes(tmp_path, "import time; time.sleep(60)", exits)
+    hosts = Hosts(ranks=["127.0.0.1", "127.0.0.1"], ring_port=40000)
+    model = ModelConfig(name="m", source="/x", shards=2, hosts=hosts)
+
+    def ports(handle: WorkerHandle) -> list[str]:
+        ring = procs.run_dir.root / f"ring-{handle.worker_id}.json"
+        return [node[0] for node in json.loads(ring.read_text())]
+
+    first = await procs.spawn(model, restart=False)
+    second = await procs.spawn(model, restart=False)  # a reload: beside the first
+    try:
+        assert ports(first) == ["127.0.0.1:40000", "127.0.0.1:40001"]
+        assert ports(second) == ["127.0.0.1:40002", "127.0.0.1:40003"]
+        with pytest.raises(GatewayError, match="ring ports are both in use") as third:
+            await procs.spawn(model, restart=False)
+        assert third.value.retry_after == 5
+        await procs.kill(first, signal.SIGKILL, grace=0)
+        fourth = await procs.spawn(model, restart=False)  # the first's range is free again
+        assert ports(fourth) == ["127.0.0.1:40000", "127.0.0.1:40001"]
+        await procs.kill(fourth, signal.SIGKILL, grace=0)
+    finally:
+        await procs.kill(second, signal.SIGKILL, grace=0)
