@@ -6,9 +6,12 @@ timer, with clients that go away mid-stream; counts what each request got in the
 
 It launches the gateway on 127.0.0.1 (one model: `--model`, default the built-in demo), and
 runs `--requests` streamed chat requests `--concurrency` at a time (or until `--duration`
-seconds have passed), each with a random prompt and length, greedy or sampled. Every
-`--fault-every` seconds the model's worker gets SIGKILL or SIGSTOP in turn (a frozen worker
-is killed by the gateway's liveness watch after `--heartbeat-timeout`). A `--disconnect`
+seconds have passed), each with a random prompt and length, greedy or sampled. Each worker,
+once it has served `--fault-every` seconds since it was ready, gets SIGKILL or SIGSTOP in turn
+(a frozen worker is killed by the gateway's liveness watch after `--heartbeat-timeout`).
+Faults are timed from Ready, not from the last fault: a worker killed the moment it came up,
+again and again, is what a poison request looks like, and the gateway rightly ends a
+request that was being tried alone each time (`server.resume_max`). A `--disconnect`
 share of the clients close their stream after a few chunks. At the end it prints:
 
 - requests, completed, disconnected (by the client), errored (by reason), lost (no
@@ -30,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import signal
@@ -197,16 +201,23 @@ async def one(
 
 
 async def fault_loop(run_dir: Path, every: float, faults: Faults, stop: asyncio.Event) -> None:
+    """A fault for each worker once it has been ready for `every` seconds."""
     kinds = [signal.SIGKILL, signal.SIGSTOP]
+    ready: tuple[int, float] | None = None  # the worker seen ready, and since when
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), every)
+            await asyncio.wait_for(stop.wait(), min(every, 0.2))
         if stop.is_set():
             return
         row = await asyncio.to_thread(admin_ps, run_dir)
         pid = row.get("pid")
         if row.get("state") != "ready" or not isinstance(pid, int):
-            continue  # still restarting after the last fault: the next tick tries again
+            continue  # still restarting after the last fault
+        if ready is None or ready[0] != pid:
+            ready = (pid, time.monotonic())
+        if time.monotonic() - ready[1] < every:
+            continue
+        ready = (pid, math.inf)  # one fault per worker: a frozen one stays "ready" a while
         sig = kinds[faults.count % 2]
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
