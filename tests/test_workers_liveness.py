@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from gateway.workers.liveness import Liveness, note_step, verdict
 from gateway.workers.slots import WorkerHandle
 from shared.config import ServerConfig
 from shared.protocol import Heartbeat, WorkerState
-from tests.worker_fakes import FakeProcess, rig
+from tests.worker_fakes import FakeProcess, chat, rig
 
 pytestmark = pytest.mark.anyio
 
@@ -42,6 +43,29 @@ async def test_an_engine_with_work_that_stops_stepping_is_wedged(tmp_path: Path)
     assert "engine stalled" in (verdict(handle, 131.0, silence_s=30, wedge_s=30) or "")
     note_step(handle, 6, now=131.0)  # it moved
     assert verdict(handle, 131.0, silence_s=30, wedge_s=30) is None
+
+
+async def test_requests_sent_that_the_engine_never_takes_in_are_work(tmp_path: Path) -> None:
+    # rank 0 of a sharded model waiting on a frozen rank: its heartbeats report nothing held
+    r = rig(tmp_path)
+    stream = await r.admission.submit(chat("a"))
+    handle = r.handle()
+    handle.heartbeat = Heartbeat(handle.worker_id, WorkerState.READY, 5, 0, 0)
+    sent = handle.step_moved_at
+    assert verdict(handle, sent + 29, silence_s=1e9, wedge_s=30) is None
+    assert "engine stalled" in (verdict(handle, sent + 31, silence_s=1e9, wedge_s=30) or "")
+    handle.streams.pop(stream.request_id)  # answered: idle again
+    assert verdict(handle, sent + 31, silence_s=1e9, wedge_s=30) is None
+
+
+async def test_a_request_after_a_long_rest_starts_the_stall_clock(tmp_path: Path) -> None:
+    r = rig(tmp_path)
+    await r.pool.load("m")
+    handle = r.handle()
+    note_step(handle, 5, now=time.monotonic() - 3600)  # idle an hour
+    await r.admission.submit(chat("a"))
+    _busy(handle, 5)  # taken in, in its first (long) prefill: the step has not moved yet
+    assert verdict(handle, time.monotonic(), silence_s=1e9, wedge_s=30) is None
 
 
 async def test_an_idle_engine_may_stand_still_and_a_loading_one_may_be_silent(

@@ -37,7 +37,9 @@ def verdict(handle: WorkerHandle, now: float, silence_s: float, wedge_s: float) 
     if now - handle.last_seen > silence_s:
         return f"no heartbeat for {silence_s:g}s (server.heartbeat_timeout_s)"
     hb = handle.heartbeat
-    busy = hb is not None and (hb.running + hb.waiting) > 0
+    # work: what its engine holds, or requests sent that it has not taken in (an engine
+    # stuck before it takes them: a sharded group's rank 0 waiting on a frozen rank)
+    busy = bool(handle.streams) or (hb is not None and (hb.running + hb.waiting) > 0)
     if busy and now - handle.step_moved_at > wedge_s:
         return f"engine stalled: no step for {wedge_s:g}s with work (wedge_timeout_s)"
     return None

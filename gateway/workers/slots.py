@@ -190,6 +190,8 @@ def lease(transport: Transport, handle: WorkerHandle, stream: RequestStream) -> 
     the worker cannot be reached; an unencodable value is a 400 and leaves no lease."""
     assert stream.add is not None
     stream.worker_id = handle.worker_id
+    if not handle.streams:  # work after a rest: a stall is counted from now, not the last step
+        handle.step_moved_at = time.monotonic()
     handle.streams[stream.request_id] = stream
     try:
         add = stream.next_add()
