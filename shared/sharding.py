@@ -1,26 +1,40 @@
-"""How a sharded model's ranks find each other: the variables MLX's ring backend reads (the
-ones mlx.launch sets), set by the gateway's supervisor for each rank it starts; and, for a
-group over several machines, where each rank runs and the ssh command that starts it there.
+"""How a sharded model's ranks find each other, over MLX's ring backend (the default) or
+MPI.
 
-A rank on another machine is started through `ssh -tt`: the remote process then has a
-terminal, and when the gateway ends the ssh client (the group stops, or a rank died) the
-remote side hangs up and the rank exits with it: no rank outlives its group.
+Ring: the supervisor starts each rank itself with the variables the ring backend reads (the
+ones mlx.launch sets); for a group over several machines, each rank's address and the ssh
+command that starts it there. A rank on another machine is started through `ssh -tt`: the
+remote process then has a terminal, and when the gateway ends the ssh client (the group
+stops, or a rank died) the remote side hangs up and the rank exits with it: no rank
+outlives its group.
+
+MPI: the supervisor starts Open MPI's `mpirun`, one application context per rank (rank 0 on
+this machine), and mpirun starts the ranks (over ssh on other machines) and ends the whole
+job when one of them dies.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes.util
 import ipaddress
 import itertools
 import json
 import os
 import re
 import shlex
+import shutil
 import socket
+from pathlib import Path
+from typing import Literal
 
 import msgspec
 
 RANK_ENV = "MLX_RANK"  # this process's rank in the group
+# where MPI says it: Open MPI's, then MPICH's and others' (PMI)
+MPI_RANK_ENVS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK")
+MPI_LIBNAME_ENV = "MLX_MPI_LIBNAME"  # which libmpi MLX opens (it looks for libmpi.so)
+GATEWAY_PID_ENV = "MLX_GATEWAY_PID"  # rank 0 under mpirun: exit when this process is gone
 HOSTFILE_ENV = "MLX_HOSTFILE"  # a JSON file: one list of "ip:port" per rank, each its own
 MAX_SHARDS = 16  # worker processes of one sharded model
 RING_PORT = 32323
@@ -50,10 +64,20 @@ class Hosts(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     # The Python that has mlx-gateway installed on the other machines; default: the
     # gateway's own path (the same install layout on every machine).
     python: str | None = None
+    # How the ranks talk: "ring" (MLX's own, over TCP) or "mpi" (Open MPI's mpirun starts
+    # them; user names then go in ssh's config, not in `ranks`).
+    backend: Literal["ring", "mpi"] = "ring"
+    # backend "mpi": the mpirun command and its options (the ranks' contexts follow)
+    mpirun: list[str] = msgspec.field(default_factory=lambda: ["mpirun"])
 
 
 def rank_of(env: dict[str, str] | None = None) -> int:
-    return int((os.environ if env is None else env).get(RANK_ENV, "0"))
+    """This process's rank: the supervisor's MLX_RANK (ring), else what MPI set."""
+    found = os.environ if env is None else env
+    for name in (RANK_ENV, *MPI_RANK_ENVS):
+        if name in found:
+            return int(found[name])
+    return 0
 
 
 def hostfile(ports: list[int], host: str = "127.0.0.1") -> str:
@@ -92,6 +116,14 @@ def check_group(
     if sharding == "pipeline" and batcher == "mlx_lm":
         # measured: other tokens than one process's on a prefix-cache hit
         return "sharding = 'pipeline' runs on the rows batch, not batcher = 'mlx_lm'"
+    if shards == 1 and hosts.backend != "ring":
+        return "hosts.backend is for a sharded model (shards > 1)"
+    if hosts.backend == "mpi" and hosts.ring_port != RING_PORT:
+        return "hosts.ring_port is for the ring backend, not backend = 'mpi'"
+    if hosts.backend == "ring" and hosts.mpirun != Hosts().mpirun:
+        return "hosts.mpirun is for backend = 'mpi'"
+    if hosts.backend == "mpi" and not (hosts.mpirun and hosts.mpirun[0]):
+        return "hosts.mpirun must name the mpirun command"
     unused = [k for k in ("ring_port", "ssh", "python") if getattr(hosts, k) != getattr(Hosts(), k)]
     if unused and not hosts.ranks:
         return f"hosts.{unused[0]} is for ranks on several machines (hosts.ranks)"
@@ -119,6 +151,11 @@ def check_hosts(hosts: Hosts, shards: int) -> str | None:
             )
         if user is not None and not _USER.fullmatch(user):
             return f"hosts.ranks[{rank}] = {entry!r}: not a user name"
+        if user is not None and hosts.backend == "mpi":
+            return (
+                f"hosts.ranks[{rank}] = {entry!r}: mpirun takes no user in a host; give it "
+                "in ssh's config (~/.ssh/config) or in hosts.ssh (-l USER)"
+            )
     addresses = [split_entry(e)[1] for e in hosts.ranks]
     if not all(is_local(a) for a in addresses):  # another machine: every rank is reached
         for rank, address in enumerate(addresses):
@@ -187,3 +224,41 @@ def remote_argv(
     script += " && exec " + shlex.join([python, *argv[1:]])
     # through /bin/sh whatever the login shell (zsh on a Mac, or fish, csh...)
     return [*hosts.ssh, "-tt", hosts.ranks[rank], "exec /bin/sh -c " + shlex.quote(script)]
+
+
+def mpi_argv(
+    hosts: Hosts, shards: int, argv: list[str], env: dict[str, str], libmpi: str
+) -> list[str]:
+    """The mpirun command that starts `argv` (a worker's command line, its interpreter
+    first) as each rank of a group: one application context per rank, in rank order, each
+    on its machine (this one's loopback when `hosts.ranks` is empty), with the project's
+    switches from `env`, the libmpi MLX opens, and `hosts.python` for the ranks elsewhere;
+    ssh (`hosts.ssh`) starts Open MPI's daemon on the other machines."""
+    addresses = [split_entry(e)[1] for e in hosts.ranks] or ["127.0.0.1"] * shards
+    exports = {k: v for k, v in env.items() if k.startswith(PASSED_ENV_PREFIX)}
+    exports["PYTHONUNBUFFERED"] = "1"
+    exports[MPI_LIBNAME_ENV] = libmpi
+    exports.pop(GATEWAY_PID_ENV, None)  # rank 0's alone: it has the gateway's environment
+    options = [arg for k, v in sorted(exports.items()) for arg in ("-x", f"{k}={v}")]
+    command = [*hosts.mpirun]
+    if hosts.ranks:  # mpirun decides which hosts are another machine's: ssh for those
+        command += ["--mca", "plm_rsh_agent", shlex.join(hosts.ssh)]
+    for rank, address in enumerate(addresses):
+        python = argv[0] if rank == 0 or not hosts.python else hosts.python
+        slots = addresses.count(address)
+        command += [*([":"] if rank else []), *options, "-np", "1", "--host", f"{address}:{slots}"]
+        command += [python, *argv[1:]]
+    return command
+
+
+def find_libmpi(mpirun: str) -> str | None:
+    """The libmpi beside `mpirun`'s install (Homebrew, conda: ../lib), else the system's
+    (libmpi.so.40 without the development package's libmpi.so), or None."""
+    path = shutil.which(mpirun)
+    if path is not None:
+        lib = Path(path).resolve().parent.parent / "lib"
+        for pattern in ("libmpi.dylib", "libmpi.so", "libmpi.*.dylib", "libmpi.so.*"):
+            found = sorted(lib.glob(pattern))
+            if found:
+                return str(found[0])
+    return ctypes.util.find_library("mpi")

@@ -48,7 +48,9 @@ def _keygen(path: Path) -> None:
 
 
 @contextmanager
-def running_sshd(root: Path) -> Iterator[Sshd]:
+def running_sshd(root: Path, also: tuple[str, ...] = ()) -> Iterator[Sshd]:
+    """A server on 127.0.0.1 and on the loopback addresses `also` (127.0.0.2: a "machine"
+    that mpirun does not take for this one)."""
     root.mkdir(parents=True, exist_ok=True)
     _keygen(root / "host")
     _keygen(root / "client")
@@ -57,7 +59,9 @@ def running_sshd(root: Path) -> Iterator[Sshd]:
     keys.chmod(0o600)
     port = _free_port()
     (root / "sshd_config").write_text(
-        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {root / 'host'}\n"
+        f"Port {port}\n"
+        + "".join(f"ListenAddress {a}\n" for a in ("127.0.0.1", *also))
+        + f"HostKey {root / 'host'}\n"
         f"AuthorizedKeysFile {keys}\nPidFile {root / 'sshd.pid'}\n"
         "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\n"
         "StrictModes no\nPermitRootLogin prohibit-password\nLogLevel ERROR\n"

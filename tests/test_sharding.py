@@ -1,22 +1,29 @@
-"""shared/sharding.py: where a sharded model's ranks run, checked at config load, and the
-ssh command that starts a rank on another machine."""
+"""shared/sharding.py: where a sharded model's ranks run, checked at config load, the ssh
+command that starts a rank on another machine, and the mpirun command of a group over MPI."""
 
 from __future__ import annotations
 
+import ctypes.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from shared.sharding import (
+    GATEWAY_PID_ENV,
     HOSTFILE_ENV,
+    MPI_LIBNAME_ENV,
     RANK_ENV,
     TEMP_HOSTFILE_ENV,
     Hosts,
     check_group,
     check_hosts,
+    find_libmpi,
+    mpi_argv,
     overlapping_rings,
+    rank_of,
     remote_argv,
     ring_hostfile,
     runs_here,
@@ -119,6 +126,72 @@ def test_settings_that_would_do_nothing_are_refused() -> None:
         problem = check_group(2, "tensor", Hosts(**setting))  # type: ignore[arg-type]
         assert f"hosts.{next(iter(setting))} is for ranks on several machines" in str(problem)
     assert check_group(1, "tensor", Hosts()) is None
+
+
+def test_mpi_settings_are_checked() -> None:
+    mpi = Hosts(backend="mpi")
+    assert check_group(2, "tensor", mpi) is None
+    assert "hosts.backend is for a sharded model" in str(check_group(1, "tensor", mpi))
+    spread = Hosts(ranks=["127.0.0.1", "127.0.0.2"], backend="mpi")
+    assert check_group(2, "tensor", spread) is None
+    fixed = Hosts(ranks=spread.ranks, ring_port=40000, backend="mpi")
+    assert "hosts.ring_port is for the ring backend" in str(check_group(2, "tensor", fixed))
+    user = Hosts(ranks=["127.0.0.1", "me@127.0.0.2"], backend="mpi")
+    assert "mpirun takes no user in a host" in str(check_group(2, "tensor", user))
+    assert "hosts.mpirun is for backend = 'mpi'" in str(
+        check_group(2, "tensor", Hosts(mpirun=["/opt/mpirun"]))
+    )
+    assert "must name the mpirun command" in str(
+        check_group(2, "tensor", Hosts(backend="mpi", mpirun=[]))
+    )
+
+
+def test_the_mpirun_command_has_one_context_per_rank_rank_0_here() -> None:
+    argv = [sys.executable, "-m", "worker", "--id", "w", "--model", "{}"]
+    env = {"MLX_GATEWAY_FAULTS": "x", GATEWAY_PID_ENV: "1", "HOME": "/root"}
+    hosts = Hosts(
+        ranks=["127.0.0.1", "10.0.0.2", "10.0.0.2"],
+        backend="mpi",
+        mpirun=["mpirun", "--allow-run-as-root"],
+        ssh=["ssh", "-i", "my key"],
+        python="/opt/py",
+    )
+    command = mpi_argv(hosts, 3, argv, env, "libmpi.so.40")
+    head = ["mpirun", "--allow-run-as-root", "--mca", "plm_rsh_agent", "ssh -i 'my key'"]
+    assert command[: len(head)] == head
+    contexts = " ".join(command[len(head) :]).split(" : ")
+    assert len(contexts) == 3
+    exported = f"-x MLX_GATEWAY_FAULTS=x -x {MPI_LIBNAME_ENV}=libmpi.so.40 -x PYTHONUNBUFFERED=1"
+    worker = " ".join(argv[1:])
+    assert contexts[0] == f"{exported} -np 1 --host 127.0.0.1:1 {sys.executable} {worker}"
+    assert contexts[1] == f"{exported} -np 1 --host 10.0.0.2:2 /opt/py {worker}"
+    assert contexts[2] == contexts[1]
+    # nothing of the gateway's own environment goes, rank 0's pid watch included
+    assert "HOME" not in " ".join(command) and GATEWAY_PID_ENV not in " ".join(command)
+    # all on this machine: loopback, and no ssh
+    here = mpi_argv(Hosts(backend="mpi"), 2, argv, {}, "libmpi.so.40")
+    assert "plm_rsh_agent" not in here and here.count("127.0.0.1:2") == 2
+
+
+def test_ranks_read_theirs_from_the_supervisor_or_from_mpi() -> None:
+    assert rank_of({}) == 0
+    assert rank_of({RANK_ENV: "2"}) == 2
+    assert rank_of({"OMPI_COMM_WORLD_RANK": "3"}) == 3
+    assert rank_of({"PMI_RANK": "1"}) == 1
+
+
+def test_libmpi_is_found_beside_mpirun(tmp_path: Path) -> None:
+    bin_dir, lib = tmp_path / "bin", tmp_path / "lib"
+    bin_dir.mkdir()
+    lib.mkdir()
+    mpirun = bin_dir / "mpirun"
+    mpirun.write_text("#!/bin/sh\n")
+    mpirun.chmod(0o755)
+    (lib / "libmpi.so.40").write_text("")
+    assert find_libmpi(str(mpirun)) == str(lib / "libmpi.so.40")
+    (lib / "libmpi.so.40").unlink()
+    # none beside it: the system's, as the loader names it (or none at all)
+    assert find_libmpi(str(mpirun)) == ctypes.util.find_library("mpi")
 
 
 _SHOW = """

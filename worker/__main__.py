@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
 
 import msgspec
@@ -18,6 +19,7 @@ from shared.config import ModelConfig
 from shared.modelinfo import kind_in
 from shared.protocol import PROTOCOL_VERSION, Codec, Hello, WorkerDead
 from shared.sharding import HOSTFILE_ENV, TEMP_HOSTFILE_ENV, rank_of
+from worker import lifeline
 from worker.channels import RemoteLink, WorkerChannels
 
 NO_BACKEND = (
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     if model.shards > 1 and rank_of() > 0:  # a sharded model's other rank: no sockets
-        code = run_follower(args.id, model)
+        code = run_follower(args.id, model, not args.no_parent_watch)
         logging.shutdown()
         os._exit(code)
     link = None
@@ -99,9 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     os._exit(code)  # never wait on a daemon thread stuck in a send to a vanished gateway
 
 
-def run_follower(worker_id: str, model: ModelConfig) -> int:
+def run_follower(worker_id: str, model: ModelConfig, watch_parent: bool) -> int:
     """Rank > 0 of a sharded model: its shard, the same probe as rank 0, then rank 0's
-    turns until it stops (or the group breaks: a rank died)."""
+    turns until it stops (or the group breaks: a rank died; or what started it is gone: an
+    MPI rank waits on a dead peer for ever)."""
     from worker.faults import Faults
     from worker.loader import resolve_source
     from worker.lockstep import Follower, Lockstep
@@ -109,10 +112,12 @@ def run_follower(worker_id: str, model: ModelConfig) -> int:
     from worker.opening import open_model
 
     log = logging.getLogger("worker")
+    if watch_parent:
+        lifeline.watch(threading.Event(), 1.0)
     try:
         own_memory(model.engine)
         try:
-            lockstep = Lockstep(model.shards)
+            lockstep = Lockstep(model.shards, model.hosts.backend)
         finally:
             if os.environ.get(TEMP_HOSTFILE_ENV) == "1":  # written by the ssh command: read
                 with contextlib.suppress(OSError, KeyError):

@@ -39,8 +39,8 @@ class Turn(msgspec.Struct, array_like=True):
 
 
 class Lockstep:
-    def __init__(self, shards: int) -> None:
-        group = mx.distributed.init(strict=True, backend="ring")
+    def __init__(self, shards: int, backend: str) -> None:
+        group = mx.distributed.init(strict=True, backend=backend)
         if group.size() != shards:
             raise RuntimeError(f"the group has {group.size()} ranks, not shards={shards}")
         self.group = group

@@ -39,6 +39,7 @@ from shared.protocol import (
     WorkerState,
 )
 from shared.types import ErrorCode, FinishReason, RequestError, RequestOutput
+from worker import lifeline
 from worker.calls import answer
 from worker.channels import RemoteLink, WorkerChannels
 from worker.faults import Faults
@@ -92,7 +93,6 @@ class WorkerProc:
         self.outbox: queue.Queue[object] = queue.Queue()
         self.state = WorkerState.STARTING
         self.engine: Engine | None = None
-        self.parent = os.getppid()
         self.draining_until: float | None = None
         self.stopping = threading.Event()
         self.outputs_thread = threading.Thread(target=self._output_loop, name="output", daemon=True)
@@ -108,7 +108,7 @@ class WorkerProc:
     def run(self) -> int:
         self.limits = own_memory(self.args.model.engine)  # before any heartbeat reports them
         if self.args.watch_parent:
-            threading.Thread(target=self._watch_parent, name="parent-watch", daemon=True).start()
+            lifeline.watch(self.stopping, HEARTBEAT_S)
         if self.link_watch is not None:  # a key the gateway refuses ends it before loading
             self.link_watch.start()
             self.link_watch.wait_connected()
@@ -123,7 +123,7 @@ class WorkerProc:
             config = self.args.model
             if config.shards > 1:  # the other ranks join (the supervisor started them)
                 self._progress("joining the group", -1.0)
-                self.lockstep = Lockstep(config.shards)
+                self.lockstep = Lockstep(config.shards, config.hosts.backend)
             group = self.lockstep.group if self.lockstep is not None else None
             path = resolve_source(config, self._progress)
             # what the files say once they are here (a hub id's, downloaded just now)
@@ -179,13 +179,6 @@ class WorkerProc:
             threads.append(self.link_watch.thread)
         if not any(t is not None and t.is_alive() for t in threads):
             self.channels.close()  # the output socket lingers so the last frames leave
-
-    def _watch_parent(self) -> None:
-        """macOS has no PDEATHSIG: notice re-parenting and exit with the gateway."""
-        while not self.stopping.wait(HEARTBEAT_S):
-            if os.getppid() != self.parent:
-                log.error("the gateway is gone; exiting")
-                os._exit(3)
 
     def _progress(self, stage: str, fraction: float) -> None:
         self.stage, self.stage_progress = stage, fraction

@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
+import shutil
 import socket
 import sys
 import uuid
@@ -25,9 +27,13 @@ from shared.blas import worker_env
 from shared.config import ModelConfig, ServerConfig
 from shared.paths import RunDir
 from shared.sharding import (
+    GATEWAY_PID_ENV,
     HOSTFILE_ENV,
+    MPI_LIBNAME_ENV,
     RANK_ENV,
+    find_libmpi,
     hostfile,
+    mpi_argv,
     remote_argv,
     ring_hostfile,
     runs_here,
@@ -107,7 +113,11 @@ class Processes:
         argv = self.command(worker_id, msgspec.json.encode(self.worker_model(model)).decode())
         env = worker_env(server.blas, server.blas_threads, device=self.device_kind)
         ranks = [(argv, env, True)]  # each rank's command line, environment, and whether here
-        if model.shards > 1:  # one group: every rank the same command, its own MLX_RANK
+        if model.shards > 1 and model.hosts.backend == "mpi":  # mpirun starts the ranks
+            ranks = [
+                (self._mpirun(model, argv, env), {**env, GATEWAY_PID_ENV: str(os.getpid())}, True)
+            ]
+        elif model.shards > 1:  # one group: every rank the same command, its own MLX_RANK
             hosts = model.hosts
             if hosts.ranks:  # fixed ports: a group beside a running one takes the other range
                 group = ring_hostfile(hosts, self._ring_range(model.name, worker_id))
@@ -153,6 +163,25 @@ class Processes:
         log.info("model %s: worker %s spawned (pid %d)", model.name, worker_id, process.pid)
         return handle
 
+    @staticmethod
+    def _mpirun(model: ModelConfig, argv: list[str], env: dict[str, str]) -> list[str]:
+        """The mpirun command of a group over MPI; its absence is the load's error."""
+        mpirun = model.hosts.mpirun[0]
+        if shutil.which(mpirun) is None:
+            raise GatewayError(
+                ErrorCode.WORKER_UNAVAILABLE,
+                f"model {model.name!r}: hosts.backend = 'mpi' needs Open MPI's {mpirun!r}, "
+                "which is not on this machine (brew install open-mpi; apt install openmpi-bin)",
+            )
+        libmpi = env.get(MPI_LIBNAME_ENV) or find_libmpi(mpirun)
+        if libmpi is None:
+            raise GatewayError(
+                ErrorCode.WORKER_UNAVAILABLE,
+                f"model {model.name!r}: no libmpi found beside {mpirun!r} nor on the system's "
+                f"library path (set {MPI_LIBNAME_ENV} to its path)",
+            )
+        return mpi_argv(model.hosts, model.shards, argv, env, libmpi)
+
     async def wait_ready(self, handle: WorkerHandle, timeout: float) -> None:
         """Until its Ready; a worker that exits or stays silent first is a 503 saying why."""
         ready = asyncio.ensure_future(handle.ready.wait())
@@ -194,6 +223,15 @@ class Processes:
             handle.exit_code = await self._watch_group(handle)
         else:
             handle.exit_code = await handle.process.wait()
+        # mpirun's ranks end with it, even killed with SIGKILL (they lose its PMIx server; a
+        # stopped one is hung up by the kernel with its orphaned process group)
+        mpi = handle.config.shards > 1 and handle.config.hosts.backend == "mpi"
+        if mpi and handle.exit_code and not handle.retiring:
+            handle.error = handle.error or (
+                f"its {handle.config.shards}-rank MPI group exited "
+                f"({describe_exit(handle.exit_code)}: mpirun ends the group when a rank "
+                "dies; the worker log says which); the group is restarted as a unit"
+            )
         self.by_id.pop(handle.worker_id, None)
         self._ring_ranges.pop(handle.worker_id, None)
         handle.exited.set()

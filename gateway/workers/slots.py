@@ -343,7 +343,8 @@ def replica_row(handle: WorkerHandle) -> dict[str, object]:
         "cache_hits": cache.hits if cache is not None else None,
         "cache_hit_tokens": cache.hit_tokens if cache is not None else None,
         "error": handle.error if handle.lost else None,
+        # a group the supervisor started rank by rank (ring; over MPI, `pid` is mpirun's)
         "ranks": [handle.pid, *(p.pid for p in handle.ranks)] if handle.ranks else None,
         # a group over several machines: each rank's (over ssh, `ranks` has its ssh client)
-        "rank_hosts": list(handle.config.hosts.ranks) if handle.ranks else None,
+        "rank_hosts": list(handle.config.hosts.ranks) if handle.config.shards > 1 else None,
     }
