@@ -39,8 +39,12 @@ HOSTFILE_ENV = "MLX_HOSTFILE"  # a JSON file: one list of "ip:port" per rank, ea
 MAX_SHARDS = 16  # worker processes of one sharded model
 RING_PORT = 32323
 # what a rank on another machine takes from the gateway's environment (the project's own
-# switches: fault injection, step traces); the rest is that machine's
-PASSED_ENV_PREFIX = "MLX_GATEWAY_"
+# switches: fault injection, step traces, the log format); the rest is that machine's (and
+# the gateway's config, keys and pids stay here: a command line is readable by any user)
+PASSED_ENV = ("MLX_GATEWAY_FAULTS", "MLX_GATEWAY_STEP_TRACE", "MLX_GATEWAY_LOG_FORMAT")
+# where mpirun looks for the command that starts its daemon on another machine: Open MPI 4's
+# name, and Open MPI 5's (PRRTE's)
+RSH_AGENT_ENVS = ("OMPI_MCA_plm_rsh_agent", "PRTE_MCA_plm_ssh_agent")
 # set for a rank whose host file is a temporary file of its machine: removed once read
 TEMP_HOSTFILE_ENV = "MLX_GATEWAY_TEMP_HOSTFILE"
 _USER = re.compile(r"[A-Za-z0-9._][A-Za-z0-9._-]*")
@@ -71,10 +75,10 @@ class Hosts(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     mpirun: list[str] = msgspec.field(default_factory=lambda: ["mpirun"])
 
 
-def rank_of(env: dict[str, str] | None = None) -> int:
-    """This process's rank: the supervisor's MLX_RANK (ring), else what MPI set."""
+def rank_of(backend: str, env: dict[str, str] | None = None) -> int:
+    """This process's rank: what MPI set (backend "mpi"), else the supervisor's MLX_RANK."""
     found = os.environ if env is None else env
-    for name in (RANK_ENV, *MPI_RANK_ENVS):
+    for name in MPI_RANK_ENVS if backend == "mpi" else (RANK_ENV,):
         if name in found:
             return int(found[name])
     return 0
@@ -188,7 +192,9 @@ def ring_hostfile(hosts: Hosts, turn: int = 0) -> str:
 def overlapping_rings(models: list[tuple[str, Hosts]]) -> str | None:
     """Two models over several machines whose ring ports overlap, said as an error."""
     spans = sorted(
-        (h.ring_port, h.ring_port + 2 * len(h.ranks), name) for name, h in models if h.ranks
+        (h.ring_port, h.ring_port + 2 * len(h.ranks), name)
+        for name, h in models
+        if h.ranks and h.backend == "ring"  # MPI's ports are its own
     )
     for (_, end, first), (start, _, second) in itertools.pairwise(spans):
         if start < end:
@@ -214,7 +220,7 @@ def remote_argv(
     as `rank` on its machine: the group's host file written there, the rank and the project's
     switches from `env` exported, the interpreter replaced by `hosts.python` if set."""
     python = hosts.python or argv[0]
-    exports = {k: v for k, v in env.items() if k.startswith(PASSED_ENV_PREFIX)}
+    exports = {k: env[k] for k in PASSED_ENV if k in env}
     exports["PYTHONUNBUFFERED"] = "1"
     exports[RANK_ENV] = str(rank)
     exports[TEMP_HOSTFILE_ENV] = "1"
@@ -226,29 +232,45 @@ def remote_argv(
     return [*hosts.ssh, "-tt", hosts.ranks[rank], "exec /bin/sh -c " + shlex.quote(script)]
 
 
-def mpi_argv(
-    hosts: Hosts, shards: int, argv: list[str], env: dict[str, str], libmpi: str
-) -> list[str]:
+def mpi_launch(
+    hosts: Hosts,
+    shards: int,
+    argv: list[str],
+    env: dict[str, str],
+    libmpi: str,
+    agent: str | None,
+) -> tuple[list[str], dict[str, str]]:
     """The mpirun command that starts `argv` (a worker's command line, its interpreter
-    first) as each rank of a group: one application context per rank, in rank order, each
-    on its machine (this one's loopback when `hosts.ranks` is empty), with the project's
-    switches from `env`, the libmpi MLX opens, and `hosts.python` for the ranks elsewhere;
-    ssh (`hosts.ssh`) starts Open MPI's daemon on the other machines."""
+    first) as each rank of a group, and mpirun's environment. One application context per
+    rank, in rank order, each on its machine (this one's loopback when `hosts.ranks` is
+    empty), `hosts.python` for the ranks elsewhere; ranks not bound to one core (Open MPI's
+    default for small jobs, which would starve MLX's threads); the project's switches, the
+    libmpi MLX opens and unbuffered output exported by name (`-x NAME`: the values stay off
+    the command line). `agent` is the script that runs `hosts.ssh`, given to mpirun to start
+    its daemon on other machines (a path: Open MPI splits the agent's text at spaces and
+    colons)."""
     addresses = [split_entry(e)[1] for e in hosts.ranks] or ["127.0.0.1"] * shards
-    exports = {k: v for k, v in env.items() if k.startswith(PASSED_ENV_PREFIX)}
-    exports["PYTHONUNBUFFERED"] = "1"
-    exports[MPI_LIBNAME_ENV] = libmpi
-    exports.pop(GATEWAY_PID_ENV, None)  # rank 0's alone: it has the gateway's environment
-    options = [arg for k, v in sorted(exports.items()) for arg in ("-x", f"{k}={v}")]
-    command = [*hosts.mpirun]
-    if hosts.ranks:  # mpirun decides which hosts are another machine's: ssh for those
-        command += ["--mca", "plm_rsh_agent", shlex.join(hosts.ssh)]
+    launch_env = {**env, "PYTHONUNBUFFERED": "1", MPI_LIBNAME_ENV: libmpi}
+    if agent is not None:
+        launch_env.update(dict.fromkeys(RSH_AGENT_ENVS, agent))
+    names = sorted({*(k for k in PASSED_ENV if k in env), "PYTHONUNBUFFERED", MPI_LIBNAME_ENV})
+    options = [arg for name in names for arg in ("-x", name)]
+    command = [hosts.mpirun[0]]
+    if "--bind-to" not in hosts.mpirun:
+        command += ["--bind-to", "none"]
+    command += hosts.mpirun[1:]
     for rank, address in enumerate(addresses):
-        python = argv[0] if rank == 0 or not hosts.python else hosts.python
+        python = argv[0] if rank == 0 or is_local(address) else hosts.python or argv[0]
         slots = addresses.count(address)
         command += [*([":"] if rank else []), *options, "-np", "1", "--host", f"{address}:{slots}"]
         command += [python, *argv[1:]]
-    return command
+    return command, launch_env
+
+
+def agent_script(hosts: Hosts) -> str:
+    """The script mpirun runs to reach another machine: `hosts.ssh`, then mpirun's target
+    and command."""
+    return "#!/bin/sh\nexec " + shlex.join(hosts.ssh) + ' "$@"\n'
 
 
 def find_libmpi(mpirun: str) -> str | None:
@@ -257,7 +279,8 @@ def find_libmpi(mpirun: str) -> str | None:
     path = shutil.which(mpirun)
     if path is not None:
         lib = Path(path).resolve().parent.parent / "lib"
-        for pattern in ("libmpi.dylib", "libmpi.so", "libmpi.*.dylib", "libmpi.so.*"):
+        # the versioned library first: libmpi.so may be a linker script, not a library
+        for pattern in ("libmpi.*.dylib", "libmpi.so.*", "libmpi.dylib", "libmpi.so"):
             found = sorted(lib.glob(pattern))
             if found:
                 return str(found[0])

@@ -18,10 +18,11 @@ from shared.sharding import (
     RANK_ENV,
     TEMP_HOSTFILE_ENV,
     Hosts,
+    agent_script,
     check_group,
     check_hosts,
     find_libmpi,
-    mpi_argv,
+    mpi_launch,
     overlapping_rings,
     rank_of,
     remote_argv,
@@ -82,11 +83,13 @@ def test_the_remote_command_writes_the_ring_and_execs_the_worker() -> None:
     argv = [sys.executable, "-c", _SHOW, "-m", "worker", "--id", "w-1"]
     argv += ["--model", '{"name": "it\'s $HOME `x` !"}']
     env = {"MLX_GATEWAY_FAULTS": "x", "HOME": "/home/gw", "LD_PRELOAD": "libopenblas.so"}
+    env |= {"MLX_GATEWAY_CONFIG_JSON": '{"keys": 1}', "MLX_GATEWAY_API_KEY": "sk-1"}
     command = remote_argv(hosts, 1, argv, group, env)
     assert command[:5] == ["ssh", "-p", "2222", "-tt", "me@10.0.0.2"]
     remote = command[5]  # what sshd hands the login shell: /bin/sh whatever that shell is
     assert remote.startswith("exec /bin/sh -c ")
     assert "LD_PRELOAD" not in remote and "HOME=" not in remote  # that machine's own
+    assert "CONFIG_JSON" not in remote and "sk-1" not in remote  # the gateway's: stays here
     # run by a login shell here: the worker's exact argv, the ring's file and the rank, and
     # the project's switches
     for shell in ("sh", "bash"):
@@ -148,36 +151,68 @@ def test_mpi_settings_are_checked() -> None:
 
 def test_the_mpirun_command_has_one_context_per_rank_rank_0_here() -> None:
     argv = [sys.executable, "-m", "worker", "--id", "w", "--model", "{}"]
-    env = {"MLX_GATEWAY_FAULTS": "x", GATEWAY_PID_ENV: "1", "HOME": "/root"}
+    secret = {"MLX_GATEWAY_CONFIG_JSON": "{...}", "MLX_GATEWAY_API_KEY": "sk-1", "HOME": "/h"}
+    env = {"MLX_GATEWAY_FAULTS": "x", GATEWAY_PID_ENV: "1", **secret}
     hosts = Hosts(
         ranks=["127.0.0.1", "10.0.0.2", "10.0.0.2"],
         backend="mpi",
         mpirun=["mpirun", "--allow-run-as-root"],
-        ssh=["ssh", "-i", "my key"],
         python="/opt/py",
     )
-    command = mpi_argv(hosts, 3, argv, env, "libmpi.so.40")
-    head = ["mpirun", "--allow-run-as-root", "--mca", "plm_rsh_agent", "ssh -i 'my key'"]
+    command, launch = mpi_launch(hosts, 3, argv, env, "libmpi.so.40", "/tmp/a/ssh")
+    head = ["mpirun", "--bind-to", "none", "--allow-run-as-root"]
     assert command[: len(head)] == head
     contexts = " ".join(command[len(head) :]).split(" : ")
     assert len(contexts) == 3
-    exported = f"-x MLX_GATEWAY_FAULTS=x -x {MPI_LIBNAME_ENV}=libmpi.so.40 -x PYTHONUNBUFFERED=1"
+    # exported by name: mpirun takes the values from its environment
+    exported = f"-x MLX_GATEWAY_FAULTS -x {MPI_LIBNAME_ENV} -x PYTHONUNBUFFERED"
     worker = " ".join(argv[1:])
     assert contexts[0] == f"{exported} -np 1 --host 127.0.0.1:1 {sys.executable} {worker}"
     assert contexts[1] == f"{exported} -np 1 --host 10.0.0.2:2 /opt/py {worker}"
     assert contexts[2] == contexts[1]
-    # nothing of the gateway's own environment goes, rank 0's pid watch included
-    assert "HOME" not in " ".join(command) and GATEWAY_PID_ENV not in " ".join(command)
-    # all on this machine: loopback, and no ssh
-    here = mpi_argv(Hosts(backend="mpi"), 2, argv, {}, "libmpi.so.40")
-    assert "plm_rsh_agent" not in here and here.count("127.0.0.1:2") == 2
+    assert launch[MPI_LIBNAME_ENV] == "libmpi.so.40" and launch["PYTHONUNBUFFERED"] == "1"
+    assert launch["OMPI_MCA_plm_rsh_agent"] == launch["PRTE_MCA_plm_ssh_agent"] == "/tmp/a/ssh"
+    # nothing of the gateway's own environment is on the command line or sent elsewhere
+    assert not any(value in " ".join(command) for value in secret.values())
+    assert GATEWAY_PID_ENV not in command and "MLX_GATEWAY_CONFIG_JSON" not in command
+    # all on this machine: loopback, no ssh; a binding asked for is kept
+    here, launch = mpi_launch(Hosts(backend="mpi"), 2, argv, {}, "libmpi.so.40", None)
+    assert here.count("127.0.0.1:2") == 2 and "OMPI_MCA_plm_rsh_agent" not in launch
+    bound = Hosts(backend="mpi", mpirun=["mpirun", "--bind-to", "socket"])
+    assert mpi_launch(bound, 2, argv, {}, "l", None)[0][:3] == ["mpirun", "--bind-to", "socket"]
+
+
+def test_the_ssh_script_keeps_every_argument_whole(tmp_path: Path) -> None:
+    # Open MPI splits an agent's text at spaces and colons: it gets this script's path
+    show = tmp_path / "show"
+    show.write_text('#!/bin/sh\nfor a in "$@"; do echo "[$a]"; done\n')
+    show.chmod(0o755)
+    agent = tmp_path / "ssh"
+    agent.write_text(agent_script(Hosts(ssh=[str(show), "-i", "my key", "-o", "A=b:c"])))
+    agent.chmod(0o755)
+    out = subprocess.run([str(agent), "10.0.0.2", "orted --x"], capture_output=True, text=True)
+    assert out.stdout.splitlines() == [
+        "[-i]",
+        "[my key]",
+        "[-o]",
+        "[A=b:c]",
+        "[10.0.0.2]",
+        "[orted --x]",
+    ]
+
+
+def test_mpi_groups_take_no_ring_ports() -> None:
+    spread = ["127.0.0.1", "127.0.0.2"]
+    rings = [("a", Hosts(spread, backend="mpi")), ("b", Hosts(spread, backend="mpi"))]
+    assert overlapping_rings(rings) is None
+    assert overlapping_rings([*rings, ("c", Hosts(spread))]) is None
 
 
 def test_ranks_read_theirs_from_the_supervisor_or_from_mpi() -> None:
-    assert rank_of({}) == 0
-    assert rank_of({RANK_ENV: "2"}) == 2
-    assert rank_of({"OMPI_COMM_WORLD_RANK": "3"}) == 3
-    assert rank_of({"PMI_RANK": "1"}) == 1
+    assert rank_of("ring", {}) == 0
+    assert rank_of("ring", {RANK_ENV: "2", "OMPI_COMM_WORLD_RANK": "3"}) == 2
+    assert rank_of("mpi", {RANK_ENV: "2", "OMPI_COMM_WORLD_RANK": "3"}) == 3
+    assert rank_of("mpi", {"PMI_RANK": "1"}) == 1
 
 
 def test_libmpi_is_found_beside_mpirun(tmp_path: Path) -> None:
@@ -188,7 +223,9 @@ def test_libmpi_is_found_beside_mpirun(tmp_path: Path) -> None:
     mpirun.write_text("#!/bin/sh\n")
     mpirun.chmod(0o755)
     (lib / "libmpi.so.40").write_text("")
+    (lib / "libmpi.so").write_text("INPUT(libmpi.so.40)")  # a linker script: not dlopen's
     assert find_libmpi(str(mpirun)) == str(lib / "libmpi.so.40")
+    (lib / "libmpi.so").unlink()
     (lib / "libmpi.so.40").unlink()
     # none beside it: the system's, as the loader names it (or none at all)
     assert find_libmpi(str(mpirun)) == ctypes.util.find_library("mpi")

@@ -68,6 +68,18 @@ async def test_a_request_after_a_long_rest_starts_the_stall_clock(tmp_path: Path
     assert verdict(handle, time.monotonic(), silence_s=1e9, wedge_s=30) is None
 
 
+async def test_new_requests_do_not_hide_a_wedge(tmp_path: Path) -> None:
+    # the engine holds requests whose clients left (their streams gone, the aborts never
+    # taken in): a retry leased to it must not restart the stall clock
+    r = rig(tmp_path)
+    await r.pool.load("m")
+    handle = r.handle()
+    _busy(handle, 5)
+    note_step(handle, 5, now=time.monotonic() - 3600)
+    await r.admission.submit(chat("again"))
+    assert "engine stalled" in (verdict(handle, time.monotonic(), 1e9, wedge_s=30) or "")
+
+
 async def test_an_idle_engine_may_stand_still_and_a_loading_one_may_be_silent(
     tmp_path: Path,
 ) -> None:

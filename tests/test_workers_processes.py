@@ -125,3 +125,20 @@ async def test_groups_over_several_machines_take_the_ring_range_no_running_group
         await procs.kill(fourth, signal.SIGKILL, grace=0)
     finally:
         await procs.kill(second, signal.SIGKILL, grace=0)
+
+
+async def test_a_rank_that_stops_cleanly_leaves_rank_0_time_to_finish(tmp_path: Path) -> None:
+    # the group's stop: the other ranks leave at once, rank 0 once its last frames are out;
+    # it is not killed for being last (a rank that crashes still ends the group at once)
+    script = (
+        "import os, time\n"
+        "if os.environ['MLX_RANK'] != '0': raise SystemExit(0)\n"
+        "time.sleep(0.5); print('rank 0 finished', flush=True)\n"
+    )
+    exits: list[WorkerHandle] = []
+    procs = _processes(tmp_path, script, exits)
+    handle = await procs.spawn(ModelConfig(name="m", source="/x", shards=2), restart=False)
+    handle.retiring = True  # an unload: the group was told to stop
+    await asyncio.wait_for(handle.exited.wait(), 20)
+    assert "rank 0 finished" in procs.run_dir.worker_log("m").read_text()
+    assert handle.exit_code == 0 and handle.error is None

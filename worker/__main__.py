@@ -60,14 +60,16 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     else:
-        rank = f"/r{rank_of()}" if model.shards > 1 else ""
+        rank = f"/r{rank_of(model.hosts.backend)}" if model.shards > 1 else ""
         handler.setFormatter(
             logging.Formatter(f"%(asctime)s %(levelname)s worker[{args.id}{rank}] %(message)s")
         )
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
-    if model.shards > 1 and rank_of() > 0:  # a sharded model's other rank: no sockets
+    mpi = model.shards > 1 and model.hosts.backend == "mpi"
+    if model.shards > 1 and rank_of(model.hosts.backend) > 0:  # another rank: no sockets
         code = run_follower(args.id, model, not args.no_parent_watch)
         logging.shutdown()
+        _leave(mpi and code == 0)
         os._exit(code)
     link = None
     if args.connect is not None:
@@ -98,7 +100,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     code = worker.run()
     logging.shutdown()
+    _leave(mpi and code == 0)
     os._exit(code)  # never wait on a daemon thread stuck in a send to a vanished gateway
+
+
+def _leave(mpi: bool) -> None:
+    """A clean stop over MPI says so to MPI (MPI_Finalize, which os._exit would skip): else
+    mpirun takes the first rank to leave for a crash and kills the others, rank 0 with
+    its last frames still going out."""
+    if mpi:
+        from worker.lockstep import finalize_mpi
+
+        finalize_mpi()
 
 
 def run_follower(worker_id: str, model: ModelConfig, watch_parent: bool) -> int:
@@ -130,7 +143,7 @@ def run_follower(worker_id: str, model: ModelConfig, watch_parent: bool) -> int:
         opened.engine.probe()
         return Follower(lockstep).run(opened.engine, opened.preprocess)
     except Exception:
-        log.exception("rank %d failed", rank_of())
+        log.exception("rank %d failed", rank_of(model.hosts.backend))
         return 1
 
 

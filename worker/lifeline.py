@@ -9,6 +9,8 @@ import logging
 import os
 import threading
 
+import psutil
+
 from shared.sharding import GATEWAY_PID_ENV
 
 log = logging.getLogger("worker")
@@ -17,13 +19,13 @@ GONE_EXIT = 3  # the status of a worker whose gateway went
 
 
 def _alive(pid: int) -> bool:
+    """Running: a zombie (exited, not yet reaped by its parent) is gone."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
-        return True  # someone's: it exists
-    return True
+    except psutil.Error:
+        return True  # someone's we may not look at: it exists
 
 
 def gone(parent: int, gateway: int | None) -> str | None:

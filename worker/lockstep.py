@@ -1,5 +1,5 @@
 """A model sharded over several worker processes (`shards = N`): one mlx.distributed group
-(MLX's ring backend over loopback), every rank running the same engine in lockstep.
+(MLX's ring backend, or MPI), every rank running the same engine in lockstep.
 
 Rank 0 is the worker the gateway knows: it has the sockets, and at each turn of its loop it
 shares what it took in (the frames, as received) with the other ranks, which handle the
@@ -12,12 +12,14 @@ group down (the ring raises on the others), and the gateway restarts the group a
 
 The ranks are started by the gateway's supervisor (MLX_RANK, MLX_HOSTFILE: the variables
 mlx.launch sets), not by mlx.launch itself, whose launcher process polls its pipes without
-sleeping and exits 0 whatever its ranks did.
+sleeping and exits 0 whatever its ranks did; or, over MPI, by the mpirun it starts.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 from typing import Any
 
 import mlx.core as mx
@@ -25,10 +27,22 @@ import msgspec
 import numpy as np
 
 from shared.protocol import UNDECODABLE, Abort, Add, Codec, Shutdown, ShutdownMode
+from shared.sharding import MPI_LIBNAME_ENV
 
 log = logging.getLogger("worker.lockstep")
 
 SEED = 0  # MLX's global generator, alike on every rank
+
+
+def finalize_mpi() -> None:
+    """MPI_Finalize from the libmpi MLX opened (MLX_MPI_LIBNAME, which the gateway sets):
+    MLX has no call for it, and does it only in a destructor at a normal exit."""
+    name = os.environ.get(MPI_LIBNAME_ENV)
+    if name:
+        try:
+            ctypes.CDLL(name).MPI_Finalize()
+        except OSError as exc:  # not the library MLX opened: mpirun will report an odd exit
+            log.warning("MPI_Finalize: %s", exc)
 
 
 class Turn(msgspec.Struct, array_like=True):

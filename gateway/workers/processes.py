@@ -12,8 +12,10 @@ import os
 import shutil
 import socket
 import sys
+import tempfile
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 
@@ -31,9 +33,10 @@ from shared.sharding import (
     HOSTFILE_ENV,
     MPI_LIBNAME_ENV,
     RANK_ENV,
+    agent_script,
     find_libmpi,
     hostfile,
-    mpi_argv,
+    mpi_launch,
     remote_argv,
     ring_hostfile,
     runs_here,
@@ -54,6 +57,9 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
+
+# How long rank 0 has to leave once another rank of its group stopped cleanly
+CLEAN_EXIT_S = 10.0
 
 # The command line of a worker: (worker id, the model's config as JSON) -> argv.
 Command = Callable[[str, str], list[str]]
@@ -81,6 +87,7 @@ class Processes:
         self.command = command or self._worker_command
         self.by_id: dict[str, WorkerHandle] = {}
         self._ring_ranges: dict[str, int] = {}  # groups over several machines: their ports
+        self._agents: dict[str, Path] = {}  # MPI groups over several machines: ssh's script
         self._serial = itertools.count(1)
 
     def get(self, worker_id: str) -> WorkerHandle | None:
@@ -114,9 +121,7 @@ class Processes:
         env = worker_env(server.blas, server.blas_threads, device=self.device_kind)
         ranks = [(argv, env, True)]  # each rank's command line, environment, and whether here
         if model.shards > 1 and model.hosts.backend == "mpi":  # mpirun starts the ranks
-            ranks = [
-                (self._mpirun(model, argv, env), {**env, GATEWAY_PID_ENV: str(os.getpid())}, True)
-            ]
+            ranks = [(*self._mpirun(model, worker_id, argv, env), True)]
         elif model.shards > 1:  # one group: every rank the same command, its own MLX_RANK
             hosts = model.hosts
             if hosts.ranks:  # fixed ports: a group beside a running one takes the other range
@@ -149,6 +154,7 @@ class Processes:
                 )
         except BaseException:  # a rank that cannot start: the ones started go with it
             self._ring_ranges.pop(worker_id, None)
+            self._forget_agent(worker_id)
             for started in processes:
                 with contextlib.suppress(ProcessLookupError):
                     started.kill()
@@ -163,9 +169,11 @@ class Processes:
         log.info("model %s: worker %s spawned (pid %d)", model.name, worker_id, process.pid)
         return handle
 
-    @staticmethod
-    def _mpirun(model: ModelConfig, argv: list[str], env: dict[str, str]) -> list[str]:
-        """The mpirun command of a group over MPI; its absence is the load's error."""
+    def _mpirun(
+        self, model: ModelConfig, worker_id: str, argv: list[str], env: dict[str, str]
+    ) -> tuple[list[str], dict[str, str]]:
+        """The mpirun command of a group over MPI and its environment (rank 0 watches this
+        process's pid); what it lacks is the load's error."""
         mpirun = model.hosts.mpirun[0]
         if shutil.which(mpirun) is None:
             raise GatewayError(
@@ -180,7 +188,16 @@ class Processes:
                 f"model {model.name!r}: no libmpi found beside {mpirun!r} nor on the system's "
                 f"library path (set {MPI_LIBNAME_ENV} to its path)",
             )
-        return mpi_argv(model.hosts, model.shards, argv, env, libmpi)
+        agent = None
+        if model.hosts.ranks:  # the ssh command, as a script: a path is all mpirun takes whole
+            folder = Path(tempfile.mkdtemp(prefix="mlx-gateway-ssh-"))
+            self._agents[worker_id] = folder
+            script = folder / "ssh"
+            script.write_text(agent_script(model.hosts))
+            script.chmod(0o700)
+            agent = str(script)
+        env = {**env, GATEWAY_PID_ENV: str(os.getpid())}
+        return mpi_launch(model.hosts, model.shards, argv, env, libmpi, agent)
 
     async def wait_ready(self, handle: WorkerHandle, timeout: float) -> None:
         """Until its Ready; a worker that exits or stays silent first is a 503 saying why."""
@@ -234,6 +251,7 @@ class Processes:
             )
         self.by_id.pop(handle.worker_id, None)
         self._ring_ranges.pop(handle.worker_id, None)
+        self._forget_agent(handle.worker_id)
         handle.exited.set()
         self._save_pids()
         self.calls.fail(handle.worker_id, f"the worker of model {handle.config.name!r} exited")
@@ -249,6 +267,10 @@ class Processes:
         done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         first = min(done, key=lambda task: waits[task])
         rank, code = waits[first], first.result()
+        if rank and code == 0:  # a clean stop: rank 0 leaves by itself once its frames are out
+            leader = next(task for task, r in waits.items() if r == 0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(leader), CLEAN_EXIT_S)
         for process in ranks:
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
@@ -265,6 +287,11 @@ class Processes:
         with contextlib.suppress(OSError):
             (self.run_dir.root / f"ring-{handle.worker_id}.json").unlink()
         return code
+
+    def _forget_agent(self, worker_id: str) -> None:
+        folder = self._agents.pop(worker_id, None)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def _ring_range(self, model: str, worker_id: str) -> int:
         """Which of a model's two ring port ranges a new group over several machines takes:

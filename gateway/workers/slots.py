@@ -190,8 +190,9 @@ def lease(transport: Transport, handle: WorkerHandle, stream: RequestStream) -> 
     the worker cannot be reached; an unencodable value is a 400 and leaves no lease."""
     assert stream.add is not None
     stream.worker_id = handle.worker_id
-    if not handle.streams:  # work after a rest: a stall is counted from now, not the last step
-        handle.step_moved_at = time.monotonic()
+    hb = handle.heartbeat
+    if not handle.streams and (hb is None or hb.running + hb.waiting == 0):
+        handle.step_moved_at = time.monotonic()  # work after a rest: a stall counts from now
     handle.streams[stream.request_id] = stream
     try:
         add = stream.next_add()
