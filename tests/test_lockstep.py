@@ -10,12 +10,13 @@ import msgspec
 
 from shared.protocol import Abort, Add, Codec, Shutdown, ShutdownMode
 from shared.types import CanonicalRequest, RequestKind, SamplingParams
-from worker.lockstep import Follower, Lockstep, Turn
+from worker.lockstep import IDLE_SLEEP_S, IDLE_TURNS, Follower, Lockstep, Turn
 
 
 class Engine:
     def __init__(self) -> None:
         self.ids: list[str] = []
+        self.has_work = False
 
     def add(self, prepared: Any) -> None:
         self.ids.append(prepared.request_id)
@@ -58,3 +59,24 @@ def test_a_turn_survives_the_wire() -> None:
     data = msgspec.msgpack.encode(turn)
     assert msgspec.msgpack.decode(data, type=Turn) == turn
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(Turn()), type=Turn) == Turn([], False)
+
+
+class Turns:
+    """Rank 0's turns, in order (a Lockstep as the other ranks see it)."""
+
+    def __init__(self, turns: list[Turn]) -> None:
+        self.turns = turns
+
+    def share(self, turn: None) -> Turn:
+        return self.turns.pop(0)
+
+
+def test_an_idle_rank_rests_between_turns_once_idle_a_while() -> None:
+    # idle turns a tick apart: after IDLE_TURNS in a row the rank sleeps most of each tick
+    # instead of waiting inside the collective (which polls); a frame starts the count over
+    rests: list[float] = []
+    quiet = [Turn() for _ in range(IDLE_TURNS + 2)]
+    turns = Turns([*quiet, Turn([Codec().encode(Abort(["x"]))]), Turn(), Turn(stop=True)])
+    follower = Follower(cast(Lockstep, turns), rest=rests.append)
+    assert follower.run(Engine(), lambda frame: frame) == 0
+    assert rests == [IDLE_SLEEP_S] * 3  # the last idle turns before the frame only

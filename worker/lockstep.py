@@ -20,6 +20,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import time
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -32,6 +34,15 @@ from shared.sharding import MPI_LIBNAME_ENV
 log = logging.getLogger("worker.lockstep")
 
 SEED = 0  # MLX's global generator, alike on every rank
+# An idle group: rank 0 shares a turn at least every IDLE_TICK_S, and the other ranks, once
+# IDLE_TURNS turns in a row found nothing to do, sleep most of a tick before they join the
+# next one. They wait inside MLX's collective, which polls (ring and MPI alike: a core
+# each, measured), so without this an idle group kept a core busy per rank for as long as
+# it was loaded. The cost: a request arriving at a group idle for a while waits up to
+# IDLE_SLEEP_S for the others to wake (requests back to back do not).
+IDLE_TICK_S = 0.04
+IDLE_SLEEP_S = 0.9 * IDLE_TICK_S
+IDLE_TURNS = 5
 
 
 def finalize_mpi() -> None:
@@ -85,20 +96,25 @@ class Lockstep:
 class Follower:
     """A rank other than 0: the same model and engine, fed rank 0's turns."""
 
-    def __init__(self, lockstep: Lockstep) -> None:
+    def __init__(self, lockstep: Lockstep, rest: Callable[[float], None] = time.sleep) -> None:
         self.lockstep = lockstep
         self.codec = Codec()
         self.draining = False  # as rank 0: after a Shutdown, requests are refused
+        self.rest = rest
 
     def run(self, engine: Any, preprocess: Any) -> int:
+        idle = 0  # turns in a row with nothing to do (as on rank 0: the same engine)
         while True:
             turn = self.lockstep.share(None)
             for raw in turn.frames:
                 self.handle(engine, preprocess, raw)
             if turn.stop:
                 return 0
+            idle = 0 if engine.has_work or turn.frames else idle + 1
             if engine.has_work:
                 engine.step()
+            elif idle >= IDLE_TURNS:  # rank 0's next turn is a tick away at most
+                self.rest(IDLE_SLEEP_S)
 
     def handle(self, engine: Any, preprocess: Any, raw: bytes) -> None:
         """As rank 0 handles it, its outputs dropped (rank 0's go to the gateway)."""

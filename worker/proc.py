@@ -45,7 +45,7 @@ from worker.channels import RemoteLink, WorkerChannels
 from worker.faults import Faults
 from worker.link import REFUSED, Joins, LinkWatch, Rejoined, leave
 from worker.loader import resolve_source
-from worker.lockstep import Lockstep, Turn
+from worker.lockstep import IDLE_TICK_S, Lockstep, Turn
 from worker.memory import IdleRelease, MemoryLimits, heartbeat, own_memory
 from worker.opening import Engine, open_model
 from worker.preprocess import PreparedRequest, PreprocessError
@@ -209,7 +209,9 @@ class WorkerProc:
         """Whatever arrived, into the engine; an idle engine blocks here (no CPU spin)."""
         assert self.engine is not None
         outputs: list[RequestOutput] = []
-        items = self._take(block=not self.engine.has_work)
+        # a sharded group's idle turns come a tick apart (worker/lockstep.py)
+        idle_wait = HEARTBEAT_S if self.lockstep is None else IDLE_TICK_S
+        items = self._take(block=not self.engine.has_work, timeout=idle_wait)
         if self.lockstep is not None:  # raw frames, shared with the other ranks first
             items = self._share(items)
         for item in items:
@@ -247,11 +249,11 @@ class WorkerProc:
         if self.idle_release.due(busy, time.monotonic()):
             engine.backend.release_memory()
 
-    def _take(self, block: bool) -> list[object]:
+    def _take(self, block: bool, timeout: float) -> list[object]:
         items: list[object] = []
         if block:
             try:
-                items.append(self.inputs.get(timeout=HEARTBEAT_S))
+                items.append(self.inputs.get(timeout=timeout))
             except queue.Empty:
                 return items
         while True:
