@@ -24,6 +24,7 @@ from shared.types import (
     SamplingParams,
     Usage,
 )
+from tests.responses_helpers import _parse
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -275,17 +276,6 @@ def test_response_body() -> None:
     assert MessagesFormatter("m").id != fmt.id
 
 
-def parse_sse(data: bytes) -> list[tuple[str, dict[str, Any]]]:
-    events = []
-    for block in data.decode().split("\n\n"):
-        if not block:
-            continue
-        name_line, data_line = block.split("\n")
-        assert name_line.startswith("event: ") and data_line.startswith("data: ")
-        events.append((name_line[7:], json.loads(data_line[6:])))
-    return events
-
-
 def test_stream_event_sequence() -> None:
     fmt = MessagesFormatter("m")
     first = RequestOutput("r", "Hel", [1], usage=Usage(17, 1, cached_tokens=12))
@@ -295,7 +285,7 @@ def test_stream_event_sequence() -> None:
     out += fmt.stream_delta(0, RequestOutput("r", "lo", [3]))
     last = RequestOutput("r", "", [4], FinishReason.LENGTH, Usage(17, 4, cached_tokens=12))
     out += fmt.stream_delta(0, last) + fmt.stream_finish(0, last) + fmt.stream_end(Usage(17, 4))
-    events = parse_sse(out)
+    events = _parse(out)
     assert [name for name, _ in events] == [
         "message_start",
         "content_block_start",
@@ -348,7 +338,7 @@ def test_stream_event_sequence() -> None:
 def finish_events(fmt: MessagesFormatter, done: RequestOutput) -> list[dict[str, Any]]:
     """The events of a stream that ends with `done` after its start."""
     fmt.stream_start(RequestOutput("r", usage=done.usage))
-    return [data for _, data in parse_sse(fmt.stream_finish(0, done))]
+    return [data for _, data in _parse(fmt.stream_finish(0, done))]
 
 
 def test_stream_stop_sequence_and_error_event() -> None:
@@ -358,7 +348,7 @@ def test_stream_stop_sequence_and_error_event() -> None:
     assert stop_event["type"] == "content_block_stop"
     assert delta["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "\n\n"}
     error = GatewayError(ErrorCode.WORKER_DIED, "the worker died")
-    [(name, body)] = parse_sse(fmt.stream_error(error))
+    [(name, body)] = _parse(fmt.stream_error(error))
     assert name == "error"
     assert body["type"] == "error"
     assert body["error"]["message"] == "the worker died"
