@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import _cpu
+from benchmarks._nvml import BusyMeter
 from benchmarks._stats import RequestRecord, summarize_level
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -167,18 +168,23 @@ def main(spec_path: str, out_path: str) -> int:
     def measure(c: int, texts: list[str]) -> dict[str, Any]:
         prompts = [encode(t) for t in texts]
         cpu0, sys0 = time.process_time(), _cpu.snapshot()
-        records, wall = run_level(model, prompts, c, max_tokens, timeout, step)
+        with BusyMeter() as gpu:  # NVML's busy share where there is an NVIDIA GPU
+            records, wall = run_level(model, prompts, c, max_tokens, timeout, step)
         sys1 = _cpu.snapshot()
         system = _cpu.busy_pct(sys0, sys1)
         summary = summarize_level(records, wall, c, max_tokens)
         own = round(100 * (time.process_time() - cpu0) / wall, 1)
         summary.update(
-            server_cpu_pct=own, system_cpu_pct=system, steal_pct=_cpu.steal_pct(sys0, sys1)
+            server_cpu_pct=own,
+            system_cpu_pct=system,
+            steal_pct=_cpu.steal_pct(sys0, sys1),
+            gpu_busy_pct=gpu.share,
         )
         if system is not None:
             summary["other_cpu_pct"] = round(system - own, 1)
         print(
             f"[inprocess] c={c} tok/s={summary['output_tok_s']} steal={summary['steal_pct']}% "
+            f"gpu_busy={gpu.share}% "
             f"fail={summary['failures']}/{summary['requests']}",
             file=sys.stderr,
             flush=True,

@@ -125,6 +125,7 @@ MEDIAN_KEYS = (
     "other_cpu_pct",
     "steal_pct",
     "server_rss_mb",
+    "gpu_busy_pct",
 )
 
 
@@ -278,9 +279,10 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     """rows: dicts with 'target' plus a combined level summary and optional 'ratio'."""
     head = (
         "| target | conc | out tok/s | vs in-process | TTFT p50/p95 ms | ITL p50/p95 ms "
-        "| chunk gap p50/p95 ms | tok/chunk | prompt tok | fail/req | bg CPU % | steal % |"
+        "| chunk gap p50/p95 ms | tok/chunk | prompt tok | fail/req | bg CPU % | steal % "
+        "| GPU busy % |"
     )
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         ratio = r.get("ratio")
         ptok = (
@@ -291,7 +293,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         )
         cells = (
             "| {t} | {c} | {tps} | {ratio} | {ttft} | {itl} | {gap} | {tpc} | {ptok} "
-            "| {f}/{n} | {bg} | {steal} |"
+            "| {f}/{n} | {bg} | {steal} | {gpu} |"
         )
         lines.append(
             cells.format(
@@ -308,6 +310,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                 n=r["requests"],
                 bg=_fmt(r.get("other_cpu_pct"), 0),
                 steal=_fmt(r.get("steal_pct"), 0),
+                gpu=_fmt(r.get("gpu_busy_pct"), 0),
             )
         )
     return "\n".join(lines)

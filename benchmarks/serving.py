@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import _ceiling, _client, _cpu, _launch, _prompts
+from benchmarks._nvml import BusyMeter
 from benchmarks._serving_args import extra_body, pairs, parse_args
 from benchmarks._stats import (
     machine_header,
@@ -103,7 +104,8 @@ async def measure_url(
             sys0 = _cpu.snapshot()
             share0 = await _client.gateway_account(client, url)
             opened = time.time()
-            records, wall = await load(c, prompts)
+            with BusyMeter() as gpu:  # NVML's busy share where there is an NVIDIA GPU
+                records, wall = await load(c, prompts)
             closed = time.time()
             share1 = await _client.gateway_account(client, url)
             sys1 = _cpu.snapshot()
@@ -115,6 +117,7 @@ async def measure_url(
                 system_cpu_pct=system,
                 steal_pct=_cpu.steal_pct(sys0, sys1),
                 window=[round(opened, 6), round(closed, 6)],  # benchmarks.step_trace's
+                gpu_busy_pct=gpu.share,
             )
             if server and scpu0 is not None:
                 scpu1 = server.cpu_seconds()
@@ -138,7 +141,7 @@ async def measure_url(
                 f"[{job.name}] c={c} rep={repeat} tok/s={summary['output_tok_s']} "
                 f"ttft_p50={summary['ttft_p50_ms']}ms itl_p50={summary['itl_p50_ms']}ms "
                 f"itl_mean={summary['itl_mean_ms']}ms{share} "
-                f"steal={summary['steal_pct']}% "
+                f"steal={summary['steal_pct']}% gpu_busy={gpu.share}% "
                 f"fail={summary['failures']}/{summary['requests']} {summary['errors']}",
                 file=sys.stderr,
                 flush=True,

@@ -119,9 +119,10 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # Rows batch only: how a decode step runs the model. "model": mlx-lm's forward pass.
     # "compiled": the project's own one-token step for Llama-family models (llama, mistral,
     # qwen2, qwen3; worker/backends/decode_step.py: compiled layers over the model's own
-    # weights, the same tokens; other models keep mlx-lm's forward pass). Experimental: the
-    # default until it is measured faster on GPUs (docs/benchmarks.md).
-    decode_step: Literal["model", "compiled"] = "model"
+    # weights, the same tokens; other models keep mlx-lm's forward pass). "auto": compiled
+    # where it was measured faster (MLX's CUDA backend and its CPU; docs/benchmarks.md),
+    # mlx-lm's forward pass on Metal, where it has not been measured yet.
+    decode_step: Literal["auto", "model", "compiled"] = "auto"
     # The model's tool-call format: the name of one of mlx-lm's tool parsers
     # (mlx_lm/tool_parsers: json_tools, qwen3_coder, mistral, pythonic, glm47, ...).
     # Default: the one mlx-lm infers from the model's chat template, if any.

@@ -403,7 +403,10 @@ def test_batcher_is_auto_mlx_lm_or_rows(tmp_path: Path) -> None:
 
 def test_decode_step_is_the_models_or_the_compiled_one_in_the_rows_batch(tmp_path: Path) -> None:
     head = '[[models]]\nname = "a"\nsource = "x"\n[models.engine]\n'
-    assert load_config(write(tmp_path, head)).models[0].engine.decode_step == "model"
+    assert load_config(write(tmp_path, head)).models[0].engine.decode_step == "auto"
+    # "auto" follows whichever batch the model gets, BatchGenerator's included
+    auto = load_config(write(tmp_path, head + 'batcher = "mlx_lm"\n'))
+    assert auto.models[0].engine.decode_step == "auto"
     chosen = load_config(write(tmp_path, head + 'decode_step = "compiled"\n'))
     assert chosen.models[0].engine.decode_step == "compiled"
     with pytest.raises(ConfigError, match="decode_step"):

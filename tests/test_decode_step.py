@@ -195,5 +195,21 @@ def test_the_engine_setting_picks_the_step(chat: Loaded) -> None:
         chat.model, chat.tokenizer, EngineOptions(batcher="rows", decode_step="compiled")
     )
     assert compiled.batch.decode is not None  # type: ignore[attr-defined]
-    plain = make_backend(chat.model, chat.tokenizer, EngineOptions(batcher="rows"))
+    plain = make_backend(
+        chat.model, chat.tokenizer, EngineOptions(batcher="rows", decode_step="model")
+    )
     assert plain.batch.decode is None  # type: ignore[attr-defined]
+    # the default: compiled where measured faster, MLX's CPU among them (these tests' device)
+    auto = make_backend(chat.model, chat.tokenizer, EngineOptions(batcher="rows"))
+    assert auto.batch.decode is not None  # type: ignore[attr-defined]
+
+
+def test_auto_compiles_on_cpu_and_cuda_and_not_on_metal(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert decode_step.wanted("compiled") and not decode_step.wanted("model")
+    assert decode_step.wanted("auto")  # MLX's CPU here
+    gpu = mx.Device(mx.gpu)
+    monkeypatch.setattr(decode_step.mx, "default_device", lambda: gpu)
+    monkeypatch.setattr(decode_step.mx.cuda, "is_available", lambda: True)
+    assert decode_step.wanted("auto")
+    monkeypatch.setattr(decode_step.mx.cuda, "is_available", lambda: False)  # Metal
+    assert not decode_step.wanted("auto") and decode_step.wanted("compiled")

@@ -173,9 +173,10 @@ def warm_up(model: nn.Module) -> None:
 
 
 @contextmanager
-def _compile_lock() -> Iterator[None]:
+def compile_lock() -> Iterator[None]:
     """One warm-up at a time on this machine: MLX writes a compiled kernel's library where
-    another process may already be loading it, and workers often start together."""
+    another process may already be loading it, and workers often start together (this
+    warm-up, and the compiled decode step's probe: worker/backends/decode_step.py)."""
     path = Path(tempfile.gettempdir()) / f"mlx-gateway-{os.getuid()}-compile.lock"
     try:
         lock = open(path, "a")  # noqa: SIM115 (held across the yield)
@@ -200,7 +201,7 @@ def fuse_for_cpu(model: nn.Module, attempts: int = 3) -> int:
     swapped = fuse_cpu_ops(model)
     if not swapped:
         return 0
-    with _compile_lock():
+    with compile_lock():
         for attempt in range(1, attempts + 1):
             try:
                 warm_up(model)

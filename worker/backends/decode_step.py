@@ -27,6 +27,7 @@ always runs the model's own forward pass.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,7 +36,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from worker.backends.cpu_ops import compile_lock
 
 log = logging.getLogger(__name__)
 
@@ -263,6 +266,15 @@ class DecodeStep:
         return self.head(self.norm(x))[:, -1, :]
 
 
+def wanted(setting: str) -> bool:
+    """Whether `engine.decode_step = setting` runs this step on this process's device:
+    "auto" where it was measured faster than mlx-lm's forward pass (MLX's CUDA backend and
+    its CPU, docs/benchmarks.md), not on Metal, where it has not been measured."""
+    if setting == "auto":
+        return mx.default_device() == mx.cpu or mx.cuda.is_available()
+    return setting == "compiled"
+
+
 def build(model: Any, fuse: bool = False) -> DecodeStep | None:
     """The model's decode step, or None (and why, logged) where it keeps mlx-lm's. With
     `fuse`, each layer's Q, K and V projections are one matrix, and so are its gate and up
@@ -281,7 +293,12 @@ def build(model: Any, fuse: bool = False) -> DecodeStep | None:
         log.warning("decode step: mlx-lm's forward pass (%s)", reason)
         return None
     step = DecodeStep(model, shapes.pop(), [f[1] for f in found if f is not None])
-    if not probe(model, step):
+    # On MLX's CPU the probe compiles the step's kernels (once a machine, cached on disk):
+    # one process at a time, as the CPU warm-up does.
+    lock = compile_lock() if mx.default_device() == mx.cpu else contextlib.nullcontext()
+    with lock:
+        matches = probe(model, step)
+    if not matches:
         log.warning(
             "decode step: mlx-lm's forward pass (the compiled step's logits differ from the "
             "model's on a probe: this mlx-lm's model computes something else)"
@@ -315,19 +332,32 @@ def _unsupported(model: Any) -> str | None:
     return None
 
 
-def probe(model: Any, step: DecodeStep, rows: int = 2) -> bool:
-    """Whether the step's logits match the model's for a few steps after a short prefill."""
+def probe(model: Any, step: DecodeStep) -> bool:
+    """Whether the step's logits match the model's for a few steps after a short prefill:
+    one row on a KVCache, then two rows of different lengths on a BatchKVCache (per-row
+    offsets and the padding's mask) and two of the same length (no mask), as the rows batch
+    steps. On MLX's CPU this also compiles the kernels of those layouts, at load rather than
+    on the first requests."""
     vocab = step.embed.weight.shape[0] if hasattr(step.embed, "weight") else 2
-    prompt = mx.arange(1, 6).reshape(1, -1) % vocab
-    mine = [KVCache() for _ in model.model.layers]
-    theirs = [KVCache() for _ in model.model.layers]
-    model(prompt, cache=mine)
-    model(prompt, cache=theirs)
-    token = mx.array([3 % vocab])
-    for _ in range(3):
-        want = model(token[:, None], cache=theirs)[:, -1, :].astype(mx.float32)
-        got = step(token, mine, masked=False).astype(mx.float32)
-        if want.shape != got.shape or not mx.allclose(got, want, rtol=2e-2, atol=2e-2).item():
-            return False
-        token = mx.argmax(want, axis=-1)
+    layers = len(model.model.layers)
+
+    def prefilled(lengths: list[int]) -> list[Any]:
+        rows = []
+        for n in lengths:
+            caches = [KVCache() for _ in range(layers)]
+            model((mx.arange(1, n + 1) % vocab).reshape(1, -1), cache=caches)
+            rows.append(caches)
+        if len(rows) == 1:
+            return rows[0]
+        return [BatchKVCache.merge([row[i] for row in rows]) for i in range(layers)]
+
+    for lengths, masked in (([5], False), ([5, 3], True), ([4, 4], False)):
+        mine, theirs = prefilled(lengths), prefilled(lengths)
+        token = mx.array([3 % vocab] * len(lengths))
+        for _ in range(3):
+            want = model(token[:, None], cache=theirs)[:, -1, :].astype(mx.float32)
+            got = step(token, mine, masked=masked).astype(mx.float32)
+            if want.shape != got.shape or not mx.allclose(got, want, rtol=2e-2, atol=2e-2).item():
+                return False
+            token = mx.argmax(want, axis=-1)
     return True
