@@ -33,6 +33,7 @@ from gateway.console.live import LiveFigures
 from gateway.console.recent import RecentRequests
 from gateway.console.routes import console_handlers, sampling
 from gateway.edge.context import RequestContext
+from gateway.edge.hosts import HostCheck
 from gateway.edge.keys import KeyStore, keys_path
 from gateway.edge.logs import access_hook
 from gateway.edge.mdns import Advertiser, advertise
@@ -236,5 +237,6 @@ def create_app(config: Config) -> GatewayApp:
         metrics_open=config.server.metrics_open,
         body_timeout_s=config.server.body_read_timeout_s,
         send_timeout_s=config.server.send_timeout_s,
+        hosts=HostCheck(config.server.allowed_hosts, config.server.host),
     )
     return GatewayApp(litestar, asgi)

@@ -6,7 +6,6 @@ Precedence: built-in defaults < TOML file < environment (MLX_GATEWAY_*) < comman
 from __future__ import annotations
 
 import enum
-import ipaddress
 import math
 import os
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Literal
 
 import msgspec
 
+from shared.addresses import allowed_host_problem
 from shared.sharding import Hosts, check_group, overlapping_rings
 from shared.types import reserved_template_kwarg
 
@@ -242,6 +242,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     insecure_no_auth: bool = False
     admin_http: bool = False  # admin-scope keys may use /admin/* over HTTP
     metrics_open: bool = False  # /metrics without a key even when keys exist
+    # Host headers answered besides localhost and loopback addresses (DNS rebinding;
+    # gateway/edge/hosts.py): names, addresses, "*.suffix", "*". Default: this machine's
+    # name when bound to loopback, any name on other addresses.
+    allowed_hosts: list[str] | None = None
     # The web console at /console (and / for browsers): status, live figures, model
     # control (admin-scope keys), a playground. Off: neither path is served.
     console: bool = True
@@ -332,16 +336,6 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 
 class ConfigError(ValueError):
     pass
-
-
-def is_loopback(host: str) -> bool:
-    """Whether a bind address only serves this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def load_config(path: str | os.PathLike[str] | None = None) -> Config:
@@ -483,6 +477,9 @@ def _validate(config: Config) -> None:
         split_address(server.workers_listen, "server.workers_listen")
     if (server.tls_cert is None) != (server.tls_key is None):
         raise ConfigError("server.tls_cert and server.tls_key go together: set both or neither")
+    for entry in server.allowed_hosts or ():
+        if (problem := allowed_host_problem(entry)) is not None:
+            raise ConfigError(f"server.allowed_hosts: {problem}")
 
 
 def split_address(text: str, what: str = "address") -> tuple[str, int]:
@@ -492,8 +489,3 @@ def split_address(text: str, what: str = "address") -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"{what}: {text!r} is not HOST:PORT")
     return host, int(port)
-
-
-def tcp_endpoint(host: str, port: int) -> str:
-    """ZeroMQ's address for HOST:PORT (an IPv6 host in brackets)."""
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"

@@ -119,7 +119,7 @@ async def gateway(tmp_path: Path) -> AsyncIterator[tuple[Workers, Client]]:
         app = create_app(Config(server=ServerConfig(**settings)))
         app.state.workers = workers
         transport = httpx2.ASGITransport(app=app)
-        clients.append(httpx2.AsyncClient(transport=transport, base_url="http://gw"))
+        clients.append(httpx2.AsyncClient(transport=transport, base_url="http://localhost"))
         return clients[-1]
 
     yield workers, client
@@ -132,7 +132,7 @@ Gateway = tuple[Workers, Client]
 
 def sdk(http: httpx2.AsyncClient) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(
-        api_key="none", base_url="http://gw/v1", http_client=http, max_retries=0
+        api_key="none", base_url="http://localhost/v1", http_client=http, max_retries=0
     )
 
 

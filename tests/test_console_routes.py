@@ -34,7 +34,7 @@ def call(app: GatewayApp, method: str, path: str, key: str | None = None, **kw: 
         transport = httpx.ASGITransport(app=app)
         headers = {"authorization": f"Bearer {key}"} if key else {}
         headers |= kw.pop("headers", {})
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             return await client.request(method, path, headers=headers, timeout=10, **kw)
 
     return asyncio.run(go())
@@ -192,7 +192,7 @@ def test_a_live_stream_ends_when_its_key_is_revoked(
     async def go() -> httpx.Response:
         transport = httpx.ASGITransport(app=app)
         headers = {"authorization": f"Bearer {keys['other']}"}
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             request = asyncio.create_task(client.get("/console/api/live", headers=headers))
             for _ in range(500):  # bounded: the stream watches once its first event is out
                 if live.watching:

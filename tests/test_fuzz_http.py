@@ -115,7 +115,7 @@ def bodies(base: dict[str, Any], fields: dict[str, Any]) -> st.SearchStrategy[An
 def check(app: Any, path: str, body: Any) -> None:
     async def send() -> httpx.Response:
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             return await client.post(path, content=json.dumps(body), timeout=10)
 
     reply = asyncio.run(send())

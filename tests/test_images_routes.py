@@ -160,7 +160,7 @@ async def gateway() -> AsyncIterator[tuple[Workers, Callable[..., httpx.AsyncCli
 
     def client(**server: Any) -> httpx.AsyncClient:
         transport = httpx.ASGITransport(app=_app(workers, **server))
-        clients.append(httpx.AsyncClient(transport=transport, base_url="http://gw"))
+        clients.append(httpx.AsyncClient(transport=transport, base_url="http://localhost"))
         return clients[-1]
 
     yield workers, client

@@ -22,7 +22,7 @@ async def scripted() -> AsyncIterator[tuple[ScriptedWorkers, httpx.AsyncClient, 
     supervisor = ScriptedWorkers()
     app = _app(supervisor)
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
         yield supervisor, client, app.state  # type: ignore[attr-defined]
 
 
@@ -165,7 +165,7 @@ async def test_routes_store_bound_and_ttl_from_config() -> None:
     clock = Clock()
     store.clock = clock
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
         ids = []
         for _ in range(3):
             r = await client.post("/v1/responses", json={"model": "m", "input": "a"})

@@ -253,7 +253,7 @@ async def calling() -> AsyncIterator[tuple[CallingWorkers, httpx.AsyncClient, St
     workers = CallingWorkers()
     app = _app(workers)
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
         yield workers, client, app.state  # type: ignore[attr-defined]
 
 

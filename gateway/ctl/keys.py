@@ -11,7 +11,8 @@ import sys
 import msgspec
 
 from gateway.edge.keys import ApiKey, KeyError_, KeyStore, keys_path, parse_expiry
-from shared.config import Config, ConfigError, is_loopback
+from shared.addresses import is_loopback
+from shared.config import Config, ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

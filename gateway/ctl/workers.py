@@ -27,6 +27,7 @@ import msgspec
 
 from gateway.workers.device import detect_device
 from gateway.workers.processes import worker_argv
+from shared.addresses import tcp_endpoint
 from shared.blas import worker_env
 from shared.cluster import (
     ALLOWED_FILE,
@@ -38,7 +39,7 @@ from shared.cluster import (
     cluster_dir,
     key_pair,
 )
-from shared.config import Config, ConfigError, ModelConfig, split_address, tcp_endpoint
+from shared.config import Config, ConfigError, ModelConfig, split_address
 
 log = logging.getLogger("gatewayctl.worker")
 

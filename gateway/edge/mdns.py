@@ -10,7 +10,8 @@ import psutil
 from zeroconf import ServiceInfo
 from zeroconf.asyncio import AsyncZeroconf
 
-from shared.config import ServerConfig, is_loopback
+from shared.addresses import is_loopback
+from shared.config import ServerConfig
 from shared.version import project_version
 
 log = logging.getLogger("gateway.edge.mdns")

@@ -6,6 +6,10 @@ out in the error shape of the protocol the path belongs to (OpenAI or Anthropic)
 the RequestContext is finished exactly when the response's last byte has gone out, streaming
 or not.
 
+Every path answers only the Host (and browser Origin) headers that gateway/edge/hosts.py
+allows: on loopback, this machine's names (DNS rebinding); elsewhere any, unless
+`server.allowed_hosts` lists them.
+
 Access by path:
 - `/health`, `/ready`: open (liveness and readiness probes); so are `/`, the console's page
   and its assets (gateway/console/), which hold no data.
@@ -26,6 +30,7 @@ from typing import Any
 from gateway.api.errors import error_json
 from gateway.edge.context import RequestContext, client_request_id, new_request_id
 from gateway.edge.deadlines import ClientDeadlines
+from gateway.edge.hosts import HostCheck
 from gateway.edge.keys import ApiKey, KeyStore
 from gateway.edge.ratelimit import KeyLimiter
 from gateway.errors import GatewayError
@@ -100,8 +105,10 @@ class GatewayMiddleware:
         metrics_open: bool = False,
         body_timeout_s: float = 60.0,
         send_timeout_s: float = 60.0,
+        hosts: HostCheck | None = None,
     ) -> None:
         self.app = app
+        self.hosts = hosts or HostCheck(["*"], "")
         self.keys = keys
         self.limiter = limiter
         self.finish_hooks = finish_hooks
@@ -156,6 +163,16 @@ class GatewayMiddleware:
 
     def _check(self, ctx: RequestContext, headers: dict[bytes, bytes]) -> list[tuple[bytes, bytes]]:
         path = ctx.path
+        host, origin = headers.get(b"host"), headers.get(b"origin")
+        for what, value, allowed in (
+            ("Host", host, self.hosts.allows),
+            ("Origin", origin, self.hosts.allows_origin),
+        ):
+            if value is not None and not allowed(value.decode("latin-1")):
+                shown = value.decode("latin-1")[:100]
+                raise GatewayError(
+                    ErrorCode.FORBIDDEN, f"{what} {shown!r} refused: {self.hosts.describe()}"
+                )
         if path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
             return []
         admin = path == "/admin" or path.startswith("/admin/")

@@ -26,8 +26,9 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from gateway.workers.transport import route
+from shared.addresses import tcp_endpoint
 from shared.cluster import GATEWAY_KEY, AllowedWorkers, ClusterError, key_pair
-from shared.config import split_address, tcp_endpoint
+from shared.config import split_address
 from shared.protocol import UNDECODABLE, Abort, Codec, FromWorker, ToWorker
 
 log = logging.getLogger("gateway.workers.remote")
