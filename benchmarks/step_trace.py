@@ -11,7 +11,9 @@ the worker emitting deltas and taking requests in) and with none (`empty`: waiti
 requests, and the wall time outside any step before the first and after the last). And
 the median step without and with requests starting in it, how often requests started (per
 100 steps) and how many at a time, the mean requests in the batch (prefilling or decoding)
-over the steps that had any.
+over the steps that had any. On the rows batch, the median plain step with an attention
+mask (rows of different lengths) and without, the share of plain steps with one, and the
+steps in which the compiled decode step met a row count for the first time (a new trace).
 """
 
 from __future__ import annotations
@@ -24,8 +26,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# [t, step_ms, backend_ms, inserted, insert_ms, rows, outputs]
-T, STEP, BACKEND, INSERTED, INSERT, ROWS, OUTPUTS = range(7)
+# [t, step_ms, backend_ms, inserted, insert_ms, rows, outputs, masked, new_shapes]
+T, STEP, BACKEND, INSERTED, INSERT, ROWS, OUTPUTS, MASKED, SHAPES = range(9)
+
+
+def _field(step: list[Any], at: int) -> Any:
+    return step[at] if len(step) > at else None  # traces of older workers have 7 fields
 
 
 def read_traces(folder: Path) -> dict[str, list[list[float]]]:
@@ -55,6 +61,9 @@ def summarize(
             between += max(gap, 0.0)
     plain = [s[STEP] for s in steps if not s[INSERTED]]
     joins = [s for s in steps if s[INSERTED]]
+    masked = [s[STEP] for s in steps if not s[INSERTED] and _field(s, MASKED) == 1]
+    unmasked = [s[STEP] for s in steps if not s[INSERTED] and _field(s, MASKED) == 0]
+    traced = [s for s in steps if _field(s, SHAPES)]
     decoding = [s[ROWS] for s in steps if s[ROWS]]
 
     def median(xs: list[float]) -> float | None:
@@ -73,6 +82,13 @@ def summarize(
         "joins_per_100": round(100 * len(joins) / len(steps), 1),
         "joiners": round(statistics.mean(s[INSERTED] for s in joins), 1) if joins else 0,
         "mean_rows": round(statistics.mean(decoding), 1) if decoding else 0,
+        # the rows batch: plain steps over rows of different lengths (an attention mask)
+        # and of one length; steps in which the compiled step met a new row count
+        "plain_masked_ms": median(masked),
+        "plain_unmasked_ms": median(unmasked),
+        "masked_share": round(len(masked) / len(plain), 3) if plain and masked else 0,
+        "new_shape_steps": len(traced),
+        "new_shape_step_ms": median([s[STEP] for s in traced]),
     }
 
 

@@ -24,22 +24,36 @@ def test_each_step_is_one_line_and_tokens_are_unchanged(
     chat: Loaded, prompts: list[list[int]], tmp_path: Path
 ) -> None:
     engine = StepTrace.wrap(chat.engine(), {STEP_TRACE_ENV: str(tmp_path / "trace")})
+    decode = getattr(getattr(engine.backend, "batch", None), "decode", None)
+    known = set(decode.row_counts) if decode is not None else set()  # its probe's, at load
     out = drive(engine, [greedy("a", prompts[0], 6, ignore_eos=True)])
     drive(engine, [greedy(f"b{i}", p, 4, ignore_eos=True) for i, p in enumerate(prompts[1:4])])
     assert token_ids(out["a"]) == reference_greedy(chat.model, prompts[0], 6)
     [trace] = read_traces(tmp_path / "trace").values()  # flushed when the engine went idle
     assert len(trace) == engine.steps
-    t, step_ms, backend_ms, inserted, insert_ms, rows, outputs = zip(*trace, strict=True)
+    t, step_ms, backend_ms, inserted, insert_ms, rows, outputs, masked, shapes = zip(
+        *trace, strict=True
+    )
     assert list(t) == sorted(t)
     assert all(s >= b >= 0 for s, b in zip(step_ms, backend_ms, strict=True))
     assert inserted[0] == 1 and sum(inserted) == 4  # the lone request, then the three
     assert all(ms > 0 for ms, n in zip(insert_ms, inserted, strict=True) if n)
     assert sum(outputs) == 6 + 3 * 4
     assert rows[-1] == 0 and max(rows) == 3
+    if not hasattr(engine.backend, "batch"):  # BatchGenerator: neither is known
+        assert set(masked) == {None} and set(shapes) == {0}
+    else:  # the three prompts are of different lengths: masked steps among them
+        assert set(masked) <= {0, 1} and 1 in masked
+    if decode is not None:  # one row, then three (2 and 1 as they end): 3 is new, once
+        assert known == {1, 2} and decode.row_counts == {1, 2, 3} and sum(shapes) == 1
+    else:
+        assert set(shapes) == {0}
 
 
-def _step(t: float, ms: float, inserted: int = 0, rows: int = 4) -> list[float]:
-    return [t, ms, ms - 1, inserted, 0.5 if inserted else 0.0, rows, rows]
+def _step(
+    t: float, ms: float, inserted: int = 0, rows: int = 4, masked: int = 0, shapes: int = 0
+) -> list[float]:
+    return [t, ms, ms - 1, inserted, 0.5 if inserted else 0.0, rows, rows, masked, shapes]
 
 
 def test_summary_splits_the_wall_time() -> None:
@@ -55,6 +69,23 @@ def test_summary_splits_the_wall_time() -> None:
     assert s["empty"] == pytest.approx(18 / 40)
     assert (s["plain_step_ms"], s["join_step_ms"], s["insert_ms"]) == (5, 10, 0.5)
     assert s["joins_per_100"] == pytest.approx(33.3) and s["joiners"] == 2
+
+
+def test_summary_splits_plain_steps_by_mask_and_counts_new_shapes() -> None:
+    steps = [
+        _step(0.0, 10, 2, shapes=1),
+        _step(0.01, 6, masked=1),
+        _step(0.02, 8, masked=1),
+        _step(0.03, 4),
+        _step(0.04, 9, masked=1, shapes=1),
+    ]
+    s = summarize(steps)
+    assert s is not None
+    assert (s["plain_masked_ms"], s["plain_unmasked_ms"]) == (8, 4)
+    assert s["masked_share"] == 0.75
+    assert (s["new_shape_steps"], s["new_shape_step_ms"]) == (2, 9.5)
+    old = summarize([x[:7] for x in steps])  # a trace of an older worker: no such fields
+    assert old is not None and old["plain_masked_ms"] is None and old["new_shape_steps"] == 0
 
 
 def test_levels_take_the_steps_inside_their_windows(tmp_path: Path) -> None:

@@ -2,11 +2,14 @@
 
 With `MLX_GATEWAY_STEP_TRACE` set to a folder, each worker appends one JSON line per engine
 step to `steps-<pid>.jsonl` there: `[t, step_ms, backend_ms, inserted, insert_ms, rows,
-outputs]` (t: wall-clock seconds at the step's start, as `time.time()`; backend_ms: the
-backend's step, the forward pass and the wait for its tokens; inserted: requests started in
-this step; rows: requests in the batch after it, prefilling or decoding; outputs: deltas it
-produced). The time between one step's end and the next one's start is the worker's own:
-emitting the deltas, taking requests in, waiting for them. `python -m benchmarks.step_trace`
+outputs, masked, new_shapes]` (t: wall-clock seconds at the step's start, as `time.time()`;
+backend_ms: the backend's step, the forward pass and the wait for its tokens; inserted:
+requests started in this step; rows: requests in the batch after it, prefilling or
+decoding; outputs: deltas it produced; masked: 1 when the rows batch stepped rows of
+different lengths, with an attention mask, 0 without, None on BatchGenerator; new_shapes:
+row counts the compiled decode step met for the first time, each a new trace). The time
+between one step's end and the next one's start is the worker's own: emitting the deltas,
+taking requests in, waiting for them. `python -m benchmarks.step_trace`
 summarizes it.
 
 Unset in production: `StepTrace.wrap` hands back the engine itself, nothing is timed.
@@ -43,10 +46,15 @@ class StepTrace:
         self._backend_s = 0.0
         self._inserted = 0
         self._insert_s = 0.0
+        self._masked: int | None = None
         backend = engine.backend
         step, insert = backend.step, backend.insert
+        batch = getattr(backend, "batch", None)  # the rows batch (not BatchGenerator)
+        self._decode = getattr(batch, "decode", None)  # its compiled step, if any
 
         def timed_step(keep_caches: bool, logprobs: bool = True) -> list[Sampled]:
+            if batch is not None:
+                self._masked = int(bool(batch.padded))
             t = time.perf_counter()
             try:
                 return step(keep_caches, logprobs)
@@ -93,9 +101,13 @@ class StepTrace:
     def step(self) -> list[RequestOutput]:
         self._backend_s = self._insert_s = 0.0
         self._inserted = 0
+        self._masked = None
+        shapes = len(self._decode.row_counts) if self._decode is not None else 0
         wall, start = time.time(), time.perf_counter()
         outputs = self._engine.step()
         took = time.perf_counter() - start
+        if self._decode is not None:
+            shapes = len(self._decode.row_counts) - shapes
         self._rows.append(
             [
                 round(wall, 6),
@@ -105,6 +117,8 @@ class StepTrace:
                 round(self._insert_s * 1e3, 3),
                 len(self._engine.by_uid),
                 len(outputs),
+                self._masked,
+                shapes,
             ]
         )
         if len(self._rows) >= FLUSH_EVERY or not self._engine.has_work:

@@ -248,11 +248,15 @@ class DecodeStep:
 
         self._attend = mx.compile(attend)
         self._finish = mx.compile(finish)
+        # The row counts met: each new one is a new trace of both functions (and on CUDA,
+        # kernels built for it); the step trace (worker/steptrace.py) counts them.
+        self.row_counts: set[int] = set()
 
     def __call__(self, tokens: mx.array, caches: Sequence[Any], masked: bool) -> mx.array:
         """Logits of one step: `tokens` (rows,) are each row's next input; `caches` the
         model's layer caches (BatchKVCache, or KVCache for one row); `masked`: some row is
         padded (mlx-lm's mask for the cache, else none, as MLX's fused kernel wants)."""
+        self.row_counts.add(tokens.shape[0])
         x = self.embed(tokens[:, None])
         mask = create_attention_mask(x, caches[0]) if masked else None
         offset = caches[0].offset
