@@ -120,10 +120,10 @@ class Workers:
         return tokens | ({"token_strs": ["o", "k"]} if with_text else {})
 
 
-def scripted_app(folder: Path, any_name: bool = False) -> GatewayApp:
+def scripted_app(folder: Path, any_name: bool = False, **server: Any) -> GatewayApp:
     """The app as `gatewayctl serve` builds it (no keys: open), its workers scripted; its
-    lifespan is not run (no supervisor, admin socket or mDNS)."""
-    settings = {"keys_file": str(folder / "keys.json"), "run_dir": str(folder)}
+    lifespan is not run (no supervisor, admin socket or mDNS). `server`: more settings."""
+    settings = {"keys_file": str(folder / "keys.json"), "run_dir": str(folder), **server}
     app = create_app(Config(server=ServerConfig(**settings)))  # type: ignore[arg-type]
     app.state.workers = Workers(any_name)
     return app

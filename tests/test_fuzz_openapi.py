@@ -49,9 +49,10 @@ def without_lifespan(app: Any) -> Any:
 
 
 # Parametrizing needs the document when the module is collected: the app is built then, in
-# a folder of its own (no keys file in it: the gateway is open).
+# a folder of its own (no keys file in it: the gateway is open). Schemathesis' client calls
+# it as http://testserver, a name a loopback gateway answers only when told to.
 FOLDER = tempfile.TemporaryDirectory(prefix="fuzz-openapi-")
-APP = without_lifespan(scripted_app(Path(FOLDER.name), any_name=True))
+APP = without_lifespan(scripted_app(Path(FOLDER.name), any_name=True, allowed_hosts=["testserver"]))
 schema = schemathesis.openapi.from_asgi("/schema/openapi.json", APP)
 
 
