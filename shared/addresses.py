@@ -4,6 +4,7 @@ and the host names of Host headers and of `server.allowed_hosts`."""
 from __future__ import annotations
 
 import ipaddress
+import re
 
 
 def is_loopback(host: str) -> bool:
@@ -21,14 +22,28 @@ def tcp_endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
-def host_of(header: str) -> str:
-    """The host of a Host header: no port, no IPv6 brackets, lower case, no final dot."""
+NAME = re.compile(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*")
+
+
+def host_of(header: str) -> str | None:
+    """The host of a Host header: no port, no IPv6 brackets, lower case, no final dot; None
+    for one that is neither a host name nor an address (`[::1]x`, `a::b.c`, spaces)."""
     text = header.strip().lower()
     if text.startswith("["):  # [::1]:8000
-        text = text[1 : text.find("]")] if "]" in text else text[1:]
+        inside, _, rest = text[1:].partition("]")
+        if rest and not re.fullmatch(r":\d+", rest):
+            return None
+        text = inside
     elif text.count(":") == 1:  # name:8000 (a bare IPv6 address has more colons)
-        text = text.partition(":")[0]
-    return text.removesuffix(".")
+        text, _, port = text.partition(":")
+        if not port.isdigit():
+            return None
+    text = text.removesuffix(".")
+    try:
+        ipaddress.ip_address(text)
+        return text
+    except ValueError:
+        return text if NAME.fullmatch(text) else None
 
 
 def allowed_host_problem(entry: str) -> str | None:
@@ -36,7 +51,11 @@ def allowed_host_problem(entry: str) -> str | None:
     `*.suffix` or `*`."""
     if entry == "*":
         return None
-    name = entry.removeprefix("*.")
-    if not name or "*" in name or "/" in name or any(c.isspace() for c in name):
-        return f"{entry!r} is not a host name, an address, '*.suffix' or '*'"
-    return None
+    name = entry.strip().lower().removeprefix("*.").removesuffix(".")
+    try:
+        ipaddress.ip_address(name)
+        return None if not entry.startswith("*.") else f"{entry!r}: '*.' goes before names"
+    except ValueError:
+        if NAME.fullmatch(name):
+            return None
+    return f"{entry!r} is not a host name, an address, '*.suffix' or '*'"

@@ -167,6 +167,32 @@ def test_models_it_does_not_know_keep_their_forward_pass(caplog: pytest.LogCaptu
     assert "sliding-window layers" in reasons[0]
     assert "model type 'gemma'" in reasons[1]
     assert "a decoder layer of a kind the step does not know" in reasons[2]
+    # under engine.decode_step = "auto" a model it does not know is news, not a warning
+    caplog.clear()
+    assert decode_step.build(other, asked=False) is None
+    assert [r.levelno for r in caplog.records] == []
+    caplog.set_level(logging.INFO, logger=decode_step.__name__)
+    assert decode_step.build(other, asked=False) is None
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+
+
+def test_a_probe_that_fails_leaves_the_forward_pass(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A probe that raises (a kernel library another user's process half-wrote, say) is
+    tried again, then the model keeps mlx-lm's forward pass: its load does not fail."""
+    calls: list[int] = []
+
+    def broken(model: Any, step: Any) -> bool:
+        calls.append(1)
+        raise RuntimeError("kernel library unreadable")
+
+    monkeypatch.setattr(decode_step, "probe", broken)
+    monkeypatch.setattr(decode_step.time, "sleep", lambda s: None)
+    caplog.set_level(logging.WARNING, logger=decode_step.__name__)
+    assert decode_step.build(_tiny(llama)) is None
+    assert len(calls) == decode_step.PROBE_ATTEMPTS
+    assert "could not be built" in caplog.records[-1].getMessage()
 
 
 class _Wrapped(nn.Module):

@@ -23,6 +23,9 @@ def test_host_of_drops_the_port_brackets_case_and_final_dot() -> None:
     assert host_of("::1") == "::1"
     assert host_of("example.com.") == "example.com"
     assert host_of(" 127.0.0.1 ") == "127.0.0.1"
+    # nothing a browser sends, and nothing a name or an address is
+    for odd in ("[::1]evil.example", "evil.example::x.localhost", "a b", "x:y", "", "a,b"):
+        assert host_of(odd) is None, odd
 
 
 def test_on_loopback_only_this_machines_names_are_answered() -> None:
@@ -33,6 +36,10 @@ def test_on_loopback_only_this_machines_names_are_answered() -> None:
     for host in ("evil.example:8000", "evil.example", "10.0.0.1:8000", "[::2]:8000", ""):
         assert not check.allows(host), host
     assert not check.allows("localhost.evil.example")  # a suffix is not the name
+    assert not check.allows("[::1]evil.example") and not check.allows("evil.example::x.localhost")
+    assert check.allows("[::ffff:127.0.0.1]:8000")  # IPv4-mapped loopback
+    assert check.allows("host.docker.internal:8000")  # a container reaching the host
+    assert check.allows_origin("chrome-extension://abcdef")  # no page a site can forge
     assert check.allows(None)  # no Host header: no browser sends that
     assert check.allows_origin("http://127.0.0.1:8000")
     assert check.allows_origin("http://[::1]:8000")
@@ -54,7 +61,7 @@ def test_other_bind_addresses_answer_any_name_unless_listed() -> None:
 
 def test_allowed_hosts_entries_are_checked_at_load(tmp_path: Path) -> None:
     assert allowed_host_problem("*") is None and allowed_host_problem("*.lan") is None
-    for bad in ("", "*.", "a*.lan", "http://x/", "two words"):
+    for bad in ("", "*.", "a*.lan", "http://x/", "two words", "*.10.0.0.1", "x:80"):
         assert allowed_host_problem(bad) is not None, bad
     path = tmp_path / "c.toml"
     path.write_text('[server]\nallowed_hosts = ["mac.lan", "*.home"]\n')
@@ -92,6 +99,31 @@ def test_a_rebound_name_gets_403_in_the_protocols_shape_on_every_path(tmp_path: 
     assert r.json()["error"]["type"] == "permission_error"
     for path in ("/health", "/console", "/console/api/recent", "/metrics"):
         assert call(app, "GET", f"http://evil.example:8000{path}").status_code == 403, path
+
+
+def test_two_host_headers_are_refused(tmp_path: Path) -> None:
+    async def go() -> int:
+        app = make_app(tmp_path)
+        sent: list[dict[str, Any]] = []
+        scope = {
+            "type": "http",
+            "method": "GET",
+            "path": "/health",
+            "raw_path": b"/health",
+            "query_string": b"",
+            "headers": [(b"host", b"localhost"), (b"host", b"evil.example")],
+        }
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        await app(scope, receive, send)
+        return int(sent[0]["status"])
+
+    assert asyncio.run(go()) == 403
 
 
 def test_a_foreign_origin_is_refused_and_the_consoles_own_is_not(tmp_path: Path) -> None:

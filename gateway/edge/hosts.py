@@ -24,6 +24,9 @@ from urllib.parse import urlsplit
 from shared.addresses import host_of, is_loopback
 
 ANY = "*"
+# Names under which container runtimes reach the host's loopback (Docker Desktop, Podman):
+# `.internal` is reserved, so no site can own one to rebind.
+CONTAINER_HOSTS = ("host.docker.internal", "host.containers.internal")
 
 
 def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -39,15 +42,17 @@ class HostCheck:
     Always: `localhost`, `*.localhost` and loopback addresses (a page whose origin is one of
     them is served from this machine already). Besides, `allowed` (`server.allowed_hosts`:
     names, addresses, `*.suffix` for any name under a suffix, `*` for any) or, when None,
-    the default for a server bound to `bind_host`: this machine's host name on loopback,
-    any name elsewhere.
+    the default for a server bound to `bind_host`: this machine's host name and the names
+    containers reach it by on loopback, any name elsewhere.
     """
 
     def __init__(self, allowed: list[str] | None, bind_host: str) -> None:
         self.default = allowed is None
-        entries = [host_of(a) if a != ANY else a for a in allowed or ()]
+        entries = [a.strip().lower().removesuffix(".") for a in allowed or ()]
         if allowed is None:
-            entries = [socket.gethostname().lower()] if is_loopback(bind_host) else [ANY]
+            entries = [socket.gethostname().lower(), *CONTAINER_HOSTS]
+            if not is_loopback(bind_host):
+                entries.append(ANY)
         self.any = ANY in entries
         self.suffixes = (".localhost", *(e[1:] for e in entries if e.startswith("*.")))
         self.names = {"localhost"} | {
@@ -59,18 +64,25 @@ class HostCheck:
         if self.any or header is None:  # HTTP/1.0 without Host: no browser sends that
             return True
         host = host_of(header)
+        if host is None:
+            return False
         ip = _ip(host)
         if ip is not None:
-            return ip.is_loopback or ip in self.ips
+            mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+            return ip.is_loopback or ip in self.ips or (mapped is not None and mapped.is_loopback)
         return host in self.names or host.endswith(self.suffixes)
 
     def allows_origin(self, origin: str) -> bool:
         """Whether a browser's Origin header names a page this gateway answers (a page of
-        another origin may send it a simple POST, though it cannot read the answer)."""
+        another origin may send it a simple POST, though it cannot read the answer). Only
+        web pages' origins are judged: an extension's or an app's (chrome-extension://...)
+        is no page a site can forge; "null" (a file, a sandboxed frame) is refused."""
         if self.any:
             return True
-        host = urlsplit(origin.strip()).hostname  # None for "null" (file://, sandboxes)
-        return host is not None and self.allows(host)
+        parts = urlsplit(origin.strip())
+        if parts.scheme not in ("http", "https") and origin.strip() != "null":
+            return True
+        return parts.hostname is not None and self.allows(parts.hostname)
 
     def describe(self) -> str:
         """What is answered, for the refusal's message."""

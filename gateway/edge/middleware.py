@@ -213,7 +213,15 @@ LIMITED_OUTSIDE_V1 = frozenset({"/v2/rerank", "/rerank"})
 
 
 def _headers(scope: Scope) -> dict[bytes, bytes]:
-    return {name.lower(): value for name, value in scope.get("headers", ())}
+    """The request's headers by lower-case name, the last of each; several Host headers
+    are joined with commas (as HTTP joins repeated fields), which no host name matches."""
+    headers: dict[bytes, bytes] = {}
+    for name, value in scope.get("headers", ()):
+        name = name.lower()
+        if name == b"host" and name in headers:
+            value = headers[name] + b"," + value
+        headers[name] = value
+    return headers
 
 
 def _presented_key(headers: dict[bytes, bytes]) -> str | None:

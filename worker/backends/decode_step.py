@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,7 @@ from worker.backends.cpu_ops import compile_lock
 log = logging.getLogger(__name__)
 
 ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+PROBE_ATTEMPTS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,11 +281,12 @@ def wanted(setting: str) -> bool:
     return setting == "compiled"
 
 
-def build(model: Any, fuse: bool = False) -> DecodeStep | None:
+def build(model: Any, fuse: bool = False, asked: bool = True) -> DecodeStep | None:
     """The model's decode step, or None (and why, logged) where it keeps mlx-lm's. With
     `fuse`, each layer's Q, K and V projections are one matrix, and so are its gate and up
     projections: fewer, larger multiplications, for copies of those weights (a benchmark's
-    variant: the model keeps its own)."""
+    variant: the model keeps its own). `asked`: the configuration named the step (a model
+    it does not know is then a warning; under "auto", only news)."""
     reason = _unsupported(model)
     if reason is None:
         found = [_layer(block, fuse) for block in model.model.layers]
@@ -294,14 +297,28 @@ def build(model: Any, fuse: bool = False) -> DecodeStep | None:
             if len(shapes) != 1:
                 reason = "decoder layers of different shapes"
     if reason is not None:
-        log.warning("decode step: mlx-lm's forward pass (%s)", reason)
+        log.log(
+            logging.WARNING if asked else logging.INFO,
+            "decode step: mlx-lm's forward pass (%s)",
+            reason,
+        )
         return None
     step = DecodeStep(model, shapes.pop(), [f[1] for f in found if f is not None])
     # On MLX's CPU the probe compiles the step's kernels (once a machine, cached on disk):
     # one process at a time, as the CPU warm-up does.
     lock = compile_lock() if mx.default_device() == mx.cpu else contextlib.nullcontext()
     with lock:
-        matches = probe(model, step)
+        matches: bool | None = None
+        for attempt in range(1, PROBE_ATTEMPTS + 1):
+            try:
+                matches = probe(model, step)
+                break
+            except Exception as exc:  # e.g. a kernel library another user's process half-wrote
+                log.warning("decode step: probe attempt %d failed: %s", attempt, exc)
+                time.sleep(0.5 * attempt)
+    if matches is None:
+        log.warning("decode step: mlx-lm's forward pass (the compiled step could not be built)")
+        return None
     if not matches:
         log.warning(
             "decode step: mlx-lm's forward pass (the compiled step's logits differ from the "

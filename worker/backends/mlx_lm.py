@@ -241,7 +241,11 @@ class MlxRowsBackend(MlxLmBackend):
             options.prefill_step_size,
             self.prefill_batch_size,
             settle_steps=options.join_settle_steps,
-            decode=decode_step.build(model) if decode_step.wanted(options.decode_step) else None,
+            decode=(
+                decode_step.build(model, asked=options.decode_step == "compiled")
+                if decode_step.wanted(options.decode_step)
+                else None
+            ),
         )
 
     def insert(self, items: list[Insertion]) -> list[int]:
