@@ -41,7 +41,8 @@ def test_input_string_and_messages() -> None:
     (item,) = input_items("Hello")
     assert isinstance(item, MessageItem)
     assert item.role == "user" and item.content == [InputText("Hello")]
-    assert item.id.startswith("msg_") and item.type == "message" and item.status == "completed"
+    assert item.id.startswith("msg_") and item.status == "completed"
+    assert msgspec.to_builtins(item)["type"] == "message"  # the tag, first
     items = input_items(
         [
             {"role": "developer", "content": "Be brief."},

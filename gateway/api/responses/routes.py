@@ -28,6 +28,7 @@ from gateway.api.responses.formatter import ResponsesFormatter
 from gateway.api.responses.schemas import (
     DeletedResponse,
     Item,
+    ItemList,
     ResponseObject,
     ResponsesRequest,
 )
@@ -121,7 +122,7 @@ EXAMPLES = {
     "/responses",
     status_code=200,
     operation_class=documented(
-        ErrorBody, {JSON: ResponsesRequest}, {JSON: None, SSE: None}, EXAMPLES
+        ErrorBody, {JSON: ResponsesRequest}, {JSON: ResponseObject, SSE: None}, EXAMPLES
     ),
 )
 async def create_response(
@@ -253,7 +254,7 @@ async def _run_background(
 
 @get(
     "/responses/{response_id:str}",
-    operation_class=documented(ErrorBody, replies={JSON: None}),
+    operation_class=documented(ErrorBody, replies={JSON: ResponseObject}),
 )
 async def retrieve_response(
     request: Request[Any, Any, Any], state: State, response_id: FromPath[str]
@@ -281,7 +282,7 @@ async def delete_response(
 
 @get(
     "/responses/{response_id:str}/input_items",
-    operation_class=documented(ErrorBody, replies={JSON: None}),
+    operation_class=documented(ErrorBody, replies={JSON: ItemList}),
 )
 async def list_input_items(
     request: Request[Any, Any, Any], state: State, response_id: FromPath[str]
@@ -307,7 +308,7 @@ async def list_input_items(
 @post(
     "/responses/{response_id:str}/cancel",
     status_code=200,
-    operation_class=documented(ErrorBody, replies={JSON: None}),
+    operation_class=documented(ErrorBody, replies={JSON: ResponseObject}),
 )
 async def cancel_response(
     request: Request[Any, Any, Any], state: State, response_id: FromPath[str]

@@ -181,11 +181,10 @@ class InputImage(msgspec.Struct, tag_field="type", tag="input_image"):
 ContentPart = InputText | OutputText | InputImage
 
 
-class MessageItem(msgspec.Struct, kw_only=True):
+class MessageItem(msgspec.Struct, kw_only=True, tag_field="type", tag="message"):
     """A message of a conversation: an input item, or the assistant's output."""
 
     id: str
-    type: str = "message"
     status: str = "completed"  # in_progress | completed | incomplete
     role: str
     content: list[ContentPart]
@@ -199,32 +198,31 @@ class SummaryText(msgspec.Struct, tag_field="type", tag="summary_text"):
     text: str
 
 
-class ReasoningItem(msgspec.Struct, kw_only=True):
+class ReasoningItem(msgspec.Struct, kw_only=True, tag_field="type", tag="reasoning"):
     """The model's thinking: its text in `content` (never summarized here)."""
 
     id: str
-    type: str = "reasoning"
     status: str = "completed"
     summary: list[SummaryText] = []
     content: list[ReasoningText] = []
 
 
-class FunctionCallItem(msgspec.Struct, kw_only=True):
+class FunctionCallItem(msgspec.Struct, kw_only=True, tag_field="type", tag="function_call"):
     """A call the model made: `arguments` is its arguments' JSON text."""
 
     id: str
-    type: str = "function_call"
     status: str = "completed"
     call_id: str
     name: str
     arguments: str
 
 
-class FunctionCallOutputItem(msgspec.Struct, kw_only=True):
+class FunctionCallOutputItem(
+    msgspec.Struct, kw_only=True, tag_field="type", tag="function_call_output"
+):
     """A call's result, as the client sent it (its text)."""
 
     id: str
-    type: str = "function_call_output"
     status: str = "completed"
     call_id: str
     output: str
@@ -271,7 +269,9 @@ class TextOut(msgspec.Struct):
 
 
 class ResponseObject(msgspec.Struct, kw_only=True):
-    """OpenAI's Response; mutable: a background response evolves in the store."""
+    """A response: its status, its output items and its usage (OpenAI's Response)."""
+
+    # mutable: a background response evolves in the store
 
     id: str
     object: str = "response"
