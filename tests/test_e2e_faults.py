@@ -167,8 +167,10 @@ def test_a_poison_request_fails_alone_while_the_others_go_on(fault_gateway: Gate
         texts = [v.result(timeout=180) for v in victims]
     assert "resume_max=2" in error and "it may be what kills the worker" in error
     assert texts == undisturbed
+    # the poison's last death restarts the model too: it comes back on its own
+    wait_for(lambda: fault_gateway.ps()["poisoned"]["state"] == "ready", 60, "the restart")
     row = fault_gateway.ps()["poisoned"]
-    assert row["state"] == "ready" and row["restarts"] - before["restarts"] >= 3
+    assert row["restarts"] - before["restarts"] >= 3
     assert row["died"] - before["died"] == 1 and row["resumed"] - before["resumed"] >= 6
     assert "(this time it alone was on trial)" in fault_gateway.logs()
 
