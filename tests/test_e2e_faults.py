@@ -106,7 +106,8 @@ def test_worker_killed_mid_stream_resumes_it_on_the_next_worker(
 
 def test_a_non_streaming_request_resumes_too(fault_gateway: GatewayProc) -> None:
     client = openai_client(fault_gateway)
-    asked = {"model": "victim", "messages": MESSAGES, "max_tokens": 1500, "temperature": 0}
+    # long enough to be seen running (ps reads the worker's heartbeats, one a second)
+    asked = {"model": "victim", "messages": MESSAGES, "max_tokens": 6000, "temperature": 0}
     undisturbed = client.chat.completions.create(**asked, extra_body={"ignore_eos": True})  # type: ignore[call-overload]
     pid = fault_gateway.ps()["victim"]["pid"]
     resumes = fault_gateway.logs().count("1 to resume")
@@ -118,7 +119,7 @@ def test_a_non_streaming_request_resumes_too(fault_gateway: GatewayProc) -> None
         os.kill(pid, signal.SIGKILL)
         resumed = future.result(timeout=120)
     assert resumed.choices[0].message.content == undisturbed.choices[0].message.content
-    assert resumed.usage is not None and resumed.usage.completion_tokens == 1500
+    assert resumed.usage is not None and resumed.usage.completion_tokens == 6000
     # it was killed mid-request, not after it
     assert fault_gateway.logs().count("1 to resume") == resumes + 1
 
