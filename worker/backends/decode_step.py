@@ -356,9 +356,10 @@ def _unsupported(model: Any) -> str | None:
 def probe(model: Any, step: DecodeStep) -> bool:
     """Whether the step's logits match the model's for a few steps after a short prefill:
     one row on a KVCache, then two rows of different lengths on a BatchKVCache (per-row
-    offsets and the padding's mask) and two of the same length (no mask), as the rows batch
-    steps. On MLX's CPU this also compiles the kernels of those layouts, at load rather than
-    on the first requests."""
+    offsets and the padding's mask), as the rows batch steps. On MLX's CPU this also
+    compiles the kernels of those layouts, at load rather than on the first requests. (Two
+    rows of one length differ only in passing no mask to MLX's attention, outside the
+    compiled functions; 60 ms a load on the bench model, where all three cases took 130.)"""
     vocab = step.embed.weight.shape[0] if hasattr(step.embed, "weight") else 2
     layers = len(model.model.layers)
 
@@ -372,10 +373,10 @@ def probe(model: Any, step: DecodeStep) -> bool:
             return rows[0]
         return [BatchKVCache.merge([row[i] for row in rows]) for i in range(layers)]
 
-    for lengths, masked in (([5], False), ([5, 3], True), ([4, 4], False)):
+    for lengths, masked in (([5], False), ([5, 3], True)):
         mine, theirs = prefilled(lengths), prefilled(lengths)
         token = mx.array([3 % vocab] * len(lengths))
-        for _ in range(3):
+        for _ in range(2):
             want = model(token[:, None], cache=theirs)[:, -1, :].astype(mx.float32)
             got = step(token, mine, masked=masked).astype(mx.float32)
             if want.shape != got.shape or not mx.allclose(got, want, rtol=2e-2, atol=2e-2).item():
