@@ -6,15 +6,23 @@ from __future__ import annotations
 import ipaddress
 import re
 
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def address_of(text: str) -> Address | None:
+    """The IP address `text` spells, or None (a name, or nothing valid)."""
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        return None
+
 
 def is_loopback(host: str) -> bool:
     """Whether a bind address only serves this machine."""
     if host == "localhost":
         return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    address = address_of(host)
+    return address is not None and address.is_loopback
 
 
 def tcp_endpoint(host: str, port: int) -> str:
@@ -39,11 +47,7 @@ def host_of(header: str) -> str | None:
         if not port.isdigit():
             return None
     text = text.removesuffix(".")
-    try:
-        ipaddress.ip_address(text)
-        return text
-    except ValueError:
-        return text if NAME.fullmatch(text) else None
+    return text if address_of(text) is not None or NAME.fullmatch(text) else None
 
 
 def allowed_host_problem(entry: str) -> str | None:
@@ -52,10 +56,8 @@ def allowed_host_problem(entry: str) -> str | None:
     if entry == "*":
         return None
     name = entry.strip().lower().removeprefix("*.").removesuffix(".")
-    try:
-        ipaddress.ip_address(name)
+    if address_of(name) is not None:
         return None if not entry.startswith("*.") else f"{entry!r}: '*.' goes before names"
-    except ValueError:
-        if NAME.fullmatch(name):
-            return None
+    if NAME.fullmatch(name):
+        return None
     return f"{entry!r} is not a host name, an address, '*.suffix' or '*'"

@@ -314,3 +314,22 @@ def test_non_loopback_bind_needs_a_key(tmp_path: Path) -> None:
     refused = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2
     assert "gatewayctl keys create" in refused.stderr and "--insecure-no-auth" in refused.stderr
+
+
+def test_a_rebound_host_name_is_refused_by_the_real_server(secured: GatewayProc) -> None:
+    """Through Granian, as a browser sends them: the Host and Origin a DNS-rebinding page
+    would send get 403 before any key is looked at; this machine's names are answered."""
+    url = f"{secured.base_url}/health"
+    assert httpx.get(url, timeout=10).status_code == 200  # Host: 127.0.0.1:PORT
+    port = secured.base_url.rsplit(":", 1)[1]
+    assert httpx.get(url, headers={"host": f"localhost:{port}"}, timeout=10).status_code == 200
+    r = httpx.get(url, headers={"host": f"evil.example:{port}"}, timeout=10)
+    assert r.status_code == 403
+    assert f"Host 'evil.example:{port}' refused" in r.json()["error"]["message"]
+    r = httpx.post(
+        f"{secured.base_url}/v1/chat/completions",
+        headers={"origin": "http://evil.example", "content-type": "text/plain"},
+        content=b'{"model": "chat", "messages": [{"role": "user", "content": "hi"}]}',
+        timeout=10,
+    )
+    assert r.status_code == 403 and "Origin 'http://evil.example' refused" in r.text

@@ -17,23 +17,15 @@ the protocols' error shapes.)
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 from urllib.parse import urlsplit
 
-from shared.addresses import host_of, is_loopback
+from shared.addresses import address_of, host_of, is_loopback
 
 ANY = "*"
 # Names under which container runtimes reach the host's loopback (Docker Desktop, Podman):
 # `.internal` is reserved, so no site can own one to rebind.
 CONTAINER_HOSTS = ("host.docker.internal", "host.containers.internal")
-
-
-def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    try:
-        return ipaddress.ip_address(host)
-    except ValueError:
-        return None
 
 
 class HostCheck:
@@ -56,9 +48,9 @@ class HostCheck:
         self.any = ANY in entries
         self.suffixes = (".localhost", *(e[1:] for e in entries if e.startswith("*.")))
         self.names = {"localhost"} | {
-            e for e in entries if not e.startswith("*") and _ip(e) is None
+            e for e in entries if not e.startswith("*") and address_of(e) is None
         }
-        self.ips = {ip for e in entries if (ip := _ip(e)) is not None}
+        self.ips = {ip for e in entries if (ip := address_of(e)) is not None}
 
     def allows(self, header: str | None) -> bool:
         if self.any or header is None:  # HTTP/1.0 without Host: no browser sends that
@@ -66,7 +58,7 @@ class HostCheck:
         host = host_of(header)
         if host is None:
             return False
-        ip = _ip(host)
+        ip = address_of(host)
         if ip is not None:
             mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
             return ip.is_loopback or ip in self.ips or (mapped is not None and mapped.is_loopback)
