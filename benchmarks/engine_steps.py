@@ -3,17 +3,20 @@
     python -m benchmarks.engine_steps MODEL --rows 1,32,128 --steps 150 --repeats 2
 
 For each batch size, `rows` sequences with the same 128-token prompt decode together
-(greedy, no stop) and the time between consecutive steps that returned tokens is taken,
-the first WARM_STEPS left out, under three drivers:
+(greedy, no stop; with --ragged, prompts of 113-128 tokens, so that every step needs an
+attention mask, as a served batch of requests that arrived at different times does) and
+the time between consecutive steps that returned tokens is taken, the first WARM_STEPS
+left out, under each driver:
 - `batchgenerator`: mlx-lm's BatchGenerator alone (what the serving ceiling runs);
 - `engine-mlx_lm`: the worker's EngineCore on BatchGenerator (`engine.batcher = "mlx_lm"`),
   detokenizing, checking stops and encoding each step's deltas as the worker sends them;
 - `engine-rows`: the same on the engine's own batch (`engine.batcher = "rows"`) with
   mlx-lm's forward pass (`engine.decode_step = "model"`);
 - `engine-compiled`: the rows batch with the project's compiled decode step
-  (`engine.decode_step = "compiled"`, worker/backends/decode_step.py);
+  (`engine.decode_step = "compiled"`, worker/backends/decode_step.py), each projection
+  multiplied apart (its default on MLX's CPU);
 - `engine-fused`: the same with each layer's Q/K/V and gate/up weights stacked into one
-  matrix each (copies: a variant to measure, not a setting);
+  matrix each (its default on MLX's CUDA backend; the model's layers read slices of them);
 - `generate_step` (batch 1 only): mlx-lm's single-stream generation, no batch at all.
 Prints one JSON line per (rows, repeat): each driver's median step in ms, and where NVML
 answers (an NVIDIA GPU with `pynvml`), the GPU's busy share over its timed steps
@@ -61,6 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-running", type=int, default=128, help="the batch's row limit")
     p.add_argument(
+        "--ragged",
+        action="store_true",
+        help="rows of 16 different lengths (a masked step) instead of one",
+    )
+    p.add_argument(
         "--drivers",
         default=",".join(DRIVERS),
         help=f"comma-separated, of: {', '.join(DRIVERS)}",
@@ -93,7 +101,14 @@ def _median_ms(step: Callable[[], bool], steps: int) -> float:
     return 1000 * statistics.median(times[WARM_STEPS:])
 
 
-def batchgenerator(model: Any, rows: int, steps: int, max_running: int) -> float:
+def prompts(rows: int, ragged: bool) -> list[list[int]]:
+    """The rows' prompts: one length, or (`ragged`) 16 lengths from 113 to 128 tokens."""
+    return [PROMPT[: len(PROMPT) - (i % 16 if ragged else 0)] for i in range(rows)]
+
+
+def batchgenerator(
+    model: Any, rows: int, steps: int, max_running: int, ragged: bool = False
+) -> float:
     from mlx_lm.generate import BatchGenerator
 
     budget = steps + WARM_STEPS + 8
@@ -104,7 +119,7 @@ def batchgenerator(model: Any, rows: int, steps: int, max_running: int) -> float
         completion_batch_size=max_running,
         prefill_batch_size=max_running,
     )
-    gen.insert([PROMPT] * rows, max_tokens=[budget] * rows)
+    gen.insert(prompts(rows, ragged), max_tokens=[budget] * rows)
     try:
         return _median_ms(lambda: bool(gen.next()[1]), steps)
     finally:
@@ -133,7 +148,8 @@ def engine(
     steps: int,
     max_running: int,
     decode_step: str = "model",
-    fuse: bool = False,
+    fuse: bool | None = None,
+    ragged: bool = False,
 ) -> float:
     from shared.config import EngineOptions
     from shared.protocol import Codec, StepOutputs
@@ -150,15 +166,15 @@ def engine(
         prefix_cache=False,
     )
     backend = make_backend(model, tokenizer, options)
-    if fuse:
+    if fuse is not None:  # the variant asked for, whatever this device's default
         from worker.backends.decode_step import build
 
-        backend.batch.decode = build(model, fuse=True)  # type: ignore[attr-defined]
+        backend.batch.decode = build(model, fuse=fuse)  # type: ignore[attr-defined]
     core = EngineCore(backend, options)
     codec = Codec()
     sampling = SamplingParams(temperature=0.0, ignore_eos=True)
-    for i in range(rows):
-        core.add(PreparedRequest(f"r{i}", PROMPT, steps + WARM_STEPS + 8, sampling))
+    for i, prompt in enumerate(prompts(rows, ragged)):
+        core.add(PreparedRequest(f"r{i}", prompt, steps + WARM_STEPS + 8, sampling))
 
     def step() -> bool:
         outputs = core.step()
@@ -179,25 +195,25 @@ def main(argv: list[str] | None = None) -> int:
     from worker.backends.mlx_lm import load
 
     model, tokenizer = load(args.model)
+    at = (args.steps, args.max_running)
+    ragged = args.ragged
     runs: dict[str, Callable[[int], float]] = {
-        "batchgenerator": lambda rows: batchgenerator(model, rows, args.steps, args.max_running),
-        "engine-mlx_lm": lambda rows: engine(
-            model, tokenizer, "mlx_lm", rows, args.steps, args.max_running
-        ),
-        "engine-rows": lambda rows: engine(
-            model, tokenizer, "rows", rows, args.steps, args.max_running
-        ),
+        "batchgenerator": lambda rows: batchgenerator(model, rows, *at, ragged),
+        "engine-mlx_lm": lambda rows: engine(model, tokenizer, "mlx_lm", rows, *at, ragged=ragged),
+        "engine-rows": lambda rows: engine(model, tokenizer, "rows", rows, *at, ragged=ragged),
         "engine-compiled": lambda rows: engine(
-            model, tokenizer, "rows", rows, args.steps, args.max_running, "compiled"
+            model, tokenizer, "rows", rows, *at, "compiled", False, ragged
         ),
         "engine-fused": lambda rows: engine(
-            model, tokenizer, "rows", rows, args.steps, args.max_running, "compiled", True
+            model, tokenizer, "rows", rows, *at, "compiled", True, ragged
         ),
         "generate_step": lambda rows: generate_step(model, args.steps),
     }
     for rows in args.rows:
         for repeat in range(args.repeats):
             line: dict[str, Any] = {"rows": rows, "repeat": repeat}
+            if ragged:
+                line["ragged"] = True
             for driver in args.drivers:
                 if driver == "generate_step" and rows != 1:
                     continue

@@ -26,7 +26,8 @@
 #   and spread, and what one join costs each.
 # - steps / steps8b: benchmarks.engine_steps on the 1b / 8b shape: the decode step of
 #   BatchGenerator alone, of mlx-lm's generate_step (1 row) and of the engine on each batch and
-#   decode step, in one process, at 1, 32 and 128 rows ($STEPS_DRIVERS: the drivers).
+#   decode step, in one process, at 1, 32 and 128 rows ($STEPS_DRIVERS: the drivers;
+#   $STEPS_ARGS: more flags, e.g. --ragged for rows of different lengths).
 # - profile: the gateway on the 1b shape at c=$PROFILE_LEVEL (default 64; max_running
 #   $PROFILE_MAX, default the level; engine.batcher $PROFILE_BATCHER, default mlx_lm) while
 #   py-spy samples the worker's and the gateway's threads for 20 s, idle time included
@@ -34,7 +35,8 @@
 #   OUT/profile-summary.txt); needs py-spy on PATH (a wheel: pip download py-spy).
 # STEP_TRACE=1 has the gateways' workers time each engine step (MLX_GATEWAY_STEP_TRACE) in
 # 1b / 8b and writes OUT/1b-steps.jsonl / OUT/8b-steps.jsonl (benchmarks.step_trace: per
-# source and level, the wall time in steps, between them and with the batch empty).
+# source and level, the wall time in steps, between them and with the batch empty), and the
+# traces themselves to OUT/1b-trace/ / OUT/8b-trace/.
 set -euo pipefail
 OUT=${1:?usage: benchmarks/h200.sh OUT [1b] [8b] [agent]}
 shift
@@ -122,6 +124,7 @@ throughput() {  # NAME SHAPE LEVELS: the ceiling, then each of $SOURCES
   unset MLX_GATEWAY_STEP_TRACE
   if [ "${STEP_TRACE:-0}" = 1 ]; then
     $PY -m benchmarks.step_trace "$trace" --serving "$OUT/$1.json" | tee "$OUT/$1-steps.jsonl"
+    cp -r "$trace" "$OUT/$1-trace"
   fi
 }
 
@@ -180,7 +183,7 @@ for step in $STEPS; do
     steps | steps8b)
       if [ "$step" = steps ]; then dir=$(model 1b $SHAPE_1B); else dir=$(model 8b $SHAPE_8B); fi
       $PY -m benchmarks.engine_steps "$dir" --rows "$ROWS_STEPS" \
-        --max-running "${ROWS_STEPS##*,}" ${STEPS_DRIVERS:+--drivers $STEPS_DRIVERS} 2>&1 |
+        --max-running "${ROWS_STEPS##*,}" ${STEPS_DRIVERS:+--drivers $STEPS_DRIVERS} ${STEPS_ARGS:-} 2>&1 |
         tee "$OUT/$step.jsonl"
       ;;
     profile) profile ;;

@@ -42,6 +42,19 @@ def test_drivers_can_be_picked(chat_model: Path, capsys: pytest.CaptureFixture[s
     assert set(line) == {"rows", "repeat", "engine-rows", "engine-compiled"}
 
 
+def test_ragged_rows_are_of_different_lengths_and_timed(
+    chat_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lengths = {len(p) for p in engine_steps.prompts(32, ragged=True)}
+    assert len(lengths) == 16 and max(lengths) == len(engine_steps.PROMPT)
+    assert {len(p) for p in engine_steps.prompts(32, ragged=False)} == {len(engine_steps.PROMPT)}
+    argv = [str(chat_model), "--rows", "3", "--steps", "3", "--repeats", "1", "--ragged"]
+    argv += ["--max-running", "3", "--drivers", "batchgenerator,engine-fused"]
+    assert engine_steps.main(argv) == 0
+    (line,) = [json.loads(text) for text in capsys.readouterr().out.splitlines()]
+    assert line["ragged"] is True and line["batchgenerator"] > 0 and line["engine-fused"] > 0
+
+
 @pytest.mark.parametrize(
     "bad",
     [

@@ -5,6 +5,7 @@ what it does fails its probe."""
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any
 
@@ -82,14 +83,15 @@ ARCHITECTURES = [
 
 @pytest.mark.parametrize(("module", "overrides"), ARCHITECTURES)
 @pytest.mark.parametrize("quantized", [False, True], ids=["plain", "4bit"])
+@pytest.mark.parametrize("fuse", [False, True], ids=["apart", "stacked"])
 def test_the_same_greedy_tokens_as_the_models_forward_pass(
-    module: Any, overrides: dict[str, Any], quantized: bool
+    module: Any, overrides: dict[str, Any], quantized: bool, fuse: bool
 ) -> None:
     model = _tiny(module, **overrides)
     if quantized:
         nn.quantize(model, group_size=32, bits=4)
-    step = decode_step.build(model)
-    assert step is not None
+    step = decode_step.build(model, fuse=fuse)
+    assert step is not None and step.shape.fused == fuse
     calls = {"masked": 0, "plain": 0}
 
     def counted(tokens: mx.array, caches: list[Any], masked: bool) -> mx.array:
@@ -136,11 +138,32 @@ def test_a_row_decodes_as_mlx_lms_generate_step(chat: Loaded, prompts: list[list
         assert tokens[:16] == reference_greedy(chat.model, prompt, 16)
 
 
-def test_fused_projections_give_the_same_tokens() -> None:
-    model = _tiny(llama)
+@pytest.mark.parametrize("quantized", [False, True], ids=["plain", "4bit"])
+def test_stacked_projections_are_not_a_second_copy_of_the_weights(quantized: bool) -> None:
+    """The model's own layers read slices of the stacked matrices: memory does not grow by
+    the projections' bytes, and the model's forward pass computes the same bits."""
+    model = _tiny(llama, hidden_size=128, intermediate_size=512)
+    if quantized:
+        nn.quantize(model, group_size=32, bits=4)
+    prompt = mx.array([PROMPTS[2]])
+    before = model(prompt)
+    mx.eval(before)
+    gc.collect()
+    mx.clear_cache()
+    active = mx.get_active_memory()
+    stacked = sum(
+        v.nbytes
+        for name, v in tree_flatten(model.parameters())
+        if any(p in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+    )
     step = decode_step.build(model, fuse=True)
     assert step is not None and step.shape.fused
-    assert _decode(model, step, PROMPTS, 2, 14) == _decode(model, None, PROMPTS, 2, 14)
+    gc.collect()
+    mx.clear_cache()
+    assert mx.get_active_memory() - active < stacked / 10
+    assert mx.array_equal(model(prompt), before).item()
+    # the stacked default follows the device: MLX's CUDA backend only
+    assert not decode_step.fuses() and not decode_step.build(model).shape.fused  # type: ignore[union-attr]
 
 
 def test_models_it_does_not_know_keep_their_forward_pass(caplog: pytest.LogCaptureFixture) -> None:
@@ -236,6 +259,7 @@ def test_auto_compiles_on_cpu_and_cuda_and_not_on_metal(monkeypatch: pytest.Monk
     gpu = mx.Device(mx.gpu)
     monkeypatch.setattr(decode_step.mx, "default_device", lambda: gpu)
     monkeypatch.setattr(decode_step.mx.cuda, "is_available", lambda: True)
-    assert decode_step.wanted("auto")
+    assert decode_step.wanted("auto") and decode_step.fuses()
     monkeypatch.setattr(decode_step.mx.cuda, "is_available", lambda: False)  # Metal
     assert not decode_step.wanted("auto") and decode_step.wanted("compiled")
+    assert not decode_step.fuses()
