@@ -14,9 +14,9 @@ left out, under each driver:
   mlx-lm's forward pass (`engine.decode_step = "model"`);
 - `engine-compiled`: the rows batch with the project's compiled decode step
   (`engine.decode_step = "compiled"`, worker/backends/decode_step.py), each projection
-  multiplied apart (its default on MLX's CPU);
+  multiplied apart (its default);
 - `engine-fused`: the same with each layer's Q/K/V and gate/up weights stacked into one
-  matrix each (its default on MLX's CUDA backend; the model's layers read slices of them);
+  matrix each (a variant; the model's layers read slices of them);
 - `generate_step` (batch 1 only): mlx-lm's single-stream generation, no batch at all.
 Prints one JSON line per (rows, repeat): each driver's median step in ms, and where NVML
 answers (an NVIDIA GPU with `pynvml`), the GPU's busy share over its timed steps
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine-mlx_lm": lambda rows: engine(model, tokenizer, "mlx_lm", rows, *at, ragged=ragged),
         "engine-rows": lambda rows: engine(model, tokenizer, "rows", rows, *at, ragged=ragged),
         "engine-compiled": lambda rows: engine(
-            model, tokenizer, "rows", rows, *at, "compiled", False, ragged
+            model, tokenizer, "rows", rows, *at, "compiled", None, ragged
         ),
         "engine-fused": lambda rows: engine(
             model, tokenizer, "rows", rows, *at, "compiled", True, ragged

@@ -4,9 +4,6 @@ On a GPU a decode step is bound by the host: mlx-lm's forward pass builds the gr
 operation of every layer in Python at every step, and MLX encodes each one as a kernel
 (docs/benchmarks.md; issue 23). This step computes the same function with fewer, cheaper
 graph nodes:
-- on MLX's CUDA backend, each layer's Q, K and V projections are multiplied as one matrix,
-  and so are its gate and up projections (fewer, larger multiplications; the model's own
-  layers are given slices of those matrices, views of the same memory);
 - each decoder layer is two `mx.compile`d functions, taking the layer's weights as inputs
   (one trace serves every layer): the input norm, Q/K/V projections, the head norms where
   the model has them and RoPE; then the output projection, residual, norm, gated MLP and
@@ -301,23 +298,13 @@ def wanted(setting: str) -> bool:
     return setting == "compiled"
 
 
-def fuses() -> bool:
-    """Whether the step stacks each layer's projections of one input into one matrix on
-    this process's device: on MLX's CUDA backend, where the 8B shape's step at 32 and 128
-    rows took 0.74-0.86 of the time with them stacked (docs/benchmarks.md); not on MLX's
-    CPU, where it changed nothing measurable, nor on Metal, where it is unmeasured."""
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
-
-
-def build(model: Any, fuse: bool | None = None, asked: bool = True) -> DecodeStep | None:
+def build(model: Any, fuse: bool = False, asked: bool = True) -> DecodeStep | None:
     """The model's decode step, or None (and why, logged) where it keeps mlx-lm's. With
-    `fuse` (by default where `fuses()`), each layer's Q, K and V projections are one matrix,
-    and so are its gate and up projections: fewer, larger multiplications; the model's own
-    layers then read slices of those matrices, so the weights are not held twice. `asked`:
-    the configuration named the step (a model it does not know is then a warning; under
-    "auto", only news)."""
-    if fuse is None:
-        fuse = fuses()
+    `fuse`, each layer's Q, K and V projections are one matrix, and so are its gate and up
+    projections: fewer, larger multiplications (a benchmark's variant, not a setting); the
+    model's own layers then read slices of those matrices, so the weights are not held
+    twice. `asked`: the configuration named the step (a model it does not know is then a
+    warning; under "auto", only news)."""
     reason = _unsupported(model)
     if reason is None:
         found = [_layer(block, fuse) for block in model.model.layers]
