@@ -2,7 +2,8 @@
 # The GPU figures of docs/benchmarks.md: one NVIDIA GPU, MLX's CUDA backend, random-weight
 # models of Llama-3.2-1B's and Llama-3.1-8B's shapes in bf16 (vocab 128,256).
 #
-#   benchmarks/h200.sh OUT [1b] [8b] [agent] [arrivals] [steps] [profile]  (default: 1b 8b agent)
+#   benchmarks/h200.sh OUT [1b] [8b] [agent] [arrivals] [steps] [steps8b] [shapes] [profile]
+#   (default: 1b 8b agent)
 #
 # Run from the repository root with MLX (CUDA), mlx-lm and the project importable by
 # $PYTHON (default python3). Models are built under $MODELS (default /tmp/models) on first use.
@@ -28,6 +29,8 @@
 #   BatchGenerator alone, of mlx-lm's generate_step (1 row) and of the engine on each batch and
 #   decode step, in one process, at 1, 32 and 128 rows ($STEPS_DRIVERS: the drivers;
 #   $STEPS_ARGS: more flags, e.g. --ragged for rows of different lengths).
+# - shapes: benchmarks.new_shapes on the 1b shape: the first step at a new row count against
+#   later ones, mlx-lm's forward pass and the compiled step.
 # - profile: the gateway on the 1b shape at c=$PROFILE_LEVEL (default 64; max_running
 #   $PROFILE_MAX, default the level; engine.batcher $PROFILE_BATCHER, default mlx_lm) while
 #   py-spy samples the worker's and the gateway's threads for 20 s, idle time included
@@ -185,6 +188,9 @@ for step in $STEPS; do
       $PY -m benchmarks.engine_steps "$dir" --rows "$ROWS_STEPS" \
         --max-running "${ROWS_STEPS##*,}" ${STEPS_DRIVERS:+--drivers $STEPS_DRIVERS} ${STEPS_ARGS:-} 2>&1 |
         tee "$OUT/$step.jsonl"
+      ;;
+    shapes)
+      $PY -m benchmarks.new_shapes "$(model 1b $SHAPE_1B)" ${SHAPES_ARGS:-} 2>&1 | tee "$OUT/shapes.jsonl"
       ;;
     profile) profile ;;
     *) echo "unknown step $step" >&2; exit 2 ;;

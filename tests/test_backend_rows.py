@@ -86,6 +86,63 @@ def test_a_row_that_leaves_is_dropped_lazily_and_never_seen_again(
     assert batch.step() == []
 
 
+def test_with_bucket_rows_a_batch_keeps_multiples_of_the_bucket(
+    chat: Loaded, prompts: list[list[int]]
+) -> None:
+    """Rows that left stay (unseen) to round the batch up to ROW_BUCKET's multiples from
+    that many rows on; below it, and when too few have left, counts are exact; the rows
+    that stay decode as alone."""
+    assert rows_module.ROW_BUCKET == 8
+    many = [prompts[i % len(prompts)] for i in range(12)]
+    batch = RowBatch(chat.model, bucket_rows=True)
+    out: dict[int, list[int]] = {}
+    uids = _insert(batch, chat, many)
+    _run(batch, 3, out)
+    assert len(batch.rows) == 12  # no row has left: nothing to round up with
+    batch.remove(uids[:4])  # 8 left: a multiple already, the 4 go
+    _run(batch, 1, out)
+    assert [r.uid for r in batch.rows] == uids[4:]
+    batch.remove(uids[4:7])  # 5 live: under the bucket, exact
+    _run(batch, 1, out)
+    assert [r.uid for r in batch.rows] == uids[7:]
+    late = _insert(batch, chat, many[:4])  # 5 live + 4 joining = 9: stays 9 (none left)
+    _run(batch, 2, out)
+    assert len(batch.rows) == 9
+    batch.remove([late[0]])  # 8 live + 1 joining = 9 -> 16? only 1 has left: keeps it
+    more = _insert(batch, chat, many[:1])
+    _run(batch, 2, out)
+    assert len(batch.rows) == 10 and sum(r.dead for r in batch.rows) == 1
+    batch.remove(uids[7:9])  # 7 live + 3 dead: 30 % left, under the bucket: exact
+    _run(batch, 1, out)
+    assert len(batch.rows) == 7 and not any(r.dead for r in batch.rows)
+    _run(batch, 16, out)
+    live = [*uids[9:], *late[1:], *more]
+    started = [*uids, *late, *more]
+    starts = dict(zip(started, [*many, *many[:4], many[0]], strict=True))
+    for uid in live:
+        assert out[uid][:12] == reference_greedy(chat.model, starts[uid], 12), uid
+    # off (the default on MLX's CPU): the same sequence drops every row that left
+    plain = RowBatch(chat.model)
+    firsts = _insert(plain, chat, many[:10])
+    _run(plain, 2, {})
+    plain.remove(firsts[:3])
+    _run(plain, 1, {})
+    assert len(plain.rows) == 7
+
+
+def test_row_buckets_are_on_for_mlx_cuda_only(
+    chat: Loaded, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    options = EngineOptions(batcher="rows", decode_step="model")
+    assert make_backend(chat.model, chat.tokenizer, options).batch.bucket == 1  # type: ignore[attr-defined]
+    gpu = mx.Device(mx.gpu)
+    monkeypatch.setattr(mx, "default_device", lambda: gpu)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert make_backend(chat.model, chat.tokenizer, options).batch.bucket == 8  # type: ignore[attr-defined]
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)  # Metal: not measured there
+    assert make_backend(chat.model, chat.tokenizer, options).batch.bucket == 1  # type: ignore[attr-defined]
+
+
 def test_at_most_max_group_rows_prefill_side_by_side(
     chat: Loaded, prompts: list[list[int]]
 ) -> None:

@@ -246,6 +246,8 @@ class MlxRowsBackend(MlxLmBackend):
                 if decode_step.wanted(options.decode_step)
                 else None
             ),
+            # measured on MLX's CUDA backend only (worker/backends/rows.py, ROW_BUCKET)
+            bucket_rows=mx.default_device() == mx.gpu and mx.cuda.is_available(),
         )
 
     def insert(self, items: list[Insertion]) -> list[int]:

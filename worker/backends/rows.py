@@ -51,6 +51,10 @@ MAX_GROUPS = 2
 # Into a batch of n running rows, joiners start in groups of n // JOIN_DIVISOR (or after
 # waiting that many steps): at 128 rows a group of 8 every ~8 steps.
 JOIN_DIVISOR = 16
+# With `bucket_rows`, a batch of at least this many rows keeps a multiple of it: a
+# compaction leaves that many rows that left in the batch (they decode on, unseen), so that
+# the batch meets a few row counts, not every one (see RowBatch).
+ROW_BUCKET = 8
 
 
 @dataclass(slots=True, eq=False)
@@ -119,8 +123,15 @@ class RowBatch:
         max_group: int = 64,
         settle_steps: int = 0,
         decode: Any = None,
+        bucket_rows: bool = False,
     ) -> None:
         self.model = model
+        # Whether the batch's row count is kept to multiples of ROW_BUCKET (from that many
+        # rows). On MLX's CUDA backend the first step at a row count it has not met takes
+        # 40-100 ms more (kernels and traces built for the shape; benchmarks/new_shapes.py)
+        # and a served batch moves through every count from 1 to its size: 8-10 % of a
+        # 1B model's served time at c = 128 went to such steps.
+        self.bucket = ROW_BUCKET if bucket_rows else 1
         # the one-token step (worker/backends/decode_step.py), or None: the model's forward
         self.decode = decode
         self.prefill_step_size = max(1, prefill_step_size)
@@ -228,7 +239,7 @@ class RowBatch:
             self._prefill_chunk(group)
         joined = [g for g in self.groups if g.tokens is None]
         if joined or self._dead_share() >= COMPACT_SHARE:
-            self._compact()
+            self._compact(sum(not r.dead for g in joined for r in g.rows))
         for group in joined:
             self._join(group)
         self.groups = [g for g in self.groups if g.tokens is not None]
@@ -290,8 +301,14 @@ class RowBatch:
             return 0.0
         return sum(r.dead for r in self.rows) / len(self.rows)
 
-    def _compact(self) -> None:
+    def _compact(self, joining: int = 0) -> None:
+        """Drops the rows that left (before `joining` rows join); with `bucket_rows`, as
+        many of them stay as it takes to make a multiple of ROW_BUCKET."""
         keep = [i for i, r in enumerate(self.rows) if not r.dead]
+        rows = len(keep) + joining
+        if keep and rows >= self.bucket > 1 and rows % self.bucket:
+            dead = [i for i, r in enumerate(self.rows) if r.dead]
+            keep = sorted(keep + dead[: -rows % self.bucket])
         if len(keep) == len(self.rows):
             return
         if not keep:
