@@ -130,6 +130,25 @@ def test_with_bucket_rows_a_batch_keeps_multiples_of_the_bucket(
     assert len(plain.rows) == 7
 
 
+def test_a_row_longer_than_every_running_one_never_stays_for_a_bucket(
+    chat: Loaded, prompts: list[list[int]]
+) -> None:
+    """A departed row that stayed would decode on: one longer than the running rows would
+    keep the batch's KV long (and grow it past what any request needs)."""
+    short = min(prompts, key=len)
+    long = [t for p in prompts for t in p][:64]
+    assert len(long) > len(short) + 8
+    batch = RowBatch(chat.model, bucket_rows=True)
+    uids = _insert(batch, chat, [long] + [short] * 9)
+    _run(batch, 2, {})
+    batch.remove(uids[:2])  # the long row and a short one: 8 running
+    _insert(batch, chat, [short])  # 8 + 1 = 9 would round up to 16: only the short one stays
+    _run(batch, 2, {})
+    held = {r.uid: r.dead for r in batch.rows}
+    assert uids[0] not in held and held[uids[1]] is True and len(batch.rows) == 10
+    assert batch.caches[0].size() <= max(len(r.held) for r in batch.rows if not r.dead)
+
+
 def test_row_buckets_are_on_for_mlx_cuda_only(
     chat: Loaded, monkeypatch: pytest.MonkeyPatch
 ) -> None:
