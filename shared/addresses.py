@@ -25,6 +25,17 @@ def is_loopback(host: str) -> bool:
     return address is not None and address.is_loopback
 
 
+def url_host(host: str) -> str:
+    """A bind address as the host part of a URL that reaches it from this machine: a
+    wildcard bind as loopback, an IPv6 address in brackets."""
+    address = address_of(host)
+    if address is None:
+        return host
+    if address.is_unspecified:
+        host = "127.0.0.1" if address.version == 4 else "::1"
+    return f"[{host}]" if address.version == 6 else host
+
+
 def tcp_endpoint(host: str, port: int) -> str:
     """ZeroMQ's address for HOST:PORT (an IPv6 host in brackets)."""
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"

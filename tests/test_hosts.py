@@ -13,7 +13,7 @@ import pytest
 
 from gateway.app import GatewayApp, create_app
 from gateway.edge.hosts import HostCheck
-from shared.addresses import allowed_host_problem, host_of
+from shared.addresses import allowed_host_problem, host_of, url_host
 from shared.config import Config, ConfigError, ModelConfig, ServerConfig, load_config
 
 
@@ -26,6 +26,12 @@ def test_host_of_drops_the_port_brackets_case_and_final_dot() -> None:
     # nothing a browser sends, and nothing a name or an address is
     for odd in ("[::1]evil.example", "evil.example::x.localhost", "a b", "x:y", "", "a,b"):
         assert host_of(odd) is None, odd
+
+
+def test_url_host_reaches_a_bind_address_from_this_machine() -> None:
+    assert url_host("0.0.0.0") == "127.0.0.1" and url_host("::") == "[::1]"
+    assert url_host("192.168.1.5") == "192.168.1.5" and url_host("fe80::1") == "[fe80::1]"
+    assert url_host("mac.local") == "mac.local"
 
 
 def test_on_loopback_only_this_machines_names_are_answered() -> None:

@@ -5,7 +5,6 @@ Ctrl-C during a reply stops that reply (its stream is closed, so the gateway abo
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import json
 import os
 import ssl
@@ -16,6 +15,7 @@ from typing import Any
 import httpx
 
 from gateway.ctl import term
+from shared.addresses import url_host
 from shared.config import Config
 
 API_KEY_ENV = "MLX_GATEWAY_API_KEY"
@@ -32,15 +32,8 @@ class ChatError(Exception):
 def base_url(config: Config) -> str:
     """The gateway's own address from its [server] config (a wildcard bind: loopback)."""
     server = config.server
-    host = server.host
-    with contextlib.suppress(ValueError):
-        address = ipaddress.ip_address(host)
-        if address.is_unspecified:
-            host = "127.0.0.1" if address.version == 4 else "::1"
-        if address.version == 6:
-            host = f"[{host}]"
     scheme = "https" if server.tls_cert else "http"
-    return f"{scheme}://{host}:{server.port}"
+    return f"{scheme}://{url_host(server.host)}:{server.port}"
 
 
 def run(
