@@ -43,6 +43,10 @@ class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
     tokens: list[Annotated[int, Meta(ge=0, le=2**31 - 1)]]
 
 
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str  # the tokens' text (vLLM's field name)
+
+
 async def tokenize_prompt(
     state: State,
     request: Request[Any, Any, Any],
@@ -114,7 +118,7 @@ async def tokenize(request: Request[Any, Any, Any], state: State) -> Response[by
     operation_class=documented(
         ErrorBody,
         {JSON: DetokenizeRequest},
-        {JSON: None},
+        {JSON: DetokenizeResponse},
         {"two tokens": {"model": "my-model", "tokens": [9906, 0]}},
     ),
 )
@@ -124,4 +128,4 @@ async def detokenize(request: Request[Any, Any, Any], state: State) -> Response[
     authorize_model(context_of(request.scope), body.model, lambda n: workers.resolve(n).name)
     workers.check(body.model, ["tokenize"])
     result = await workers.call(body.model, "detokenize", {"tokens": body.tokens})
-    return Response(msgspec.json.encode({"prompt": result["text"]}), media_type=JSON)
+    return Response(msgspec.json.encode(DetokenizeResponse(result["text"])), media_type=JSON)

@@ -21,6 +21,7 @@ from gateway.api.openai.schemas import (
     ErrorBody,
     ModelCard,
     ModelList,
+    RequestCancelled,
 )
 from gateway.api.openai.translate import (
     ChatFormatter,
@@ -163,7 +164,7 @@ async def get_model(
 @post(
     "/requests/{request_id:str}/cancel",
     status_code=200,
-    operation_class=documented(ErrorBody, replies={JSON: None}),
+    operation_class=documented(ErrorBody, replies={JSON: RequestCancelled}),
 )
 async def cancel_request(
     request: Request[Any, Any, Any], state: State, request_id: FromPath[str]
@@ -171,7 +172,7 @@ async def cancel_request(
     """Abort a request in flight from another connection (its own key or an admin key)."""
     inflight: InFlight = state.inflight
     cancelled = inflight.cancel(state.workers, request_id, context_of(request.scope))
-    body = {"id": request_id, "object": "request.cancelled", "cancelled_choices": cancelled}
+    body = RequestCancelled(request_id, cancelled)
     return Response(msgspec.json.encode(body), media_type=JSON)
 
 

@@ -350,3 +350,12 @@ class ModelCard(msgspec.Struct):
 class ModelList(msgspec.Struct):
     data: list[ModelCard]
     object: str = "list"
+
+
+class RequestCancelled(msgspec.Struct):
+    """POST /v1/requests/{id}/cancel: the request's id and how many of its choices were
+    still running and are now aborted (0: it had already finished)."""
+
+    id: str
+    cancelled_choices: int
+    object: str = "request.cancelled"
