@@ -1,5 +1,5 @@
-"""How a sharded model's ranks find each other, over MLX's ring backend (the default) or
-MPI.
+"""How a sharded model's ranks find each other, over MLX's ring backend (the default), MPI
+or NCCL.
 
 Ring: the supervisor starts each rank itself with the variables the ring backend reads (the
 ones mlx.launch sets); for a group over several machines, each rank's address and the ssh
@@ -11,6 +11,10 @@ outlives its group.
 MPI: the supervisor starts Open MPI's `mpirun`, one application context per rank (rank 0 on
 this machine), and mpirun starts the ranks (over ssh on other machines) and ends the whole
 job when one of them dies.
+
+NCCL (MLX's CUDA build): every rank on this machine, one GPU each; the supervisor starts
+them with the variables MLX's NCCL backend reads (those mlx.launch sets): rank 0's address
+and port, the rank, the group's size, and the one GPU the rank sees.
 """
 
 from __future__ import annotations
@@ -34,6 +38,10 @@ RANK_ENV = "MLX_RANK"  # this process's rank in the group
 # where MPI says it: Open MPI's, then MPICH's and others' (PMI)
 MPI_RANK_ENVS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK")
 MPI_LIBNAME_ENV = "MLX_MPI_LIBNAME"  # which libmpi MLX opens (it looks for libmpi.so)
+# what MLX's NCCL backend reads: rank 0's address and port, the group's size; and CUDA's
+# list of the GPUs a process sees
+NCCL_HOST_ENV, NCCL_PORT_ENV, WORLD_SIZE_ENV = "NCCL_HOST_IP", "NCCL_PORT", "MLX_WORLD_SIZE"
+VISIBLE_GPUS_ENV = "CUDA_VISIBLE_DEVICES"
 GATEWAY_PID_ENV = "MLX_GATEWAY_PID"  # rank 0 under mpirun: exit when this process is gone
 HOSTFILE_ENV = "MLX_HOSTFILE"  # a JSON file: one list of "ip:port" per rank, each its own
 MAX_SHARDS = 16  # worker processes of one sharded model
@@ -68,9 +76,10 @@ class Hosts(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     # The Python that has mlx-gateway installed on the other machines; default: the
     # gateway's own path (the same install layout on every machine).
     python: str | None = None
-    # How the ranks talk: "ring" (MLX's own, over TCP) or "mpi" (Open MPI's mpirun starts
-    # them; user names then go in ssh's config, not in `ranks`).
-    backend: Literal["ring", "mpi"] = "ring"
+    # How the ranks talk: "ring" (MLX's own, over TCP), "mpi" (Open MPI's mpirun starts
+    # them; user names then go in ssh's config, not in `ranks`) or "nccl" (MLX's CUDA
+    # build: every rank on this machine, one GPU each).
+    backend: Literal["ring", "mpi", "nccl"] = "ring"
     # backend "mpi": the mpirun command and its options (the ranks' contexts follow)
     mpirun: list[str] = msgspec.field(default_factory=lambda: ["mpirun"])
 
@@ -122,9 +131,14 @@ def check_group(
         return "sharding = 'pipeline' runs on the rows batch, not batcher = 'mlx_lm'"
     if shards == 1 and hosts.backend != "ring":
         return "hosts.backend is for a sharded model (shards > 1)"
-    if hosts.backend == "mpi" and hosts.ring_port != RING_PORT:
-        return "hosts.ring_port is for the ring backend, not backend = 'mpi'"
-    if hosts.backend == "ring" and hosts.mpirun != Hosts().mpirun:
+    if hosts.backend != "ring" and hosts.ring_port != RING_PORT:
+        return f"hosts.ring_port is for the ring backend, not backend = {hosts.backend!r}"
+    if hosts.backend == "nccl" and hosts.ranks:
+        return (
+            "backend = 'nccl' runs every rank on this machine, one GPU each: hosts.ranks is "
+            "for the ring and MPI backends"
+        )
+    if hosts.backend != "mpi" and hosts.mpirun != Hosts().mpirun:
         return "hosts.mpirun is for backend = 'mpi'"
     if hosts.backend == "mpi" and not (hosts.mpirun and hosts.mpirun[0]):
         return "hosts.mpirun must name the mpirun command"
@@ -203,6 +217,25 @@ def overlapping_rings(models: list[tuple[str, Hosts]]) -> str | None:
                 "(each takes 2 x shards ports)"
             )
     return None
+
+
+def nccl_env(rank: int, shards: int, port: int, visible: str | None) -> dict[str, str]:
+    """The variables of one rank of a group over NCCL on this machine (rank 0 listening on
+    `port`): its rank, the group's size, and its own GPU, the rank-th of those this process
+    sees (`visible`, CUDA_VISIBLE_DEVICES, when set). ValueError when fewer are listed."""
+    gpus = [g.strip() for g in visible.split(",") if g.strip()] if visible is not None else None
+    if gpus is not None and len(gpus) < shards:
+        raise ValueError(
+            f"backend = 'nccl' needs a GPU for each of the {shards} ranks; "
+            f"{VISIBLE_GPUS_ENV} lists {len(gpus)}"
+        )
+    return {
+        RANK_ENV: str(rank),
+        WORLD_SIZE_ENV: str(shards),
+        NCCL_HOST_ENV: "127.0.0.1",
+        NCCL_PORT_ENV: str(port),
+        VISIBLE_GPUS_ENV: gpus[rank] if gpus is not None else str(rank),
+    }
 
 
 def runs_here(hosts: Hosts, rank: int) -> bool:

@@ -1,7 +1,8 @@
 """A model sharded over two worker processes (MLX's ring backend on loopback, tensor
 parallel, and a Qwen2 pipelined), through the gateway: greedy output token for token as the
 same model in one process, prefix-cache hits included; one rank killed takes the group down
-and the supervisor restarts it as a unit; an unload ends every rank."""
+and the supervisor restarts it as a unit; an unload ends every rank; NCCL without MLX's CUDA
+build is a 503 saying so."""
 
 from __future__ import annotations
 
@@ -26,6 +27,13 @@ def gw(chat_model: Path, qwen2_model: Path) -> Iterator[GatewayProc]:
         {"name": "sharded", "source": str(chat_model), "shards": 2},
         {"name": "qwen2", "source": str(qwen2_model)},
         {"name": "piped", "source": str(qwen2_model), "shards": 2, "sharding": "pipeline"},
+        {
+            "name": "nccl",
+            "source": str(chat_model),
+            "shards": 2,
+            "hosts": {"backend": "nccl"},
+            "preload": False,
+        },
     ]
     with running_gateway(models, request_timeout_s=60.0) as gateway:
         yield gateway
@@ -110,3 +118,11 @@ def test_an_unload_ends_every_rank(gw: GatewayProc) -> None:
     gw.ctl("unload", "sharded")
     assert gw.ps()["sharded"]["state"] == "unloaded"
     wait_for(lambda: not any(psutil.pid_exists(pid) for pid in ranks), 20, "ranks gone")
+
+
+def test_nccl_without_mlxs_cuda_build_fails_the_load_saying_so(gw: GatewayProc) -> None:
+    # both ranks start (a GPU each, rank 0's port): the group's init is what this MLX lacks
+    with pytest.raises(openai.APIStatusError) as failed:
+        greedy(openai_client(gw), "nccl", PROMPTS[0])
+    assert failed.value.status_code == 503
+    assert "hosts.backend = 'nccl' needs MLX's CUDA build" in str(failed.value)

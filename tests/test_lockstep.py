@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+import mlx.core as mx
 import msgspec
+import pytest
 
 from shared.protocol import Abort, Add, Codec, Shutdown, ShutdownMode
 from shared.types import CanonicalRequest, RequestKind, SamplingParams
-from worker.lockstep import IDLE_SLEEP_S, IDLE_TURNS, Follower, Lockstep, Turn
+from worker.lockstep import IDLE_SLEEP_S, IDLE_TURNS, Follower, Lockstep, Turn, control_stream
 
 
 class Engine:
@@ -80,3 +82,15 @@ def test_an_idle_rank_rests_between_turns_once_idle_a_while() -> None:
     follower = Follower(cast(Lockstep, turns), rest=rests.append)
     assert follower.run(Engine(), lambda frame: frame) == 0
     assert rests == [IDLE_SLEEP_S] * 3  # the last idle turns before the frame only
+
+
+def test_turns_travel_where_the_backend_reduces() -> None:
+    assert control_stream("nccl") == mx.gpu  # NCCL reduces arrays on the GPU only
+    assert control_stream("ring") == mx.cpu and control_stream("mpi") == mx.cpu
+
+
+def test_nccl_without_mlxs_cuda_build_is_refused_by_name() -> None:
+    if mx.distributed.is_available("nccl"):
+        pytest.skip("this MLX has NCCL")
+    with pytest.raises(RuntimeError, match=r"hosts\.backend = 'nccl' needs MLX's CUDA build"):
+        Lockstep(2, "nccl")

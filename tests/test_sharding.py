@@ -23,6 +23,7 @@ from shared.sharding import (
     check_hosts,
     find_libmpi,
     mpi_launch,
+    nccl_env,
     overlapping_rings,
     rank_of,
     remote_argv,
@@ -129,6 +130,35 @@ def test_settings_that_would_do_nothing_are_refused() -> None:
         problem = check_group(2, "tensor", Hosts(**setting))  # type: ignore[arg-type]
         assert f"hosts.{next(iter(setting))} is for ranks on several machines" in str(problem)
     assert check_group(1, "tensor", Hosts()) is None
+
+
+def test_nccl_settings_are_checked() -> None:
+    nccl = Hosts(backend="nccl")
+    assert check_group(2, "tensor", nccl) is None
+    assert "hosts.backend is for a sharded model" in str(check_group(1, "tensor", nccl))
+    spread = Hosts(ranks=["127.0.0.1", "127.0.0.2"], backend="nccl")
+    assert "runs every rank on this machine" in str(check_group(2, "tensor", spread))
+    fixed = Hosts(ring_port=40000, backend="nccl")
+    assert "not backend = 'nccl'" in str(check_group(2, "tensor", fixed))
+    assert "hosts.mpirun is for backend = 'mpi'" in str(
+        check_group(2, "tensor", Hosts(backend="nccl", mpirun=["/opt/mpirun"]))
+    )
+
+
+def test_each_nccl_rank_sees_its_own_gpu() -> None:
+    first, second = (nccl_env(r, 2, 41000, None) for r in range(2))
+    assert first == {
+        "MLX_RANK": "0",
+        "MLX_WORLD_SIZE": "2",
+        "NCCL_HOST_IP": "127.0.0.1",
+        "NCCL_PORT": "41000",
+        "CUDA_VISIBLE_DEVICES": "0",
+    }
+    assert second["MLX_RANK"] == "1" and second["CUDA_VISIBLE_DEVICES"] == "1"
+    # a gateway already limited to some GPUs hands them out in order
+    assert nccl_env(1, 2, 41000, "2, 5")["CUDA_VISIBLE_DEVICES"] == "5"
+    with pytest.raises(ValueError, match="needs a GPU for each of the 3 ranks"):
+        nccl_env(0, 3, 41000, "2,5")
 
 
 def test_mpi_settings_are_checked() -> None:

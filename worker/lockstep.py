@@ -63,8 +63,20 @@ class Turn(msgspec.Struct, array_like=True):
     stop: bool = False  # drained: every rank leaves its loop
 
 
+def control_stream(backend: str) -> mx.DeviceType:
+    """Where rank 0's turns travel: NCCL reduces only arrays on the GPU; the ring backend
+    and MPI, arrays on the CPU (no copy to a device and back for a few bytes)."""
+    return mx.gpu if backend == "nccl" else mx.cpu
+
+
 class Lockstep:
     def __init__(self, shards: int, backend: str) -> None:
+        if backend == "nccl" and not mx.distributed.is_available("nccl"):
+            raise RuntimeError(
+                "hosts.backend = 'nccl' needs MLX's CUDA build (pip install "
+                "'mlx-gateway[cuda]' on Linux with NVIDIA GPUs); this MLX has no NCCL backend"
+            )
+        self.stream = control_stream(backend)
         group = mx.distributed.init(strict=True, backend=backend)
         if group.size() != shards:
             raise RuntimeError(f"the group has {group.size()} ranks, not shards={shards}")
@@ -82,14 +94,14 @@ class Lockstep:
         """Rank 0's turn, on every rank (the others pass None)."""
         data = self._encoder.encode(turn) if turn is not None else b""
         size = mx.distributed.all_sum(
-            mx.array([len(data)], dtype=mx.int32), group=self.group, stream=mx.cpu
+            mx.array([len(data)], dtype=mx.int32), group=self.group, stream=self.stream
         )
         n = int(np.array(size)[0])
         if turn is not None:
             buffer = mx.array(np.frombuffer(data, dtype=np.uint8))
         else:
             buffer = mx.zeros((n,), dtype=mx.uint8)
-        shared = mx.distributed.all_sum(buffer, group=self.group, stream=mx.cpu)
+        shared = mx.distributed.all_sum(buffer, group=self.group, stream=self.stream)
         return self._decoder.decode(bytes(np.array(shared, copy=False)))
 
 

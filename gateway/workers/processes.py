@@ -33,10 +33,12 @@ from shared.sharding import (
     HOSTFILE_ENV,
     MPI_LIBNAME_ENV,
     RANK_ENV,
+    VISIBLE_GPUS_ENV,
     agent_script,
     find_libmpi,
     hostfile,
     mpi_launch,
+    nccl_env,
     remote_argv,
     ring_hostfile,
     runs_here,
@@ -122,6 +124,15 @@ class Processes:
         ranks = [(argv, env, True)]  # each rank's command line, environment, and whether here
         if model.shards > 1 and model.hosts.backend == "mpi":  # mpirun starts the ranks
             ranks = [(*self._mpirun(model, worker_id, argv, env), True)]
+        elif model.shards > 1 and model.hosts.backend == "nccl":  # this machine, a GPU each
+            port, visible = free_port(), os.environ.get(VISIBLE_GPUS_ENV)
+            try:
+                each = [nccl_env(r, model.shards, port, visible) for r in range(model.shards)]
+            except ValueError as exc:
+                raise GatewayError(
+                    ErrorCode.WORKER_UNAVAILABLE, f"model {model.name!r}: {exc}"
+                ) from exc
+            ranks = [(argv, {**env, **one}, True) for one in each]
         elif model.shards > 1:  # one group: every rank the same command, its own MLX_RANK
             hosts = model.hosts
             if hosts.ranks:  # fixed ports: a group beside a running one takes the other range
