@@ -5,6 +5,7 @@ with their first step in the batch's, leave lazily, and decode exactly as mlx-lm
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -17,11 +18,14 @@ from mlx_lm.models.cache import (
 )
 
 from shared.config import EngineOptions
-from tests.engine_fixtures import Loaded, drive, prepared, reference_greedy, token_ids
+from shared.types import OutputFormat, ResponseFormat
+from tests.engine_fixtures import Loaded, drive, load, prepared, reference_greedy, token_ids
 from worker.backends import rows as rows_module
 from worker.backends.mlx_lm import make_backend
 from worker.backends.rows import COMPACT_SHARE, MAX_GROUPS, RowBatch
 from worker.backends.sampling import greedy
+from worker.structured.grammars import response_grammar
+from worker.structured.guide import Grammars, Guide
 
 
 def _insert(batch: RowBatch, chat: Loaded, prompts: list[list[int]]) -> list[int]:
@@ -147,6 +151,36 @@ def test_a_row_longer_than_every_running_one_never_stays_for_a_bucket(
     held = {r.uid: r.dead for r in batch.rows}
     assert uids[0] not in held and held[uids[1]] is True and len(batch.rows) == 10
     assert batch.caches[0].size() <= max(len(r.held) for r in batch.rows if not r.dead)
+
+
+def test_a_guided_row_that_left_never_stays_for_a_bucket(hermes_model_dir: Path) -> None:
+    """It would keep the batch's guided step (the guide thread's work) going for nothing."""
+    hermes = load(hermes_model_dir)
+    grammars = Grammars(hermes.tokenizer)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    grammar = response_grammar(ResponseFormat(OutputFormat.JSON_SCHEMA, schema, strict=True))
+    assert grammar is not None
+    guided = Guide(grammars.matcher(grammar), words=grammars.words)
+    prompt = hermes.tokenizer.encode("Hello there")
+    batch = RowBatch(hermes.model, bucket_rows=True)
+
+    def insert(n: int, guides: list[Guide | None]) -> list[int]:
+        return batch.insert(
+            [prompt] * n,
+            [make_prompt_cache(hermes.model) for _ in range(n)],
+            [[] for _ in range(n)],
+            [greedy] * n,
+            [[] for _ in range(n)],
+            guides,
+        )
+
+    uids = insert(10, [guided] + [None] * 9)
+    _run(batch, 2, {})
+    batch.remove(uids[:2])  # the guided row and an unguided one: 8 running
+    insert(1, [None])  # 8 + 1 = 9 would round up to 16: only the unguided one stays
+    _run(batch, 2, {})
+    held = {r.uid: r.dead for r in batch.rows}
+    assert uids[0] not in held and held[uids[1]] is True and len(batch.rows) == 10
 
 
 def test_row_buckets_are_on_for_mlx_cuda_only(

@@ -303,15 +303,20 @@ class RowBatch:
 
     def _compact(self, joining: int = 0) -> None:
         """Drops the rows that left (before `joining` rows join); with `bucket_rows`, as
-        many of them stay as it takes to make a multiple of ROW_BUCKET, of those no longer
-        than the longest running row."""
+        many of them stay as it takes to make a multiple of ROW_BUCKET, of those unguided
+        and no longer than the longest running row."""
         keep = [i for i, r in enumerate(self.rows) if not r.dead]
         rows = len(keep) + joining
         if keep and rows >= self.bucket > 1 and rows % self.bucket:
             # only rows no longer than the longest running one: every row grows by a token
-            # a step, so these never lengthen the batch's KV (nor outlive a context limit)
+            # a step, so these never lengthen the batch's KV (nor outlive a context limit);
+            # and no guided one (it would keep the batch's guided step's work going)
             longest = max(len(self.rows[i].held) for i in keep)
-            dead = [i for i, r in enumerate(self.rows) if r.dead and len(r.held) <= longest]
+            dead = [
+                i
+                for i, r in enumerate(self.rows)
+                if r.dead and r.guide is None and len(r.held) <= longest
+            ]
             keep = sorted(keep + dead[: -rows % self.bucket])
         if len(keep) == len(self.rows):
             return
