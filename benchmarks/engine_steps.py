@@ -18,7 +18,9 @@ left out, under each driver:
 - `engine-fused`: the same with each layer's Q/K/V and gate/up weights stacked into one
   matrix each (a variant; the model's layers read slices of them);
 - `generate_step` (batch 1 only): mlx-lm's single-stream generation, no batch at all.
-Prints one JSON line per (rows, repeat): each driver's median step in ms, and where NVML
+Prints one JSON line per (rows, repeat): each driver's median step in ms (null for a compiled
+driver whose step could not be built, its probe failed say: it is not timed as the forward
+pass under another name), and where NVML
 answers (an NVIDIA GPU with `pynvml`), the GPU's busy share over its timed steps
 (`<driver>_gpu_busy`, percent).
 """
@@ -150,7 +152,9 @@ def engine(
     decode_step: str = "model",
     fuse: bool | None = None,
     ragged: bool = False,
-) -> float:
+) -> float | None:
+    """The engine's median step, or None where the compiled step asked for could not be
+    built (its probe failed, say: the step would be the forward pass under another name)."""
     from shared.config import EngineOptions
     from shared.protocol import Codec, StepOutputs
     from shared.types import SamplingParams
@@ -170,6 +174,8 @@ def engine(
         from worker.backends.decode_step import build
 
         backend.batch.decode = build(model, fuse=fuse)  # type: ignore[attr-defined]
+    if decode_step == "compiled" and backend.batch.decode is None:  # type: ignore[attr-defined]
+        return None
     core = EngineCore(backend, options)
     codec = Codec()
     sampling = SamplingParams(temperature=0.0, ignore_eos=True)
@@ -197,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load(args.model)
     at = (args.steps, args.max_running)
     ragged = args.ragged
-    runs: dict[str, Callable[[int], float]] = {
+    runs: dict[str, Callable[[int], float | None]] = {
         "batchgenerator": lambda rows: batchgenerator(model, rows, *at, ragged),
         "engine-mlx_lm": lambda rows: engine(model, tokenizer, "mlx_lm", rows, *at, ragged=ragged),
         "engine-rows": lambda rows: engine(model, tokenizer, "rows", rows, *at, ragged=ragged),

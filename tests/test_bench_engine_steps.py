@@ -55,6 +55,20 @@ def test_ragged_rows_are_of_different_lengths_and_timed(
     assert line["ragged"] is True and line["batchgenerator"] > 0 and line["engine-fused"] > 0
 
 
+def test_a_compiled_step_that_cannot_be_built_is_null_not_the_forward_pass(
+    chat_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from worker.backends import decode_step
+
+    monkeypatch.setattr(decode_step, "build", lambda *args, **kwargs: None)
+    argv = [str(chat_model), "--rows", "1", "--steps", "3", "--repeats", "1", "--max-running", "1"]
+    argv += ["--drivers", "engine-rows,engine-compiled,engine-fused"]
+    assert engine_steps.main(argv) == 0
+    (line,) = [json.loads(text) for text in capsys.readouterr().out.splitlines()]
+    assert line["engine-rows"] > 0 and line["engine-compiled"] is None
+    assert line["engine-fused"] is None
+
+
 @pytest.mark.parametrize(
     "bad",
     [
