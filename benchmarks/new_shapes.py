@@ -5,11 +5,13 @@
 For each row count, in this order, a batch of that many rows of different lengths (so that
 the step takes the attention mask a served batch takes) decodes STEPS steps, greedy, on
 mlx-lm's forward pass and on the project's compiled step
-(worker/backends/decode_step.py); each step is timed to its token. Prints one JSON line per
-count and driver: the first step (`first_ms`, which builds what the shape needs: traces,
-kernels, matrix-multiplication plans) and the median of the steps after the second
-(`later_ms`). On MLX's CUDA backend the difference is what the rows batch's ROW_BUCKET
-saves a served batch at each row count it would otherwise meet (worker/backends/rows.py).
+(worker/backends/decode_step.py), which of the two meets the count first alternating from
+one count to the next (the second finds what they share built: matrix plans); each step is
+timed to its token. Prints one JSON line per count and driver: whether the driver met the
+count first (`first`), the first step (`first_ms`, which builds what the shape needs:
+traces, kernels, matrix-multiplication plans) and the median of the steps after the second
+(`later_ms`). On MLX's CUDA backend the difference is what the rows batch's row buckets
+save a served batch at each row count it would otherwise meet (worker/backends/buckets.py).
 """
 
 from __future__ import annotations
@@ -85,9 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     step = build(model)
     if step is not None:
         drivers["compiled"] = lambda tokens, caches: step(tokens, caches, masked=True)
-    for rows in args.rows:
-        for name, run in drivers.items():
-            line = {"driver": name, "rows": rows}
+    for at, rows in enumerate(args.rows):
+        order = list(drivers.items())[:: -1 if at % 2 else 1]
+        for name, run in order:
+            line: dict[str, Any] = {"driver": name, "rows": rows, "first": name == order[0][0]}
             line.update(timed(run, _caches(model, rows, args.prompt), rows))
             print(json.dumps(line), flush=True)
     return 0

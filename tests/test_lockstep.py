@@ -12,7 +12,15 @@ import pytest
 
 from shared.protocol import Abort, Add, Codec, Shutdown, ShutdownMode
 from shared.types import CanonicalRequest, RequestKind, SamplingParams
-from worker.lockstep import IDLE_SLEEP_S, IDLE_TURNS, Follower, Lockstep, Turn, control_stream
+from worker.lockstep import (
+    IDLE_SLEEP_S,
+    IDLE_TURNS,
+    Follower,
+    Lockstep,
+    Turn,
+    control_channel,
+    control_stream,
+)
 
 
 class Engine:
@@ -84,9 +92,22 @@ def test_an_idle_rank_rests_between_turns_once_idle_a_while() -> None:
     assert rests == [IDLE_SLEEP_S] * 3  # the last idle turns before the frame only
 
 
-def test_turns_travel_where_the_backend_reduces() -> None:
+def test_turns_travel_where_the_backend_reduces(monkeypatch: pytest.MonkeyPatch) -> None:
     assert control_stream("nccl") == mx.gpu  # NCCL reduces arrays on the GPU only
     assert control_stream("ring") == mx.cpu and control_stream("mpi") == mx.cpu
+
+    class Group:
+        def split(self, color: int) -> str:
+            assert color == 0
+            return "its own communicator"
+
+    group = Group()
+    assert control_channel(group, "ring") == (group, mx.cpu)  # the model's group, the CPU
+    streams: list[object] = []
+    monkeypatch.setattr(mx, "new_stream", lambda device: streams.append(device) or "stream")
+    # over NCCL: a communicator and a GPU stream of their own, not the model's
+    assert control_channel(group, "nccl") == ("its own communicator", "stream")
+    assert streams == [mx.gpu]
 
 
 def test_nccl_without_mlxs_cuda_build_is_refused_by_name() -> None:

@@ -25,7 +25,11 @@ pytestmark = pytest.mark.anyio
 
 
 def _processes(
-    tmp_path: Path, script: str, exits: list[WorkerHandle], **server: object
+    tmp_path: Path,
+    script: str,
+    exits: list[WorkerHandle],
+    mlx_backend: str = "cpu",
+    **server: object,
 ) -> Processes:
     run_dir = RunDir(tmp_path / "run")
     run_dir.create()
@@ -39,6 +43,7 @@ def _processes(
         "cpu",
         exits.append,
         command=lambda worker_id, model_json: [sys.executable, "-c", script, model_json],
+        mlx_backend=mlx_backend,
     )
 
 
@@ -142,3 +147,17 @@ async def test_a_rank_that_stops_cleanly_leaves_rank_0_time_to_finish(tmp_path: 
     await asyncio.wait_for(handle.exited.wait(), 20)
     assert "rank 0 finished" in procs.run_dir.worker_log("m").read_text()
     assert handle.exit_code == 0 and handle.error is None
+
+
+async def test_an_nccl_group_is_refused_before_any_rank_starts_where_it_cannot_form(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = ModelConfig(name="m", source="/x", shards=2, hosts=Hosts(backend="nccl"))
+    cpu = _processes(tmp_path, "raise SystemExit(3)", [])
+    with pytest.raises(GatewayError, match="needs MLX's CUDA build on NVIDIA GPUs"):
+        await cpu.spawn(model, restart=False)
+    cuda = _processes(tmp_path, "raise SystemExit(3)", [], mlx_backend="cuda")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(GatewayError, match="each of the 2 ranks; CUDA_VISIBLE_DEVICES lists 1"):
+        await cuda.spawn(model, restart=False)
+    assert cpu.by_id == {} and cuda.by_id == {}

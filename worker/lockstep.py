@@ -69,6 +69,16 @@ def control_stream(backend: str) -> mx.DeviceType:
     return mx.gpu if backend == "nccl" else mx.cpu
 
 
+def control_channel(group: Any, backend: str) -> tuple[Any, Any]:
+    """The group and stream the turns travel on. Over NCCL: a communicator of their own
+    (the group split) on a GPU stream of their own, so that a turn does not wait behind the
+    step the model's stream is running (the host builds step n+1 while the device runs
+    step n) and two streams never share one communicator."""
+    if control_stream(backend) == mx.gpu:
+        return group.split(0), mx.new_stream(mx.gpu)
+    return group, mx.cpu
+
+
 class Lockstep:
     def __init__(self, shards: int, backend: str) -> None:
         if backend == "nccl" and not mx.distributed.is_available("nccl"):
@@ -76,11 +86,16 @@ class Lockstep:
                 "hosts.backend = 'nccl' needs MLX's CUDA build (pip install "
                 "'mlx-gateway[cuda]' on Linux with NVIDIA GPUs); this MLX has no NCCL backend"
             )
-        self.stream = control_stream(backend)
+        if backend == "nccl" and not mx.cuda.is_available():
+            raise RuntimeError(
+                f"hosts.backend = 'nccl': this rank sees no GPU (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')!r}): it takes a GPU for each rank"
+            )
         group = mx.distributed.init(strict=True, backend=backend)
         if group.size() != shards:
             raise RuntimeError(f"the group has {group.size()} ranks, not shards={shards}")
         self.group = group
+        self.control, self.stream = control_channel(group, backend)
         self.rank = group.rank()
         mx.random.seed(SEED)
         self._encoder = msgspec.msgpack.Encoder()
@@ -94,14 +109,14 @@ class Lockstep:
         """Rank 0's turn, on every rank (the others pass None)."""
         data = self._encoder.encode(turn) if turn is not None else b""
         size = mx.distributed.all_sum(
-            mx.array([len(data)], dtype=mx.int32), group=self.group, stream=self.stream
+            mx.array([len(data)], dtype=mx.int32), group=self.control, stream=self.stream
         )
         n = int(np.array(size)[0])
         if turn is not None:
             buffer = mx.array(np.frombuffer(data, dtype=np.uint8))
         else:
             buffer = mx.zeros((n,), dtype=mx.uint8)
-        shared = mx.distributed.all_sum(buffer, group=self.group, stream=self.stream)
+        shared = mx.distributed.all_sum(buffer, group=self.control, stream=self.stream)
         return self._decoder.decode(bytes(np.array(shared, copy=False)))
 
 

@@ -78,6 +78,7 @@ class Processes:
         device_kind: str,
         on_exit: Callable[[WorkerHandle], None],
         command: Command | None = None,
+        mlx_backend: str = "cpu",
     ) -> None:
         self.server = server
         self.run_dir = run_dir
@@ -85,6 +86,7 @@ class Processes:
         self.calls = calls
         self.tasks = tasks
         self.device_kind = device_kind
+        self.mlx_backend = mlx_backend  # "metal", "cuda" or "cpu" (gateway/workers/device.py)
         self.on_exit = on_exit
         self.command = command or self._worker_command
         self.by_id: dict[str, WorkerHandle] = {}
@@ -125,6 +127,13 @@ class Processes:
         if model.shards > 1 and model.hosts.backend == "mpi":  # mpirun starts the ranks
             ranks = [(*self._mpirun(model, worker_id, argv, env), True)]
         elif model.shards > 1 and model.hosts.backend == "nccl":  # this machine, a GPU each
+            if self.mlx_backend != "cuda":  # said here: each rank would fail alike, in a race
+                raise GatewayError(
+                    ErrorCode.WORKER_UNAVAILABLE,
+                    f"model {model.name!r}: hosts.backend = 'nccl' needs MLX's CUDA build on "
+                    f"NVIDIA GPUs (pip install 'mlx-gateway[cuda]'); MLX runs on "
+                    f"{self.mlx_backend} here",
+                )
             port, visible = free_port(), os.environ.get(VISIBLE_GPUS_ENV)
             try:
                 each = [nccl_env(r, model.shards, port, visible) for r in range(model.shards)]

@@ -81,6 +81,7 @@ class Supervisor:
             self.device.kind,
             self._exited,
             command,
+            mlx_backend=self.device.backend,
         )
         self.lifetime = Lifetime(server, self.tasks, self.unload)
         self.recovery = Recovery(

@@ -246,7 +246,7 @@ class MlxRowsBackend(MlxLmBackend):
                 if decode_step.wanted(options.decode_step)
                 else None
             ),
-            # what it saves was measured on MLX's CUDA backend only (rows.py, ROW_BUCKET)
+            # what it saves was measured on MLX's CUDA backend only (buckets.py)
             bucket_rows=mx.default_device() == mx.gpu and mx.cuda.is_available(),
         )
 

@@ -39,6 +39,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
+from worker.backends.buckets import ROW_BUCKET, bucketed
 from worker.backends.sampling import LogitsProcessor, Sampler
 from worker.structured.ahead import Ahead, GuideThread, Masked
 from worker.structured.guide import Guide, Masks, pack
@@ -51,10 +52,6 @@ MAX_GROUPS = 2
 # Into a batch of n running rows, joiners start in groups of n // JOIN_DIVISOR (or after
 # waiting that many steps): at 128 rows a group of 8 every ~8 steps.
 JOIN_DIVISOR = 16
-# With `bucket_rows`, a batch of at least this many rows keeps a multiple of it: a
-# compaction leaves that many rows that left in the batch (they decode on, unseen), so that
-# the batch meets a few row counts, not every one (see RowBatch).
-ROW_BUCKET = 8
 
 
 @dataclass(slots=True, eq=False)
@@ -126,11 +123,7 @@ class RowBatch:
         bucket_rows: bool = False,
     ) -> None:
         self.model = model
-        # Whether the batch's row count is kept to multiples of ROW_BUCKET (from that many
-        # rows). On MLX's CUDA backend the first step at a row count it has not met takes
-        # 40-100 ms more (kernels and traces built for the shape; benchmarks/new_shapes.py)
-        # and a served batch moves through every count from 1 to its size: 8-10 % of a
-        # 1B model's served time at c = 128 went to such steps.
+        # Whether the batch's row count is kept to multiples of ROW_BUCKET (buckets.py)
         self.bucket = ROW_BUCKET if bucket_rows else 1
         # the one-token step (worker/backends/decode_step.py), or None: the model's forward
         self.decode = decode
@@ -302,22 +295,11 @@ class RowBatch:
         return sum(r.dead for r in self.rows) / len(self.rows)
 
     def _compact(self, joining: int = 0) -> None:
-        """Drops the rows that left (before `joining` rows join); with `bucket_rows`, as
-        many of them stay as it takes to make a multiple of ROW_BUCKET, of those unguided
-        and no longer than the longest running row."""
+        """Drops the rows that left (before `joining` rows join); with `bucket_rows`, some
+        may stay to round the batch's row count up (worker/backends/buckets.py)."""
         keep = [i for i, r in enumerate(self.rows) if not r.dead]
-        rows = len(keep) + joining
-        if keep and rows >= self.bucket > 1 and rows % self.bucket:
-            # only rows no longer than the longest running one: every row grows by a token
-            # a step, so these never lengthen the batch's KV (nor outlive a context limit);
-            # and no guided one (it would keep the batch's guided step's work going)
-            longest = max(len(self.rows[i].held) for i in keep)
-            dead = [
-                i
-                for i, r in enumerate(self.rows)
-                if r.dead and r.guide is None and len(r.held) <= longest
-            ]
-            keep = sorted(keep + dead[: -rows % self.bucket])
+        if self.bucket > 1:
+            keep = bucketed(self.rows, keep, joining, self.bucket)
         if len(keep) == len(self.rows):
             return
         if not keep:
