@@ -48,7 +48,8 @@ DRIVERS = (
 )
 
 
-def _positive_list(text: str) -> list[int]:
+def positive_ints(text: str) -> list[int]:
+    """argparse's type for a comma-separated list of positive integers."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError as exc:
@@ -61,7 +62,7 @@ def _positive_list(text: str) -> list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.engine_steps", description=__doc__)
     p.add_argument("model", help="an mlx-lm model directory")
-    p.add_argument("--rows", type=_positive_list, default=[1, 32, 128])
+    p.add_argument("--rows", type=positive_ints, default=[1, 32, 128])
     p.add_argument("--steps", type=int, default=150, help="steps timed a driver and size")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-running", type=int, default=128, help="the batch's row limit")
@@ -150,7 +151,7 @@ def engine(
     steps: int,
     max_running: int,
     decode_step: str = "model",
-    fuse: bool | None = None,
+    fuse: bool = False,
     ragged: bool = False,
 ) -> float | None:
     """The engine's median step, or None where the compiled step asked for could not be
@@ -170,7 +171,7 @@ def engine(
         prefix_cache=False,
     )
     backend = make_backend(model, tokenizer, options)
-    if fuse is not None:  # the variant asked for, whatever this device's default
+    if fuse:  # the stacked variant (decode_step's default multiplies apart)
         from worker.backends.decode_step import build
 
         backend.batch.decode = build(model, fuse=fuse)  # type: ignore[attr-defined]
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine-mlx_lm": lambda rows: engine(model, tokenizer, "mlx_lm", rows, *at, ragged=ragged),
         "engine-rows": lambda rows: engine(model, tokenizer, "rows", rows, *at, ragged=ragged),
         "engine-compiled": lambda rows: engine(
-            model, tokenizer, "rows", rows, *at, "compiled", None, ragged
+            model, tokenizer, "rows", rows, *at, "compiled", False, ragged
         ),
         "engine-fused": lambda rows: engine(
             model, tokenizer, "rows", rows, *at, "compiled", True, ragged

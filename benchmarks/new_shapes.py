@@ -23,23 +23,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.engine_steps import positive_ints
+
 STEPS = 12
-
-
-def _counts(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from exc
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers: {text!r}")
-    return values
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.new_shapes", description=__doc__)
     p.add_argument("model", help="an mlx-lm model directory")
-    p.add_argument("--rows", type=_counts, default=[32, 33, 47, 64, 100, 128])
+    p.add_argument("--rows", type=positive_ints, default=[32, 33, 47, 64, 100, 128])
     p.add_argument("--prompt", type=int, default=64, help="the longest row's prompt tokens")
     args = p.parse_args(argv)
     if args.prompt < 9:

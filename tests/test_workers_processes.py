@@ -13,6 +13,7 @@ import pytest
 
 from gateway.errors import GatewayError
 from gateway.workers.control import ControlCalls
+from gateway.workers.device import Device
 from gateway.workers.processes import Processes
 from gateway.workers.slots import WorkerHandle
 from gateway.workers.tasks import Tasks
@@ -28,7 +29,7 @@ def _processes(
     tmp_path: Path,
     script: str,
     exits: list[WorkerHandle],
-    mlx_backend: str = "cpu",
+    backend: str = "cpu",
     **server: object,
 ) -> Processes:
     run_dir = RunDir(tmp_path / "run")
@@ -40,10 +41,9 @@ def _processes(
         transport,  # type: ignore[arg-type]
         ControlCalls(),
         Tasks(),
-        "cpu",
+        Device("gpu" if backend == "cuda" else "cpu", backend, 2**34, "a test's"),
         exits.append,
         command=lambda worker_id, model_json: [sys.executable, "-c", script, model_json],
-        mlx_backend=mlx_backend,
     )
 
 
@@ -156,7 +156,7 @@ async def test_an_nccl_group_is_refused_before_any_rank_starts_where_it_cannot_f
     cpu = _processes(tmp_path, "raise SystemExit(3)", [])
     with pytest.raises(GatewayError, match="needs MLX's CUDA build on NVIDIA GPUs"):
         await cpu.spawn(model, restart=False)
-    cuda = _processes(tmp_path, "raise SystemExit(3)", [], mlx_backend="cuda")
+    cuda = _processes(tmp_path, "raise SystemExit(3)", [], backend="cuda")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     with pytest.raises(GatewayError, match="each of the 2 ranks; CUDA_VISIBLE_DEVICES lists 1"):
         await cuda.spawn(model, restart=False)

@@ -21,6 +21,7 @@ import msgspec
 
 from gateway.errors import GatewayError
 from gateway.workers.control import ControlCalls
+from gateway.workers.device import Device
 from gateway.workers.leftovers import save_pids
 from gateway.workers.slots import WorkerHandle, describe_exit
 from gateway.workers.tasks import Tasks
@@ -75,18 +76,16 @@ class Processes:
         transport: Transport,
         calls: ControlCalls,
         tasks: Tasks,
-        device_kind: str,
+        device: Device,
         on_exit: Callable[[WorkerHandle], None],
         command: Command | None = None,
-        mlx_backend: str = "cpu",
     ) -> None:
         self.server = server
         self.run_dir = run_dir
         self.transport = transport
         self.calls = calls
         self.tasks = tasks
-        self.device_kind = device_kind
-        self.mlx_backend = mlx_backend  # "metal", "cuda" or "cpu" (gateway/workers/device.py)
+        self.device = device  # what the workers will run on (gateway/workers/device.py)
         self.on_exit = on_exit
         self.command = command or self._worker_command
         self.by_id: dict[str, WorkerHandle] = {}
@@ -122,17 +121,17 @@ class Processes:
         worker_id = f"{model.name}-{next(self._serial)}-{uuid.uuid4().hex[:6]}"
         server = self.server
         argv = self.command(worker_id, msgspec.json.encode(self.worker_model(model)).decode())
-        env = worker_env(server.blas, server.blas_threads, device=self.device_kind)
+        env = worker_env(server.blas, server.blas_threads, device=self.device.kind)
         ranks = [(argv, env, True)]  # each rank's command line, environment, and whether here
         if model.shards > 1 and model.hosts.backend == "mpi":  # mpirun starts the ranks
             ranks = [(*self._mpirun(model, worker_id, argv, env), True)]
         elif model.shards > 1 and model.hosts.backend == "nccl":  # this machine, a GPU each
-            if self.mlx_backend != "cuda":  # said here: each rank would fail alike, in a race
+            if self.device.backend != "cuda":  # said here: each rank would fail alike, in a race
                 raise GatewayError(
                     ErrorCode.WORKER_UNAVAILABLE,
                     f"model {model.name!r}: hosts.backend = 'nccl' needs MLX's CUDA build on "
                     f"NVIDIA GPUs (pip install 'mlx-gateway[cuda]'); MLX runs on "
-                    f"{self.mlx_backend} here",
+                    f"{self.device.backend} here",
                 )
             port, visible = free_port(), os.environ.get(VISIBLE_GPUS_ENV)
             try:

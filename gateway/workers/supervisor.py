@@ -78,10 +78,9 @@ class Supervisor:
             self.transport,
             self.calls,
             self.tasks,
-            self.device.kind,
+            self.device,
             self._exited,
             command,
-            mlx_backend=self.device.backend,
         )
         self.lifetime = Lifetime(server, self.tasks, self.unload)
         self.recovery = Recovery(
