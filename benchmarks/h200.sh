@@ -2,7 +2,8 @@
 # The GPU figures of docs/benchmarks.md: one NVIDIA GPU, MLX's CUDA backend, random-weight
 # models of Llama-3.2-1B's and Llama-3.1-8B's shapes in bf16 (vocab 128,256).
 #
-#   benchmarks/h200.sh OUT [1b] [8b] [agent] [arrivals] [steps] [steps8b] [shapes] [profile]
+#   benchmarks/h200.sh OUT [1b] [8b] [agent] [arrivals] [steps] [steps8b] [shapes] [leaving]
+#                      [profile]
 #   (default: 1b 8b agent)
 #
 # Run from the repository root with MLX (CUDA), mlx-lm and the project importable by
@@ -31,6 +32,8 @@
 #   $STEPS_ARGS: more flags, e.g. --ragged for rows of different lengths).
 # - shapes: benchmarks.new_shapes on the 1b shape: the first step at a new row count against
 #   later ones, mlx-lm's forward pass and the compiled step.
+# - leaving: benchmarks.leaving on the 1b and 8b shapes: rows' KV taken out of a batch for the
+#   prefix cache, row by row (mlx-lm's extract) against shelves (a gather, a concatenation).
 # - profile: the gateway on the 1b shape at c=$PROFILE_LEVEL (default 64; max_running
 #   $PROFILE_MAX, default the level; engine.batcher $PROFILE_BATCHER, default mlx_lm) while
 #   py-spy samples the worker's and the gateway's threads for 20 s, idle time included
@@ -191,6 +194,12 @@ for step in $STEPS; do
       ;;
     shapes)
       $PY -m benchmarks.new_shapes "$(model 1b $SHAPE_1B)" ${SHAPES_ARGS:-} 2>&1 | tee "$OUT/shapes.jsonl"
+      ;;
+    leaving)
+      for size in 1b 8b; do
+        if [ $size = 1b ]; then dir=$(model 1b $SHAPE_1B); else dir=$(model 8b $SHAPE_8B); fi
+        $PY -m benchmarks.leaving "$dir" ${LEAVING_ARGS:-} 2>&1 | tee -a "$OUT/leaving.jsonl"
+      done
       ;;
     profile) profile ;;
     *) echo "unknown step $step" >&2; exit 2 ;;

@@ -197,7 +197,7 @@ def test_cached_prefixes_of_different_lengths_prefill_together(
     assert out[uids[0]][:12] == reference_greedy(chat.model, prompt_a, 12)
     assert out[uids[1]][:12] == reference_greedy(chat.model, prompt_b, 12)
     kv, held = batch.extract([uids[0]])[uids[0]]
-    assert held[: len(prompt_a)] == prompt_a and all(c.size() == len(held) for c in kv)
+    assert held[: len(prompt_a)] == prompt_a and all(c.size() == len(held) for c in kv.caches())
 
 
 def test_steps_without_logprobs_give_the_same_tokens_and_no_rows(

@@ -96,6 +96,47 @@ def test_requests_with_different_cached_lengths_in_one_batch(chat: Loaded) -> No
         assert token_ids(results[True][f"q{i}"]) == token_ids(results[False][f"q{i}"])
 
 
+def test_rows_that_finish_together_are_each_reused_and_the_tokens_do_not_change(
+    chat: Loaded,
+) -> None:
+    """Four conversations whose first turns finish in the same step (on the rows batch they
+    leave onto one shelf, worker/backends/shelves.py); each second turn reuses its own first
+    turn whole, one of them twice, and gives the tokens it gives without a cache."""
+    base = [{"role": "system", "content": SYSTEM}]
+    firsts = [[*base, {"role": "user", "content": q}] for q in QUESTIONS]
+    results: dict[bool, dict[str, list[RequestOutput]]] = {}
+    for use_cache in (True, False):
+        engine = chat.engine(prefix_cache=use_cache)
+        prompts = [chat_prompt(chat, m) for m in firsts]
+        out = drive(engine, [greedy(f"a{i}", p, 8, ignore_eos=True) for i, p in enumerate(prompts)])
+        stats = engine.prefix_stats()
+        assert not use_cache or (stats is not None and stats.entries == 4)
+        seconds = [
+            chat_prompt(
+                chat,
+                [
+                    *m,
+                    {"role": "assistant", "content": text(out[f"a{i}"])},
+                    {"role": "user", "content": "And then?"},
+                ],
+            )
+            for i, m in enumerate(firsts)
+        ]
+        results[use_cache] = drive(
+            engine, [greedy(f"b{i}", p, 8, ignore_eos=True) for i, p in enumerate(seconds)]
+        )
+        results[use_cache] |= drive(engine, [greedy("again", seconds[2], 8, ignore_eos=True)])
+        if use_cache:
+            for i, prompt in enumerate(prompts):
+                cached = final_usage(results[True][f"b{i}"]).cached_tokens
+                assert cached >= len(prompt) + 6, (i, cached)
+            assert final_usage(results[True]["again"]).cached_tokens == len(seconds[2]) - 1
+            stats = engine.prefix_stats()
+            assert stats is not None and stats.nbytes <= stats.capacity_bytes
+    for key in [f"b{i}" for i in range(4)] + ["again"]:
+        assert token_ids(results[True][key]) == token_ids(results[False][key]), key
+
+
 def test_a_cache_that_does_not_fit_is_evicted_not_grown(chat: Loaded) -> None:
     probe = chat.engine()
     prompt = chat_prompt(chat, [{"role": "user", "content": QUESTIONS[0]}])

@@ -20,6 +20,13 @@ class FakeCache:
     trimmable: bool = True
     per_token: int = 1
     copies: int = 0
+    storage: Storage | None = None  # shared with other caches (rows shelved together)
+
+
+@dataclass(eq=False)
+class Storage:
+    nbytes: int
+    owned: int = 0  # caches copied out of it on their own
 
 
 class FakeOps:
@@ -33,6 +40,14 @@ class FakeOps:
         assert cache.trimmable or length == tokens, "an untrimmable cache was cut"
         cache.copies += 1
         return FakeCache(length, cache.trimmable, cache.per_token)
+
+    def storage(self, cache: FakeCache) -> tuple[Storage, int] | None:
+        return (cache.storage, cache.storage.nbytes) if cache.storage is not None else None
+
+    def own(self, cache: FakeCache) -> FakeCache:
+        if cache.storage is not None:
+            cache.storage.owned += 1
+        return FakeCache(cache.length, cache.trimmable, cache.per_token)
 
 
 def seq(*tail: int) -> list[int]:
@@ -157,3 +172,63 @@ def test_stats_and_clear() -> None:
     cache.clear()
     assert cache.stats() == PrefixCacheStats(capacity_bytes=10_000)
     assert len(cache) == 0 and cache.lookup(seq(1, 2, 3, 4)) is None
+
+
+# ---- caches sharing their storage (worker/backends/shelves.py) ----------------------------
+
+
+def shelf(cache: PrefixCache, tails: list[int], nbytes: int) -> Storage:
+    """Entries for rows that left together: `seq(tail)` each, all on one storage."""
+    storage = Storage(nbytes)
+    for tail in tails:
+        tokens = [tail, *HEAD, 0, 0]
+        assert cache.insert(tokens, FakeCache(len(tokens), storage=storage))
+    return storage
+
+
+def test_a_shared_storage_is_counted_once_while_any_of_its_caches_is_kept() -> None:
+    cache = PrefixCache(10_000, FakeOps())
+    shelf(cache, [1, 2, 3], nbytes=100)
+    assert len(cache) == 3 and cache.nbytes == 100
+    # a longer entry covers one of them: the storage stays with the other two
+    store(cache, [1, *HEAD, 0, 0, 9])
+    assert len(cache) == 3 and cache.nbytes == 100 + KEY_TOKENS + 4
+    for tail in (2, 3):
+        store(cache, [tail, *HEAD, 0, 0, 9])
+    assert len(cache) == 3 and cache.nbytes == 3 * (KEY_TOKENS + 4)  # the storage went
+
+
+def test_caches_sharing_a_storage_are_evicted_together() -> None:
+    width = KEY_TOKENS + 3
+    cache = PrefixCache(100 + width, FakeOps())
+    shelf(cache, [1, 2, 3], nbytes=100)
+    store(cache, [7, *HEAD, 0, 0])  # fits beside the storage
+    assert cache.nbytes == 100 + width and cache.evictions == 0
+    store(cache, [8, *HEAD, 0, 0])  # the storage is the oldest: all three go, it fits
+    assert len(cache) == 2 and cache.nbytes == 2 * width and cache.evictions == 3
+    assert all(cache.lookup([t, *HEAD, 0, 0, 5]) is None for t in (1, 2, 3))
+
+
+def test_a_hit_on_a_shared_storage_copies_that_cache_out_on_its_own() -> None:
+    width = KEY_TOKENS + 3
+    cache = PrefixCache(100 + 2 * width, FakeOps())
+    storage = shelf(cache, [1, 2, 3], nbytes=100)
+    hit = cache.lookup([2, *HEAD, 0, 0, 5])
+    assert hit is not None and hit.length == width
+    assert storage.owned == 1 and cache.nbytes == 100 + width  # its copy, and the storage
+    # the storage (older) goes before the copy: the hit entry stays
+    store(cache, [8, *HEAD, 0, 0])
+    store(cache, [9, *HEAD, 0, 0])
+    assert cache.lookup([2, *HEAD, 0, 0, 5]) is not None
+    assert cache.lookup([1, *HEAD, 0, 0, 5]) is None and cache.lookup([3, *HEAD, 0, 0, 5]) is None
+    assert cache.nbytes == 3 * width <= cache.capacity
+    # the last one on a storage is hit: nothing to copy (no one shares it any more)
+    other = shelf(cache, [4], nbytes=KEY_TOKENS)
+    assert cache.lookup([4, *HEAD, 0, 0, 5]) is not None and other.owned == 0
+
+
+def test_a_storage_larger_than_the_bound_is_copied_out_of_row_by_row() -> None:
+    width = KEY_TOKENS + 3
+    cache = PrefixCache(2 * width, FakeOps())
+    storage = shelf(cache, [1, 2, 3], nbytes=10 * width)
+    assert storage.owned == 3 and len(cache) == 2 and cache.nbytes == 2 * width

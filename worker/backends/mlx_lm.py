@@ -22,9 +22,10 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokeni
 from mlx_lm.utils import sharded_load
 
 from shared.config import EngineOptions
-from worker.backends import decode_step
+from worker.backends import decode_step, shelves
 from worker.backends.rows import RowBatch
 from worker.backends.sampling import guide_processors, make_processors, make_sampler
+from worker.backends.shelves import Shelved
 from worker.engine.backend import Insertion, Sampled
 from worker.structured.guide import Masks
 
@@ -168,13 +169,18 @@ class MlxLmBackend:
     def new_cache(self) -> list[Any]:
         return make_prompt_cache(self.model)
 
-    def nbytes(self, cache: list[Any]) -> int:
-        return sum(c.nbytes for c in cache)
+    # A cache taken out of the rows batch is a row on a shelf (worker/backends/shelves.py);
+    # BatchGenerator's are lists of mlx-lm caches.
 
-    def trimmable(self, cache: list[Any]) -> bool:
-        return can_trim_prompt_cache(cache)
+    def nbytes(self, cache: Any) -> int:
+        return cache.nbytes if isinstance(cache, Shelved) else sum(c.nbytes for c in cache)
 
-    def prefix(self, cache: list[Any], length: int, tokens: int) -> list[Any]:
+    def trimmable(self, cache: Any) -> bool:
+        return isinstance(cache, Shelved) or can_trim_prompt_cache(cache)
+
+    def prefix(self, cache: Any, length: int, tokens: int) -> list[Any]:
+        if isinstance(cache, Shelved):
+            return cache.caches(length)
         # MLX arrays are values: the copy shares their buffers, and trimming only moves the
         # copy's offsets. The generator merges caches into new batch arrays on insert, so
         # the stored cache is never written.
@@ -183,11 +189,25 @@ class MlxLmBackend:
             trim_prompt_cache(copied, tokens - length)
         return copied
 
-    def compact(self, caches: list[list[Any]]) -> None:
+    def storage(self, cache: Any) -> tuple[Any, int] | None:
+        return shelves.storage(cache)
+
+    def own(self, cache: Any) -> Any:
+        return cache.copy() if isinstance(cache, Shelved) else cache
+
+    def compact(self, caches: list[Any]) -> None:
         """Have caches taken out of the batch evaluated, so that they hold their own buffers
         and not the graph of the batch's (which would keep the batch's arrays alive). Queued
         in one call, not waited for: waiting would stall the step running on the device."""
-        mx.async_eval([c.state for cache in caches for c in cache])
+        arrays: list[Any] = []
+        seen: set[int] = set()
+        for cache in caches:
+            if not isinstance(cache, Shelved):
+                arrays += [c.state for c in cache]
+            elif id(cache.shelf) not in seen:
+                seen.add(id(cache.shelf))
+                arrays += [cache.shelf.keys, cache.shelf.values]
+        mx.async_eval(arrays)
 
     def kv_bytes_per_token(self) -> int:
         """The KV one position takes, measured on a one-token forward pass."""
@@ -248,6 +268,8 @@ class MlxRowsBackend(MlxLmBackend):
             ),
             # what it saves was measured on MLX's CUDA backend only (buckets.py)
             bucket_rows=mx.default_device() == mx.gpu and mx.cuda.is_available(),
+            # a shelf the prefix cache keeps whole while any of its rows is kept
+            shelf_bytes=max(1, int(options.prefix_cache_gb * (1 << 30)) // 8),
         )
 
     def insert(self, items: list[Insertion]) -> list[int]:

@@ -41,6 +41,7 @@ from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
 from worker.backends.buckets import ROW_BUCKET, bucketed
 from worker.backends.sampling import LogitsProcessor, Sampler
+from worker.backends.shelves import shelve
 from worker.structured.ahead import Ahead, GuideThread, Masked
 from worker.structured.guide import Guide, Masks, pack
 
@@ -121,8 +122,10 @@ class RowBatch:
         settle_steps: int = 0,
         decode: Any = None,
         bucket_rows: bool = False,
+        shelf_bytes: int = 1 << 28,
     ) -> None:
         self.model = model
+        self.shelf_bytes = shelf_bytes  # the most that rows leaving together share (shelves.py)
         # Whether the batch's row count is kept to multiples of ROW_BUCKET (buckets.py)
         self.bucket = ROW_BUCKET if bucket_rows else 1
         # the one-token step (worker/backends/decode_step.py), or None: the model's forward
@@ -200,13 +203,18 @@ class RowBatch:
         return kept
 
     def extract(self, uids: list[int]) -> dict[int, tuple[Any, list[int]]]:
-        """Copies of running rows' caches and the tokens each holds."""
+        """Copies of running rows' caches (shelved, worker/backends/shelves.py) and the
+        tokens each holds."""
         wanted = set(uids)
-        return {
-            row.uid: ([c.extract(i) for c in self.caches], list(row.held))
-            for i, row in enumerate(self.rows)
-            if row.uid in wanted and not row.dead
-        }
+        found = [(i, r) for i, r in enumerate(self.rows) if r.uid in wanted and not r.dead]
+        if not found:
+            return {}
+        kept: list[Any] | None = shelve(
+            self.caches, [(i, len(r.held)) for i, r in found], self.shelf_bytes
+        )
+        if kept is None:  # an mlx-lm whose batch cache reads otherwise: row by row
+            kept = [[c.extract(i) for c in self.caches] for i, _ in found]
+        return {r.uid: (cache, list(r.held)) for (_, r), cache in zip(found, kept, strict=True)}
 
     def holds(self, uid: int) -> bool:
         group = [r for g in self.groups for r in g.rows]

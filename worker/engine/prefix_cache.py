@@ -18,8 +18,12 @@ most recently used first): its cost grows with the prompt, not with the number o
 Hits shorter than one block are not worth a copy and are not looked for.
 
 Bounded in bytes, least recently used out first, and at most `MAX_ENTRIES` entries; an entry
-larger than the whole bound is not kept. The cache objects are the backend's: this module
-reaches them only through `CacheOps`, so it is tested without a model.
+larger than the whole bound is not kept. Caches may share their storage (rows that left the
+batch together, copied out at once: worker/backends/shelves.py): the storage is counted once,
+while any cache on it is kept, and they are evicted together; one that is hit while others
+share its storage gets a copy of its own (the rest may go, it stays). The cache objects are
+the backend's: this module reaches them only through `CacheOps`, so it is tested without a
+model.
 """
 
 from __future__ import annotations
@@ -48,14 +52,25 @@ class CacheOps(Protocol):
         stored cache itself stays as it is (it may be handed out again)."""
         ...
 
+    def storage(self, cache: Any) -> tuple[Any, int] | None:
+        """The storage `cache` shares with other caches and its bytes (all of them stay
+        while any of those caches does); None for a cache of its own."""
+        ...
+
+    def own(self, cache: Any) -> Any:
+        """A cache holding the same KV in storage of its own."""
+        ...
+
 
 @dataclass(slots=True, eq=False)
 class Entry:
     tokens: np.ndarray  # int64, the tokens whose KV the cache holds
     chain: list[int]  # the key of each full block
     cache: Any
-    nbytes: int
+    nbytes: int  # its own positions
     trimmable: bool
+    owner: Any = None  # the storage it shares with others (CacheOps.storage), if any
+    owner_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +96,8 @@ class PrefixCache:
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
         self.blocks: dict[int, set[int]] = {}  # block key -> entries holding that prefix
         self.ends: dict[int, set[int]] = {}  # block key -> entries whose last full block it is
-        self.nbytes = 0
+        self.owners: dict[Any, set[int]] = {}  # shared storage -> the entries on it
+        self.nbytes = 0  # entries' own bytes, and each shared storage once
         self._next_key = 0
         self.lookups = self.hits = self.hit_tokens = self.evictions = 0
 
@@ -136,6 +152,7 @@ class PrefixCache:
         if length == 0:
             return None
         entry = self._touch(key)
+        self._fit()  # a copy of its own may have been added
         self.hits += 1
         self.hit_tokens += length
         return Hit(self.ops.prefix(entry.cache, length, len(entry.tokens)), length)
@@ -147,6 +164,9 @@ class PrefixCache:
         nbytes = self.ops.nbytes(cache)
         if nbytes > self.capacity or len(tokens) <= BLOCK:
             return False
+        shared = self.ops.storage(cache)
+        if shared is not None and shared[1] > self.capacity:  # could never be counted
+            cache, shared = self.ops.own(cache), None
         array = np.asarray(tokens, dtype=np.int64)
         chain = block_chain(tokens)
         trimmable = self.ops.trimmable(cache)
@@ -158,17 +178,40 @@ class PrefixCache:
                 )
                 if covered and _common_prefix(entry.tokens, array) == len(entry.tokens):
                     self._drop(key)
-        while self.entries and (
-            self.nbytes + nbytes > self.capacity or len(self.entries) >= MAX_ENTRIES
-        ):
-            self._drop(next(iter(self.entries)))
-            self.evictions += 1
-        self._add(Entry(array, chain, cache, nbytes, trimmable))
+        owner, owner_bytes = shared if shared is not None else (None, 0)
+        entry = Entry(array, chain, cache, nbytes, trimmable, owner, owner_bytes)
+        while self.entries and len(self.entries) >= MAX_ENTRIES:
+            self._evict(next(iter(self.entries)))
+        self._fit(entry)
+        self._add(entry)
         return True
+
+    def _new_bytes(self, entry: Entry) -> int:
+        """What keeping `entry` adds to the count."""
+        if entry.owner is None:
+            return entry.nbytes
+        return 0 if entry.owner in self.owners else entry.owner_bytes
+
+    def _fit(self, entry: Entry | None = None) -> None:
+        """Least recently used entries out until `entry` fits (the bound holds, without)."""
+        while self.entries:
+            adding = self._new_bytes(entry) if entry is not None else 0
+            if self.nbytes + adding <= self.capacity:
+                return
+            self._evict(next(iter(self.entries)))
+
+    def _evict(self, key: int) -> None:
+        """The entry out, and every entry sharing its storage (its memory goes only with
+        the last of them)."""
+        owner = self.entries[key].owner
+        for k in [key] if owner is None else sorted(self.owners[owner]):
+            self._drop(k)
+            self.evictions += 1
 
     def clear(self) -> None:
         """Forget every entry and every count (the worker's probe is no one's request)."""
         self.entries.clear()
+        self.owners.clear()
         self.blocks.clear()
         self.ends.clear()
         self.nbytes = 0
@@ -177,22 +220,35 @@ class PrefixCache:
     def _add(self, entry: Entry) -> int:
         key = self._next_key
         self._next_key += 1
+        self.nbytes += self._new_bytes(entry)
         self.entries[key] = entry
-        self.nbytes += entry.nbytes
+        if entry.owner is not None:
+            self.owners.setdefault(entry.owner, set()).add(key)
         for block in entry.chain:
             self.blocks.setdefault(block, set()).add(key)
         self.ends.setdefault(entry.chain[-1], set()).add(key)
         return key
 
     def _touch(self, key: int) -> Entry:
-        """Most recently used: re-added under a new (larger) key."""
+        """Most recently used: re-added under a new (larger) key, with a copy of its own if
+        it shares its storage with entries that may be evicted before it."""
         entry = self._drop(key)
+        if entry.owner is not None and entry.owner in self.owners:
+            entry.cache = self.ops.own(entry.cache)
+            entry.owner, entry.owner_bytes = None, 0
         self._add(entry)
         return entry
 
     def _drop(self, key: int) -> Entry:
         entry = self.entries.pop(key)
-        self.nbytes -= entry.nbytes
+        if entry.owner is None:
+            self.nbytes -= entry.nbytes
+        else:
+            members = self.owners[entry.owner]
+            members.discard(key)
+            if not members:
+                del self.owners[entry.owner]
+                self.nbytes -= entry.owner_bytes
         for block in entry.chain:
             _discard(self.blocks, block, key)
         _discard(self.ends, entry.chain[-1], key)
