@@ -12,8 +12,12 @@ requests, and the wall time outside any step before the first and after the last
 the median step without and with requests starting in it, how often requests started (per
 100 steps) and how many at a time, the mean requests in the batch (prefilling or decoding)
 over the steps that had any. On the rows batch, the median plain step with an attention
-mask (rows of different lengths) and without, the share of plain steps with one, and the
-steps in which the compiled decode step met a row count for the first time (a new trace).
+mask (rows of different lengths) and without, the share of plain steps with one, the
+steps in which the compiled decode step met a row count for the first time (a new trace),
+and the median wait of a plain step for the previous step's tokens (`plain_wait_ms`: the
+rest of its backend time is the host building the step). `leaving`: the share of the wall
+time spent outside the backend in steps where rows left the batch (their KV going into the
+prefix cache, worker/backends/shelves.py).
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# [t, step_ms, backend_ms, inserted, insert_ms, rows, outputs, masked, new_shapes]
-T, STEP, BACKEND, INSERTED, INSERT, ROWS, OUTPUTS, MASKED, SHAPES = range(9)
+# [t, step_ms, backend_ms, inserted, insert_ms, rows, outputs, masked, new_shapes, wait_ms]
+T, STEP, BACKEND, INSERTED, INSERT, ROWS, OUTPUTS, MASKED, SHAPES, WAIT = range(10)
 
 
 def _field(step: list[Any], at: int) -> Any:
@@ -64,6 +68,12 @@ def summarize(
     masked = [s[STEP] for s in steps if not s[INSERTED] and _field(s, MASKED) == 1]
     unmasked = [s[STEP] for s in steps if not s[INSERTED] and _field(s, MASKED) == 0]
     traced = [s for s in steps if _field(s, SHAPES)]
+    waits = [w for s in steps if not s[INSERTED] and (w := _field(s, WAIT)) is not None]
+    leaving = sum(  # rows fewer after the step than before it and those it started
+        nxt[STEP] - nxt[BACKEND]
+        for prev, nxt in itertools.pairwise(steps)
+        if nxt[ROWS] < prev[ROWS] + nxt[INSERTED]
+    )
     decoding = [s[ROWS] for s in steps if s[ROWS]]
 
     def median(xs: list[float]) -> float | None:
@@ -89,6 +99,8 @@ def summarize(
         "masked_share": round(len(masked) / len(plain), 3) if plain and masked else 0,
         "new_shape_steps": len(traced),
         "new_shape_step_ms": median([s[STEP] for s in traced]),
+        "plain_wait_ms": median(waits),
+        "leaving": round(leaving / 1e3 / wall, 3),
     }
 
 

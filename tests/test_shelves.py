@@ -10,7 +10,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from tests.engine_fixtures import Loaded
 from worker.backends.rows import RowBatch
 from worker.backends.sampling import greedy
-from worker.backends.shelves import SPREAD, Shelved, shelve, storage
+from worker.backends.shelves import SPREAD, Shelved, shelve, storage, take_out
 
 
 def batch_caches(pads: list[int], end: int, layers: int = 2) -> list[BatchKVCache]:
@@ -98,6 +98,8 @@ def test_a_cache_state_that_reads_otherwise_is_not_shelved() -> None:
     caches = batch_caches([0, 0], 8)
     caches[1].update_and_fetch(mx.zeros((2, 2, 1, 4)), mx.zeros((2, 2, 1, 4)))
     assert shelve(caches, [(0, 8)], 1 << 30) is None  # layers disagree on their end
+    [kept] = take_out(caches, [(1, 8)], 1 << 30)  # then row by row, through mlx-lm
+    assert isinstance(kept, list) and [c.offset for c in kept] == [8, 9]
 
 
 def test_the_batch_shelves_rows_it_takes_out_mid_decode(

@@ -31,7 +31,7 @@ def test_each_step_is_one_line_and_tokens_are_unchanged(
     assert token_ids(out["a"]) == reference_greedy(chat.model, prompts[0], 6)
     [trace] = read_traces(tmp_path / "trace").values()  # flushed when the engine went idle
     assert len(trace) == engine.steps
-    t, step_ms, backend_ms, inserted, insert_ms, rows, outputs, masked, shapes = zip(
+    t, step_ms, backend_ms, inserted, insert_ms, rows, outputs, masked, shapes, waits = zip(
         *trace, strict=True
     )
     assert list(t) == sorted(t)
@@ -40,10 +40,12 @@ def test_each_step_is_one_line_and_tokens_are_unchanged(
     assert all(ms > 0 for ms, n in zip(insert_ms, inserted, strict=True) if n)
     assert sum(outputs) == 6 + 3 * 4
     assert rows[-1] == 0 and max(rows) == 3
-    if not hasattr(engine.backend, "batch"):  # BatchGenerator: neither is known
-        assert set(masked) == {None} and set(shapes) == {0}
+    if not hasattr(engine.backend, "batch"):  # BatchGenerator: none is known
+        assert set(masked) == {None} and set(shapes) == {0} and set(waits) == {None}
     else:  # the three prompts are of different lengths: masked steps among them
         assert set(masked) <= {0, 1} and 1 in masked
+        assert all(0 <= w <= b for w, b in zip(waits, backend_ms, strict=True))
+        assert sum(waits) > 0
     if decode is not None:  # one row, then three (2 and 1 as they end): 3 is new, once
         assert known == {1, 2} and decode.row_counts == {1, 2, 3} and sum(shapes) == 1
     else:
@@ -51,9 +53,16 @@ def test_each_step_is_one_line_and_tokens_are_unchanged(
 
 
 def _step(
-    t: float, ms: float, inserted: int = 0, rows: int = 4, masked: int = 0, shapes: int = 0
+    t: float,
+    ms: float,
+    inserted: int = 0,
+    rows: int = 4,
+    masked: int = 0,
+    shapes: int = 0,
+    backend: float | None = None,
 ) -> list[float]:
-    return [t, ms, ms - 1, inserted, 0.5 if inserted else 0.0, rows, rows, masked, shapes]
+    backend = ms - 1 if backend is None else backend
+    return [t, ms, backend, inserted, 0.5 if inserted else 0.0, rows, rows, masked, shapes, ms / 2]
 
 
 def test_summary_splits_the_wall_time() -> None:
@@ -69,6 +78,19 @@ def test_summary_splits_the_wall_time() -> None:
     assert s["empty"] == pytest.approx(18 / 40)
     assert (s["plain_step_ms"], s["join_step_ms"], s["insert_ms"]) == (5, 10, 0.5)
     assert s["joins_per_100"] == pytest.approx(33.3) and s["joiners"] == 2
+    assert s["plain_wait_ms"] == 2.5  # the plain steps' (5 ms: 2.5 each)
+    assert s["leaving"] == pytest.approx(1 / 40)  # the last step: 4 rows, then 0
+
+
+def test_leaving_is_the_time_outside_the_backend_where_rows_left() -> None:
+    steps = [
+        _step(0.0, 10, 4, rows=4),  # 4 start
+        _step(0.01, 20, rows=2, backend=5),  # 2 left: 15 ms outside the backend
+        _step(0.03, 20, 1, rows=3, backend=5),  # 1 started, none left
+        _step(0.05, 10, 2, rows=4, backend=2),  # 2 started, 1 left: 8 ms
+    ]
+    s = summarize(steps, 0.0, 0.1)
+    assert s is not None and s["leaving"] == pytest.approx(23 / 100)
 
 
 def test_summary_splits_plain_steps_by_mask_and_counts_new_shapes() -> None:
@@ -86,6 +108,7 @@ def test_summary_splits_plain_steps_by_mask_and_counts_new_shapes() -> None:
     assert (s["new_shape_steps"], s["new_shape_step_ms"]) == (2, 9.5)
     old = summarize([x[:7] for x in steps])  # a trace of an older worker: no such fields
     assert old is not None and old["plain_masked_ms"] is None and old["new_shape_steps"] == 0
+    assert old["plain_wait_ms"] is None
 
 
 def test_levels_take_the_steps_inside_their_windows(tmp_path: Path) -> None:

@@ -2,12 +2,14 @@
 
 With `MLX_GATEWAY_STEP_TRACE` set to a folder, each worker appends one JSON line per engine
 step to `steps-<pid>.jsonl` there: `[t, step_ms, backend_ms, inserted, insert_ms, rows,
-outputs, masked, new_shapes]` (t: wall-clock seconds at the step's start, as `time.time()`;
+outputs, masked, new_shapes, wait_ms]` (t: wall-clock seconds at the step's start, as `time.time()`;
 backend_ms: the backend's step, the forward pass and the wait for its tokens; inserted:
 requests started in this step; rows: requests in the batch after it, prefilling or
 decoding; outputs: deltas it produced; masked: 1 when the rows batch stepped rows of
 different lengths, with an attention mask, 0 without, None on BatchGenerator; new_shapes:
-row counts the compiled decode step met for the first time, each a new trace). The time
+row counts the compiled decode step met for the first time, each a new trace; wait_ms: of
+backend_ms, the rows batch's wait for the previous step's tokens, None on BatchGenerator:
+the rest of backend_ms is the host's own work). The time
 between one step's end and the next one's start is the worker's own: emitting the deltas,
 taking requests in, waiting for them. `python -m benchmarks.step_trace`
 summarizes it.
@@ -51,6 +53,7 @@ class StepTrace:
         step, insert = backend.step, backend.insert
         batch = getattr(backend, "batch", None)  # the rows batch (not BatchGenerator)
         self._decode = getattr(batch, "decode", None)  # its compiled step, if any
+        self._batch = batch
 
         def timed_step(keep_caches: bool, logprobs: bool = True) -> list[Sampled]:
             if batch is not None:
@@ -103,6 +106,7 @@ class StepTrace:
         self._inserted = 0
         self._masked = None
         shapes = len(self._decode.row_counts) if self._decode is not None else 0
+        waited = self._batch.waited_s if self._batch is not None else 0.0
         wall, start = time.time(), time.perf_counter()
         outputs = self._engine.step()
         took = time.perf_counter() - start
@@ -119,6 +123,9 @@ class StepTrace:
                 len(outputs),
                 self._masked,
                 shapes,
+                round((self._batch.waited_s - waited) * 1e3, 3)
+                if self._batch is not None
+                else None,
             ]
         )
         if len(self._rows) >= FLUSH_EVERY or not self._engine.has_work:

@@ -32,6 +32,7 @@ and max_tokens are the engine's: a row runs until the engine removes it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,7 @@ from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
 from worker.backends.buckets import ROW_BUCKET, bucketed
 from worker.backends.sampling import LogitsProcessor, Sampler
-from worker.backends.shelves import shelve
+from worker.backends.shelves import take_out
 from worker.structured.ahead import Ahead, GuideThread, Masked
 from worker.structured.guide import Guide, Masks, pack
 
@@ -150,6 +151,7 @@ class RowBatch:
         self.groups: list[Group] = []  # prefilling, at most MAX_GROUPS
         self.uid_count = 0
         self.steps = 0
+        self.waited_s = 0.0  # the host's wait for steps' tokens (benchmarks' step trace)
         self.masks = Masks()  # guided rows' masks
         self.guided = False  # some row of the batch has a guide (set when rows change)
         self.shifts: mx.array | None = None  # the rows' position shifts, when any has one
@@ -209,11 +211,7 @@ class RowBatch:
         found = [(i, r) for i, r in enumerate(self.rows) if r.uid in wanted and not r.dead]
         if not found:
             return {}
-        kept: list[Any] | None = shelve(
-            self.caches, [(i, len(r.held)) for i, r in found], self.shelf_bytes
-        )
-        if kept is None:  # an mlx-lm whose batch cache reads otherwise: row by row
-            kept = [[c.extract(i) for c in self.caches] for i, _ in found]
+        kept = take_out(self.caches, [(i, len(r.held)) for i, r in found], self.shelf_bytes)
         return {r.uid: (cache, list(r.held)) for (_, r), cache in zip(found, kept, strict=True)}
 
     def holds(self, uid: int) -> bool:
@@ -402,7 +400,9 @@ class RowBatch:
         previous = self.logprobs
         self.inputs, self.logprobs = sampled, rows_logprobs
         if tokens is None:
+            waiting = time.perf_counter()
             tokens = inputs.tolist()  # type: ignore[assignment]  # waits for step n-1
+            self.waited_s += time.perf_counter() - waiting
             assert tokens is not None
         out = []
         for row, token, row_logprobs in zip(self.rows, tokens, previous, strict=True):

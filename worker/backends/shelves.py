@@ -113,6 +113,15 @@ def shelve(
     return [shelved[i] for i, _ in rows]
 
 
+def take_out(caches: list[Any], rows: list[tuple[int, int]], max_bytes: int) -> list[Any]:
+    """`shelve`'s rows; row by row through mlx-lm's `BatchKVCache.extract` (a list of
+    caches each) where the batch caches' state reads otherwise."""
+    kept = shelve(caches, rows, max_bytes)
+    if kept is not None:
+        return list(kept)
+    return [[c.extract(i) for c in caches] for i, _ in rows]
+
+
 def _rows(array: mx.array, indices: list[int], gather: bool) -> mx.array:
     """The rows `indices` of `array`, in a buffer of their own."""
     if len(indices) == 1:
