@@ -131,8 +131,6 @@ def test_rows_that_finish_together_are_each_reused_and_the_tokens_do_not_change(
                 cached = final_usage(results[True][f"b{i}"]).cached_tokens
                 assert cached >= len(prompt) + 6, (i, cached)
             assert final_usage(results[True]["again"]).cached_tokens == len(seconds[2]) - 1
-            stats = engine.prefix_stats()
-            assert stats is not None and stats.nbytes <= stats.capacity_bytes
     for key in [f"b{i}" for i in range(4)] + ["again"]:
         assert token_ids(results[True][key]) == token_ids(results[False][key]), key
 

@@ -187,44 +187,88 @@ def shelf(cache: PrefixCache, tails: list[int], nbytes: int) -> Storage:
 
 
 def test_a_shared_storage_is_counted_once_while_any_of_its_caches_is_kept() -> None:
+    width = KEY_TOKENS + 3  # each entry's own bytes
     cache = PrefixCache(10_000, FakeOps())
-    shelf(cache, [1, 2, 3], nbytes=100)
-    assert len(cache) == 3 and cache.nbytes == 100
+    storage = shelf(cache, [1, 2, 3], nbytes=3 * width)
+    assert len(cache) == 3 and cache.nbytes == 3 * width
     # a longer entry covers one of them: the storage stays with the other two
     store(cache, [1, *HEAD, 0, 0, 9])
-    assert len(cache) == 3 and cache.nbytes == 100 + KEY_TOKENS + 4
-    for tail in (2, 3):
-        store(cache, [tail, *HEAD, 0, 0, 9])
-    assert len(cache) == 3 and cache.nbytes == 3 * (KEY_TOKENS + 4)  # the storage went
+    assert len(cache) == 3 and cache.nbytes == 3 * width + width + 1
+    assert storage.owned == 0
+    store(cache, [2, *HEAD, 0, 0, 9])  # one left on it: given up, that one copied out
+    assert storage.owned == 1 and cache.nbytes == width + 2 * (width + 1)
+    store(cache, [3, *HEAD, 0, 0, 9])
+    assert len(cache) == 3 and cache.nbytes == 3 * (width + 1)
 
 
 def test_caches_sharing_a_storage_are_evicted_together() -> None:
     width = KEY_TOKENS + 3
     cache = PrefixCache(100 + width, FakeOps())
-    shelf(cache, [1, 2, 3], nbytes=100)
+    storage = shelf(cache, [1, 2, 3], nbytes=100)
     store(cache, [7, *HEAD, 0, 0])  # fits beside the storage
     assert cache.nbytes == 100 + width and cache.evictions == 0
     store(cache, [8, *HEAD, 0, 0])  # the storage is the oldest: all three go, it fits
     assert len(cache) == 2 and cache.nbytes == 2 * width and cache.evictions == 3
     assert all(cache.lookup([t, *HEAD, 0, 0, 5]) is None for t in (1, 2, 3))
+    assert storage.owned == 0  # none had been hit: nothing copied
 
 
-def test_a_hit_on_a_shared_storage_copies_that_cache_out_on_its_own() -> None:
+def test_a_hit_hands_out_a_view_and_the_entry_is_copied_out_only_when_its_storage_goes() -> None:
     width = KEY_TOKENS + 3
-    cache = PrefixCache(100 + 2 * width, FakeOps())
+    cache = PrefixCache(100 + 2 * width - 1, FakeOps())
     storage = shelf(cache, [1, 2, 3], nbytes=100)
     hit = cache.lookup([2, *HEAD, 0, 0, 5])
     assert hit is not None and hit.length == width
-    assert storage.owned == 1 and cache.nbytes == 100 + width  # its copy, and the storage
-    # the storage (older) goes before the copy: the hit entry stays
-    store(cache, [8, *HEAD, 0, 0])
-    store(cache, [9, *HEAD, 0, 0])
+    assert storage.owned == 0 and cache.nbytes == 100  # no copy while nothing presses
+    store(cache, [8, *HEAD, 0, 0])  # fits beside it
+    assert storage.owned == 0 and cache.nbytes == 100 + width
+    store(cache, [9, *HEAD, 0, 0])  # the storage's oldest goes: the hit entry is copied out
+    assert storage.owned == 1 and cache.evictions == 2
+    assert cache.nbytes == 3 * width <= cache.capacity and len(cache) == 3
     assert cache.lookup([2, *HEAD, 0, 0, 5]) is not None
     assert cache.lookup([1, *HEAD, 0, 0, 5]) is None and cache.lookup([3, *HEAD, 0, 0, 5]) is None
-    assert cache.nbytes == 3 * width <= cache.capacity
-    # the last one on a storage is hit: nothing to copy (no one shares it any more)
-    other = shelf(cache, [4], nbytes=KEY_TOKENS)
-    assert cache.lookup([4, *HEAD, 0, 0, 5]) is not None and other.owned == 0
+
+
+def test_a_storage_mostly_left_is_given_up_its_entries_copied_out() -> None:
+    width = KEY_TOKENS + 3
+    cache = PrefixCache(10_000, FakeOps())
+    storage = shelf(cache, [1, 2, 3, 4], nbytes=4 * width)
+    store(cache, [1, *HEAD, 0, 0, 9])  # covers one: 3 of 4 rows still use it
+    assert storage.owned == 0 and cache.nbytes == 4 * width + width + 1
+    store(cache, [2, *HEAD, 0, 0, 9])  # 2 of 4: half, kept
+    assert storage.owned == 0
+    store(cache, [3, *HEAD, 0, 0, 9])  # 1 of 4: given up, the last one copied out
+    assert storage.owned == 1 and len(cache) == 4
+    assert cache.nbytes == width + 3 * (width + 1)
+    assert cache.lookup([4, *HEAD, 0, 0, 5]) is not None
+
+
+def test_accounting_holds_under_random_use() -> None:
+    """Random shared and plain inserts, lookups and evictions: the count is always the
+    bytes the kept caches reference, within the bound."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(200):
+        cache = PrefixCache(rng.randrange(40, 400), FakeOps())
+        for _ in range(40):
+            tails = [rng.randrange(12) for _ in range(rng.randrange(1, 4))]
+            if rng.random() < 0.4:
+                cache.lookup([tails[0], *HEAD, 0, 0, rng.randrange(3)])
+            elif rng.random() < 0.5:
+                store(cache, [tails[0], *HEAD, *[0] * rng.randrange(4)])
+            else:
+                storage = Storage(len(tails) * (KEY_TOKENS + 3) + rng.randrange(20))
+                for tail in tails:
+                    tokens = [tail, *HEAD, *[0] * rng.randrange(3)]
+                    cache.insert(tokens, FakeCache(len(tokens), storage=storage))
+            held = {
+                id(e.cache.storage): e.cache.storage.nbytes
+                for e in cache.entries.values()
+                if e.owner is not None
+            }
+            own = sum(e.nbytes for e in cache.entries.values() if e.owner is None)
+            assert cache.nbytes == own + sum(held.values()) <= cache.capacity
 
 
 def test_a_storage_larger_than_the_bound_is_copied_out_of_row_by_row() -> None:

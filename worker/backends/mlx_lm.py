@@ -196,9 +196,10 @@ class MlxLmBackend:
         return cache.copy() if isinstance(cache, Shelved) else cache
 
     def compact(self, caches: list[Any]) -> None:
-        """Have caches taken out of the batch evaluated, so that they hold their own buffers
-        and not the graph of the batch's (which would keep the batch's arrays alive). Queued
-        in one call, not waited for: waiting would stall the step running on the device."""
+        """Have caches taken out of the batch evaluated, so that they hold buffers of their
+        own (a shelf's, shared by the rows on it) and not the graph of the batch's (which
+        would keep the batch's arrays alive). Queued in one call, not waited for: waiting
+        would stall the step running on the device."""
         arrays: list[Any] = []
         seen: set[int] = set()
         for cache in caches:

@@ -5,15 +5,16 @@ Each copy is a kernel the host builds and launches. Copying every leaving row's 
 values out on its own costs 2 x layers x rows of them: on an H200 the step trace
 (benchmarks/step_trace.py) put a cohort of 102 rows leaving a 1B-shaped model's batch at
 265 ms of host time, 116 rows at 8B at about 200 ms, against a 5-25 ms decode step.
-Here rows of about the same length go out together onto a *shelf*: per layer one gather of
+Here rows of about the same length go out together onto a *shelf*: per layer one buffer of
 their keys and one of their values, whatever the number of rows.
 
 A shelved row's KV is a view of its shelf, not a copy of its own, so a shelf's memory goes
 only when its last row goes: the prefix cache counts the shelf, once, as long as any of its
-rows is kept (`owner`), and copies a row out on its own when it is hit while others share
-its shelf (`copy`). A row joins a shelf only when it is at least (1 - 1/SPREAD) as long as
-the shelf's longest (the rest of the shelf's span is padding it carries) and while the shelf
-stays under `max_bytes`.
+rows is kept (`storage`), and copies a row out on its own (`copy`) only when the shelf goes
+while that row is worth keeping (worker/engine/prefix_cache.py). A row joins a shelf only
+when it is at least (1 - 1/SPREAD) as long as the shelf's longest (the rest of the shelf's
+span is padding it carries) and while the shelf stays within `max_bytes` (a row larger than
+that is on a shelf of its own).
 
 It reads the batch caches through `BatchKVCache.state` (keys, values, offset, left padding,
 the end of the positions written: mlx-lm 0.32). A cache whose state reads otherwise makes
@@ -82,10 +83,11 @@ def shelve(
     (BatchKVCache, right-aligned: every row's positions end where the batch's do), in the
     order given; None when a cache's state is not mlx-lm 0.32's.
 
-    `gather`: a shelf's layer is one gather kernel (`take`) over the batch's rows, as on a
-    GPU (the default there: one launch, where a concatenation launches a copy per row);
-    False: a concatenation of the rows' slices, as on the CPU (the default there, where
-    MLX's gather of a strided slice took twice as long, benchmarks/leaving.py)."""
+    `gather`: a shelf's layer is one gather kernel (`take`) over the batch's rows (the
+    default on a GPU: one launch, where a concatenation launches a copy per row; measured
+    neither on CUDA nor on Metal yet, benchmarks/leaving.py will); False: a concatenation
+    of the rows' slices (the default on the CPU, where MLX's gather of a strided slice took
+    twice as long, benchmarks/leaving.py)."""
     if gather is None:
         gather = mx.default_device() == mx.gpu
     states = [c.state for c in caches]

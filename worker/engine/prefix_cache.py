@@ -20,10 +20,14 @@ Hits shorter than one block are not worth a copy and are not looked for.
 Bounded in bytes, least recently used out first, and at most `MAX_ENTRIES` entries; an entry
 larger than the whole bound is not kept. Caches may share their storage (rows that left the
 batch together, copied out at once: worker/backends/shelves.py): the storage is counted once,
-while any cache on it is kept, and they are evicted together; one that is hit while others
-share its storage gets a copy of its own (the rest may go, it stays). The cache objects are
-the backend's: this module reaches them only through `CacheOps`, so it is tested without a
-model.
+while any cache on it is kept. When the least recently used entry on a storage is evicted,
+the storage goes: the entries on it that were hit since they came get a copy of their own
+and stay where they are in the order, the others go with it. A storage that its entries
+use less than half of (the rest left, covered by longer entries) is given up the same way,
+each entry left copied out. (A cache handed out on a hit is a view of the storage too: it
+keeps it alive, uncounted, until the batch has copied it in, should it be evicted
+meanwhile.) The cache objects are the backend's: this module reaches them only through
+`CacheOps`, so it is tested without a model.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ class Entry:
     trimmable: bool
     owner: Any = None  # the storage it shares with others (CacheOps.storage), if any
     owner_bytes: int = 0
+    hit: bool = False  # looked up since it was stored
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +157,7 @@ class PrefixCache:
         if length == 0:
             return None
         entry = self._touch(key)
-        self._fit()  # a copy of its own may have been added
+        entry.hit = True
         self.hits += 1
         self.hit_tokens += length
         return Hit(self.ops.prefix(entry.cache, length, len(entry.tokens)), length)
@@ -178,6 +183,7 @@ class PrefixCache:
                 )
                 if covered and _common_prefix(entry.tokens, array) == len(entry.tokens):
                     self._drop(key)
+                    self._settle(entry.owner)
         owner, owner_bytes = shared if shared is not None else (None, 0)
         entry = Entry(array, chain, cache, nbytes, trimmable, owner, owner_bytes)
         while self.entries and len(self.entries) >= MAX_ENTRIES:
@@ -201,12 +207,38 @@ class PrefixCache:
             self._evict(next(iter(self.entries)))
 
     def _evict(self, key: int) -> None:
-        """The entry out, and every entry sharing its storage (its memory goes only with
-        the last of them)."""
-        owner = self.entries[key].owner
-        for k in [key] if owner is None else sorted(self.owners[owner]):
-            self._drop(k)
-            self.evictions += 1
+        """The entry out, and its storage if it shares one: the entries on it that were hit
+        copied out (they stay), the others out too. Frees at least the entry's own bytes
+        (a storage holds all of its entries' positions)."""
+        owner = self._drop(key).owner
+        self.evictions += 1
+        for k in sorted(self.owners.get(owner, ())) if owner is not None else ():
+            if self.entries[k].hit:
+                self._own(k)
+            else:
+                self._drop(k)
+                self.evictions += 1
+
+    def _settle(self, owner: Any) -> None:
+        """A storage whose entries use under half of it is given up: each copied out."""
+        members = self.owners.get(owner) if owner is not None else None
+        if members:
+            used = sum(self.entries[k].nbytes for k in members)
+            if 2 * used < self.entries[next(iter(members))].owner_bytes:
+                for k in sorted(members):
+                    self._own(k)
+
+    def _own(self, key: int) -> None:
+        """The entry on storage of its own (a copy), in the same place in the order."""
+        entry = self.entries[key]
+        members = self.owners[entry.owner]
+        members.discard(key)
+        if not members:
+            del self.owners[entry.owner]
+            self.nbytes -= entry.owner_bytes
+        entry.cache = self.ops.own(entry.cache)
+        entry.owner, entry.owner_bytes = None, 0
+        self.nbytes += entry.nbytes
 
     def clear(self) -> None:
         """Forget every entry and every count (the worker's probe is no one's request)."""
@@ -230,12 +262,8 @@ class PrefixCache:
         return key
 
     def _touch(self, key: int) -> Entry:
-        """Most recently used: re-added under a new (larger) key, with a copy of its own if
-        it shares its storage with entries that may be evicted before it."""
+        """Most recently used: re-added under a new (larger) key."""
         entry = self._drop(key)
-        if entry.owner is not None and entry.owner in self.owners:
-            entry.cache = self.ops.own(entry.cache)
-            entry.owner, entry.owner_bytes = None, 0
         self._add(entry)
         return entry
 
