@@ -111,6 +111,8 @@ def test_rows_that_finish_together_are_each_reused_and_the_tokens_do_not_change(
         out = drive(engine, [greedy(f"a{i}", p, 8, ignore_eos=True) for i, p in enumerate(prompts)])
         stats = engine.prefix_stats()
         assert not use_cache or (stats is not None and stats.entries == 4)
+        if use_cache and hasattr(engine.backend, "batch"):  # the rows batch: one shelf
+            assert engine.prefix_cache is not None and len(engine.prefix_cache.owners) == 1
         seconds = [
             chat_prompt(
                 chat,
@@ -133,6 +135,54 @@ def test_rows_that_finish_together_are_each_reused_and_the_tokens_do_not_change(
             assert final_usage(results[True]["again"]).cached_tokens == len(seconds[2]) - 1
     for key in [f"b{i}" for i in range(4)] + ["again"]:
         assert token_ids(results[True][key]) == token_ids(results[False][key]), key
+
+
+def test_a_row_hit_on_a_shelf_outlives_the_shelf_and_its_tokens_do_not_change(
+    chat: Loaded,
+) -> None:
+    """Four first turns finish together (on the rows batch: onto one shelf); one is hit (by
+    a shorter request, which does not cover it); other requests fill the cache until the
+    least recently used goes, and with it the rest of the shelf: the hit one stays (copied
+    out on its own) and its next turn reuses it whole, with the tokens it gives without a
+    cache."""
+    base = [{"role": "system", "content": SYSTEM}]
+    firsts = [[*base, {"role": "user", "content": q}] for q in QUESTIONS]
+    prompts = [chat_prompt(chat, m) for m in firsts]
+    probe = chat.engine()
+    out = drive(probe, [greedy(f"a{i}", p, 8, ignore_eos=True) for i, p in enumerate(prompts)])
+    stats = probe.prefix_stats()
+    assert stats is not None
+    # room for the four and more, with a shelf of four within an eighth of it
+    engine = chat.engine(prefix_cache_gb=8.5 * stats.nbytes / 2**30)
+    drive(engine, [greedy(f"a{i}", p, 8, ignore_eos=True) for i, p in enumerate(prompts)])
+    cache = engine.prefix_cache
+    assert cache is not None
+    shelved = hasattr(engine.backend, "batch")
+    assert len(cache.owners) == (1 if shelved else 0)
+    hit = drive(engine, [greedy("h", prompts[1], 4, ignore_eos=True)])["h"]
+    assert final_usage(hit).cached_tokens == len(prompts[1]) - 1
+    for n in range(64):  # others, one at a time, until the first eviction
+        other = chat_prompt(chat, [{"role": "user", "content": f"{n} {SYSTEM}"}])
+        drive(engine, [greedy(f"x{n}", other, 8, ignore_eos=True)])
+        if cache.evictions:
+            break
+    # a0 went first, and on the rows batch a2 and a3 with it; a1 stayed
+    assert cache.evictions == (3 if shelved else 1) and cache.nbytes <= cache.capacity
+    kept = [e for e in cache.entries.values() if len(e.tokens) == len(prompts[1]) + 8]
+    assert [list(e.tokens[: len(prompts[1])]) for e in kept] == [prompts[1]]
+    assert kept[0].owner is None  # on storage of its own
+    second = chat_prompt(
+        chat,
+        [
+            *firsts[1],
+            {"role": "assistant", "content": text(out["a1"])},
+            {"role": "user", "content": "And then?"},
+        ],
+    )
+    reused = drive(engine, [greedy("b", second, 8, ignore_eos=True)])["b"]
+    assert final_usage(reused).cached_tokens >= len(prompts[1]) + 6
+    scratch = drive(chat.engine(prefix_cache=False), [greedy("b", second, 8, ignore_eos=True)])
+    assert token_ids(reused) == token_ids(scratch["b"])
 
 
 def test_a_cache_that_does_not_fit_is_evicted_not_grown(chat: Loaded) -> None:
