@@ -3,11 +3,13 @@ restarts, idempotent aborts, and capabilities."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
 from gateway.errors import GatewayError
+from gateway.workers import admission
 from gateway.workers.client import Submission
 from shared.protocol import Abort, Add, Capacity
 from shared.types import (
@@ -51,13 +53,33 @@ async def test_the_gateway_shutting_down_refuses_new_requests(tmp_path: Path) ->
     assert not r.processes.spawned  # nothing loaded for it
 
 
-async def test_an_unreachable_worker_leaves_no_lease(tmp_path: Path) -> None:
+async def test_an_unreachable_worker_leaves_no_lease(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(admission, "DEATH_WAIT_S", 0.05)
     r = rig(tmp_path)
     await r.pool.load("m")
-    r.transport.reachable = False
+    r.transport.reachable = False  # and it does not exit
     with pytest.raises(GatewayError, match="unreachable"):
         await r.admission.submit(chat("a"))
     assert r.handle().streams == {}
+
+
+async def test_a_worker_dead_before_the_gateway_saw_it_go_queues_the_request(
+    tmp_path: Path,
+) -> None:
+    """A kill -9 lands between admission and the send: the socket refuses the request,
+    the exit follows, and the request waits for the next worker, as one arriving while the
+    model restarts does (not a 503)."""
+    r = rig(tmp_path, restart_backoff_s=60)
+    await r.pool.load("m")
+    handle = r.handle()
+    r.transport.reachable = False
+    asyncio.get_running_loop().call_later(0.01, r.processes.exit, handle, -9)
+    stream = await r.admission.submit(chat("a"))
+    slot = r.catalog.slot("m")
+    assert slot.replay == [stream] and stream.worker_id == "" and handle.streams == {}
+    assert slot.served == 1
 
 
 async def test_an_unencodable_value_is_a_400_and_leaves_no_lease(tmp_path: Path) -> None:

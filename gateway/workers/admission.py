@@ -3,11 +3,14 @@
 A request is refused before anything is sent when the gateway is shutting down, when the
 model cannot serve it (capabilities), or when the model's queue is full (the worker's own
 bound or `server.max_queued`). While a crashed model restarts, requests queue for the new
-worker (bounded the same way). Aborting is idempotent and frees the request's place.
+worker (bounded the same way); so does one sent to a worker that turns out to have died
+before the gateway saw it go (its socket refused the request and its exit follows within
+`DEATH_WAIT_S`). Aborting is idempotent and frees the request's place.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,6 +31,10 @@ from gateway.workers.transport import Transport
 from shared.config import ServerConfig
 from shared.protocol import Abort, Add
 from shared.types import CanonicalRequest, ErrorCode, RequestKind
+
+# How long a request that a local worker's socket refused waits to see that worker's exit
+# (a killed process is seen going within milliseconds; a loaded machine may take longer).
+DEATH_WAIT_S = 2.0
 
 
 def shutting_down() -> GatewayError:
@@ -60,7 +67,7 @@ class Admission:
     def check(self, name: str, needs: Sequence[str]) -> None:
         check_capabilities(self.catalog.slot(name), list(needs))
 
-    async def submit(self, sub: Submission) -> RequestStream:
+    async def submit(self, sub: Submission, retried: bool = False) -> RequestStream:
         """Send one request to its model's worker (loading it on demand)."""
         slot = self.catalog.slot(sub.model)
         if self.draining():
@@ -96,10 +103,23 @@ class Admission:
         stream = RequestStream(request_id, slot.name, handle.worker_id)
         stream.add = add
         if not lease(self.transport, handle, stream):
+            if not retried and await self._gone(handle):  # queued for its successor
+                return await self.submit(sub, retried=True)
             raise GatewayError(ErrorCode.WORKER_UNAVAILABLE, f"model {slot.name!r} is unreachable")
         slot.served += 1
         self.lifetime.touch(slot)
         return stream
+
+    async def _gone(self, handle: WorkerHandle) -> bool:
+        """Whether a local worker whose socket refused a request has exited (its exit seen
+        within DEATH_WAIT_S: the model is then restarting)."""
+        if handle.remote is not None or handle.process is None:
+            return False
+        try:
+            await asyncio.wait_for(handle.exited.wait(), DEATH_WAIT_S)
+        except TimeoutError:
+            return False
+        return True
 
     async def worker_for(
         self, slot: Slot, affinity: str | None, request: CanonicalRequest | None = None
