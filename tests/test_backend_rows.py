@@ -162,6 +162,30 @@ def test_a_short_prompt_is_not_held_behind_a_long_one(
     assert out[fast][:8] == reference_greedy(chat.model, short, 8)
 
 
+def test_a_rows_first_token_comes_out_before_the_next_groups_prefill(
+    chat: Loaded, prompts: list[list[int]]
+) -> None:
+    """A step reads its tokens at the next one; when that one has a prefill to hand over
+    and a row's first token is pending, it reads them first and the prefill waits a call."""
+    batch = RowBatch(chat.model)
+    (first,) = _insert(batch, chat, [prompts[0]])
+    assert batch.step() == []  # prefilled, joined, decoded: its first token is pending
+    (second,) = _insert(batch, chat, [prompts[1]])
+    out = batch.step()
+    assert [uid for uid, _, _ in out] == [first]
+    assert [w.row.uid for w in batch.waiting] == [second] and not batch.groups
+    tokens = {first: [out[0][1]]}
+    _run(batch, 8, tokens)
+    assert tokens[first][:8] == reference_greedy(chat.model, prompts[0], 8)
+    assert tokens[second][:6] == reference_greedy(chat.model, prompts[1], 6)
+    # a running row's later tokens do not hold a prefill back
+    (third,) = _insert(batch, chat, [prompts[2]])
+    _run(batch, 1, tokens)
+    assert not batch.waiting and third in {r.uid for r in batch.rows}
+    _run(batch, 6, tokens)
+    assert tokens[third][:4] == reference_greedy(chat.model, prompts[2], 4)
+
+
 def test_a_row_removed_while_prefilling_never_joins(chat: Loaded, prompts: list[list[int]]) -> None:
     batch = RowBatch(chat.model, prefill_step_size=2)
     out: dict[int, list[int]] = {}

@@ -24,7 +24,10 @@ bound by the host):
   one-token attention kernel for separate matmul, softmax and matmul kernels in every layer;
 - the host builds step n+1 while the device runs step n, as BatchGenerator does, and splits
   a step's distribution into one array per row only while a request asks for logprobs
-  (BatchGenerator always does: at 128 rows on an H200, up to a third of a step).
+  (BatchGenerator always does: at 128 rows on an H200, up to a third of a step);
+- a large prefill's hand-over waits for most of it to run (MLX keeps ten command buffers in
+  flight at most), so rows that joined a step before would get their first token only after
+  the next group's prefill: then a step first only reads the pending tokens (`_flush`).
 
 Greedy output is the same token for token as mlx-lm's `generate_step` (tests). Stop rules
 and max_tokens are the engine's: a row runs until the engine removes it.
@@ -41,8 +44,9 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
 from worker.backends.buckets import ROW_BUCKET, bucketed
-from worker.backends.sampling import LogitsProcessor, Sampler
+from worker.backends.sampling import LogitsProcessor, Sampler, process_rows
 from worker.backends.shelves import take_out
+from worker.backends.unpadded import Unpadded
 from worker.structured.ahead import Ahead, GuideThread, Masked
 from worker.structured.guide import Guide, Masks, pack
 
@@ -89,31 +93,6 @@ class Group:
     padded: bool  # right padding to move left once the prompts are in
 
 
-class _Unpadded:
-    """A batch cache as the model sees it in a one-token step while none of the batch's rows
-    is padded: no mask, so that MLX can take its fused attention kernel (a mask would only
-    hide padding). Everything else is the cache's own."""
-
-    __slots__ = ("cache",)
-
-    def __init__(self, cache: Any) -> None:
-        self.cache = cache
-
-    def make_mask(self, N: int, *args: Any, **kwargs: Any) -> Any:
-        return None if N == 1 else self.cache.make_mask(N, *args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.cache, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # a model may write the cache's arrays (mlx-lm's pipeline makes its last layer's
-        # keys depend on the activations it sends on): they are the cache's
-        if name == "cache":
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.cache, name, value)
-
-
 class RowBatch:
     def __init__(
         self,
@@ -141,12 +120,14 @@ class RowBatch:
         self.rows: list[Row] = []  # the running batch, in cache order
         self.caches: list[Any] = []
         # what a decode step passes the model: the caches, or views of them without a mask
-        # while no row is padded (see _Unpadded)
+        # while no row is padded (see unpadded.py)
         self.step_caches: list[Any] = []
         self.inputs: mx.array | None = None  # each row's next input token (lazy)
         # the distribution each pending input came from (None: a prompt token, or not asked)
         self.logprobs: list[mx.array | None] = []
         self.fresh: set[int] = set()  # rows whose input is their prompt's last token
+        self.unsent: set[int] = set()  # rows whose first output token is the pending input
+        self.flushed = False  # the pending inputs were read ahead of a prefill (`_flush`)
         self.waiting: list[Waiting] = []
         self.groups: list[Group] = []  # prefilling, at most MAX_GROUPS
         self.uid_count = 0
@@ -231,6 +212,8 @@ class RowBatch:
         `logprobs` False, the distributions of this step's tokens are not split per row
         (their tokens come back at the next step with None): a cost at every step,
         proportional to the rows, that only requests for logprobs need."""
+        if self._flush_due():
+            return self._flush()
         self.steps += 1
         while self.waiting and len(self.groups) < MAX_GROUPS and self._join_due():
             self.groups.append(self._start_group())
@@ -245,6 +228,42 @@ class RowBatch:
         if not self.rows or self.inputs is None:
             return []
         return self._decode(logprobs)
+
+    def _flush_due(self) -> bool:
+        """Whether this call only reads the pending tokens: some row's first one is among
+        them and a prefill is due (see the module's docstring). Guided rows keep one step."""
+        if not self.unsent or self.flushed or self.guided or self.inputs is None:
+            return False
+        return bool(self.groups) or bool(
+            self.waiting and len(self.groups) < MAX_GROUPS and self._join_due()
+        )
+
+    def _flush(self) -> list[tuple[int, int, mx.array | None]]:
+        assert self.inputs is not None
+        self.flushed = True
+        return self._take(self._read(self.inputs), self.logprobs)
+
+    def _read(self, inputs: mx.array) -> list[int]:
+        waiting = time.perf_counter()
+        tokens: list[int] = inputs.tolist()  # type: ignore[assignment]  # waits for the step
+        self.waited_s += time.perf_counter() - waiting
+        return tokens
+
+    def _take(
+        self, tokens: list[int], logprobs: list[mx.array | None]
+    ) -> list[tuple[int, int, mx.array | None]]:
+        """The rows' tokens of a step: into their `held`, and out but for prompt tokens."""
+        out = []
+        for row, token, row_logprobs in zip(self.rows, tokens, logprobs, strict=True):
+            row.held.append(token)
+            if row.uid in self.fresh:
+                self.fresh.discard(row.uid)
+                self.unsent.add(row.uid)
+                continue
+            self.unsent.discard(row.uid)
+            if not row.dead:
+                out.append((row.uid, token, row_logprobs))
+        return out
 
     def _join_due(self) -> bool:
         """Whether the waiting rows start now (see the module's docstring)."""
@@ -296,9 +315,7 @@ class RowBatch:
         mx.async_eval([c.state for c in group.caches])
 
     def _dead_share(self) -> float:
-        if not self.rows:
-            return 0.0
-        return sum(r.dead for r in self.rows) / len(self.rows)
+        return sum(r.dead for r in self.rows) / len(self.rows) if self.rows else 0.0
 
     def _compact(self, joining: int = 0) -> None:
         """Drops the rows that left (before `joining` rows join); with `bucket_rows`, some
@@ -312,6 +329,8 @@ class RowBatch:
             self.rows, self.caches, self.inputs, self.logprobs = [], [], None, []
             self.step_caches, self.shifts = [], None
             self.fresh.clear()
+            self.unsent.clear()
+            self.flushed = False
             self.version += 1
             # the masks being computed are for rows that are gone (a failure there concerns
             # no one left: it must not end a later batch)
@@ -324,6 +343,7 @@ class RowBatch:
         self.logprobs = [self.logprobs[i] for i in keep]
         self.rows = [self.rows[i] for i in keep]
         self.fresh.intersection_update(r.uid for r in self.rows)
+        self.unsent.intersection_update(r.uid for r in self.rows)
         self._note_padding()
 
     def _join(self, group: Group) -> None:
@@ -357,7 +377,7 @@ class RowBatch:
         self.version += 1
         size = self.caches[0].size()
         if all(len(r.held) == size for r in self.rows):
-            self.step_caches = [_Unpadded(c) for c in self.caches]
+            self.step_caches = [Unpadded(c) for c in self.caches]
         else:
             self.step_caches = self.caches
 
@@ -379,7 +399,7 @@ class RowBatch:
         if ahead is not None or self.guided:
             logits, tokens = self._guide(logits, inputs, ahead)
         if any(r.processors for r in self.rows):
-            logits = self._process(inputs, logits)
+            logits = process_rows(self.rows, inputs, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         samplers = [r.sampler for r in self.rows]
         if all(s is samplers[0] for s in samplers):
@@ -399,19 +419,16 @@ class RowBatch:
             mx.async_eval(sampled, probe)
         previous = self.logprobs
         self.inputs, self.logprobs = sampled, rows_logprobs
-        if tokens is None:
-            waiting = time.perf_counter()
-            tokens = inputs.tolist()  # type: ignore[assignment]  # waits for step n-1
-            self.waited_s += time.perf_counter() - waiting
-            assert tokens is not None
         out = []
-        for row, token, row_logprobs in zip(self.rows, tokens, previous, strict=True):
-            row.held.append(token)
-            if row.uid in self.fresh:
-                self.fresh.discard(row.uid)
-                continue
-            if not row.dead:
-                out.append((row.uid, token, row_logprobs))
+        if self.flushed:  # taken at the call before but for rows joined since (`fresh`)
+            self.flushed = False
+            for row in self.rows:
+                if row.uid in self.fresh:
+                    row.held.append(row.last)  # their input: their prompt's last token
+            self.unsent |= self.fresh
+            self.fresh.clear()
+        else:
+            out = self._take(tokens if tokens is not None else self._read(inputs), previous)
         if probe is not None:
             self._ahead = self._guides.submit(probe, list(self.rows), self.version)
         return out
@@ -481,16 +498,3 @@ class RowBatch:
                 lines = [lines[k] for k in order]
             packed = pack(np.stack(lines), None if every else at)
         return self.masks.apply_packed(logits, packed), tokens
-
-    def _process(self, inputs: mx.array, logits: mx.array) -> mx.array:
-        """Each row's logits processors, given every token it has seen, this step's input
-        included (still on the device for a running row)."""
-        rows = []
-        for i, row in enumerate(self.rows):
-            line = logits[i : i + 1]
-            if row.history is not None:
-                history = row.history.update_and_fetch(inputs[i : i + 1])
-                for processor in row.processors:
-                    line = processor(history, line)
-            rows.append(line)
-        return mx.concatenate(rows, axis=0)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import cast
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.sample_utils import (
@@ -114,3 +114,18 @@ def _min_tokens_processor(min_tokens: int, banned: list[int]) -> LogitsProcessor
         return logits.at[:, indices].add(-float("inf"))
 
     return processor
+
+
+def process_rows(rows: Sequence[Any], inputs: mx.array, logits: mx.array) -> mx.array:
+    """A batch's logits through each row's logits processors (`row.processors`), given every
+    token the row has seen (`row.history`, a TokenBuffer), this step's input included (still
+    on the device for a running row)."""
+    lines = []
+    for i, row in enumerate(rows):
+        line = logits[i : i + 1]
+        if row.history is not None:
+            history = row.history.update_and_fetch(inputs[i : i + 1])
+            for processor in row.processors:
+                line = processor(history, line)
+        lines.append(line)
+    return mx.concatenate(lines, axis=0)
