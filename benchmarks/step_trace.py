@@ -17,7 +17,8 @@ steps in which the compiled decode step met a row count for the first time (a ne
 and the median wait of a plain step for the previous step's tokens (`plain_wait_ms`: the
 rest of its backend time is the host building the step). `leaving`: the share of the wall
 time spent outside the backend in steps where rows left the batch (their KV going into the
-prefix cache, worker/backends/shelves.py).
+prefix cache, worker/backends/shelves.py). `read_aheads`: the rows batch's calls that only
+read the pending tokens ahead of a prefill (not counted as plain steps).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# [t, step_ms, backend_ms, inserted, insert_ms, rows, outputs, masked, new_shapes, wait_ms]
-T, STEP, BACKEND, INSERTED, INSERT, ROWS, OUTPUTS, MASKED, SHAPES, WAIT = range(10)
+# [t, step_ms, backend_ms, inserted, insert_ms, rows, outputs, masked, new_shapes, wait_ms,
+#  read_ahead]
+T, STEP, BACKEND, INSERTED, INSERT, ROWS, OUTPUTS, MASKED, SHAPES, WAIT, AHEAD = range(11)
 
 
 def _field(step: list[Any], at: int) -> Any:
@@ -63,12 +65,13 @@ def summarize(
         gap = nxt[T] - (prev[T] + prev[STEP] / 1e3)
         if prev[ROWS] > 0:  # rows were waiting for their next step
             between += max(gap, 0.0)
-    plain = [s[STEP] for s in steps if not s[INSERTED]]
+    plains = [s for s in steps if not s[INSERTED] and not _field(s, AHEAD)]
+    plain = [s[STEP] for s in plains]
     joins = [s for s in steps if s[INSERTED]]
-    masked = [s[STEP] for s in steps if not s[INSERTED] and _field(s, MASKED) == 1]
-    unmasked = [s[STEP] for s in steps if not s[INSERTED] and _field(s, MASKED) == 0]
+    masked = [s[STEP] for s in plains if _field(s, MASKED) == 1]
+    unmasked = [s[STEP] for s in plains if _field(s, MASKED) == 0]
     traced = [s for s in steps if _field(s, SHAPES)]
-    waits = [w for s in steps if not s[INSERTED] and (w := _field(s, WAIT)) is not None]
+    waits = [w for s in plains if (w := _field(s, WAIT)) is not None]
     leaving = sum(  # rows fewer after the step than before it and those it started
         nxt[STEP] - nxt[BACKEND]
         for prev, nxt in itertools.pairwise(steps)
@@ -101,6 +104,7 @@ def summarize(
         "new_shape_step_ms": median([s[STEP] for s in traced]),
         "plain_wait_ms": median(waits),
         "leaving": round(leaving / 1e3 / wall, 3),
+        "read_aheads": sum(1 for s in steps if _field(s, AHEAD)),
     }
 
 

@@ -186,6 +186,43 @@ def test_a_rows_first_token_comes_out_before_the_next_groups_prefill(
     assert tokens[third][:4] == reference_greedy(chat.model, prompts[2], 4)
 
 
+def test_after_a_read_ahead_held_tokens_are_those_whose_kv_is_written(
+    chat: Loaded, prompts: list[list[int]]
+) -> None:
+    """Between a call that only read the pending tokens and the next, a row's KV taken out
+    (for the prefix cache) matches its tokens, and a row joining one token longer than a
+    running row leaves the running row masked (its KV starts one position later)."""
+    batch = RowBatch(chat.model)
+    (running,) = _insert(batch, chat, [prompts[0]])
+    assert batch.step() == []
+    n = len(prompts[0])
+    longer = [(11 * i + 1) % 500 + 5 for i in range(n + 2)]  # held n + 1, as running's
+    (joiner,) = _insert(batch, chat, [longer])
+    out = batch.step()  # read ahead: running's first token
+    kv, held = batch.extract([running])[running]
+    assert (
+        [c.size() for c in kv.caches()]
+        == [len(held)] * len(batch.caches)
+        == [n] * len(batch.caches)
+    )
+    tokens: dict[int, list[int]] = {running: [out[0][1]]}
+    logprobs: list[mx.array] = []
+    for _ in range(8):
+        for uid, token, lp in batch.step():
+            tokens.setdefault(uid, []).append(token)
+            if uid == running and lp is not None:
+                logprobs.append(lp)
+    assert batch.padded
+    assert tokens[running][:8] == reference_greedy(chat.model, prompts[0], 8)
+    assert tokens[joiner][:6] == reference_greedy(chat.model, longer, 6)
+    cache = make_prompt_cache(chat.model)
+    logits = chat.model(mx.array(prompts[0] + tokens[running])[None], cache=cache)[0]
+    want = (logits - mx.logsumexp(logits, axis=-1, keepdims=True))[n:]
+    assert logprobs and all(
+        float(mx.abs(lp - want[i]).max()) < 1e-3 for i, lp in enumerate(logprobs)
+    )
+
+
 def test_a_row_removed_while_prefilling_never_joins(chat: Loaded, prompts: list[list[int]]) -> None:
     batch = RowBatch(chat.model, prefill_step_size=2)
     out: dict[int, list[int]] = {}

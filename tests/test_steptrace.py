@@ -31,8 +31,8 @@ def test_each_step_is_one_line_and_tokens_are_unchanged(
     assert token_ids(out["a"]) == reference_greedy(chat.model, prompts[0], 6)
     [trace] = read_traces(tmp_path / "trace").values()  # flushed when the engine went idle
     assert len(trace) == engine.steps
-    t, step_ms, backend_ms, inserted, insert_ms, rows, outputs, masked, shapes, waits = zip(
-        *trace, strict=True
+    t, step_ms, backend_ms, inserted, insert_ms, rows, outputs, masked, shapes, waits, ahead = (
+        zip(*trace, strict=True)
     )
     assert list(t) == sorted(t)
     assert all(s >= b >= 0 for s, b in zip(step_ms, backend_ms, strict=True))
@@ -42,7 +42,10 @@ def test_each_step_is_one_line_and_tokens_are_unchanged(
     assert rows[-1] == 0 and max(rows) == 3
     if not hasattr(engine.backend, "batch"):  # BatchGenerator: none is known
         assert set(masked) == {None} and set(shapes) == {0} and set(waits) == {None}
-    else:  # the three prompts are of different lengths: masked steps among them
+        assert set(ahead) == {None}
+    else:  # no first token was pending at a join: no call only read tokens
+        assert set(ahead) == {0}
+        # the three prompts are of different lengths: masked steps among them
         assert set(masked) <= {0, 1} and 1 in masked
         assert all(0 <= w <= b for w, b in zip(waits, backend_ms, strict=True))
         assert sum(waits) > 0
@@ -60,9 +63,11 @@ def _step(
     masked: int = 0,
     shapes: int = 0,
     backend: float | None = None,
+    ahead: int = 0,
 ) -> list[float]:
     backend = ms - 1 if backend is None else backend
-    return [t, ms, backend, inserted, 0.5 if inserted else 0.0, rows, rows, masked, shapes, ms / 2]
+    inserting = 0.5 if inserted else 0.0
+    return [t, ms, backend, inserted, inserting, rows, rows, masked, shapes, ms / 2, ahead]
 
 
 def test_summary_splits_the_wall_time() -> None:
@@ -100,12 +105,14 @@ def test_summary_splits_plain_steps_by_mask_and_counts_new_shapes() -> None:
         _step(0.02, 8, masked=1),
         _step(0.03, 4),
         _step(0.04, 9, masked=1, shapes=1),
+        _step(0.05, 1, masked=None, ahead=1),  # only read tokens: not a plain step
     ]
     s = summarize(steps)
     assert s is not None
     assert (s["plain_masked_ms"], s["plain_unmasked_ms"]) == (8, 4)
     assert s["masked_share"] == 0.75
     assert (s["new_shape_steps"], s["new_shape_step_ms"]) == (2, 9.5)
+    assert s["read_aheads"] == 1 and s["plain_step_ms"] == 7
     old = summarize([x[:7] for x in steps])  # a trace of an older worker: no such fields
     assert old is not None and old["plain_masked_ms"] is None and old["new_shape_steps"] == 0
     assert old["plain_wait_ms"] is None

@@ -2,17 +2,18 @@
 
 With `MLX_GATEWAY_STEP_TRACE` set to a folder, each worker appends one JSON line per engine
 step to `steps-<pid>.jsonl` there: `[t, step_ms, backend_ms, inserted, insert_ms, rows,
-outputs, masked, new_shapes, wait_ms]` (t: wall-clock seconds at the step's start, as `time.time()`;
-backend_ms: the backend's step, the forward pass and the wait for its tokens; inserted:
-requests started in this step; rows: requests in the batch after it, prefilling or
-decoding; outputs: deltas it produced; masked: 1 when the rows batch stepped rows of
-different lengths, with an attention mask, 0 without, None on BatchGenerator; new_shapes:
-row counts the compiled decode step met for the first time, each a new trace; wait_ms: of
-backend_ms, the rows batch's wait for the previous step's tokens, None on BatchGenerator:
-the rest of backend_ms is the host's own work). The time
-between one step's end and the next one's start is the worker's own: emitting the deltas,
-taking requests in, waiting for them. `python -m benchmarks.step_trace`
-summarizes it.
+outputs, masked, new_shapes, wait_ms, read_ahead]` (t: wall-clock seconds at the step's
+start, as `time.time()`; backend_ms: the backend's step, the forward pass and the wait for
+its tokens; inserted: requests started in this step; rows: requests in the batch after it,
+prefilling or decoding; outputs: deltas it produced; masked: 1 when the rows batch stepped
+rows of different lengths, with an attention mask, 0 without, None on BatchGenerator;
+new_shapes: row counts the compiled decode step met for the first time, each a new trace;
+wait_ms: of backend_ms, the rows batch's wait for the previous step's tokens, None on
+BatchGenerator: the rest of backend_ms is the host's own work; read_ahead: 1 when the rows
+batch only read the pending tokens ahead of a prefill, with no forward pass, else 0, None
+on BatchGenerator). The time between one step's end and the next one's start is the
+worker's own: emitting the deltas, taking requests in, waiting for them.
+`python -m benchmarks.step_trace` summarizes it.
 
 Unset in production: `StepTrace.wrap` hands back the engine itself, nothing is timed.
 """
@@ -112,6 +113,7 @@ class StepTrace:
         took = time.perf_counter() - start
         if self._decode is not None:
             shapes = len(self._decode.row_counts) - shapes
+        ahead = int(self._batch.flushed) if self._batch is not None else None
         self._rows.append(
             [
                 round(wall, 6),
@@ -121,11 +123,12 @@ class StepTrace:
                 round(self._insert_s * 1e3, 3),
                 len(self._engine.by_uid),
                 len(outputs),
-                self._masked,
+                None if ahead else self._masked,
                 shapes,
                 round((self._batch.waited_s - waited) * 1e3, 3)
                 if self._batch is not None
                 else None,
+                ahead,
             ]
         )
         if len(self._rows) >= FLUSH_EVERY or not self._engine.has_work:

@@ -25,9 +25,8 @@ bound by the host):
 - the host builds step n+1 while the device runs step n, as BatchGenerator does, and splits
   a step's distribution into one array per row only while a request asks for logprobs
   (BatchGenerator always does: at 128 rows on an H200, up to a third of a step);
-- a large prefill's hand-over waits for most of it to run (MLX keeps ten command buffers in
-  flight at most), so rows that joined a step before would get their first token only after
-  the next group's prefill: then a step first only reads the pending tokens (`_flush`).
+- a large prefill's hand-over waits for most of it to run (at most ten command buffers in
+  flight), so a step with one due and a first token pending only reads the tokens (`_flush`).
 
 Greedy output is the same token for token as mlx-lm's `generate_step` (tests). Stop rules
 and max_tokens are the engine's: a row runs until the engine removes it.
@@ -69,6 +68,7 @@ class Row:
     last: int  # the prompt's last token: the row's first input
     history: TokenBuffer | None = None  # the processors' view: every token so far
     dead: bool = False
+    pending: int = -1  # a token read ahead of its step (`_flush`), not yet in `held`
     guide: Guide | None = None  # masks its next tokens (a grammar, a thinking budget)
     # added to the row's positions (mRoPE models: an image's tokens take fewer positions than
     # tokens; the model takes `shifts`, one per row, when any row has one)
@@ -230,18 +230,16 @@ class RowBatch:
         return self._decode(logprobs)
 
     def _flush_due(self) -> bool:
-        """Whether this call only reads the pending tokens: some row's first one is among
-        them and a prefill is due (see the module's docstring). Guided rows keep one step."""
+        """Whether this call only reads the pending tokens (module docstring); not if guided."""
         if not self.unsent or self.flushed or self.guided or self.inputs is None:
             return False
-        return bool(self.groups) or bool(
-            self.waiting and len(self.groups) < MAX_GROUPS and self._join_due()
-        )
+        due = self.waiting and len(self.groups) < MAX_GROUPS and self._join_due()
+        return bool(self.groups or due)
 
     def _flush(self) -> list[tuple[int, int, mx.array | None]]:
-        assert self.inputs is not None
-        self.flushed = True
-        return self._take(self._read(self.inputs), self.logprobs)
+        assert self.inputs is not None and not self.fresh
+        self.flushed = True  # the tokens go into `held` once the step writing their KV is built
+        return self._take(self._read(self.inputs), self.logprobs, hold=False)
 
     def _read(self, inputs: mx.array) -> list[int]:
         waiting = time.perf_counter()
@@ -250,12 +248,15 @@ class RowBatch:
         return tokens
 
     def _take(
-        self, tokens: list[int], logprobs: list[mx.array | None]
+        self, tokens: list[int], logprobs: list[mx.array | None], hold: bool = True
     ) -> list[tuple[int, int, mx.array | None]]:
-        """The rows' tokens of a step: into their `held`, and out but for prompt tokens."""
+        """A step's tokens: into the rows' `held` (or `pending`), out but for prompt tokens."""
         out = []
         for row, token, row_logprobs in zip(self.rows, tokens, logprobs, strict=True):
-            row.held.append(token)
+            if hold:
+                row.held.append(token)
+            else:
+                row.pending = token
             if row.uid in self.fresh:
                 self.fresh.discard(row.uid)
                 self.unsent.add(row.uid)
@@ -420,11 +421,10 @@ class RowBatch:
         previous = self.logprobs
         self.inputs, self.logprobs = sampled, rows_logprobs
         out = []
-        if self.flushed:  # taken at the call before but for rows joined since (`fresh`)
+        if self.flushed:  # read at the call before (`pending`), but for rows joined since
             self.flushed = False
             for row in self.rows:
-                if row.uid in self.fresh:
-                    row.held.append(row.last)  # their input: their prompt's last token
+                row.held.append(row.last if row.uid in self.fresh else row.pending)
             self.unsent |= self.fresh
             self.fresh.clear()
         else:
