@@ -31,8 +31,8 @@ def test_each_step_is_one_line_and_tokens_are_unchanged(
     assert token_ids(out["a"]) == reference_greedy(chat.model, prompts[0], 6)
     [trace] = read_traces(tmp_path / "trace").values()  # flushed when the engine went idle
     assert len(trace) == engine.steps
-    t, step_ms, backend_ms, inserted, insert_ms, rows, outputs, masked, shapes, waits, ahead = (
-        zip(*trace, strict=True)
+    t, step_ms, backend_ms, inserted, insert_ms, rows, outputs, masked, shapes, waits, ahead = zip(
+        *trace, strict=True
     )
     assert list(t) == sorted(t)
     assert all(s >= b >= 0 for s, b in zip(step_ms, backend_ms, strict=True))
