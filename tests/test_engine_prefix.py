@@ -264,6 +264,30 @@ def test_a_long_system_prompt_is_shared_with_clients_arriving_while_it_runs(
     assert token_ids(out) == token_ids(alone["x"])
 
 
+def test_a_snapshot_taken_when_tokens_are_read_ahead_of_a_prefill_is_whole(
+    chat: Loaded,
+) -> None:
+    """A long prompt's KV is kept at its first token. When another request starts at the
+    step after it joined, the rows batch reads that first token ahead of the new prefill,
+    before the step writing its KV: the snapshot still holds exactly the prompt, and a
+    request with the same prompt gives the tokens it gives with no cache."""
+    long = chat_prompt(chat, [{"role": "system", "content": " ".join([SYSTEM] * 8)}])
+    assert len(long) >= 300
+    engine = chat.engine(batcher="rows")
+    batch = engine.backend.batch  # type: ignore[attr-defined]
+    engine.add(greedy("long", long, 30, ignore_eos=True))
+    while not batch.unsent:  # until it has joined: its first token pending
+        assert engine.step() == []
+    engine.add(greedy("other", chat_prompt(chat, [{"role": "user", "content": "hi"}]), 8))
+    assert [o.request_id for o in engine.step()] == ["long"]  # its first token
+    stats = engine.prefix_stats()
+    assert stats is not None and stats.entries == 1  # the snapshot of its prompt
+    out = drive(engine, [greedy("again", long, 8, ignore_eos=True)])
+    assert final_usage(out["again"]).cached_tokens == len(long) - 1
+    alone = drive(chat.engine(prefix_cache=False), [greedy("x", long, 8, ignore_eos=True)])
+    assert token_ids(out["again"]) == token_ids(alone["x"])
+
+
 def test_clients_arriving_together_compute_a_shared_long_prefix_once(chat: Loaded) -> None:
     system = " ".join([SYSTEM] * 8)
     prompts = [

@@ -251,19 +251,15 @@ class RowBatch:
         self, tokens: list[int], logprobs: list[mx.array | None], hold: bool = True
     ) -> list[tuple[int, int, mx.array | None]]:
         """A step's tokens: into the rows' `held` (or `pending`), out but for prompt tokens."""
-        out = []
+        out, first = [], self.fresh  # rows whose prompt's last token this is
         for row, token, row_logprobs in zip(self.rows, tokens, logprobs, strict=True):
             if hold:
                 row.held.append(token)
             else:
                 row.pending = token
-            if row.uid in self.fresh:
-                self.fresh.discard(row.uid)
-                self.unsent.add(row.uid)
-                continue
-            self.unsent.discard(row.uid)
-            if not row.dead:
+            if row.uid not in first and not row.dead:
                 out.append((row.uid, token, row_logprobs))
+        self.unsent, self.fresh = first, set()  # every other row's token went out
         return out
 
     def _join_due(self) -> bool:
