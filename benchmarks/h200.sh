@@ -14,7 +14,9 @@
 # gateway-rows the rows batch with mlx-lm's forward pass, gateway-compiled the rows batch with
 # the compiled decode step, gateway-compiled-bigbuf the same with MLX_MAX_MB_PER_BUFFER=$BIGBUF_MB
 # (default 100000: MLX's CUDA backend then starts a command buffer every 100 kernels only, not
-# also every 1e9 input elements, so an 8B step is fewer of the ten tasks MLX lets be in flight),
+# also every 1,000 MB of inputs, so an 8B step is fewer of the ten tasks MLX lets be in flight),
+# gateway-compiled-bigops the same with MLX_MAX_OPS_PER_BUFFER=$BIGBUF_OPS too (default 1000:
+# a command buffer every 1,000 kernels),
 # gateway-rows-settle the rows batch with engine.join_settle_steps = $SETTLE, default 2) and
 # LEVELS_1B / LEVELS_8B their
 # concurrency levels (default 1,8,32,64,128 and 1,32,128).
@@ -37,11 +39,13 @@
 #   later ones, mlx-lm's forward pass and the compiled step.
 # - leaving: benchmarks.leaving on the 1b and 8b shapes: rows' KV taken out of a batch for the
 #   prefix cache, row by row (mlx-lm's extract) against shelves (a gather, a concatenation).
-# - profile: the gateway on the 1b shape at c=$PROFILE_LEVEL (default 64; max_running
-#   $PROFILE_MAX, default the level; engine.batcher $PROFILE_BATCHER, default mlx_lm) while
+# - profile: the gateway on the $PROFILE_SHAPE shape (1b or 8b, default 1b) at
+#   c=$PROFILE_LEVEL (default 64; max_running $PROFILE_MAX, default the level; engine.batcher
+#   $PROFILE_BATCHER, default rows, with engine.decode_step $PROFILE_DECODE, default compiled) while
 #   py-spy samples the worker's and the gateway's threads for 20 s, idle time included
 #   (OUT/worker-profile.json and OUT/gateway-profile.json, speedscope format, and
-#   OUT/profile-summary.txt); needs py-spy on PATH (a wheel: pip download py-spy).
+#   OUT/profile-summary.txt) after $PROFILE_WARM seconds (default 15) of load; PROFILE_NATIVE=1
+#   samples C++ frames too; needs py-spy on PATH (a wheel: pip download py-spy).
 # STEP_TRACE=1 has the gateways' workers time each engine step (MLX_GATEWAY_STEP_TRACE) in
 # 1b / 8b and writes OUT/1b-steps.jsonl / OUT/8b-steps.jsonl (benchmarks.step_trace: per
 # source and level, the wall time in steps, between them and with the batch empty), and the
@@ -107,7 +111,8 @@ throughput() {  # NAME SHAPE LEVELS: the ceiling, then each of $SOURCES
   max=${3##*,}
   for src in ${SOURCES//,/ }; do
     case $src in
-      gateway | gateway-rows | gateway-rows-settle | gateway-compiled | gateway-compiled-bigbuf)
+      gateway | gateway-rows | gateway-rows-settle | gateway-compiled | gateway-compiled-bigbuf | \
+        gateway-compiled-bigops)
         local env=""
         case $src in
           gateway) cfg=$(gateway_config "$dir" "$max" mlx_lm) ;;
@@ -116,6 +121,10 @@ throughput() {  # NAME SHAPE LEVELS: the ceiling, then each of $SOURCES
           gateway-compiled-bigbuf)
             cfg=$(gateway_config "$dir" "$max" rows 0 compiled)
             env="env MLX_MAX_MB_PER_BUFFER=${BIGBUF_MB:-100000} "
+            ;;
+          gateway-compiled-bigops)
+            cfg=$(gateway_config "$dir" "$max" rows 0 compiled)
+            env="env MLX_MAX_MB_PER_BUFFER=${BIGBUF_MB:-100000} MLX_MAX_OPS_PER_BUFFER=${BIGBUF_OPS:-1000} "
             ;;
           *) cfg=$(gateway_config "$dir" "$max" rows "${SETTLE:-2}") ;;
         esac
@@ -144,8 +153,9 @@ throughput() {  # NAME SHAPE LEVELS: the ceiling, then each of $SOURCES
 
 profile() {  # the worker's threads sampled by py-spy while the gateway serves c=LEVEL_PROFILE
   local dir cfg port gw worker
-  dir=$(model 1b $SHAPE_1B)
-  cfg=$(gateway_config "$dir" "${PROFILE_MAX:-$LEVEL_PROFILE}" "${PROFILE_BATCHER:-mlx_lm}")
+  if [ "${PROFILE_SHAPE:-1b}" = 8b ]; then dir=$(model 8b $SHAPE_8B); else dir=$(model 1b $SHAPE_1B); fi
+  cfg=$(gateway_config "$dir" "${PROFILE_MAX:-$LEVEL_PROFILE}" "${PROFILE_BATCHER:-rows}" 0 \
+    "${PROFILE_DECODE:-compiled}")
   port=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   $PY -m gateway --config "$cfg" serve --port "$port" >"$OUT/profile-gateway.log" 2>&1 &
   gw=$!
@@ -158,13 +168,15 @@ profile() {  # the worker's threads sampled by py-spy while the gateway serves c
     --served-model gateway=bench --concurrency "$LEVEL_PROFILE" --requests $((LEVEL_PROFILE * 40 > 400 ? LEVEL_PROFILE * 40 : 400)) \
     --wait-idle 0 --out "$OUT/profile-load.json" >"$OUT/profile-load.log" 2>&1 &
   local load=$!
-  sleep 15  # the warm-up and the first waves: kernels compiled, the batch full
+  sleep "${PROFILE_WARM:-15}"  # the warm-up and the first waves: kernels compiled, the batch full
+  local native=""
+  [ "${PROFILE_NATIVE:-0}" = 1 ] && native=--native  # C++ frames too (MLX's waits)
   local app
   app=$(ps -o ppid= -p "$worker" | tr -d ' ')  # the app process (Granian's child) spawned it
-  py-spy record --pid "$app" --duration 20 --rate 250 --threads --idle --format speedscope \
+  py-spy record --pid "$app" --duration 20 --rate 250 --threads --idle $native --format speedscope \
     --output "$OUT/gateway-profile.json" >"$OUT/profile-pyspy-gateway.log" 2>&1 &
   local spy=$!
-  py-spy record --pid "$worker" --duration 20 --rate 250 --threads --idle --format speedscope \
+  py-spy record --pid "$worker" --duration 20 --rate 250 --threads --idle $native --format speedscope \
     --output "$OUT/worker-profile.json" >"$OUT/profile-pyspy.log" 2>&1 || true
   wait "$spy" || true
   for who in worker gateway; do

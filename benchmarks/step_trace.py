@@ -18,7 +18,9 @@ and the median wait of a plain step for the previous step's tokens (`plain_wait_
 rest of its backend time is the host building the step). `leaving`: the share of the wall
 time spent outside the backend in steps where rows left the batch (their KV going into the
 prefix cache, worker/backends/shelves.py). `read_aheads`: the rows batch's calls that only
-read the pending tokens ahead of a prefill (not counted as plain steps).
+read the pending tokens ahead of a prefill (not counted as plain steps). `plain_batch_rows`
+and `plain_kv_size`: the rows batch's median rows (those that left but still decode
+included) and KV length in positions over its plain steps: what a plain step computes over.
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ from pathlib import Path
 from typing import Any
 
 # [t, step_ms, backend_ms, inserted, insert_ms, rows, outputs, masked, new_shapes, wait_ms,
-#  read_ahead]
-T, STEP, BACKEND, INSERTED, INSERT, ROWS, OUTPUTS, MASKED, SHAPES, WAIT, AHEAD = range(11)
+#  read_ahead, batch_rows, kv_size]
+T, STEP, BACKEND, INSERTED, INSERT, ROWS, OUTPUTS, MASKED, SHAPES, WAIT, AHEAD, BATCH, KV = range(
+    13
+)
 
 
 def _field(step: list[Any], at: int) -> Any:
@@ -78,6 +82,8 @@ def summarize(
         if nxt[ROWS] < prev[ROWS] + nxt[INSERTED]
     )
     decoding = [s[ROWS] for s in steps if s[ROWS]]
+    batch_rows = [b for s in plains if (b := _field(s, BATCH)) is not None]
+    kv = [k for s in plains if (k := _field(s, KV)) is not None]
 
     def median(xs: list[float]) -> float | None:
         return round(statistics.median(xs), 2) if xs else None
@@ -105,6 +111,10 @@ def summarize(
         "plain_wait_ms": median(waits),
         "leaving": round(leaving / 1e3 / wall, 3),
         "read_aheads": sum(1 for s in steps if _field(s, AHEAD)),
+        # the rows batch's plain steps: its rows (those left but decoding on included) and
+        # its KV's length in positions
+        "plain_batch_rows": median(batch_rows),
+        "plain_kv_size": median(kv),
     }
 
 

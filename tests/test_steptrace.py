@@ -31,9 +31,21 @@ def test_each_step_is_one_line_and_tokens_are_unchanged(
     assert token_ids(out["a"]) == reference_greedy(chat.model, prompts[0], 6)
     [trace] = read_traces(tmp_path / "trace").values()  # flushed when the engine went idle
     assert len(trace) == engine.steps
-    t, step_ms, backend_ms, inserted, insert_ms, rows, outputs, masked, shapes, waits, ahead = zip(
-        *trace, strict=True
-    )
+    (
+        t,
+        step_ms,
+        backend_ms,
+        inserted,
+        insert_ms,
+        rows,
+        outputs,
+        masked,
+        shapes,
+        waits,
+        ahead,
+        batch_rows,
+        kv,
+    ) = zip(*trace, strict=True)
     assert list(t) == sorted(t)
     assert all(s >= b >= 0 for s, b in zip(step_ms, backend_ms, strict=True))
     assert inserted[0] == 1 and sum(inserted) == 4  # the lone request, then the three
@@ -42,13 +54,16 @@ def test_each_step_is_one_line_and_tokens_are_unchanged(
     assert rows[-1] == 0 and max(rows) == 3
     if not hasattr(engine.backend, "batch"):  # BatchGenerator: none is known
         assert set(masked) == {None} and set(shapes) == {0} and set(waits) == {None}
-        assert set(ahead) == {None}
+        assert set(ahead) == {None} and set(batch_rows) == {None} and set(kv) == {None}
     else:  # no first token was pending at a join: no call only read tokens
         assert set(ahead) == {0}
         # the three prompts are of different lengths: masked steps among them
         assert set(masked) <= {0, 1} and 1 in masked
         assert all(0 <= w <= b for w, b in zip(waits, backend_ms, strict=True))
         assert sum(waits) > 0
+        # the lone request: one row; its KV its prompt and the tokens before the last
+        assert batch_rows[1] == 1 and kv[1] == len(prompts[0]) + 1
+        assert max(batch_rows) == 3 and batch_rows[-1] == 0 and kv[-1] == 0
     if decode is not None:  # one row, then three (2 and 1 as they end): 3 is new, once
         assert known == {1, 2} and decode.row_counts == {1, 2, 3} and sum(shapes) == 1
     else:
@@ -67,7 +82,11 @@ def _step(
 ) -> list[float]:
     backend = ms - 1 if backend is None else backend
     inserting = 0.5 if inserted else 0.0
-    return [t, ms, backend, inserted, inserting, rows, rows, masked, shapes, ms / 2, ahead]
+    batch, kv = rows + 1, 100 * rows
+    return [
+        *(t, ms, backend, inserted, inserting, rows, rows, masked, shapes, ms / 2, ahead),
+        *(batch, kv),
+    ]
 
 
 def test_summary_splits_the_wall_time() -> None:
@@ -113,9 +132,10 @@ def test_summary_splits_plain_steps_by_mask_and_counts_new_shapes() -> None:
     assert s["masked_share"] == 0.75
     assert (s["new_shape_steps"], s["new_shape_step_ms"]) == (2, 9.5)
     assert s["read_aheads"] == 1 and s["plain_step_ms"] == 7
+    assert (s["plain_batch_rows"], s["plain_kv_size"]) == (5, 400)  # of the plain steps
     old = summarize([x[:7] for x in steps])  # a trace of an older worker: no such fields
     assert old is not None and old["plain_masked_ms"] is None and old["new_shape_steps"] == 0
-    assert old["plain_wait_ms"] is None
+    assert old["plain_wait_ms"] is None and old["plain_kv_size"] is None
 
 
 def test_levels_take_the_steps_inside_their_windows(tmp_path: Path) -> None:
