@@ -18,7 +18,10 @@ and the median wait of a plain step for the previous step's tokens (`plain_wait_
 rest of its backend time is the host building the step). `leaving`: the share of the wall
 time spent outside the backend in steps where rows left the batch (their KV going into the
 prefix cache, worker/backends/shelves.py). `read_aheads`: the rows batch's calls that only
-read the pending tokens ahead of a prefill (not counted as plain steps). `plain_batch_rows`
+read the pending tokens ahead of a prefill. A plain step inserts no request, runs no prompt
+positions and joins no row (on the rows batch the last two come a step or more after the
+insertion: `prefill_steps_per_100`, `prefill_step_ms` and `prefill_positions` give the steps
+that ran prompt positions, their median time and positions). `plain_batch_rows`
 and `plain_kv_size`: the rows batch's median rows (those that left but still decode
 included) and KV length in positions over its plain steps: what a plain step computes over.
 """
@@ -34,10 +37,11 @@ from pathlib import Path
 from typing import Any
 
 # [t, step_ms, backend_ms, inserted, insert_ms, rows, outputs, masked, new_shapes, wait_ms,
-#  read_ahead, batch_rows, kv_size]
-T, STEP, BACKEND, INSERTED, INSERT, ROWS, OUTPUTS, MASKED, SHAPES, WAIT, AHEAD, BATCH, KV = range(
+#  read_ahead, batch_rows, kv_size, prefilled, joined]
+(T, STEP, BACKEND, INSERTED, INSERT, ROWS, OUTPUTS, MASKED, SHAPES, WAIT, AHEAD, BATCH, KV) = range(
     13
 )
+PREFILLED, JOINED = 13, 14
 
 
 def _field(step: list[Any], at: int) -> Any:
@@ -69,7 +73,17 @@ def summarize(
         gap = nxt[T] - (prev[T] + prev[STEP] / 1e3)
         if prev[ROWS] > 0:  # rows were waiting for their next step
             between += max(gap, 0.0)
-    plains = [s for s in steps if not s[INSERTED] and not _field(s, AHEAD)]
+    # no request inserted, no prompt run, no row joined (the rows batch prefills and joins
+    # rows a step or more after their insertion), not a read-ahead
+    plains = [
+        s
+        for s in steps
+        if not s[INSERTED]
+        and not _field(s, AHEAD)
+        and not _field(s, PREFILLED)
+        and not _field(s, JOINED)
+    ]
+    prefills = [s for s in steps if _field(s, PREFILLED)]
     plain = [s[STEP] for s in plains]
     joins = [s for s in steps if s[INSERTED]]
     masked = [s[STEP] for s in plains if _field(s, MASKED) == 1]
@@ -115,6 +129,10 @@ def summarize(
         # its KV's length in positions
         "plain_batch_rows": median(batch_rows),
         "plain_kv_size": median(kv),
+        # the rows batch's steps that ran prompt positions: how many, and their median
+        "prefill_steps_per_100": round(100 * len(prefills) / len(steps), 1),
+        "prefill_step_ms": median([s[STEP] for s in prefills]),
+        "prefill_positions": median([s[PREFILLED] for s in prefills]),
     }
 
 

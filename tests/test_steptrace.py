@@ -45,6 +45,8 @@ def test_each_step_is_one_line_and_tokens_are_unchanged(
         ahead,
         batch_rows,
         kv,
+        prefilled,
+        joined,
     ) = zip(*trace, strict=True)
     assert list(t) == sorted(t)
     assert all(s >= b >= 0 for s, b in zip(step_ms, backend_ms, strict=True))
@@ -55,6 +57,7 @@ def test_each_step_is_one_line_and_tokens_are_unchanged(
     if not hasattr(engine.backend, "batch"):  # BatchGenerator: none is known
         assert set(masked) == {None} and set(shapes) == {0} and set(waits) == {None}
         assert set(ahead) == {None} and set(batch_rows) == {None} and set(kv) == {None}
+        assert set(prefilled) == {None} and set(joined) == {None}
     else:  # no first token was pending at a join: no call only read tokens
         assert set(ahead) == {0}
         # the three prompts are of different lengths: masked steps among them
@@ -64,6 +67,9 @@ def test_each_step_is_one_line_and_tokens_are_unchanged(
         # the lone request: one row; its KV its prompt and the tokens before the last
         assert batch_rows[1] == 1 and kv[1] == len(prompts[0]) + 1
         assert max(batch_rows) == 3 and batch_rows[-1] == 0 and kv[-1] == 0
+        assert sum(joined) == 4  # each request's row, once
+        # each prompt but its last token (the first decode step's input), padding included
+        assert sum(prefilled) >= sum(len(p) - 1 for p in prompts[:4])
     if decode is not None:  # one row, then three (2 and 1 as they end): 3 is new, once
         assert known == {1, 2} and decode.row_counts == {1, 2, 3} and sum(shapes) == 1
     else:
@@ -79,13 +85,15 @@ def _step(
     shapes: int = 0,
     backend: float | None = None,
     ahead: int = 0,
+    prefilled: int = 0,
+    joined: int = 0,
 ) -> list[float]:
     backend = ms - 1 if backend is None else backend
     inserting = 0.5 if inserted else 0.0
     batch, kv = rows + 1, 100 * rows
     return [
         *(t, ms, backend, inserted, inserting, rows, rows, masked, shapes, ms / 2, ahead),
-        *(batch, kv),
+        *(batch, kv, prefilled, joined),
     ]
 
 
@@ -125,11 +133,15 @@ def test_summary_splits_plain_steps_by_mask_and_counts_new_shapes() -> None:
         _step(0.03, 4),
         _step(0.04, 9, masked=1, shapes=1),
         _step(0.05, 1, masked=None, ahead=1),  # only read tokens: not a plain step
+        _step(0.06, 30, masked=1, prefilled=256),  # ran a prompt: not a plain step
+        _step(0.09, 20, masked=1, joined=2),  # rows joined: not a plain step
     ]
     s = summarize(steps)
     assert s is not None
     assert (s["plain_masked_ms"], s["plain_unmasked_ms"]) == (8, 4)
     assert s["masked_share"] == 0.75
+    assert s["prefill_steps_per_100"] == pytest.approx(100 / 8) and s["prefill_step_ms"] == 30
+    assert s["prefill_positions"] == 256
     assert (s["new_shape_steps"], s["new_shape_step_ms"]) == (2, 9.5)
     assert s["read_aheads"] == 1 and s["plain_step_ms"] == 7
     assert (s["plain_batch_rows"], s["plain_kv_size"]) == (5, 400)  # of the plain steps

@@ -2,7 +2,8 @@
 
 With `MLX_GATEWAY_STEP_TRACE` set to a folder, each worker appends one JSON line per engine
 step to `steps-<pid>.jsonl` there: `[t, step_ms, backend_ms, inserted, insert_ms, rows,
-outputs, masked, new_shapes, wait_ms, read_ahead, batch_rows, kv_size]` (t: wall-clock
+outputs, masked, new_shapes, wait_ms, read_ahead, batch_rows, kv_size, prefilled,
+joined]` (t: wall-clock
 seconds at the step's start, as `time.time()`; backend_ms: the backend's step, the forward
 pass and the wait for its tokens; inserted: requests started in this step; rows: requests in
 the batch after it, prefilling or decoding; outputs: deltas it produced; masked: 1 when the
@@ -13,7 +14,10 @@ None on BatchGenerator: the rest of backend_ms is the host's own work; read_ahea
 the rows batch only read the pending tokens ahead of a prefill, with no forward pass, else
 0, None on BatchGenerator; batch_rows: the rows batch's rows after the step, those that left
 but still decode included, and kv_size its KV's length in positions, the longest row's with
-the padding before the others', both None on BatchGenerator). The time between one step's
+the padding before the others', both None on BatchGenerator; prefilled: the prompt positions
+the rows batch ran for joining rows, padding included, and joined: the rows that joined its
+running batch, both None on BatchGenerator: requests start there a step or more after their
+insertion). The time between one step's
 end and the next one's start is the worker's own: emitting the deltas, taking requests in,
 waiting for them.
 `python -m benchmarks.step_trace` summarizes it.
@@ -111,6 +115,7 @@ class StepTrace:
         self._masked = None
         shapes = len(self._decode.row_counts) if self._decode is not None else 0
         waited = self._batch.waited_s if self._batch is not None else 0.0
+        before = self._batch_counts()
         wall, start = time.time(), time.perf_counter()
         outputs = self._engine.step()
         took = time.perf_counter() - start
@@ -133,6 +138,11 @@ class StepTrace:
                 else None,
                 ahead,
                 *self._batch_shape(),
+                *(
+                    (now - then for now, then in zip(self._batch_counts(), before, strict=True))
+                    if self._batch is not None
+                    else (None, None)
+                ),
             ]
         )
         if len(self._rows) >= FLUSH_EVERY or not self._engine.has_work:
@@ -144,6 +154,10 @@ class StepTrace:
         if batch is None:
             return None, None
         return len(batch.rows), batch.caches[0].size() if batch.caches else 0
+
+    def _batch_counts(self) -> tuple[int, int]:
+        batch = self._batch
+        return (batch.prefilled, batch.joined) if batch is not None else (0, 0)
 
     def flush(self) -> None:
         if not self._rows:

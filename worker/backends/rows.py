@@ -133,6 +133,8 @@ class RowBatch:
         self.uid_count = 0
         self.steps = 0
         self.waited_s = 0.0  # the host's wait for steps' tokens (benchmarks' step trace)
+        self.prefilled = 0  # prompt positions run, padding included (the same trace)
+        self.joined = 0  # rows that joined the running batch (the same)
         self.masks = Masks()  # guided rows' masks
         self.guided = False  # some row of the batch has a guide (set when rows change)
         self.shifts: mx.array | None = None  # the rows' position shifts, when any has one
@@ -304,6 +306,7 @@ class RowBatch:
             return
         n = min(self.prefill_step_size, group.tokens.shape[1])
         self.model(group.tokens[:, :n], cache=group.caches)
+        self.prefilled += n * group.tokens.shape[0]
         rest = group.tokens[:, n:]
         group.tokens = rest if rest.shape[1] > 0 else None
         if group.tokens is None and group.padded:
@@ -360,6 +363,7 @@ class RowBatch:
         else:
             self.caches, self.inputs = group.caches, first
         self.rows += rows
+        self.joined += len(rows)
         self.logprobs += [None] * len(rows)  # a prompt token has none
         self.fresh.update(r.uid for r in rows)
         self._note_padding()
