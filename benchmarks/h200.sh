@@ -45,7 +45,9 @@
 #   py-spy samples the worker's and the gateway's threads for 20 s, idle time included
 #   (OUT/worker-profile.json and OUT/gateway-profile.json, speedscope format, and
 #   OUT/profile-summary.txt) after $PROFILE_WARM seconds (default 15) of load; PROFILE_NATIVE=1
-#   samples C++ frames too; needs py-spy on PATH (a wheel: pip download py-spy).
+#   samples C++ frames too (pausing the process at each sample, which slows its host side),
+#   PROFILE_NONBLOCKING=1 Python frames without pausing it; needs py-spy on PATH (a wheel:
+#   pip download py-spy).
 # STEP_TRACE=1 has the gateways' workers time each engine step (MLX_GATEWAY_STEP_TRACE) in
 # 1b / 8b and writes OUT/1b-steps.jsonl / OUT/8b-steps.jsonl (benchmarks.step_trace: per
 # source and level, the wall time in steps, between them and with the batch empty), and the
@@ -171,6 +173,8 @@ profile() {  # the worker's threads sampled by py-spy while the gateway serves c
   sleep "${PROFILE_WARM:-15}"  # the warm-up and the first waves: kernels compiled, the batch full
   local native=""
   [ "${PROFILE_NATIVE:-0}" = 1 ] && native=--native  # C++ frames too (MLX's waits)
+  # sampling without pausing the process (a paused engine thread makes the host look slower)
+  [ "${PROFILE_NONBLOCKING:-0}" = 1 ] && native=--nonblocking
   local app
   app=$(ps -o ppid= -p "$worker" | tr -d ' ')  # the app process (Granian's child) spawned it
   py-spy record --pid "$app" --duration 20 --rate 250 --threads --idle $native --format speedscope \
