@@ -12,12 +12,7 @@
 # and AGENT_ARGS add flags to benchmarks.serving and benchmarks.agent_session; SOURCES picks
 # the servers of 1b / 8b (default gateway,gateway-rows,mlx_lm; gateway is BatchGenerator's batch,
 # gateway-rows the rows batch with mlx-lm's forward pass, gateway-compiled the rows batch with
-# the compiled decode step, gateway-compiled-bigbuf the same with MLX_MAX_MB_PER_BUFFER=$BIGBUF_MB
-# (default 100000: MLX's CUDA backend then starts a command buffer every 100 kernels only, not
-# also every 1,000 MB of inputs, so an 8B step is fewer of the ten tasks MLX lets be in flight),
-# gateway-compiled-bigops the same with MLX_MAX_OPS_PER_BUFFER=$BIGBUF_OPS too (default 1000:
-# a command buffer every 1,000 kernels),
-# gateway-rows-settle the rows batch with engine.join_settle_steps = $SETTLE, default 2) and
+# the compiled decode step, gateway-rows-settle the rows batch with engine.join_settle_steps = $SETTLE, default 2) and
 # LEVELS_1B / LEVELS_8B their
 # concurrency levels (default 1,8,32,64,128 and 1,32,128).
 # - 1b / 8b: benchmarks.serving, closed loop, 128-token prompts and outputs: mlx-lm's
@@ -113,24 +108,14 @@ throughput() {  # NAME SHAPE LEVELS: the ceiling, then each of $SOURCES
   max=${3##*,}
   for src in ${SOURCES//,/ }; do
     case $src in
-      gateway | gateway-rows | gateway-rows-settle | gateway-compiled | gateway-compiled-bigbuf | \
-        gateway-compiled-bigops)
-        local env=""
+      gateway | gateway-rows | gateway-rows-settle | gateway-compiled)
         case $src in
           gateway) cfg=$(gateway_config "$dir" "$max" mlx_lm) ;;
           gateway-rows) cfg=$(gateway_config "$dir" "$max" rows 0 model) ;;
           gateway-compiled) cfg=$(gateway_config "$dir" "$max" rows 0 compiled) ;;
-          gateway-compiled-bigbuf)
-            cfg=$(gateway_config "$dir" "$max" rows 0 compiled)
-            env="env MLX_MAX_MB_PER_BUFFER=${BIGBUF_MB:-100000} "
-            ;;
-          gateway-compiled-bigops)
-            cfg=$(gateway_config "$dir" "$max" rows 0 compiled)
-            env="env MLX_MAX_MB_PER_BUFFER=${BIGBUF_MB:-100000} MLX_MAX_OPS_PER_BUFFER=${BIGBUF_OPS:-1000} "
-            ;;
           *) cfg=$(gateway_config "$dir" "$max" rows "${SETTLE:-2}") ;;
         esac
-        launch+=(--launch-cmd "$src=$env{python} -m gateway --config $cfg serve --port {port}"
+        launch+=(--launch-cmd "$src={python} -m gateway --config $cfg serve --port {port}"
           --served-model "$src=bench")
         ;;
       mlx_lm)
