@@ -12,7 +12,8 @@
 # and AGENT_ARGS add flags to benchmarks.serving and benchmarks.agent_session; SOURCES picks
 # the servers of 1b / 8b (default gateway,gateway-rows,mlx_lm; gateway is BatchGenerator's batch,
 # gateway-rows the rows batch with mlx-lm's forward pass, gateway-compiled the rows batch with
-# the compiled decode step, gateway-rows-settle the rows batch with engine.join_settle_steps = $SETTLE, default 2) and
+# the compiled decode step, gateway-compiled-env the same with $GATEWAY_ENV in its environment
+# (e.g. GATEWAY_ENV="MLX_MAX_OPS_PER_BUFFER=250": MLX settings under test), gateway-rows-settle the rows batch with engine.join_settle_steps = $SETTLE, default 2) and
 # LEVELS_1B / LEVELS_8B their
 # concurrency levels (default 1,8,32,64,128 and 1,32,128).
 # - 1b / 8b: benchmarks.serving, closed loop, 128-token prompts and outputs: mlx-lm's
@@ -108,14 +109,19 @@ throughput() {  # NAME SHAPE LEVELS: the ceiling, then each of $SOURCES
   max=${3##*,}
   for src in ${SOURCES//,/ }; do
     case $src in
-      gateway | gateway-rows | gateway-rows-settle | gateway-compiled)
+      gateway | gateway-rows | gateway-rows-settle | gateway-compiled | gateway-compiled-env)
+        local env=""
         case $src in
           gateway) cfg=$(gateway_config "$dir" "$max" mlx_lm) ;;
           gateway-rows) cfg=$(gateway_config "$dir" "$max" rows 0 model) ;;
           gateway-compiled) cfg=$(gateway_config "$dir" "$max" rows 0 compiled) ;;
+          gateway-compiled-env)
+            cfg=$(gateway_config "$dir" "$max" rows 0 compiled)
+            env="env ${GATEWAY_ENV:?gateway-compiled-env needs GATEWAY_ENV} "
+            ;;
           *) cfg=$(gateway_config "$dir" "$max" rows "${SETTLE:-2}") ;;
         esac
-        launch+=(--launch-cmd "$src={python} -m gateway --config $cfg serve --port {port}"
+        launch+=(--launch-cmd "$src=$env{python} -m gateway --config $cfg serve --port {port}"
           --served-model "$src=bench")
         ;;
       mlx_lm)
