@@ -2,24 +2,22 @@
 
 With `MLX_GATEWAY_STEP_TRACE` set to a folder, each worker appends one JSON line per engine
 step to `steps-<pid>.jsonl` there: `[t, step_ms, backend_ms, inserted, insert_ms, rows,
-outputs, masked, new_shapes, wait_ms, read_ahead, batch_rows, kv_size, prefilled,
-joined]` (t: wall-clock
-seconds at the step's start, as `time.time()`; backend_ms: the backend's step, the forward
-pass and the wait for its tokens; inserted: requests started in this step; rows: requests in
-the batch after it, prefilling or decoding; outputs: deltas it produced; masked: 1 when the
-rows batch stepped rows of different lengths, with an attention mask, 0 without, None on
-BatchGenerator; new_shapes: row counts the compiled decode step met for the first time, each
-a new trace; wait_ms: of backend_ms, the rows batch's wait for the previous step's tokens,
-None on BatchGenerator: the rest of backend_ms is the host's own work; read_ahead: 1 when
-the rows batch only read the pending tokens ahead of a prefill, with no forward pass, else
-0, None on BatchGenerator; batch_rows: the rows batch's rows after the step, those that left
-but still decode included, and kv_size its KV's length in positions, the longest row's with
-the padding before the others', both None on BatchGenerator; prefilled: the prompt positions
-the rows batch ran for joining rows, padding included, and joined: the rows that joined its
-running batch, both None on BatchGenerator: requests start there a step or more after their
-insertion). The time between one step's
-end and the next one's start is the worker's own: emitting the deltas, taking requests in,
-waiting for them.
+outputs, masked, new_shapes, wait_ms, read_ahead, batch_rows, kv_size, prefilled, joined]`
+(t: wall-clock seconds at the step's start, as `time.time()`; backend_ms: the backend's
+step, the forward pass and the wait for its tokens; inserted: requests started in this step;
+rows: requests in the batch after it, prefilling or decoding; outputs: deltas it produced;
+masked: 1 when the rows batch stepped rows of different lengths, with an attention mask, 0
+without, None on BatchGenerator; new_shapes: row counts the compiled decode step met for the
+first time, each a new trace; wait_ms: of backend_ms, the rows batch's wait for the previous
+step's tokens, None on BatchGenerator: the rest of backend_ms is the host's own work;
+read_ahead: 1 when the rows batch only read the pending tokens ahead of a prefill, with no
+forward pass, else 0, None on BatchGenerator; batch_rows: the rows batch's rows after the
+step, those that left but still decode included, and kv_size its KV's length in positions,
+the longest row's with the padding before the others', both None on BatchGenerator;
+prefilled: the prompt positions the rows batch ran for joining rows, padding included, and
+joined: the rows that joined its running batch, both None on BatchGenerator: requests start
+there a step or more after their insertion). The time between one step's end and the next
+one's start is the worker's own: emitting the deltas, taking requests in, waiting for them.
 `python -m benchmarks.step_trace` summarizes it.
 
 Unset in production: `StepTrace.wrap` hands back the engine itself, nothing is timed.
