@@ -13,9 +13,9 @@
 # the servers of 1b / 8b (default gateway,gateway-rows,mlx_lm; gateway is BatchGenerator's batch,
 # gateway-rows the rows batch with mlx-lm's forward pass, gateway-compiled the rows batch with
 # the compiled decode step, gateway-compiled-env the same with $GATEWAY_ENV in its environment
-# (e.g. GATEWAY_ENV="MLX_MAX_OPS_PER_BUFFER=250": MLX settings under test), gateway-rows-settle the rows batch with engine.join_settle_steps = $SETTLE, default 2) and
-# LEVELS_1B / LEVELS_8B their
-# concurrency levels (default 1,8,32,64,128 and 1,32,128).
+# (e.g. GATEWAY_ENV="MLX_MAX_OPS_PER_BUFFER=250": MLX settings under test), gateway-rows-settle
+# the rows batch with engine.join_settle_steps = $SETTLE, default 2) and LEVELS_1B / LEVELS_8B
+# their concurrency levels (default 1,8,32,64,128 and 1,32,128).
 # - 1b / 8b: benchmarks.serving, closed loop, 128-token prompts and outputs: mlx-lm's
 #   BatchGenerator in one process (the ceiling), this gateway (engine.batcher mlx_lm, then
 #   rows) and mlx_lm server, one after another on the same prompts (each launched once for all levels, every level run once
@@ -146,6 +146,16 @@ throughput() {  # NAME SHAPE LEVELS: the ceiling, then each of $SOURCES
 
 profile() {  # the worker's threads sampled by py-spy while the gateway serves c=LEVEL_PROFILE
   local dir cfg port gw worker
+  local native=""
+  [ "${PROFILE_NATIVE:-0}" = 1 ] && native=--native  # C++ frames too (MLX's waits)
+  # sampling without pausing the process (a paused engine thread makes the host look slower)
+  if [ "${PROFILE_NONBLOCKING:-0}" = 1 ]; then
+    if [ -n "$native" ]; then
+      echo "PROFILE_NATIVE and PROFILE_NONBLOCKING: py-spy samples C++ frames only by pausing" >&2
+      exit 2
+    fi
+    native=--nonblocking
+  fi
   if [ "${PROFILE_SHAPE:-1b}" = 8b ]; then dir=$(model 8b $SHAPE_8B); else dir=$(model 1b $SHAPE_1B); fi
   cfg=$(gateway_config "$dir" "${PROFILE_MAX:-$LEVEL_PROFILE}" "${PROFILE_BATCHER:-rows}" 0 \
     "${PROFILE_DECODE:-compiled}")
@@ -162,10 +172,6 @@ profile() {  # the worker's threads sampled by py-spy while the gateway serves c
     --wait-idle 0 --out "$OUT/profile-load.json" >"$OUT/profile-load.log" 2>&1 &
   local load=$!
   sleep "${PROFILE_WARM:-15}"  # the warm-up and the first waves: kernels compiled, the batch full
-  local native=""
-  [ "${PROFILE_NATIVE:-0}" = 1 ] && native=--native  # C++ frames too (MLX's waits)
-  # sampling without pausing the process (a paused engine thread makes the host look slower)
-  [ "${PROFILE_NONBLOCKING:-0}" = 1 ] && native=--nonblocking
   local app
   app=$(ps -o ppid= -p "$worker" | tr -d ' ')  # the app process (Granian's child) spawned it
   py-spy record --pid "$app" --duration 20 --rate 250 --threads --idle $native --format speedscope \

@@ -38,10 +38,8 @@ from typing import Any
 
 # [t, step_ms, backend_ms, inserted, insert_ms, rows, outputs, masked, new_shapes, wait_ms,
 #  read_ahead, batch_rows, kv_size, prefilled, joined]
-(T, STEP, BACKEND, INSERTED, INSERT, ROWS, OUTPUTS, MASKED, SHAPES, WAIT, AHEAD, BATCH, KV) = range(
-    13
-)
-PREFILLED, JOINED = 13, 14
+(T, STEP, BACKEND, INSERTED, INSERT, ROWS, OUTPUTS, MASKED, SHAPES, WAIT, AHEAD) = range(11)
+BATCH, KV, PREFILLED, JOINED = range(11, 15)
 
 
 def _field(step: list[Any], at: int) -> Any:
