@@ -96,7 +96,7 @@ def wait_models_ready(url: str, timeout: float) -> None:
                 return
             if "failed" in states.values():
                 break
-            time.sleep(0.5)
+            time.sleep(0.1)
     raise RuntimeError(f"gateway models not ready after {timeout:.0f}s: {states}")
 
 
@@ -172,7 +172,7 @@ class Server:
                         return
                 except httpx.HTTPError:
                     pass
-                time.sleep(0.5)
+                time.sleep(0.1)
         raise RuntimeError(f"{self.name} not ready after {timeout:.0f}s; see {self.log_path}")
 
     def cpu_seconds(self) -> float | None:

@@ -13,7 +13,8 @@
 # the servers of 1b / 8b (default gateway,gateway-rows,mlx_lm; gateway is BatchGenerator's batch,
 # gateway-rows the rows batch with mlx-lm's forward pass, gateway-compiled the rows batch with
 # the compiled decode step, gateway-compiled-env the same with $GATEWAY_ENV in its environment
-# (e.g. GATEWAY_ENV="MLX_MAX_OPS_PER_BUFFER=250": MLX settings under test), gateway-rows-settle
+# (e.g. GATEWAY_ENV="MLX_MAX_OPS_PER_BUFFER=250": MLX settings under test; gateway-compiled-env2
+# reads $GATEWAY_ENV2, and so on, to compare several in one run), gateway-rows-settle
 # the rows batch with engine.join_settle_steps = $SETTLE, default 2) and LEVELS_1B / LEVELS_8B
 # their concurrency levels (default 1,8,32,64,128 and 1,32,128).
 # - 1b / 8b: benchmarks.serving, closed loop, 128-token prompts and outputs: mlx-lm's
@@ -109,15 +110,17 @@ throughput() {  # NAME SHAPE LEVELS: the ceiling, then each of $SOURCES
   max=${3##*,}
   for src in ${SOURCES//,/ }; do
     case $src in
-      gateway | gateway-rows | gateway-rows-settle | gateway-compiled | gateway-compiled-env)
+      gateway | gateway-rows | gateway-rows-settle | gateway-compiled | gateway-compiled-env*)
         local env=""
         case $src in
           gateway) cfg=$(gateway_config "$dir" "$max" mlx_lm) ;;
           gateway-rows) cfg=$(gateway_config "$dir" "$max" rows 0 model) ;;
           gateway-compiled) cfg=$(gateway_config "$dir" "$max" rows 0 compiled) ;;
-          gateway-compiled-env)
+          gateway-compiled-env*)  # gateway-compiled-envX reads GATEWAY_ENVX
+            local var=GATEWAY_ENV${src#gateway-compiled-env}
             cfg=$(gateway_config "$dir" "$max" rows 0 compiled)
-            env="env ${GATEWAY_ENV:?gateway-compiled-env needs GATEWAY_ENV} "
+            [ -n "${!var:-}" ] || { echo "$src needs $var" >&2; exit 2; }
+            env="env ${!var} "
             ;;
           *) cfg=$(gateway_config "$dir" "$max" rows "${SETTLE:-2}") ;;
         esac
