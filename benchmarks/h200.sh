@@ -45,6 +45,9 @@
 #   samples C++ frames too (pausing the process at each sample, which slows its host side),
 #   PROFILE_NONBLOCKING=1 Python frames without pausing it; needs py-spy on PATH (a wheel:
 #   pip download py-spy).
+# INTERLEAVE=1 runs 1b / 8b level by level, every source back to back, in an order reversed on
+# every other repeat (with SERVING_ARGS="--repeats N"; each source is then launched for each
+# level and repeat): for settings compared within a run.
 # STEP_TRACE=1 has the gateways' workers time each engine step (MLX_GATEWAY_STEP_TRACE) in
 # 1b / 8b and writes OUT/1b-steps.jsonl / OUT/8b-steps.jsonl (benchmarks.step_trace: per
 # source and level, the wall time in steps, between them and with the batch empty), and the
@@ -136,8 +139,10 @@ throughput() {  # NAME SHAPE LEVELS: the ceiling, then each of $SOURCES
   local trace=/tmp/steptrace-$1
   rm -rf "$trace"
   if [ "${STEP_TRACE:-0}" = 1 ]; then export MLX_GATEWAY_STEP_TRACE=$trace; fi
+  local order=--no-interleave  # INTERLEAVE=1: level by level, the order reversed each repeat
+  [ "${INTERLEAVE:-0}" = 1 ] && order=""
   $PY -m benchmarks.serving --model "$dir" --inprocess "${launch[@]}" \
-    --concurrency "$3" --min-requests 16 --no-interleave \
+    --concurrency "$3" --min-requests 16 $order \
     --steal-retries 0 --wait-idle 0 --warm-levels ${SERVING_ARGS:-} --out "$OUT/$1.json" 2>&1 |
     tee "$OUT/$1.log"
   unset MLX_GATEWAY_STEP_TRACE
