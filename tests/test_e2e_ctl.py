@@ -1,6 +1,7 @@
 """gatewayctl's catalog commands through a real gateway: `ls`, `rm` (refused while the model is
 loaded), `pull` (offline: a clear error; a local folder: checked), `load --source --save` and
-`chat` in a pseudo-terminal (a message in, a streamed reply out)."""
+`chat` in a pseudo-terminal (a message in, a streamed reply out), `logs -f` following a
+model's log across a reload."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -202,3 +205,29 @@ def test_chat_needs_a_key_once_keys_exist(gw: GatewayProc, env: dict[str, str]) 
         assert run.stdout.strip()
     finally:
         ctl(gw, env, "keys", "revoke", "chatter")
+
+
+def test_logs_follow(other_model: Path) -> None:
+    with running_gateway([{"name": "m", "source": str(other_model)}]) as gw:
+        cmd = [sys.executable, "-m", "gateway", "--config", str(gw.config), "logs", "m", "-f"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        try:
+            assert "ready in" in _read_until(proc, "ready in")
+            gw.ctl("reload", "m")  # a new worker writes to the same log
+            assert "loading model m" in _read_until(proc, "loading model m")
+        finally:
+            proc.kill()
+            proc.wait(10)
+
+
+def _read_until(proc: Any, needle: str, timeout: float = 30.0) -> str:
+    seen = ""
+    box: list[str] = []
+    deadline = time.monotonic() + timeout
+    while needle not in seen and time.monotonic() < deadline:
+        reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(max(0.1, deadline - time.monotonic()))
+        if box:
+            seen += box.pop()
+    return seen
