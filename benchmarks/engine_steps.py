@@ -17,6 +17,10 @@ left out, under each driver:
   multiplied apart (its default);
 - `engine-fused`: the same with each layer's Q/K/V and gate/up weights stacked into one
   matrix each (a variant; the model's layers read slices of them);
+- `engine-compiled-kernel`: `engine-compiled` with the ragged-attention kernel
+  (`engine.decode_attention = "kernel"`, worker/backends/ragged_attention.py) for rows of
+  different lengths instead of MLX's attention with a mask (MLX's CUDA backend only;
+  elsewhere the two are the same);
 - `generate_step` (batch 1 only): mlx-lm's single-stream generation, no batch at all.
 Prints one JSON line per (rows, repeat): each driver's median step in ms (null for a compiled
 driver whose step could not be built, its probe failed say: it is not timed as the forward
@@ -44,6 +48,7 @@ DRIVERS = (
     "engine-rows",
     "engine-compiled",
     "engine-fused",
+    "engine-compiled-kernel",
     "generate_step",
 )
 
@@ -153,6 +158,7 @@ def engine(
     decode_step: str = "model",
     fuse: bool = False,
     ragged: bool = False,
+    kernel: bool = False,
 ) -> float | None:
     """The engine's median step, or None where the compiled step asked for could not be
     built (its probe failed, say: the step would be the forward pass under another name)."""
@@ -171,10 +177,10 @@ def engine(
         prefix_cache=False,
     )
     backend = make_backend(model, tokenizer, options)
-    if fuse:  # the stacked variant (decode_step's default multiplies apart)
+    if fuse or kernel:  # the stacked variant, or the step with the ragged-attention kernel
         from worker.backends.decode_step import build
 
-        backend.batch.decode = build(model, fuse=fuse)  # type: ignore[attr-defined]
+        backend.batch.decode = build(model, fuse=fuse, ragged=kernel)  # type: ignore[attr-defined]
     if decode_step == "compiled" and backend.batch.decode is None:  # type: ignore[attr-defined]
         return None
     core = EngineCore(backend, options)
@@ -213,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "engine-fused": lambda rows: engine(
             model, tokenizer, "rows", rows, *at, "compiled", True, ragged
+        ),
+        "engine-compiled-kernel": lambda rows: engine(
+            model, tokenizer, "rows", rows, *at, "compiled", False, ragged, kernel=True
         ),
         "generate_step": lambda rows: generate_step(model, args.steps),
     }

@@ -123,6 +123,10 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # where it was measured faster (MLX's CUDA backend and its CPU; docs/benchmarks.md),
     # mlx-lm's forward pass on Metal, where it has not been measured yet.
     decode_step: Literal["auto", "model", "compiled"] = "auto"
+    # The compiled step's attention over rows of different lengths: "mlx" (with a mask),
+    # "kernel" (worker/backends/ragged_attention.py: no mask; MLX's CUDA backend only,
+    # elsewhere "mlx", logged) or "auto" ("mlx" until the kernel is measured faster).
+    decode_attention: Literal["auto", "kernel", "mlx"] = "auto"
     # The model's tool-call format: the name of one of mlx-lm's tool parsers
     # (mlx_lm/tool_parsers: json_tools, qwen3_coder, mistral, pythonic, glm47, ...).
     # Default: the one mlx-lm infers from the model's chat template, if any.
@@ -407,6 +411,11 @@ def _validate(config: Config) -> None:
             raise ConfigError(
                 f"model {model.name!r}: engine.decode_step = 'compiled' runs in the rows "
                 "batch; BatchGenerator (batcher = 'mlx_lm') steps with mlx-lm's forward pass"
+            )
+        compiled = opts.batcher != "mlx_lm" and opts.decode_step != "model"
+        if opts.decode_attention != "auto" and not compiled:
+            raise ConfigError(
+                f"model {model.name!r}: engine.decode_attention applies to the compiled step only"
             )
         if opts.join_settle_steps and opts.batcher == "mlx_lm":
             raise ConfigError(

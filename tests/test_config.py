@@ -413,6 +413,13 @@ def test_decode_step_is_the_models_or_the_compiled_one_in_the_rows_batch(tmp_pat
         load_config(write(tmp_path, head + 'decode_step = "fast"\n'))
     with pytest.raises(ConfigError, match="decode_step = 'compiled' runs in the rows batch"):
         load_config(write(tmp_path, head + 'batcher = "mlx_lm"\ndecode_step = "compiled"\n'))
+    # the compiled step's attention: named only where that step may run
+    for name in ("kernel", "mlx"):
+        chosen = load_config(write(tmp_path, head + f'decode_attention = "{name}"\n'))
+        assert chosen.models[0].engine.decode_attention == name
+    for other in ('batcher = "mlx_lm"\n', 'decode_step = "model"\n'):
+        with pytest.raises(ConfigError, match="decode_attention applies to the compiled step"):
+            load_config(write(tmp_path, head + other + 'decode_attention = "kernel"\n'))
 
 
 def test_a_model_without_kind_is_what_its_worker_served() -> None:

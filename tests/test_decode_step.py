@@ -18,7 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from shared.config import EngineOptions
 from tests.engine_fixtures import Loaded, reference_greedy
-from worker.backends import decode_step
+from worker.backends import decode_step, ragged_attention
 from worker.backends.mlx_lm import make_backend
 from worker.backends.rows import RowBatch
 from worker.backends.sampling import greedy
@@ -103,6 +103,27 @@ def test_the_same_greedy_tokens_as_the_models_forward_pass(
         got = _decode(model, counted, prompts, late, 14)
         assert got == _decode(model, None, prompts, late, 14)
     assert calls["masked"] > 5 and calls["plain"] > 5  # both paths were the step's
+
+
+@pytest.mark.parametrize(("module", "overrides"), [ARCHITECTURES[0], ARCHITECTURES[4]])
+def test_padded_rows_attend_through_the_ragged_kernel_where_there_is_one(
+    module: Any, overrides: dict[str, Any]
+) -> None:
+    """The kernel runs on MLX's CUDA backend only (test_ragged_attention.py checks it there);
+    here a stand-in computing what it computes shows that the step hands it each row's
+    first real position and the cache's keys, and that the tokens stay the model's."""
+    model = _tiny(module, **overrides)
+    step = decode_step.build(model)
+    assert step is not None and step.ragged is None  # no CUDA here
+    starts_seen: list[list[int]] = []
+
+    def stand_in(q: mx.array, k: mx.array, v: mx.array, starts: mx.array) -> mx.array:
+        starts_seen.append(starts.tolist())
+        return ragged_attention.reference(q, k, v, starts, step.scale)
+
+    step.ragged = stand_in
+    assert _decode(model, step, PROMPTS, 2, 14) == _decode(model, None, PROMPTS, 2, 14)
+    assert len(starts_seen) > 5 and all(len(set(s)) > 1 for s in starts_seen)  # padded rows
 
 
 @pytest.mark.parametrize(("module", "overrides"), ARCHITECTURES)
@@ -249,6 +270,17 @@ def test_the_engine_setting_picks_the_step(chat: Loaded) -> None:
     # the default: compiled where measured faster, MLX's CPU among them (these tests' device)
     auto = make_backend(chat.model, chat.tokenizer, EngineOptions(batcher="rows"))
     assert auto.batch.decode is not None  # type: ignore[attr-defined]
+    assert auto.batch.decode.ragged is None  # type: ignore[attr-defined]
+
+
+def test_the_ragged_kernel_asked_for_where_it_cannot_run_is_a_warning(
+    chat: Loaded, caplog: pytest.LogCaptureFixture
+) -> None:
+    options = EngineOptions(batcher="rows", decode_step="compiled", decode_attention="kernel")
+    with caplog.at_level(logging.WARNING):
+        backend = make_backend(chat.model, chat.tokenizer, options)
+    assert backend.batch.decode.ragged is None  # type: ignore[attr-defined]  # MLX's CPU
+    assert "decode_attention = 'kernel': MLX's attention with a mask" in caplog.text
 
 
 def test_auto_compiles_on_cpu_and_cuda_and_not_on_metal(monkeypatch: pytest.MonkeyPatch) -> None:

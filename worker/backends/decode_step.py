@@ -14,7 +14,10 @@ graph nodes:
   position: no transposes), and the attention's output straight back;
 - attention itself is MLX's fused `scaled_dot_product_attention` over the layer's own cache,
   written through the cache's public `update_and_fetch`, so that the rest of the engine
-  (prefill, joins, compaction, the prefix cache) sees the caches it always did.
+  (prefill, joins, compaction, the prefix cache) sees the caches it always did; with
+  `engine.decode_attention = "kernel"`, on MLX's CUDA backend, rows of different lengths (a
+  mask for MLX's attention, which it then runs unfused) take one kernel of our own instead
+  (ragged_attention.py).
 
 The operations are the model's own, in its order and dtypes, so greedy tokens are the same
 (tests compare them with mlx-lm's forward pass). `build` takes only the architectures it
@@ -39,6 +42,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from worker.backends import ragged_attention
 from worker.backends.cpu_ops import compile_lock
 
 log = logging.getLogger(__name__)
@@ -213,10 +217,18 @@ def _layer(block: Any, fuse: bool = False) -> tuple[Shape, Layer] | None:
 class DecodeStep:
     """`step(tokens, caches, masked)`: the logits of one decode step (rows, vocabulary)."""
 
-    def __init__(self, model: Any, shape: Shape, layers: list[Layer]) -> None:
+    def __init__(
+        self,
+        model: Any,
+        shape: Shape,
+        layers: list[Layer],
+        ragged: Callable[[mx.array, mx.array, mx.array, mx.array], mx.array] | None = None,
+    ) -> None:
         self.model = model
         self.shape = shape
         self.layers = layers
+        # rows of different lengths attend through one kernel instead of a mask (CUDA)
+        self.ragged = ragged
         inner = model.model
         rope = inner.layers[0].self_attn.rope
         self.scale = inner.layers[0].self_attn.scale
@@ -277,14 +289,20 @@ class DecodeStep:
         padded (mlx-lm's mask for the cache, else none, as MLX's fused kernel wants)."""
         self.row_counts.add(tokens.shape[0])
         x = self.embed(tokens[:, None])
-        mask = create_attention_mask(x, caches[0]) if masked else None
+        ragged = self.ragged if masked and type(caches[0]) is BatchKVCache else None
+        mask = create_attention_mask(x, caches[0]) if masked and ragged is None else None
+        # the rows' first real positions, where the kernel starts reading their keys
+        starts: Any = caches[0].left_padding if ragged is not None else None
         offset = caches[0].offset
         if not isinstance(offset, mx.array):
             offset = mx.array(offset)
         for layer, cache in zip(self.layers, caches, strict=True):
             q, k, v = self._attend(x, offset, layer.attend)
             k, v = cache.update_and_fetch(k, v)
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+            if ragged is not None:
+                out = ragged(q, k, v, starts)
+            else:
+                out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
             x = self._finish(x, out, layer.mlp)
         return self.head(self.norm(x))[:, -1, :]
 
@@ -298,13 +316,20 @@ def wanted(setting: str) -> bool:
     return setting == "compiled"
 
 
-def build(model: Any, fuse: bool = False, asked: bool = True) -> DecodeStep | None:
+def build(
+    model: Any,
+    fuse: bool = False,
+    asked: bool = True,
+    ragged: bool = False,
+) -> DecodeStep | None:
     """The model's decode step, or None (and why, logged) where it keeps mlx-lm's. With
     `fuse`, each layer's Q, K and V projections are one matrix, and so are its gate and up
     projections: fewer, larger multiplications (a benchmark's variant, not a setting); the
     model's own layers then read slices of those matrices, so the weights are not held
     twice. `asked`: the configuration named the step (a model it does not know is then a
-    warning; under "auto", only news)."""
+    warning; under "auto", only news). `ragged`: on MLX's CUDA backend, rows of different
+    lengths attend through ragged_attention.py's kernel instead of MLX's attention with a
+    mask (where it cannot, a warning: the configuration named the kernel)."""
     reason = _unsupported(model)
     if reason is None:
         found = [_layer(block, fuse) for block in model.model.layers]
@@ -321,7 +346,20 @@ def build(model: Any, fuse: bool = False, asked: bool = True) -> DecodeStep | No
             reason,
         )
         return None
-    step = DecodeStep(model, shapes.pop(), [f[1] for f in found if f is not None])
+    shape = shapes.pop()
+    attention = model.model.layers[0].self_attn
+    dtype = model.model.norm.weight.dtype  # the model's activations'
+    kernel = (
+        ragged_attention.make(shape.heads, shape.kv_heads, shape.head_dim, attention.scale, dtype)
+        if ragged
+        else None
+    )
+    if ragged and kernel is None:
+        log.warning(
+            "engine.decode_attention = 'kernel': MLX's attention with a mask (the kernel "
+            "runs on MLX's CUDA backend only, for the layouts it takes; logged above)"
+        )
+    step = DecodeStep(model, shape, [f[1] for f in found if f is not None], kernel)
     # On MLX's CPU the probe compiles the step's kernels (once a machine, cached on disk):
     # one process at a time, as the CPU warm-up does.
     lock = compile_lock() if mx.default_device() == mx.cpu else contextlib.nullcontext()

@@ -263,7 +263,11 @@ class MlxRowsBackend(MlxLmBackend):
             self.prefill_batch_size,
             settle_steps=options.join_settle_steps,
             decode=(
-                decode_step.build(model, asked=options.decode_step == "compiled")
+                decode_step.build(
+                    model,
+                    asked=options.decode_step == "compiled",
+                    ragged=options.decode_attention == "kernel",
+                )
                 if decode_step.wanted(options.decode_step)
                 else None
             ),
