@@ -17,9 +17,9 @@ left out, under each driver:
   multiplied apart (its default);
 - `engine-fused`: the same with each layer's Q/K/V and gate/up weights stacked into one
   matrix each (a variant; the model's layers read slices of them);
-- `engine-compiled-kernel`: `engine-compiled` with the ragged-attention kernel
-  (`engine.decode_attention = "kernel"`, worker/backends/ragged_attention.py) for rows of
-  different lengths instead of MLX's attention with a mask (MLX's CUDA backend only;
+- `engine-compiled-mask`: `engine-compiled` with MLX's attention and a mask for rows of
+  different lengths (`engine.decode_attention = "mlx"`), where `engine-compiled` takes the
+  ragged-attention kernel on MLX's CUDA backend (worker/backends/ragged_attention.py;
   elsewhere the two are the same);
 - `generate_step` (batch 1 only): mlx-lm's single-stream generation, no batch at all.
 Prints one JSON line per (rows, repeat): each driver's median step in ms (null for a compiled
@@ -48,7 +48,7 @@ DRIVERS = (
     "engine-rows",
     "engine-compiled",
     "engine-fused",
-    "engine-compiled-kernel",
+    "engine-compiled-mask",
     "generate_step",
 )
 
@@ -158,7 +158,7 @@ def engine(
     decode_step: str = "model",
     fuse: bool = False,
     ragged: bool = False,
-    kernel: bool = False,
+    kernel: bool = True,
 ) -> float | None:
     """The engine's median step, or None where the compiled step asked for could not be
     built (its probe failed, say: the step would be the forward pass under another name)."""
@@ -177,7 +177,7 @@ def engine(
         prefix_cache=False,
     )
     backend = make_backend(model, tokenizer, options)
-    if fuse or kernel:  # the stacked variant, or the step with the ragged-attention kernel
+    if fuse or not kernel:  # the stacked variant, or the step without its attention kernel
         from worker.backends.decode_step import build
 
         backend.batch.decode = build(model, fuse=fuse, ragged=kernel)  # type: ignore[attr-defined]
@@ -220,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         "engine-fused": lambda rows: engine(
             model, tokenizer, "rows", rows, *at, "compiled", True, ragged
         ),
-        "engine-compiled-kernel": lambda rows: engine(
-            model, tokenizer, "rows", rows, *at, "compiled", False, ragged, kernel=True
+        "engine-compiled-mask": lambda rows: engine(
+            model, tokenizer, "rows", rows, *at, "compiled", False, ragged, kernel=False
         ),
         "generate_step": lambda rows: generate_step(model, args.steps),
     }

@@ -12,8 +12,8 @@
 # and AGENT_ARGS add flags to benchmarks.serving and benchmarks.agent_session; SOURCES picks
 # the servers of 1b / 8b (default gateway,gateway-rows,mlx_lm; gateway is BatchGenerator's batch,
 # gateway-rows the rows batch with mlx-lm's forward pass, gateway-compiled the rows batch with
-# the compiled decode step, gateway-compiled-kernel the same with the ragged-attention kernel
-# (engine.decode_attention = "kernel"), gateway-compiled-env the same with $GATEWAY_ENV in its environment
+# the compiled decode step, gateway-compiled-mask the same with MLX's masked attention
+# instead of the ragged-attention kernel (engine.decode_attention = "mlx"), gateway-compiled-env the same with $GATEWAY_ENV in its environment
 # (e.g. GATEWAY_ENV="MLX_MAX_OPS_PER_BUFFER=250": MLX settings under test; gateway-compiled-env2
 # reads $GATEWAY_ENV2, and so on, to compare several in one run), gateway-rows-settle
 # the rows batch with engine.join_settle_steps = $SETTLE, default 2) and LEVELS_1B / LEVELS_8B
@@ -115,13 +115,13 @@ throughput() {  # NAME SHAPE LEVELS: the ceiling, then each of $SOURCES
   max=${3##*,}
   for src in ${SOURCES//,/ }; do
     case $src in
-      gateway | gateway-rows | gateway-rows-settle | gateway-compiled | gateway-compiled-kernel | gateway-compiled-env*)
+      gateway | gateway-rows | gateway-rows-settle | gateway-compiled | gateway-compiled-mask | gateway-compiled-env*)
         local env=""
         case $src in
           gateway) cfg=$(gateway_config "$dir" "$max" mlx_lm) ;;
           gateway-rows) cfg=$(gateway_config "$dir" "$max" rows 0 model) ;;
           gateway-compiled) cfg=$(gateway_config "$dir" "$max" rows 0 compiled) ;;
-          gateway-compiled-kernel) cfg=$(gateway_config "$dir" "$max" rows 0 compiled kernel) ;;
+          gateway-compiled-mask) cfg=$(gateway_config "$dir" "$max" rows 0 compiled mlx) ;;
           gateway-compiled-env*)  # gateway-compiled-envX reads GATEWAY_ENVX
             local var=GATEWAY_ENV${src#gateway-compiled-env}
             cfg=$(gateway_config "$dir" "$max" rows 0 compiled)

@@ -125,7 +125,7 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     decode_step: Literal["auto", "model", "compiled"] = "auto"
     # The compiled step's attention over rows of different lengths: "mlx" (with a mask),
     # "kernel" (worker/backends/ragged_attention.py: no mask; MLX's CUDA backend only,
-    # elsewhere "mlx", logged) or "auto" ("mlx" until the kernel is measured faster).
+    # elsewhere "mlx", logged) or "auto" (the kernel on MLX's CUDA backend, measured faster).
     decode_attention: Literal["auto", "kernel", "mlx"] = "auto"
     # The model's tool-call format: the name of one of mlx-lm's tool parsers
     # (mlx_lm/tool_parsers: json_tools, qwen3_coder, mistral, pythonic, glm47, ...).

@@ -14,10 +14,10 @@ graph nodes:
   position: no transposes), and the attention's output straight back;
 - attention itself is MLX's fused `scaled_dot_product_attention` over the layer's own cache,
   written through the cache's public `update_and_fetch`, so that the rest of the engine
-  (prefill, joins, compaction, the prefix cache) sees the caches it always did; with
-  `engine.decode_attention = "kernel"`, on MLX's CUDA backend, rows of different lengths (a
-  mask for MLX's attention, which it then runs unfused) take one kernel of our own instead
-  (ragged_attention.py).
+  (prefill, joins, compaction, the prefix cache) sees the caches it always did; on MLX's
+  CUDA backend (`engine.decode_attention`, "auto" or "kernel"), rows of different lengths
+  (a mask for MLX's attention, which it then runs unfused) take one kernel of our own
+  instead (ragged_attention.py).
 
 The operations are the model's own, in its order and dtypes, so greedy tokens are the same
 (tests compare them with mlx-lm's forward pass). `build` takes only the architectures it
@@ -321,6 +321,7 @@ def build(
     fuse: bool = False,
     asked: bool = True,
     ragged: bool = False,
+    ragged_asked: bool = False,
 ) -> DecodeStep | None:
     """The model's decode step, or None (and why, logged) where it keeps mlx-lm's. With
     `fuse`, each layer's Q, K and V projections are one matrix, and so are its gate and up
@@ -329,7 +330,8 @@ def build(
     twice. `asked`: the configuration named the step (a model it does not know is then a
     warning; under "auto", only news). `ragged`: on MLX's CUDA backend, rows of different
     lengths attend through ragged_attention.py's kernel instead of MLX's attention with a
-    mask (where it cannot, a warning: the configuration named the kernel)."""
+    mask (`ragged_asked`: the configuration named the kernel; where it cannot run, a
+    warning)."""
     reason = _unsupported(model)
     if reason is None:
         found = [_layer(block, fuse) for block in model.model.layers]
@@ -354,12 +356,16 @@ def build(
         if ragged
         else None
     )
-    if ragged and kernel is None:
+    if ragged_asked and kernel is None:
         log.warning(
             "engine.decode_attention = 'kernel': MLX's attention with a mask (the kernel "
             "runs on MLX's CUDA backend only, for the layouts it takes; logged above)"
         )
-    step = DecodeStep(model, shape, [f[1] for f in found if f is not None], kernel)
+    # The probe checks the step's own structure with MLX's attention: the kernel rounds
+    # otherwise than MLX's masked attention (float32 throughout, as MLX's fused kernel does),
+    # which drifts past the probe's tolerance over a model's layers in bfloat16; it was
+    # checked against that attention, op for op, when made.
+    step = DecodeStep(model, shape, [f[1] for f in found if f is not None])
     # On MLX's CPU the probe compiles the step's kernels (once a machine, cached on disk):
     # one process at a time, as the CPU warm-up does.
     lock = compile_lock() if mx.default_device() == mx.cpu else contextlib.nullcontext()
@@ -381,6 +387,7 @@ def build(
             "model's on a probe: this mlx-lm's model computes something else)"
         )
         return None
+    step.ragged = kernel
     log.info("decode step: compiled, %d layers%s", len(step.layers), " (fused)" if fuse else "")
     return step
 

@@ -266,7 +266,8 @@ class MlxRowsBackend(MlxLmBackend):
                 decode_step.build(
                     model,
                     asked=options.decode_step == "compiled",
-                    ragged=options.decode_attention == "kernel",
+                    ragged=options.decode_attention != "mlx",
+                    ragged_asked=options.decode_attention == "kernel",
                 )
                 if decode_step.wanted(options.decode_step)
                 else None
