@@ -68,3 +68,42 @@ def test_the_kernel_computes_the_reference(
         got = attend(q, k, v, starts).astype(mx.float32)
         want = ragged_attention.reference(q, k, v, starts, dim**-0.5).astype(mx.float32)
         assert mx.allclose(got, want, rtol=2e-2, atol=2e-2).item()
+
+
+class _StandIn:
+    """What `make` builds on MLX's CUDA backend, computing the reference (or, `wrong`, a
+    kernel that ignores the rows' starts) on this machine's device."""
+
+    wrong = False
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, scale: float) -> None:
+        self.heads, self.kv_heads, self.head_dim, self.scale = heads, kv_heads, head_dim, scale
+
+    def __call__(self, q: mx.array, k: mx.array, v: mx.array, starts: mx.array) -> mx.array:
+        if self.wrong:
+            starts = mx.zeros_like(starts)
+        return ragged_attention.reference(q, k, v, starts, self.scale)
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_a_kernel_is_used_only_once_it_computes_the_reference(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, wrong: bool
+) -> None:
+    monkeypatch.setattr(ragged_attention.mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ragged_attention.mx, "default_device", lambda: mx.Device(mx.gpu))
+    monkeypatch.setattr(_StandIn, "wrong", wrong)
+    monkeypatch.setattr(ragged_attention, "RaggedAttention", _StandIn)
+    made = ragged_attention.make(8, 2, 32, 32**-0.5, mx.float32)
+    assert (made is None) is wrong
+    assert ("the kernel's output differs" in caplog.text) is wrong
+
+
+@pytest.mark.skipif(mx.cuda.is_available(), reason="this machine builds the kernel")
+def test_a_kernel_that_does_not_build_keeps_mlxs_attention(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(ragged_attention.mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ragged_attention.mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert ragged_attention.make(8, 2, 32, 0.1) is None  # mx.fast.cuda_kernel: no CUDA here
+    assert "the kernel failed" in caplog.text
+    assert ragged_attention.make(8, 3, 32, 0.1) is None  # a layout it does not take
