@@ -417,6 +417,8 @@ def test_decode_step_is_the_models_or_the_compiled_one_in_the_rows_batch(tmp_pat
     for name in ("kernel", "mlx"):
         chosen = load_config(write(tmp_path, head + f'decode_attention = "{name}"\n'))
         assert chosen.models[0].engine.decode_attention == name
+    with pytest.raises(ConfigError, match="decode_attention"):
+        load_config(write(tmp_path, head + "decode_attention = 1\n"))
     for other in ('batcher = "mlx_lm"\n', 'decode_step = "model"\n'):
         with pytest.raises(ConfigError, match="decode_attention applies to the compiled step"):
             load_config(write(tmp_path, head + other + 'decode_attention = "kernel"\n'))

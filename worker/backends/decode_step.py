@@ -292,7 +292,9 @@ class DecodeStep:
         ragged = self.ragged if masked and type(caches[0]) is BatchKVCache else None
         mask = create_attention_mask(x, caches[0]) if masked and ragged is None else None
         # the rows' first real positions, where the kernel starts reading their keys
-        starts: Any = caches[0].left_padding if ragged is not None else None
+        starts: Any = None
+        if ragged is not None:
+            starts = ragged_attention.RaggedAttention.int32(caches[0].left_padding)
         offset = caches[0].offset
         if not isinstance(offset, mx.array):
             offset = mx.array(offset)

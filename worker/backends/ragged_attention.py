@@ -129,12 +129,13 @@ class RaggedAttention:
     """`attend(q, k, v, starts)`: softmax(q k^T * scale) v for one query position a row,
     over each row's keys from `starts[row]` on. q is (rows, heads, 1, D); k and v are
     (rows, kv_heads, length, D), views of the cache's buffers (read through their strides,
-    not copied); starts (rows,) int32."""
+    not copied); starts (rows,) int32 (`int32` makes them so, once a step)."""
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, scale: float) -> None:
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.group = heads // kv_heads
         self.scale = mx.array([scale], dtype=mx.float32)
+        self._templates: dict[mx.Dtype, list[tuple[str, Any]]] = {}  # by the queries' dtype
         self.kernel = mx.fast.cuda_kernel(
             name="ragged_decode_attention",
             input_names=["q", "k", "v", "starts", "scale"],
@@ -143,20 +144,20 @@ class RaggedAttention:
             ensure_row_contiguous=False,
         )
 
+    @staticmethod
+    def int32(starts: mx.array) -> mx.array:
+        return starts if starts.dtype == mx.int32 else starts.astype(mx.int32)
+
     def __call__(self, q: mx.array, k: mx.array, v: mx.array, starts: mx.array) -> mx.array:
-        rows = q.shape[0]
-        if starts.dtype != mx.int32:
-            starts = starts.astype(mx.int32)
         threads = WARPS * 32
+        template = self._templates.get(q.dtype)
+        if template is None:
+            template = [("T", q.dtype), ("D", self.head_dim), ("R", self.group), ("WARPS", WARPS)]
+            self._templates[q.dtype] = template
         out: mx.array = self.kernel(  # type: ignore[operator]
             inputs=[q, k, v, starts, self.scale],
-            template=[
-                ("T", q.dtype),
-                ("D", self.head_dim),
-                ("R", self.group),
-                ("WARPS", WARPS),
-            ],
-            grid=(threads, self.kv_heads, rows),
+            template=template,
+            grid=(threads, self.kv_heads, q.shape[0]),
             threadgroup=(threads, 1, 1),
             output_shapes=[q.shape],
             output_dtypes=[q.dtype],
