@@ -183,8 +183,9 @@ def main(spec_path: str, out_path: str) -> int:
         if system is not None:
             summary["other_cpu_pct"] = round(system - own, 1)
         print(
-            f"[inprocess] c={c} tok/s={summary['output_tok_s']} steal={summary['steal_pct']}% "
-            f"gpu_busy={gpu.share}% "
+            f"[inprocess] c={c} tok/s={summary['output_tok_s']} "
+            f"ttft_p50={summary['ttft_p50_ms']}ms itl_p50={summary['itl_p50_ms']}ms "
+            f"steal={summary['steal_pct']}% gpu_busy={gpu.share}% "
             f"fail={summary['failures']}/{summary['requests']}",
             file=sys.stderr,
             flush=True,

@@ -96,6 +96,12 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
         help="run every level of one source before the next source (default: level by "
         "level, all sources back to back, order reversed on odd repeats)",
     )
+    p.add_argument(
+        "--report",
+        type=Path,
+        metavar="JSON",
+        help="only print the tables of a run's --out file (one cut short included) and exit",
+    )
     p.add_argument("--blas", default="auto", help="auto | off | path of a BLAS to LD_PRELOAD")
     p.add_argument("--level-timeout", type=float, default=300.0, help="seconds per level run")
     p.add_argument("--request-timeout", type=float, default=300.0)
@@ -142,7 +148,7 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
         p.error("--launch/--launch-cmd need --model")
     if args.inprocess == "" and not args.model:
         p.error("--inprocess without a path needs --model")
-    if not (args.target or launching or args.inprocess is not None):
+    if not (args.target or launching or args.inprocess is not None or args.report):
         p.error("nothing to measure: give --target, --launch, --launch-cmd or --inprocess")
     return args
 

@@ -162,8 +162,9 @@ def merge_repeats(results: list[dict[str, Any]]) -> dict[str, Any]:
             by_level.setdefault(lv["concurrency"], []).append(lv)
     levels = []
     for c in sorted(by_level):
-        runs = by_level[c]
-        raws = [run.pop("raw") for run in runs if "raw" in run]
+        # not popped: a run's results are merged again each time a source finishes
+        raws = [run["raw"] for run in by_level[c] if "raw" in run]
+        runs = [{k: v for k, v in run.items() if k != "raw"} for run in by_level[c]]
         level = combine_repeats(runs)
         level["runs"] = runs
         if raws:

@@ -303,8 +303,28 @@ def build_groups(args: argparse.Namespace) -> list[tuple[str | None, list[Job], 
     return groups
 
 
+def merged(per_source: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """One model's results so far: the ceiling's and each source's repeats merged."""
+    mres: dict[str, Any] = {
+        "targets": {n: merge_repeats(runs) for n, runs in per_source.items() if n != "inprocess"}
+    }
+    if "inprocess" in per_source:
+        mres["inprocess"] = merge_repeats(per_source["inprocess"])
+    return mres
+
+
+def save(args: argparse.Namespace, results: dict[str, Any], started: float) -> None:
+    results["elapsed_s"] = round(time.time() - started, 1)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2, default=str))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv, __doc__.split("\n\n")[0])
+    if args.report:
+        for label, mres in json.loads(args.report.read_text())["models"].items():
+            print(f"\n## {label}\n\n{markdown_table(table_rows(mres))}")
+        return 0
     CLIENT_NICE[0] = args.client_nice
     if args.vllm_mlx_cmd is None:
         found = shutil.which("vllm-mlx")
@@ -345,17 +365,18 @@ def main(argv: list[str] | None = None) -> int:
                         idle = _cpu.wait_idle(args.wait_idle, args.idle_threshold, "inprocess")
                         res = _ceiling.run_inprocess(args, model, bank, env, work, r, levels)
                         per_source.setdefault("inprocess", []).append({**res, **idle})
-                        continue
-                    i = jobs.index(source)
-                    idle = _cpu.wait_idle(args.wait_idle, args.idle_threshold, source.name)
-                    res = run_job(args, source, job_base + i, bank, model, env, log_dir, r, levels)
-                    per_source.setdefault(source.name, []).append({**res, **idle})
+                    else:
+                        i = jobs.index(source)
+                        idle = _cpu.wait_idle(args.wait_idle, args.idle_threshold, source.name)
+                        res = run_job(
+                            args, source, job_base + i, bank, model, env, log_dir, r, levels
+                        )
+                        per_source.setdefault(source.name, []).append({**res, **idle})
+                    # after each source, so that a run cut short keeps what it measured
+                    results["models"][label] = merged(per_source)
+                    save(args, results, started)
         job_base += len(jobs)
-        mres: dict[str, Any] = {"targets": {}}
-        if "inprocess" in per_source:
-            mres["inprocess"] = merge_repeats(per_source.pop("inprocess"))
-        mres["targets"] = {name: merge_repeats(runs) for name, runs in per_source.items()}
-        results["models"][label] = mres
+        mres = results["models"][label] = merged(per_source)
         rows = table_rows(mres)
         per_level = args.requests or f"max(4c,{args.min_requests})"
         print(f"\n## {label}\n")
@@ -376,9 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         if mres.get("inprocess", {}).get("error"):
             print(f"\n- inprocess: {mres['inprocess']['error']}")
         sys.stdout.flush()
-        results["elapsed_s"] = round(time.time() - started, 1)
-        if args.out:  # after each model, so a later crash keeps what was measured
-            args.out.write_text(json.dumps(results, indent=2, default=str))
+        save(args, results, started)
     if args.out:
         print(f"\nJSON: {args.out}", file=sys.stderr)
     return 0

@@ -90,6 +90,9 @@ def test_warm_levels_run_each_level_once_before_measuring(
             f"[{source}] c=1 warmed",
             f"[{source}] c=2 warmed",
         ]
+        # each measured level's line gives its first-token time (the ceiling's too)
+        measured = [w for w in warmed if " tok/s=" in w]
+        assert len(measured) == 2 and all(" ttft_p50=" in w for w in measured)
     (model,) = json.loads(out.read_text())["models"].values()
     for source in (model["inprocess"], model["targets"]["gw"]):
         assert [lv["runs"][0]["requests"] for lv in source["levels"]] == [2, 2]
