@@ -16,7 +16,8 @@ left out, under each driver:
   (`engine.decode_step = "compiled"`, worker/backends/decode_step.py), each projection
   multiplied apart (its default);
 - `engine-fused`: the same with each layer's Q/K/V and gate/up weights stacked into one
-  matrix each (a variant; the model's layers read slices of them);
+  matrix each (`engine.decode_projections = "stacked"`; the model's layers read slices of
+  them);
 - `engine-compiled-mask`: `engine-compiled` with MLX's attention and a mask for rows of
   different lengths (`engine.decode_attention = "mlx"`), where `engine-compiled` takes the
   ragged-attention kernel on MLX's CUDA backend (worker/backends/ragged_attention.py;
@@ -174,13 +175,14 @@ def engine(
         prefill_batch_size=max_running,
         batcher=batcher,  # type: ignore[arg-type]
         decode_step=decode_step,  # type: ignore[arg-type]
+        decode_projections="stacked" if fuse else "separate",
         prefix_cache=False,
     )
     backend = make_backend(model, tokenizer, options)
-    if fuse or not kernel:  # the stacked variant, or the step without its attention kernel
+    if not kernel:  # the step without its attention kernel
         from worker.backends.decode_step import build
 
-        backend.batch.decode = build(model, fuse=fuse, ragged=kernel)  # type: ignore[attr-defined]
+        backend.batch.decode = build(model, fuse=fuse, ragged=False)  # type: ignore[attr-defined]
     if decode_step == "compiled" and backend.batch.decode is None:  # type: ignore[attr-defined]
         return None
     core = EngineCore(backend, options)

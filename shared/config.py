@@ -127,6 +127,11 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # "kernel" (worker/backends/ragged_attention.py: no mask; MLX's CUDA backend only,
     # elsewhere "mlx", logged) or "auto" (the kernel on MLX's CUDA backend, measured faster).
     decode_attention: Literal["auto", "kernel", "mlx"] = "auto"
+    # The compiled step's projections: "separate" (each its own multiplication), or
+    # "stacked": each layer's Q/K/V and gate/up projections one matrix each, fewer kernels a
+    # step (the model's layers read slices of them: no second copy). Opt-in until measured
+    # served on a GPU (docs/benchmarks.md).
+    decode_projections: Literal["separate", "stacked"] = "separate"
     # The model's tool-call format: the name of one of mlx-lm's tool parsers
     # (mlx_lm/tool_parsers: json_tools, qwen3_coder, mistral, pythonic, glm47, ...).
     # Default: the one mlx-lm infers from the model's chat template, if any.
@@ -413,10 +418,11 @@ def _validate(config: Config) -> None:
                 "batch; BatchGenerator (batcher = 'mlx_lm') steps with mlx-lm's forward pass"
             )
         compiled = opts.batcher != "mlx_lm" and opts.decode_step != "model"
-        if opts.decode_attention != "auto" and not compiled:
-            raise ConfigError(
-                f"model {model.name!r}: engine.decode_attention applies to the compiled step only"
-            )
+        for name, default in (("decode_attention", "auto"), ("decode_projections", "separate")):
+            if getattr(opts, name) != default and not compiled:
+                raise ConfigError(
+                    f"model {model.name!r}: engine.{name} applies to the compiled step only"
+                )
         if opts.join_settle_steps and opts.batcher == "mlx_lm":
             raise ConfigError(
                 f"model {model.name!r}: engine.join_settle_steps applies to the rows batch "

@@ -422,6 +422,15 @@ def test_decode_step_is_the_models_or_the_compiled_one_in_the_rows_batch(tmp_pat
     for other in ('batcher = "mlx_lm"\n', 'decode_step = "model"\n'):
         with pytest.raises(ConfigError, match="decode_attention applies to the compiled step"):
             load_config(write(tmp_path, head + other + 'decode_attention = "kernel"\n'))
+    # and its projections: apart by default, stacked only where the compiled step may run
+    assert load_config(write(tmp_path, head)).models[0].engine.decode_projections == "separate"
+    chosen = load_config(write(tmp_path, head + 'decode_projections = "stacked"\n'))
+    assert chosen.models[0].engine.decode_projections == "stacked"
+    with pytest.raises(ConfigError, match="decode_projections"):
+        load_config(write(tmp_path, head + 'decode_projections = "fused"\n'))
+    for other in ('batcher = "mlx_lm"\n', 'decode_step = "model"\n'):
+        with pytest.raises(ConfigError, match="decode_projections applies to the compiled step"):
+            load_config(write(tmp_path, head + other + 'decode_projections = "stacked"\n'))
 
 
 def test_a_model_without_kind_is_what_its_worker_served() -> None:

@@ -185,6 +185,41 @@ def test_stacked_projections_are_not_a_second_copy_of_the_weights(quantized: boo
     assert mx.array_equal(model(prompt), before).item()
 
 
+def test_projections_are_stacked_after_a_probe_of_them_apart_and_checked(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On CUDA the stacked multiplications round otherwise than three separate ones, past the
+    probe's tolerance over a model's layers: the probe checks the step's structure apart, and
+    the stacked multiplications are then checked against the separate ones. Stacked in the
+    wrong order (a stand-in), the projections stay apart and the tokens the model's."""
+    probed: list[bool] = []
+    probe = decode_step.probe
+
+    def recorded(model: Any, step: decode_step.DecodeStep) -> bool:
+        probed.append(step.shape.fused)
+        return probe(model, step)
+
+    monkeypatch.setattr(decode_step, "probe", recorded)
+    model = _tiny(llama)
+    step = decode_step.build(model, fuse=True)
+    assert step is not None and step.shape.fused and probed == [False]
+    assert _decode(model, step, PROMPTS, 2, 10) == _decode(model, None, PROMPTS, 2, 10)
+
+    fuse_into = decode_step.fuse_into
+
+    def misordered(modules: list[Any], found: list[Any]) -> Any:
+        kind, arrays = fuse_into(modules, found)  # the model's own views stay right
+        return kind, [a[::-1] for a in arrays]  # the step's rows reversed
+
+    monkeypatch.setattr(decode_step, "fuse_into", misordered)
+    model = _tiny(llama)
+    with caplog.at_level(logging.WARNING, logger=decode_step.__name__):
+        step = decode_step.build(model, fuse=True)
+    assert step is not None and not step.shape.fused
+    assert "projections kept apart (stacked, they multiply otherwise" in caplog.text
+    assert _decode(model, step, PROMPTS, 2, 10) == _decode(model, None, PROMPTS, 2, 10)
+
+
 def test_models_it_does_not_know_keep_their_forward_pass(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger=decode_step.__name__)
     sliding = _tiny(
@@ -271,6 +306,10 @@ def test_the_engine_setting_picks_the_step(chat: Loaded) -> None:
     auto = make_backend(chat.model, chat.tokenizer, EngineOptions(batcher="rows"))
     assert auto.batch.decode is not None  # type: ignore[attr-defined]
     assert auto.batch.decode.ragged is None  # type: ignore[attr-defined]
+    assert not auto.batch.decode.shape.fused  # type: ignore[attr-defined]
+    options = EngineOptions(batcher="rows", decode_projections="stacked")
+    stacked = make_backend(chat.model, chat.tokenizer, options)
+    assert stacked.batch.decode.shape.fused  # type: ignore[attr-defined]
 
 
 def test_the_ragged_kernel_asked_for_where_it_cannot_run_is_a_warning(

@@ -44,71 +44,12 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from worker.backends import ragged_attention
 from worker.backends.cpu_ops import compile_lock
+from worker.backends.projections import Projection, agree, apply, fuse_into, projection, split
 
 log = logging.getLogger(__name__)
 
 ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 PROBE_ATTEMPTS = 3
-
-
-@dataclass(frozen=True, slots=True)
-class Projection:
-    """How a layer's linear projection multiplies (its arrays are the compiled function's
-    inputs; this is the static part of the trace)."""
-
-    quantized: bool
-    bias: bool  # an added bias vector
-    scale_biases: bool = False  # quantized: affine mode's per-group biases
-    group_size: int = 0
-    bits: int = 0
-    mode: str = "affine"
-
-
-def _names(module: Any) -> list[str]:
-    """The parameters a linear layer multiplies with, in the order `apply` takes them."""
-    names = ["weight", "scales"] if type(module) is nn.QuantizedLinear else ["weight"]
-    names += [n for n in ("biases", "bias") if getattr(module, n, None) is not None]
-    return names
-
-
-def projection(module: Any) -> tuple[Projection, list[mx.array]] | None:
-    """A linear layer's kind and arrays; None for a layer of another kind (a sharded or
-    LoRA layer, say): the model's forward pass is then the only one that knows it."""
-    bias = getattr(module, "bias", None)
-    if type(module) is nn.Linear:
-        return Projection(False, bias is not None), [getattr(module, n) for n in _names(module)]
-    if type(module) is nn.QuantizedLinear:
-        biases = getattr(module, "biases", None)
-        arrays = [getattr(module, n) for n in _names(module)]
-        kind = Projection(
-            True,
-            bias is not None,
-            biases is not None,
-            module.group_size,
-            module.bits,
-            module.mode,
-        )
-        return kind, arrays
-    return None
-
-
-def apply(x: mx.array, kind: Projection, arrays: Sequence[mx.array]) -> mx.array:
-    """`x` through a projection, as its module computes it."""
-    if not kind.quantized:  # nn.Linear: one fused multiply-add with a bias (its rounding)
-        return mx.addmm(arrays[1], x, arrays[0].T) if kind.bias else x @ arrays[0].T
-    weight, scales, *rest = arrays
-    biases = rest[0] if kind.scale_biases else None
-    y = mx.quantized_matmul(
-        x,
-        weight,
-        scales=scales,
-        biases=biases,
-        transpose=True,
-        group_size=kind.group_size,
-        bits=kind.bits,
-        mode=kind.mode,
-    )
-    return y + rest[-1] if kind.bias else y
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,36 +70,6 @@ class Layer:
     attend: list[mx.array]  # input norm; q, k, v arrays; head norms
     mlp: list[mx.array]  # o arrays; post-attention norm; gate, up, down arrays
     counts: tuple[int, ...]  # arrays per projection, in Shape.projections' order
-
-
-def _split(arrays: Sequence[mx.array], counts: Sequence[int]) -> list[list[mx.array]]:
-    out, at = [], 0
-    for n in counts:
-        out.append(list(arrays[at : at + n]))
-        at += n
-    return out
-
-
-def _fuse(
-    modules: list[Any], found: list[tuple[Projection, list[mx.array]]]
-) -> tuple[Projection, list[mx.array]] | None:
-    """Projections of the same input as one: their arrays stacked by output rows, and each
-    module's own parameters made slices of the stacked ones (views of the same memory, so
-    the model's forward pass, which prefills, reads what the step reads and the weights are
-    not held twice)."""
-    kinds = {f[0] for f in found}
-    if len(kinds) != 1:
-        return None
-    arrays = [mx.concatenate([f[1][i] for f in found], axis=0) for i in range(len(found[0][1]))]
-    mx.eval(arrays)
-    at = 0
-    for module, (_, own) in zip(modules, found, strict=True):
-        rows = own[0].shape[0]
-        views = {n: a[at : at + rows] for n, a in zip(_names(module), arrays, strict=True)}
-        mx.eval(list(views.values()))
-        module.update(views)
-        at += rows
-    return kinds.pop(), arrays
 
 
 def _layer(block: Any, fuse: bool = False) -> tuple[Shape, Layer] | None:
@@ -190,7 +101,7 @@ def _layer(block: Any, fuse: bool = False) -> tuple[Shape, Layer] | None:
     if fuse:
         if len({f[0] for f in found[:3]}) != 1 or len({f[0] for f in found[4:6]}) != 1:
             return None
-        qkv, gate_up = _fuse(modules[:3], found[:3]), _fuse(modules[4:6], found[4:6])
+        qkv, gate_up = fuse_into(modules[:3], found[:3]), fuse_into(modules[4:6], found[4:6])
         if qkv is None or gate_up is None:
             return None
         found = [qkv, found[3], gate_up, found[6]]
@@ -251,7 +162,7 @@ class DecodeStep:
                 y = apply(h, kinds[0], arrays[1 : 1 + counts[0]])
                 q, k, v = mx.split(y, [heads * head_dim, (heads + kv_heads) * head_dim], axis=-1)
             else:
-                qkv = _split(arrays[1:], counts[:3])
+                qkv = split(arrays[1:], counts[:3])
                 q, k, v = (apply(h, kinds[i], qkv[i]) for i in range(3))
             q = q.reshape(rows, heads, 1, head_dim)
             k = k.reshape(rows, kv_heads, 1, head_dim)
@@ -269,11 +180,11 @@ class DecodeStep:
             h = x + apply(out.reshape(rows, 1, heads * head_dim), kinds[o_at], o)
             m = mx.fast.rms_norm(h, norm, eps)
             if shape.fused:
-                gate_up, down = _split(rest, counts[2:])
+                gate_up, down = split(rest, counts[2:])
                 g, u = mx.split(apply(m, kinds[2], gate_up), 2, axis=-1)
                 a = nn.silu(g) * u
                 return h + apply(a, kinds[3], down)
-            gate, up, down = _split(rest, counts[4:])
+            gate, up, down = split(rest, counts[4:])
             a = nn.silu(apply(m, kinds[4], gate)) * apply(m, kinds[5], up)
             return h + apply(a, kinds[6], down)
 
@@ -326,17 +237,17 @@ def build(
     ragged_asked: bool = False,
 ) -> DecodeStep | None:
     """The model's decode step, or None (and why, logged) where it keeps mlx-lm's. With
-    `fuse`, each layer's Q, K and V projections are one matrix, and so are its gate and up
-    projections: fewer, larger multiplications (a benchmark's variant, not a setting); the
-    model's own layers then read slices of those matrices, so the weights are not held
-    twice. `asked`: the configuration named the step (a model it does not know is then a
-    warning; under "auto", only news). `ragged`: on MLX's CUDA backend, rows of different
-    lengths attend through ragged_attention.py's kernel instead of MLX's attention with a
-    mask (`ragged_asked`: the configuration named the kernel; where it cannot run, a
-    warning)."""
+    `fuse` (`engine.decode_projections = "stacked"`), each layer's Q, K and V projections
+    are one matrix, and so are its gate and up projections: fewer, larger multiplications;
+    the model's own layers then read slices of those matrices, so the weights are not held
+    twice (projections.py). `asked`: the configuration named the step (a model it does not
+    know is then a warning; under "auto", only news). `ragged`: on MLX's CUDA backend, rows
+    of different lengths attend through ragged_attention.py's kernel instead of MLX's
+    attention with a mask (`ragged_asked`: the configuration named the kernel; where it
+    cannot run, a warning)."""
     reason = _unsupported(model)
     if reason is None:
-        found = [_layer(block, fuse) for block in model.model.layers]
+        found = [_layer(block) for block in model.model.layers]
         if any(f is None for f in found):
             reason = "a decoder layer of a kind the step does not know"
         else:
@@ -368,6 +279,7 @@ def build(
     # which drifts past the probe's tolerance over a model's layers in bfloat16; it was
     # checked against that attention, op for op, when made.
     step = DecodeStep(model, shape, [f[1] for f in found if f is not None])
+    found.clear()  # the step holds the layers' arrays now, and only the step
     # On MLX's CPU the probe compiles the step's kernels (once a machine, cached on disk):
     # one process at a time, as the CPU warm-up does.
     lock = compile_lock() if mx.default_device() == mx.cpu else contextlib.nullcontext()
@@ -389,9 +301,60 @@ def build(
             "model's on a probe: this mlx-lm's model computes something else)"
         )
         return None
+    if fuse:
+        # Stacked after the probe, which checked the step's structure with the projections
+        # apart: cuBLAS multiplies a stacked matrix in another order than three separate
+        # ones, and in bfloat16 that drifts past the probe's tolerance over a model's layers
+        # (docs/benchmarks.md); the stacked multiplications are checked against the
+        # separate ones here instead. The step's arrays are the weights that the stacking
+        # replaces: dropped first, so that they are not held twice meanwhile.
+        hidden = model.model.norm.weight.shape[0]
+        x = mx.random.normal((2, hidden), key=mx.random.key(0)).astype(dtype)
+        apart = _projected(x, step.shape, step.layers[0])
+        mx.eval(apart)
+        del step
+        step = _stacked(model, x, apart)
     step.ragged = kernel
-    log.info("decode step: compiled, %d layers%s", len(step.layers), " (fused)" if fuse else "")
+    fused = " (stacked projections)" if step.shape.fused else ""
+    log.info("decode step: compiled, %d layers%s", len(step.layers), fused)
     return step
+
+
+def _projected(x: mx.array, shape: Shape, layer: Layer) -> list[mx.array]:
+    """A layer's Q|K|V and gate|up projections of `x`, stacked or apart as the layer is."""
+    kinds, counts = shape.projections, layer.counts
+    if shape.fused:
+        mlp = layer.mlp[counts[1] + 1 :]  # after o's arrays and the norm
+        return [
+            apply(x, kinds[0], layer.attend[1 : 1 + counts[0]]),
+            apply(x, kinds[2], mlp[: counts[2]]),
+        ]
+    qkv = split(layer.attend[1:], counts[:3])
+    gate_up = split(layer.mlp[counts[3] + 1 :], counts[4:6])
+    return [
+        mx.concatenate([apply(x, kinds[i], qkv[i]) for i in range(3)], axis=-1),
+        mx.concatenate([apply(x, kinds[4 + i], gate_up[i]) for i in range(2)], axis=-1),
+    ]
+
+
+def _stacked(model: Any, x: mx.array, apart: list[mx.array]) -> DecodeStep:
+    """The step over stacked projections, where they multiply `x` as the first layer's
+    projections apart did (`apart`) within the rounding of another order of summation; else
+    the step with them apart again, over the model's weights, now views of the stacked
+    ones (nothing is held twice either way), logged."""
+    found = [_layer(block, fuse=True) for block in model.model.layers]
+    if all(f is not None for f in found):
+        layers = [f for f in found if f is not None]
+        step = DecodeStep(model, layers[0][0], [f[1] for f in layers])
+        stacked = _projected(x, step.shape, step.layers[0])
+        if all(agree(s, a) for s, a in zip(stacked, apart, strict=True)):
+            return step
+        why = "stacked, they multiply otherwise than apart on this backend"
+    else:
+        why = "projections of different kinds in a layer"
+    log.warning("decode step: projections kept apart (%s)", why)
+    layers = [f for f in (_layer(block) for block in model.model.layers) if f is not None]
+    return DecodeStep(model, layers[0][0], [f[1] for f in layers])
 
 
 def _unsupported(model: Any) -> str | None:

@@ -265,6 +265,7 @@ class MlxRowsBackend(MlxLmBackend):
             decode=(
                 decode_step.build(
                     model,
+                    fuse=options.decode_projections == "stacked",
                     asked=options.decode_step == "compiled",
                     ragged=options.decode_attention != "mlx",
                     ragged_asked=options.decode_attention == "kernel",
