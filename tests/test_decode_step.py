@@ -18,7 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from shared.config import EngineOptions
 from tests.engine_fixtures import Loaded, reference_greedy
-from worker.backends import decode_step, ragged_attention
+from worker.backends import decode_step, projections, ragged_attention
 from worker.backends.mlx_lm import make_backend
 from worker.backends.rows import RowBatch
 from worker.backends.sampling import greedy
@@ -218,6 +218,45 @@ def test_projections_are_stacked_after_a_probe_of_them_apart_and_checked(
     assert step is not None and not step.shape.fused
     assert "projections kept apart (stacked, they multiply otherwise" in caplog.text
     assert _decode(model, step, PROMPTS, 2, 10) == _decode(model, None, PROMPTS, 2, 10)
+
+
+def test_stacking_that_fails_keeps_the_projections_apart_and_the_weights_right(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Out of memory halfway through the layers, or views that would not read the model's
+    own bits: the step keeps its projections apart, and the model computes what it did."""
+    fuse_into, calls = decode_step.fuse_into, []
+
+    def failing(modules: list[Any], found: list[Any]) -> Any:
+        calls.append(1)
+        if len(calls) == 3:  # the second layer's Q/K/V
+            raise MemoryError("no room for the stacked copy")
+        return fuse_into(modules, found)
+
+    monkeypatch.setattr(decode_step, "fuse_into", failing)
+    model = _tiny(llama)
+    before = model(mx.array([PROMPTS[2]]))
+    with caplog.at_level(logging.WARNING, logger=decode_step.__name__):
+        step = decode_step.build(model, fuse=True)
+    assert step is not None and not step.shape.fused
+    assert "projections kept apart (stacking failed: no room" in caplog.text
+    assert mx.array_equal(model(mx.array([PROMPTS[2]])), before).item()
+    assert _decode(model, step, PROMPTS, 2, 10) == _decode(model, None, PROMPTS, 2, 10)
+
+    monkeypatch.setattr(decode_step, "fuse_into", fuse_into)
+    concatenate = mx.concatenate
+    # stacked in another order than the modules': each module's slice is another's rows
+    monkeypatch.setattr(
+        projections.mx, "concatenate", lambda arrays, axis: concatenate(arrays[::-1], axis=axis)
+    )
+    model = _tiny(llama)
+    weights = dict(tree_flatten(model.parameters()))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=decode_step.__name__):
+        step = decode_step.build(model, fuse=True)
+    assert step is not None and not step.shape.fused
+    assert "did not stack" in caplog.text
+    assert all(v is weights[n] for n, v in tree_flatten(model.parameters()))  # untouched
 
 
 def test_models_it_does_not_know_keep_their_forward_pass(caplog: pytest.LogCaptureFixture) -> None:

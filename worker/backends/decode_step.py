@@ -282,8 +282,7 @@ def build(
     found.clear()  # the step holds the layers' arrays now, and only the step
     # On MLX's CPU the probe compiles the step's kernels (once a machine, cached on disk):
     # one process at a time, as the CPU warm-up does.
-    lock = compile_lock() if mx.default_device() == mx.cpu else contextlib.nullcontext()
-    with lock:
+    with _lock():
         matches: bool | None = None
         for attempt in range(1, PROBE_ATTEMPTS + 1):
             try:
@@ -305,53 +304,80 @@ def build(
         # Stacked after the probe, which checked the step's structure with the projections
         # apart: cuBLAS multiplies a stacked matrix in another order than three separate
         # ones, and in bfloat16 that drifts past the probe's tolerance over a model's layers
-        # (docs/benchmarks.md); the stacked multiplications are checked against the
-        # separate ones here instead. The step's arrays are the weights that the stacking
+        # (docs/benchmarks.md); the stacked step's first layer is checked against the
+        # apart step's here instead. The step's arrays are the weights that the stacking
         # replaces: dropped first, so that they are not held twice meanwhile.
         hidden = model.model.norm.weight.shape[0]
-        x = mx.random.normal((2, hidden), key=mx.random.key(0)).astype(dtype)
-        apart = _projected(x, step.shape, step.layers[0])
-        mx.eval(apart)
-        del step
-        step = _stacked(model, x, apart)
+        inputs = _inputs(step.shape, hidden, dtype)
+        with _lock():
+            want = _outputs(step, inputs)
+            del step
+            step = _stacked(model, inputs, want)
     step.ragged = kernel
     fused = " (stacked projections)" if step.shape.fused else ""
     log.info("decode step: compiled, %d layers%s", len(step.layers), fused)
     return step
 
 
-def _projected(x: mx.array, shape: Shape, layer: Layer) -> list[mx.array]:
-    """A layer's Q|K|V and gate|up projections of `x`, stacked or apart as the layer is."""
+def _lock() -> contextlib.AbstractContextManager[Any]:
+    """On MLX's CPU, kernels compile once a machine, cached on disk: one process at a time."""
+    return compile_lock() if mx.default_device() == mx.cpu else contextlib.nullcontext()
+
+
+Inputs = list[tuple[mx.array, mx.array, mx.array]]
+
+
+def _inputs(shape: Shape, hidden: int, dtype: mx.Dtype) -> Inputs:
+    """A layer's inputs, as the probe steps: 1 row (one offset) and 2 rows (one a row)."""
+    out = []
+    for rows, offset in ((1, mx.array(3)), (2, mx.array([3, 5]))):
+        kx, ka = mx.random.split(mx.random.key(rows))
+        x = mx.random.normal((rows, 1, hidden), key=kx).astype(dtype)
+        attn = mx.random.normal((rows, shape.heads, 1, shape.head_dim), key=ka).astype(dtype)
+        out.append((x, offset, attn))
+    return out
+
+
+def _outputs(step: DecodeStep, inputs: Inputs) -> list[mx.array]:
+    """The first layer's Q, K, V, gate and up projections one by one, and its two compiled
+    functions' outputs, on `inputs` (on MLX's CPU this compiles the step's kernels)."""
+    shape, layer = step.shape, step.layers[0]
     kinds, counts = shape.projections, layer.counts
-    if shape.fused:
-        mlp = layer.mlp[counts[1] + 1 :]  # after o's arrays and the norm
-        return [
-            apply(x, kinds[0], layer.attend[1 : 1 + counts[0]]),
-            apply(x, kinds[2], mlp[: counts[2]]),
-        ]
-    qkv = split(layer.attend[1:], counts[:3])
-    gate_up = split(layer.mlp[counts[3] + 1 :], counts[4:6])
-    return [
-        mx.concatenate([apply(x, kinds[i], qkv[i]) for i in range(3)], axis=-1),
-        mx.concatenate([apply(x, kinds[4 + i], gate_up[i]) for i in range(2)], axis=-1),
-    ]
+    out: list[mx.array] = []
+    for x, offset, attn in inputs:
+        if shape.fused:
+            widths = [shape.heads * shape.head_dim, (shape.heads + shape.kv_heads) * shape.head_dim]
+            stacked = apply(x, kinds[0], layer.attend[1 : 1 + counts[0]])
+            out += mx.split(stacked, widths, axis=-1)
+            stacked = apply(x, kinds[2], layer.mlp[counts[1] + 1 :][: counts[2]])
+            out += mx.split(stacked, 2, axis=-1)
+        else:
+            qkv = split(layer.attend[1:], counts[:3])
+            gate_up = split(layer.mlp[counts[3] + 1 :], counts[4:6])
+            out += [apply(x, kinds[i], qkv[i]) for i in range(3)]
+            out += [apply(x, kinds[4 + i], gate_up[i]) for i in range(2)]
+        out += [*step._attend(x, offset, layer.attend), step._finish(x, attn, layer.mlp)]
+    mx.eval(out)
+    return out
 
 
-def _stacked(model: Any, x: mx.array, apart: list[mx.array]) -> DecodeStep:
-    """The step over stacked projections, where they multiply `x` as the first layer's
-    projections apart did (`apart`) within the rounding of another order of summation; else
-    the step with them apart again, over the model's weights, now views of the stacked
-    ones (nothing is held twice either way), logged."""
-    found = [_layer(block, fuse=True) for block in model.model.layers]
-    if all(f is not None for f in found):
-        layers = [f for f in found if f is not None]
-        step = DecodeStep(model, layers[0][0], [f[1] for f in layers])
-        stacked = _projected(x, step.shape, step.layers[0])
-        if all(agree(s, a) for s, a in zip(stacked, apart, strict=True)):
-            return step
-        why = "stacked, they multiply otherwise than apart on this backend"
-    else:
-        why = "projections of different kinds in a layer"
+def _stacked(model: Any, inputs: Inputs, want: list[mx.array]) -> DecodeStep:
+    """The step over stacked projections, where its first layer computes `want` (the apart
+    step's `_outputs`) within the rounding of another order of summation; else, logged, the
+    step with them apart again over the model's weights (some or all of them now views of
+    stacked arrays, equal to the originals bit for bit: nothing is held twice either way)."""
+    try:
+        found = [_layer(block, fuse=True) for block in model.model.layers]
+        why = "a layer's projections did not stack (of different kinds, or views unequal)"
+        if all(f is not None for f in found):
+            layers = [f for f in found if f is not None]
+            step = DecodeStep(model, layers[0][0], [f[1] for f in layers])
+            got = _outputs(step, inputs)
+            if all(agree(g, w) for g, w in zip(got, want, strict=True)):
+                return step
+            why = "stacked, they multiply otherwise than apart on this backend"
+    except Exception as exc:  # e.g. out of memory for a layer's stacked copy
+        why = f"stacking failed: {exc}"
     log.warning("decode step: projections kept apart (%s)", why)
     layers = [f for f in (_layer(block) for block in model.model.layers) if f is not None]
     return DecodeStep(model, layers[0][0], [f[1] for f in layers])
