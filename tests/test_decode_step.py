@@ -361,6 +361,24 @@ def test_the_ragged_kernel_asked_for_where_it_cannot_run_is_a_warning(
     assert "decode_attention = 'kernel': MLX's attention with a mask" in caplog.text
 
 
+def test_step_settings_where_auto_keeps_the_forward_pass_are_a_warning(
+    chat: Loaded, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(decode_step, "wanted", lambda setting: setting == "compiled")  # Metal
+    options = EngineOptions(batcher="rows", decode_projections="stacked", decode_attention="kernel")
+    with caplog.at_level(logging.WARNING):
+        backend = make_backend(chat.model, chat.tokenizer, options)
+    assert backend.batch.decode is None  # type: ignore[attr-defined]
+    assert (
+        "engine.decode_projections = 'stacked', decode_attention = 'kernel': no effect here"
+        in caplog.text
+    )
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        make_backend(chat.model, chat.tokenizer, EngineOptions(batcher="rows"))
+    assert "no effect here" not in caplog.text
+
+
 def test_auto_compiles_on_cpu_and_cuda_and_not_on_metal(monkeypatch: pytest.MonkeyPatch) -> None:
     assert decode_step.wanted("compiled") and not decode_step.wanted("model")
     assert decode_step.wanted("auto")  # MLX's CPU here

@@ -257,6 +257,19 @@ class MlxRowsBackend(MlxLmBackend):
                 f"this one uses {', '.join(sorted(kinds))}: use batcher = 'mlx_lm'"
             )
         self._setup(model, tokenizer, options)
+        compiled = decode_step.wanted(options.decode_step)
+        if not compiled and options.decode_step == "auto":  # Metal: named settings say so
+            named = []
+            if options.decode_projections != "separate":
+                named.append(f"decode_projections = {options.decode_projections!r}")
+            if options.decode_attention == "kernel":
+                named.append(f"decode_attention = {options.decode_attention!r}")
+            if named:
+                log.warning(
+                    "engine.%s: no effect here: engine.decode_step = 'auto' keeps mlx-lm's "
+                    "forward pass on this backend (set decode_step = 'compiled')",
+                    ", ".join(named),
+                )
         self.batch = RowBatch(
             model,
             options.prefill_step_size,
@@ -270,7 +283,7 @@ class MlxRowsBackend(MlxLmBackend):
                     ragged=options.decode_attention != "mlx",
                     ragged_asked=options.decode_attention == "kernel",
                 )
-                if decode_step.wanted(options.decode_step)
+                if compiled
                 else None
             ),
             # what it saves was measured on MLX's CUDA backend only (buckets.py)
