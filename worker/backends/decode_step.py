@@ -380,6 +380,8 @@ def _stacked(model: Any, inputs: Inputs, want: list[mx.array]) -> DecodeStep:
         why = f"stacking failed: {exc}"
     log.warning("decode step: projections kept apart (%s)", why)
     layers = [f for f in (_layer(block) for block in model.model.layers) if f is not None]
+    # the same modules as the probed step's, some reading views now: each layer as before
+    assert len(layers) == len(model.model.layers)
     return DecodeStep(model, layers[0][0], [f[1] for f in layers])
 
 
