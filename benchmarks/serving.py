@@ -322,8 +322,13 @@ def save(args: argparse.Namespace, results: dict[str, Any], started: float) -> N
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv, __doc__.split("\n\n")[0])
     if args.report:
-        for label, mres in json.loads(args.report.read_text())["models"].items():
-            print(f"\n## {label}\n\n{markdown_table(table_rows(mres))}")
+        try:
+            models = json.loads(args.report.read_text())["models"].items()
+            tables = [f"\n## {label}\n\n{markdown_table(table_rows(m))}" for label, m in models]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            print(f"--report {args.report}: not a serving run's JSON ({exc!r})", file=sys.stderr)
+            return 2
+        print("\n".join(tables))
         return 0
     CLIENT_NICE[0] = args.client_nice
     if args.vllm_mlx_cmd is None:

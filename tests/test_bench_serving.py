@@ -73,3 +73,13 @@ def test_a_run_cut_short_keeps_the_sources_it_measured(
         ["| inprocess", "8", "800.0"],
         ["| a", "8", "720.0"],
     ]
+
+
+def test_a_report_of_a_file_that_is_not_a_run_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = tmp_path / "other.json"
+    other.write_text('{"rows": [1, 2]}')
+    for path in (tmp_path / "missing.json", other):
+        assert serving.main(["--report", str(path)]) == 2
+        assert "not a serving run's JSON" in capsys.readouterr().err
