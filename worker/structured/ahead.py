@@ -65,3 +65,77 @@ class GuideThread:
         if not at:
             return Masked(tokens, [], bitmask, None)
         return Masked(tokens, at, bitmask, pack(bitmask, None if len(at) == len(rows) else at))
+
+
+def guide_logits(
+    rows: list[Any],
+    fresh: set[int],
+    version: int,
+    masks: Masks,
+    logits: mx.array,
+    inputs: mx.array,
+    ahead: Ahead | None,
+) -> tuple[mx.array, list[int] | None]:
+    """Masks the guided rows' logits in a step of the rows batch (its `rows` in order, the
+    `fresh` ones whose input is their prompt's last token, its `version` of them): with the
+    masks the guide thread computed for this step (it took each row's previous token), and
+    those of rows it did not see (joined this step). Returns the step's input tokens too when
+    the thread read them for the batch's rows as they are (None: the caller reads them)."""
+    masked: Masked | None = None
+    if ahead is not None:
+        if not ahead.future.done():
+            # the device runs the forward pass while the thread finishes
+            mx.async_eval(logits)
+        masked = ahead.future.result()
+    same = masked is not None and ahead is not None and ahead.version == version
+    tokens = masked.tokens if same and masked is not None else None
+    at: list[int] = []  # rows masked, and their bitmask lines
+    lines: list[np.ndarray] = []
+    if masked is not None:
+        if same:
+            for j, i in enumerate(masked.at):
+                if not rows[i].dead:
+                    at.append(i)
+                    lines.append(masked.bitmask[j])
+        else:
+            assert ahead is not None
+            index = {r.uid: i for i, r in enumerate(rows) if not r.dead}
+            for j, i in enumerate(masked.at):
+                now = index.get(ahead.rows[i].uid)
+                if now is not None:
+                    at.append(now)
+                    lines.append(masked.bitmask[j])
+    packed = None  # the thread's device array, while it still says it all
+    if same and masked is not None and len(at) == len(masked.at):
+        packed = masked.packed
+    late: list[Any] = []  # rows the thread did not see: joined this step
+    if not same:
+        seen = {r.uid for r in ahead.rows} if ahead is not None else set()
+        late = [r for r in rows if r.guide and r.uid not in seen and not r.dead]
+    if late:
+        if tokens is None and any(r.uid not in fresh for r in late):
+            mx.async_eval(logits)
+            tokens = inputs.tolist()  # type: ignore[assignment]
+        position = {r.uid: i for i, r in enumerate(rows)}
+        for r in late:
+            if r.uid not in fresh:  # a token to take (not expected: joined rows are)
+                assert r.guide is not None and tokens is not None
+                r.guide.consume(tokens[position[r.uid]])
+        bitmask, filled = masks.fill([r.guide for r in late])
+        for r, line, forbids in zip(late, bitmask, filled, strict=True):
+            if forbids:
+                at.append(position[r.uid])
+                lines.append(line)
+                packed = None
+    for row in rows:
+        if row.guide is not None:
+            row.guide.settle()
+    if not at:
+        return logits, tokens
+    if packed is None:
+        every = len(at) == len(rows)
+        if every:
+            order = sorted(range(len(at)), key=at.__getitem__)
+            lines = [lines[k] for k in order]
+        packed = pack(np.stack(lines), None if every else at)
+    return masks.apply_packed(logits, packed), tokens
