@@ -301,18 +301,11 @@ class MlxRowsBackend(MlxLmBackend):
             [make_processors(i.sampling, i.stop_ids) for i in items],
             [i.guide for i in items],
             [i.shift for i in items],
-            [i.max_tokens for i in items],
         )
 
     def step(self, keep_caches: bool, logprobs: bool = True) -> list[Sampled]:
-        """The engine's stops end rows (remove), and its max_tokens, unless the row left
-        the batch at them already (`ended`, with its cache: worker/backends/parting.py)."""
-        stepped = self.batch.step(logprobs, keep_caches)
-        ended = self.batch.parting.ended
-        return [
-            Sampled(uid, token, row, uid in ended, *ended.get(uid, (None, None)))
-            for uid, token, row in stepped
-        ]
+        """Rows never end here: the engine's max_tokens and stops end them (remove)."""
+        return [Sampled(uid, token, row, False) for uid, token, row in self.batch.step(logprobs)]
 
     def remove(
         self, uids: list[int], keep_caches: bool = False

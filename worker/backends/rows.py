@@ -9,8 +9,7 @@ bound by the host):
   decode step is the running batch's next step (one forward pass for all rows), not a pass of
   their own;
 - a row that leaves is only marked: it decodes on, unseen, until enough rows have left (or
-  rows join) to compact the batch in one filter; one that ends by length leaves at such a
-  compaction a step before the engine has read its last token (worker/backends/parting.py);
+  rows join) to compact the batch in one filter;
 - into a large batch, rows join a few at a time: a join costs the batch two copies of its KV
   (compaction, extension) and a prefill pass, whatever the number of rows joining, so one
   arriving every step (a full batch under a closed loop) would pay them every step. Joiners
@@ -40,15 +39,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
 from worker.backends.buckets import ROW_BUCKET, bucketed
-from worker.backends.parting import Parted, Parting
 from worker.backends.sampling import LogitsProcessor, Sampler, process_rows
 from worker.backends.shelves import take_out
 from worker.backends.unpadded import Unpadded
-from worker.structured.ahead import Ahead, GuideThread, guide_logits
-from worker.structured.guide import Guide, Masks
+from worker.structured.ahead import Ahead, GuideThread, Masked
+from worker.structured.guide import Guide, Masks, pack
 
 # Compact the batch once this share of its rows has left (and whenever rows join).
 COMPACT_SHARE = 0.25
@@ -74,8 +73,6 @@ class Row:
     # added to the row's positions (mRoPE models: an image's tokens take fewer positions than
     # tokens; the model takes `shifts`, one per row, when any row has one)
     shift: int = 0
-    budget: int = 1 << 62  # the tokens it may draw (its max_tokens)
-    ends: int = 1 << 62  # the batch's `decodes` once the step drawing its last is built
 
 
 @dataclass(slots=True, eq=False)
@@ -135,9 +132,6 @@ class RowBatch:
         self.groups: list[Group] = []  # prefilling, at most MAX_GROUPS
         self.uid_count = 0
         self.steps = 0
-        self.decodes = 0  # decode steps built
-        self.soonest = 1 << 62  # the least of the rows' `ends`
-        self.parting = Parting()  # rows gone at their max_tokens, last tokens unread
         self.waited_s = 0.0  # the host's wait for steps' tokens (benchmarks' step trace)
         self.prefilled = 0  # prompt positions run, padding included (the same trace)
         self.joined = 0  # rows that joined the running batch (the same)
@@ -159,23 +153,21 @@ class RowBatch:
         processors: list[list[LogitsProcessor]],
         guides: list[Guide | None] | None = None,
         shifts: list[int] | None = None,
-        budgets: list[int] | None = None,
     ) -> list[int]:
         """Rows to start: the prompt tokens to run after the `prefix` tokens whose KV each
-        cache holds (at least one token each), and the most tokens each may draw."""
+        cache holds (at least one token each)."""
         uids = []
         guides = guides or [None] * len(prompts)
         shifts = shifts or [0] * len(prompts)
-        budgets = budgets or [1 << 62] * len(prompts)
-        for prompt, cache, prefix, sampler, procs, guide, shift, budget in zip(
-            prompts, caches, prefixes, samplers, processors, guides, shifts, budgets, strict=True
+        for prompt, cache, prefix, sampler, procs, guide, shift in zip(
+            prompts, caches, prefixes, samplers, processors, guides, shifts, strict=True
         ):
             if not prompt:
                 raise ValueError("a row needs at least one prompt token to run")
             uid, self.uid_count = self.uid_count, self.uid_count + 1
             held = list(prefix) + list(prompt[:-1])
             row = Row(uid, sampler, procs, held, prompt[-1], TokenBuffer(held) if procs else None)
-            row.guide, row.shift, row.budget = guide, shift, max(1, budget)
+            row.guide, row.shift = guide, shift
             self.waiting.append(Waiting(row, list(prompt[:-1]), cache, self.steps))
             uids.append(uid)
         return uids
@@ -216,16 +208,12 @@ class RowBatch:
 
     # ---- a step ---------------------------------------------------------------------
 
-    def step(
-        self, logprobs: bool = True, keep_caches: bool = False
-    ) -> list[tuple[int, int, mx.array | None]]:
+    def step(self, logprobs: bool = True) -> list[tuple[int, int, mx.array | None]]:
         """Prefill a chunk of the joining rows, decode the running ones; the tokens sampled
         at the step before, as (uid, token, the distribution it was drawn from). With
         `logprobs` False, the distributions of this step's tokens are not split per row
         (their tokens come back at the next step with None): a cost at every step,
-        proportional to the rows, that only requests for logprobs need. Rows that left at
-        their max_tokens (`parting.ended`) leave their caches there with `keep_caches`."""
-        self.parting.ended = {}
+        proportional to the rows, that only requests for logprobs need."""
         if self._flush_due():
             return self._flush()
         self.steps += 1
@@ -234,39 +222,14 @@ class RowBatch:
         for group in self.groups:
             self._prefill_chunk(group)
         joined = [g for g in self.groups if g.tokens is None]
-        ending = self._ending()
-        if joined or self._dead_share(len(ending)) >= COMPACT_SHARE:
-            if ending:
-                self._part(ending, keep_caches)
+        if joined or self._dead_share() >= COMPACT_SHARE:
             self._compact(sum(not r.dead for g in joined for r in g.rows))
         for group in joined:
             self._join(group)
         self.groups = [g for g in self.groups if g.tokens is not None]
-        out = self._decode(logprobs) if self.rows and self.inputs is not None else []
-        return out + self.parting.out() if self.parting.pending else out
-
-    def _ending(self) -> list[int]:
-        """The running rows whose last token is the pending step's (parting.py)."""
-        if self.flushed:  # the pending tokens are out: the engine removed such rows
+        if not self.rows or self.inputs is None:
             return []
-        if self.decodes < self.soonest:
-            return []
-        return [i for i, r in enumerate(self.rows) if r.ends <= self.decodes and not r.dead]
-
-    def _part(self, ending: list[int], keep_caches: bool) -> None:
-        assert self.inputs is not None
-        rows = [self.rows[i] for i in ending]
-        caches = {}
-        if keep_caches:
-            spans = [(i, len(r.held)) for i, r in zip(ending, rows, strict=True)]
-            kept = take_out(self.caches, spans, self.shelf_bytes)
-            caches = {r.uid: (c, list(r.held)) for r, c in zip(rows, kept, strict=True)}
-        tokens = self.inputs[mx.array(ending)]
-        self.parting.keep(
-            Parted([r.uid for r in rows], tokens, [self.logprobs[i] for i in ending]), caches
-        )
-        for row in rows:
-            row.dead = True
+        return self._decode(logprobs)
 
     def _flush_due(self) -> bool:
         """Whether this call only reads the pending tokens (module docstring); not if guided."""
@@ -351,8 +314,8 @@ class RowBatch:
                 c.finalize()
         mx.async_eval([c.state for c in group.caches])
 
-    def _dead_share(self, ending: int = 0) -> float:
-        return (sum(r.dead for r in self.rows) + ending) / len(self.rows) if self.rows else 0.0
+    def _dead_share(self) -> float:
+        return sum(r.dead for r in self.rows) / len(self.rows) if self.rows else 0.0
 
     def _compact(self, joining: int = 0) -> None:
         """Drops the rows that left (before `joining` rows join); with `bucket_rows`, some
@@ -391,8 +354,6 @@ class RowBatch:
             for c in group.caches:
                 c.filter(live)
         rows = [group.rows[i] for i in live]
-        for row in rows:
-            row.ends = self.decodes + row.budget
         first = mx.array([r.last for r in rows])
         if self.rows:
             for mine, theirs in zip(self.caches, group.caches, strict=True):
@@ -412,7 +373,6 @@ class RowBatch:
         holds the KV of its `held` tokens, right-aligned at the cache's size (every step
         appends one to each)."""
         self.guided = any(r.guide is not None for r in self.rows)
-        self.soonest = min(r.ends for r in self.rows)
         shifted = any(r.shift for r in self.rows)
         self.shifts = mx.array([r.shift for r in self.rows]) if shifted else None
         self.version += 1
@@ -430,7 +390,6 @@ class RowBatch:
     def _decode(self, want_logprobs: bool) -> list[tuple[int, int, mx.array | None]]:
         inputs = self.inputs
         assert inputs is not None
-        self.decodes += 1
         if self.decode is not None and self.shifts is None:
             logits = self.decode(inputs, self.caches, masked=self.padded)
         else:
@@ -439,9 +398,7 @@ class RowBatch:
         tokens: list[int] | None = None
         ahead, self._ahead = self._ahead, None
         if ahead is not None or self.guided:
-            logits, tokens = guide_logits(
-                self.rows, self.fresh, self.version, self.masks, logits, inputs, ahead
-            )
+            logits, tokens = self._guide(logits, inputs, ahead)
         if any(r.processors for r in self.rows):
             logits = process_rows(self.rows, inputs, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -475,3 +432,69 @@ class RowBatch:
         if probe is not None:
             self._ahead = self._guides.submit(probe, list(self.rows), self.version)
         return out
+
+    def _guide(
+        self, logits: mx.array, inputs: mx.array, ahead: Ahead | None
+    ) -> tuple[mx.array, list[int] | None]:
+        """Masks the guided rows' logits: with the masks the guide thread computed for this
+        step (it took each row's previous token), and those of rows it did not see (joined
+        this step). Returns the step's input tokens too when the thread read them for the
+        batch's rows as they are (None: the caller reads them)."""
+        masked: Masked | None = None
+        if ahead is not None:
+            if not ahead.future.done():
+                # the device runs the forward pass while the thread finishes
+                mx.async_eval(logits)
+            masked = ahead.future.result()
+        same = masked is not None and ahead is not None and ahead.version == self.version
+        tokens = masked.tokens if same and masked is not None else None
+        at: list[int] = []  # rows masked, and their bitmask lines
+        lines: list[np.ndarray] = []
+        if masked is not None:
+            if same:
+                for j, i in enumerate(masked.at):
+                    if not self.rows[i].dead:
+                        at.append(i)
+                        lines.append(masked.bitmask[j])
+            else:
+                assert ahead is not None
+                index = {r.uid: i for i, r in enumerate(self.rows) if not r.dead}
+                for j, i in enumerate(masked.at):
+                    now = index.get(ahead.rows[i].uid)
+                    if now is not None:
+                        at.append(now)
+                        lines.append(masked.bitmask[j])
+        packed = None  # the thread's device array, while it still says it all
+        if same and masked is not None and len(at) == len(masked.at):
+            packed = masked.packed
+        late: list[Row] = []  # rows the thread did not see: joined this step
+        if not same:
+            seen = {r.uid for r in ahead.rows} if ahead is not None else set()
+            late = [r for r in self.rows if r.guide and r.uid not in seen and not r.dead]
+        if late:
+            if tokens is None and any(r.uid not in self.fresh for r in late):
+                mx.async_eval(logits)
+                tokens = inputs.tolist()  # type: ignore[assignment]
+            position = {r.uid: i for i, r in enumerate(self.rows)}
+            for r in late:
+                if r.uid not in self.fresh:  # a token to take (not expected: joined rows are)
+                    assert r.guide is not None and tokens is not None
+                    r.guide.consume(tokens[position[r.uid]])
+            bitmask, filled = self.masks.fill([r.guide for r in late])  # type: ignore[misc]
+            for r, line, forbids in zip(late, bitmask, filled, strict=True):
+                if forbids:
+                    at.append(position[r.uid])
+                    lines.append(line)
+                    packed = None
+        for row in self.rows:
+            if row.guide is not None:
+                row.guide.settle()
+        if not at:
+            return logits, tokens
+        if packed is None:
+            every = len(at) == len(self.rows)
+            if every:
+                order = sorted(range(len(at)), key=at.__getitem__)
+                lines = [lines[k] for k in order]
+            packed = pack(np.stack(lines), None if every else at)
+        return self.masks.apply_packed(logits, packed), tokens
