@@ -24,6 +24,10 @@ insertion: `prefill_steps_per_100`, `prefill_step_ms` and `prefill_positions` gi
 that ran prompt positions, their median time and positions). `plain_batch_rows`
 and `plain_kv_size`: the rows batch's median rows (those that left but still decode
 included) and KV length in positions over its plain steps: what a plain step computes over.
+`plain_cpu_ms` and `plain_off_cpu_ms`: a plain step's median CPU time on the engine's thread
+and the median rest of it (waiting for the device, for a lock such as Python's, or
+preempted), with the thread's voluntary and involuntary context switches per 100 plain
+steps; `cache_mb`: MLX's median buffer cache over the steps, in MiB.
 """
 
 from __future__ import annotations
@@ -37,9 +41,9 @@ from pathlib import Path
 from typing import Any
 
 # [t, step_ms, backend_ms, inserted, insert_ms, rows, outputs, masked, new_shapes, wait_ms,
-#  read_ahead, batch_rows, kv_size, prefilled, joined]
+#  read_ahead, batch_rows, kv_size, prefilled, joined, cpu_ms, voluntary, involuntary, cache_mb]
 (T, STEP, BACKEND, INSERTED, INSERT, ROWS, OUTPUTS, MASKED, SHAPES, WAIT, AHEAD) = range(11)
-BATCH, KV, PREFILLED, JOINED = range(11, 15)
+BATCH, KV, PREFILLED, JOINED, CPU, VOLUNTARY, INVOLUNTARY, CACHE = range(11, 19)
 
 
 def _field(step: list[Any], at: int) -> Any:
@@ -96,6 +100,13 @@ def summarize(
     decoding = [s[ROWS] for s in steps if s[ROWS]]
     batch_rows = [b for s in plains if (b := _field(s, BATCH)) is not None]
     kv = [k for s in plains if (k := _field(s, KV)) is not None]
+    cpu = [(s[STEP], c) for s in plains if (c := _field(s, CPU)) is not None]
+    switched = [
+        (v, i)
+        for s in plains
+        if (v := _field(s, VOLUNTARY)) is not None and (i := _field(s, INVOLUNTARY)) is not None
+    ]
+    cache = [c for s in steps if (c := _field(s, CACHE)) is not None]
 
     def median(xs: list[float]) -> float | None:
         return round(statistics.median(xs), 2) if xs else None
@@ -131,7 +142,18 @@ def summarize(
         "prefill_steps_per_100": round(100 * len(prefills) / len(steps), 1),
         "prefill_step_ms": median([s[STEP] for s in prefills]),
         "prefill_positions": median([s[PREFILLED] for s in prefills]),
+        # the plain steps on the engine's thread: its CPU time, the rest of the step off the
+        # CPU (the device, a lock, preemption), and its context switches per 100 steps
+        "plain_cpu_ms": median([c for _, c in cpu]),
+        "plain_off_cpu_ms": median([ms - c for ms, c in cpu]),
+        "plain_voluntary_per_100": per_100([v for v, _ in switched]),
+        "plain_involuntary_per_100": per_100([i for _, i in switched]),
+        "cache_mb": median(cache),
     }
+
+
+def per_100(counts: list[int]) -> float | None:
+    return round(100 * sum(counts) / len(counts), 1) if counts else None
 
 
 def per_level(

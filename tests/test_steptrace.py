@@ -47,9 +47,18 @@ def test_each_step_is_one_line_and_tokens_are_unchanged(
         kv,
         prefilled,
         joined,
+        cpu_ms,
+        voluntary,
+        involuntary,
+        cache_mb,
     ) = zip(*trace, strict=True)
     assert list(t) == sorted(t)
     assert all(s >= b >= 0 for s, b in zip(step_ms, backend_ms, strict=True))
+    # one thread's CPU time within a step is at most the step's wall time (to the rounding)
+    assert all(0 <= c <= s + 0.01 for c, s in zip(cpu_ms, step_ms, strict=True))
+    assert sum(cpu_ms) > 0
+    assert all(isinstance(n, int) and n >= 0 for n in voluntary + involuntary)  # Linux
+    assert all(mb >= 0 for mb in cache_mb)
     assert inserted[0] == 1 and sum(inserted) == 4  # the lone request, then the three
     assert all(ms > 0 for ms, n in zip(insert_ms, inserted, strict=True) if n)
     assert sum(outputs) == 6 + 3 * 4
@@ -87,13 +96,16 @@ def _step(
     ahead: int = 0,
     prefilled: int = 0,
     joined: int = 0,
+    cpu: float | None = None,
+    switched: tuple[int, int] = (1, 0),
 ) -> list[float]:
     backend = ms - 1 if backend is None else backend
     inserting = 0.5 if inserted else 0.0
     batch, kv = rows + 1, 100 * rows
+    cpu = ms / 2 if cpu is None else cpu
     return [
         *(t, ms, backend, inserted, inserting, rows, rows, masked, shapes, ms / 2, ahead),
-        *(batch, kv, prefilled, joined),
+        *(batch, kv, prefilled, joined, cpu, *switched, 64.0),
     ]
 
 
@@ -145,9 +157,24 @@ def test_summary_splits_plain_steps_by_mask_and_counts_new_shapes() -> None:
     assert (s["new_shape_steps"], s["new_shape_step_ms"]) == (2, 9.5)
     assert s["read_aheads"] == 1 and s["plain_step_ms"] == 7
     assert (s["plain_batch_rows"], s["plain_kv_size"]) == (5, 400)  # of the plain steps
+    assert (s["plain_cpu_ms"], s["plain_off_cpu_ms"]) == (3.5, 3.5)  # half of each
+    assert (s["plain_voluntary_per_100"], s["plain_involuntary_per_100"]) == (100, 0)
+    assert s["cache_mb"] == 64
     old = summarize([x[:7] for x in steps])  # a trace of an older worker: no such fields
     assert old is not None and old["plain_masked_ms"] is None and old["new_shape_steps"] == 0
     assert old["plain_wait_ms"] is None and old["plain_kv_size"] is None
+    assert old["plain_cpu_ms"] is None and old["plain_involuntary_per_100"] is None
+    assert old["cache_mb"] is None
+
+
+def test_a_step_off_the_cpu_and_preempted_shows_in_the_summary() -> None:
+    """Two plain steps of 6 ms: one on the CPU all along, one 4 ms off it and preempted
+    twice (the shape of a host that is slow because its thread is not running)."""
+    steps = [_step(0.0, 6, cpu=6, switched=(0, 0)), _step(0.01, 6, cpu=2, switched=(1, 2))]
+    s = summarize(steps)
+    assert s is not None
+    assert (s["plain_cpu_ms"], s["plain_off_cpu_ms"]) == (4, 2)
+    assert (s["plain_voluntary_per_100"], s["plain_involuntary_per_100"]) == (50, 100)
 
 
 def test_levels_take_the_steps_inside_their_windows(tmp_path: Path) -> None:

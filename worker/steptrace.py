@@ -2,7 +2,8 @@
 
 With `MLX_GATEWAY_STEP_TRACE` set to a folder, each worker appends one JSON line per engine
 step to `steps-<pid>.jsonl` there: `[t, step_ms, backend_ms, inserted, insert_ms, rows,
-outputs, masked, new_shapes, wait_ms, read_ahead, batch_rows, kv_size, prefilled, joined]`
+outputs, masked, new_shapes, wait_ms, read_ahead, batch_rows, kv_size, prefilled, joined,
+cpu_ms, voluntary, involuntary, cache_mb]`
 (t: wall-clock seconds at the step's start, as `time.time()`; backend_ms: the backend's
 step, the forward pass and the wait for its tokens; inserted: requests started in this step;
 rows: requests in the batch after it, prefilling or decoding; outputs: deltas it produced;
@@ -16,7 +17,11 @@ step, those that left but still decode included, and kv_size its KV's length in 
 the longest row's with the padding before the others', both None on BatchGenerator;
 prefilled: the prompt positions the rows batch ran for joining rows, padding included, and
 joined: the rows that joined its running batch, both None on BatchGenerator: requests start
-there a step or more after their insertion). The time between one step's end and the next
+there a step or more after their insertion); cpu_ms: the CPU time of the thread that ran the
+step (the rest of step_ms it was off the CPU: waiting for the device, for a lock, or
+preempted), and voluntary / involuntary: its context switches in the step (None where the
+system does not count them per thread: Linux does); cache_mb: MLX's buffer cache after the
+step, in MiB. The time between one step's end and the next
 one's start is the worker's own: emitting the deltas, taking requests in, waiting for them.
 `python -m benchmarks.step_trace` summarizes it.
 
@@ -28,9 +33,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
+
+import mlx.core as mx
 
 if TYPE_CHECKING:
     from shared.types import RequestOutput
@@ -41,6 +49,17 @@ log = logging.getLogger(__name__)
 
 STEP_TRACE_ENV = "MLX_GATEWAY_STEP_TRACE"
 FLUSH_EVERY = 2000  # steps; and whenever the engine runs out of work
+MiB = 1 << 20
+
+
+def switches() -> tuple[int, int] | None:
+    """The calling thread's voluntary and involuntary context switches so far (None where
+    the system does not count them per thread)."""
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    if who is None:
+        return None
+    usage = resource.getrusage(who)
+    return usage.ru_nvcsw, usage.ru_nivcsw
 
 
 class StepTrace:
@@ -114,9 +133,16 @@ class StepTrace:
         shapes = len(self._decode.row_counts) if self._decode is not None else 0
         waited = self._batch.waited_s if self._batch is not None else 0.0
         before = self._batch_counts()
-        wall, start = time.time(), time.perf_counter()
+        switched = switches()
+        wall, start, cpu = time.time(), time.perf_counter(), time.thread_time()
         outputs = self._engine.step()
-        took = time.perf_counter() - start
+        took, cpu = time.perf_counter() - start, time.thread_time() - cpu
+        now = switches()
+        moved = (
+            (now[0] - switched[0], now[1] - switched[1])
+            if now is not None and switched is not None
+            else (None, None)
+        )
         if self._decode is not None:
             shapes = len(self._decode.row_counts) - shapes
         ahead = int(self._batch.flushed) if self._batch is not None else None
@@ -141,6 +167,9 @@ class StepTrace:
                     if self._batch is not None
                     else (None, None)
                 ),
+                round(cpu * 1e3, 3),
+                *moved,
+                round(mx.get_cache_memory() / MiB, 1),
             ]
         )
         if len(self._rows) >= FLUSH_EVERY or not self._engine.has_work:
