@@ -254,10 +254,11 @@ async def warm_up(
 
 # The gateway's own account of its requests (its /metrics histograms, seconds summed over
 # requests and their count), as the mean each gives over a level: where first tokens waited
-# in the worker, and the first token and the time between tokens as the gateway saw them
-# (against the client's figures: what the way from the gateway to the client adds). Other
-# servers have no such metrics.
+# in the worker (preparing, queued, prefilling), and the first token and the time between
+# tokens as the gateway saw them (against the client's figures: what the way from the
+# gateway to the client adds). Other servers have no such metrics.
 GATEWAY_MEANS = {
+    "mlxgw_request_preprocess_seconds": "preprocess_mean_ms",
     "mlxgw_request_queue_seconds": "queue_mean_ms",
     "mlxgw_request_prefill_seconds": "prefill_mean_ms",
     "mlxgw_time_to_first_token_seconds": "gateway_ttft_mean_ms",

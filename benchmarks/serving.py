@@ -128,13 +128,19 @@ async def measure_url(
                         # CPU used by neither this client nor the server: other processes.
                         summary["other_cpu_pct"] = round(system - client_pct - server_pct, 1)
                 summary["server_rss_mb"] = server.rss_mb()
-            # the gateway's account: first tokens' queue and prefill in the worker, its TTFT/ITL
+            # the gateway's account: first tokens' preparing, queue and prefill in the worker,
+            # its TTFT/ITL
             summary.update(_client.gateway_means(share0, share1))
             if args.raw:
                 summary["raw"] = [record_to_dict(x) for x in records]
             share = "".join(
                 f" {k.removesuffix('_mean_ms')}_mean={summary[k]}ms"
-                for k in ("queue_mean_ms", "prefill_mean_ms", "gateway_itl_mean_ms")
+                for k in (
+                    "preprocess_mean_ms",
+                    "queue_mean_ms",
+                    "prefill_mean_ms",
+                    "gateway_itl_mean_ms",
+                )
                 if k in summary
             )
             print(

@@ -59,6 +59,8 @@ def test_only_chunks_with_text_count_as_content() -> None:
 
 def test_gateway_means_are_of_the_requests_between_two_scrapes() -> None:
     before = {
+        "mlxgw_request_preprocess_seconds_sum": 0.01,
+        "mlxgw_request_preprocess_seconds_count": 10.0,
         "mlxgw_request_queue_seconds_sum": 1.0,
         "mlxgw_request_queue_seconds_count": 10.0,
         "mlxgw_request_prefill_seconds_sum": 2.0,
@@ -67,6 +69,8 @@ def test_gateway_means_are_of_the_requests_between_two_scrapes() -> None:
         "mlxgw_inter_token_latency_seconds_count": 10.0,
     }
     after = {
+        "mlxgw_request_preprocess_seconds_sum": 0.02,
+        "mlxgw_request_preprocess_seconds_count": 15.0,
         "mlxgw_request_queue_seconds_sum": 1.5,
         "mlxgw_request_queue_seconds_count": 15.0,
         "mlxgw_request_prefill_seconds_sum": 2.25,
@@ -75,6 +79,7 @@ def test_gateway_means_are_of_the_requests_between_two_scrapes() -> None:
         "mlxgw_inter_token_latency_seconds_count": 15.0,
     }
     assert _client.gateway_means(before, after) == {
+        "preprocess_mean_ms": 2.0,
         "queue_mean_ms": 100.0,
         "prefill_mean_ms": 50.0,
         "gateway_itl_mean_ms": 5.0,

@@ -91,6 +91,8 @@ def test_request_metrics_move_by_the_right_amounts(gw: GatewayProc) -> None:
     assert moved("mlxgw_cached_prompt_tokens_total", model="chat", key="-") == cached
     assert moved("mlxgw_time_to_first_token_seconds_count", model="chat") == 2
     assert moved("mlxgw_inter_token_latency_seconds_count", model="chat") == 2
+    assert moved("mlxgw_request_preprocess_seconds_count", model="chat") == 2
+    assert moved("mlxgw_request_preprocess_seconds_sum", model="chat") > 0
     assert moved("mlxgw_request_queue_seconds_count", model="chat") == 2
     assert moved("mlxgw_request_prefill_seconds_count", model="chat") == 2
     assert moved("mlxgw_request_prefill_seconds_sum", model="chat") > 0

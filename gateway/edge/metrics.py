@@ -53,6 +53,13 @@ class Metrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        self.preprocess = Histogram(
+            "mlxgw_request_preprocess_seconds",
+            "Time a request took to prepare in its worker (chat template, tokenizing)",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.queue = Histogram(
             "mlxgw_request_queue_seconds",
             "Time a request waited in its worker for a place in the batch",
@@ -114,6 +121,7 @@ class Metrics:
         if ctx.itl_s is not None:
             self.itl.labels(model).observe(ctx.itl_s)
         if (timings := ctx.worker_timings) is not None:
+            self.preprocess.labels(model).observe(timings.preprocess_s)
             self.queue.labels(model).observe(timings.queue_s)
             self.prefill.labels(model).observe(timings.prefill_s)
         if ctx.prompt_tokens:
