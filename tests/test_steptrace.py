@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,7 +58,10 @@ def test_each_step_is_one_line_and_tokens_are_unchanged(
     # one thread's CPU time within a step is at most the step's wall time (to the rounding)
     assert all(0 <= c <= s + 0.01 for c, s in zip(cpu_ms, step_ms, strict=True))
     assert sum(cpu_ms) > 0
-    assert all(isinstance(n, int) and n >= 0 for n in voluntary + involuntary)  # Linux
+    if sys.platform == "linux":  # which counts context switches per thread
+        assert all(isinstance(n, int) and n >= 0 for n in voluntary + involuntary)
+    else:  # macOS does not: None
+        assert all(n is None or n >= 0 for n in voluntary + involuntary)
     assert all(mb >= 0 for mb in cache_mb)
     assert inserted[0] == 1 and sum(inserted) == 4  # the lone request, then the three
     assert all(ms > 0 for ms, n in zip(insert_ms, inserted, strict=True) if n)
