@@ -3,7 +3,7 @@
 # models of Llama-3.2-1B's and Llama-3.1-8B's shapes in bf16 (vocab 128,256).
 #
 #   benchmarks/h200.sh OUT [1b] [8b] [agent] [arrivals] [steps] [steps8b] [shapes] [leaving]
-#                      [profile]
+#                      [prefills] [profile]
 #   (default: 1b 8b agent)
 #
 # Run from the repository root with MLX (CUDA), mlx-lm and the project importable by
@@ -37,6 +37,9 @@
 #   $STEPS_ARGS: more flags, e.g. --ragged for rows of different lengths).
 # - shapes: benchmarks.new_shapes on the 1b shape: the first step at a new row count against
 #   later ones, mlx-lm's forward pass and the compiled step.
+# - prefills: benchmarks.prefill_shapes on the 1b shape, with MLX's cuDNN attention and
+#   without (MLX_CUDA_USE_CUDNN_SDPA=1, 0): a joining group's prefill at a shape met for the
+#   first time against later ones, and a long prompt's ($PREFILLS_ARGS: more flags).
 # - leaving: benchmarks.leaving on the 1b and 8b shapes: rows' KV taken out of a batch for the
 #   prefix cache, row by row (mlx-lm's extract) against shelves (a gather, a concatenation).
 # - profile: the gateway on the $PROFILE_SHAPE shape (1b or 8b, default 1b) at
@@ -227,6 +230,12 @@ for step in $STEPS; do
       $PY -m benchmarks.engine_steps "$dir" --rows "$ROWS_STEPS" \
         --max-running "${ROWS_STEPS##*,}" ${STEPS_DRIVERS:+--drivers $STEPS_DRIVERS} ${STEPS_ARGS:-} 2>&1 |
         tee "$OUT/$step.jsonl"
+      ;;
+    prefills)  # cuDNN's attention (MLX's default on CUDA) and MLX's separate operations
+      for cudnn in 1 0; do
+        MLX_CUDA_USE_CUDNN_SDPA=$cudnn $PY -m benchmarks.prefill_shapes "$(model 1b $SHAPE_1B)" \
+          ${PREFILLS_ARGS:-} 2>&1 | tee -a "$OUT/prefills.jsonl"
+      done
       ;;
     shapes)
       $PY -m benchmarks.new_shapes "$(model 1b $SHAPE_1B)" ${SHAPES_ARGS:-} 2>&1 | tee "$OUT/shapes.jsonl"
