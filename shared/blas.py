@@ -59,15 +59,28 @@ def blas_thread_count(threads: int, cpus: int | None = None) -> int:
 # 160-230 ms against 230-890 (docs/benchmarks.md). Other backends do not read it.
 CUDNN_SDPA = "MLX_CUDA_USE_CUDNN_SDPA"
 
+# MLX's CUDA backend keeps bounded LRU caches (instantiated CUDA graphs 400, cuDNN attention
+# graphs 256, convolution plans 128, FFT plans 128) and, by default, raises "Cache thrashing is
+# happening" once one of them has missed more than twice its capacity over the process's
+# life: the count is never reset, whatever the share of hits (mlx/backend/cuda/lru_cache.h).
+# A server meets new shapes for as long as it runs (prompt, audio and batch lengths, the
+# compositions of its batches), so with the check on, a CUDA worker would fail after some
+# hundreds of new shapes, every request it held with it. Off, the caches stay bounded (least
+# recently used out) and nothing is raised. Other backends do not read it.
+CACHE_THRASHING_CHECK = "MLX_ENABLE_CACHE_THRASHING_CHECK"
+
 
 def worker_env(
     setting: str, threads: int = 0, base: dict[str, str] | None = None, device: str = "cpu"
 ) -> dict[str, str]:
     """The environment for a worker process on `device`, with the BLAS preload and thread
-    count applied, and MLX's CUDA backend kept off cuDNN's attention (CUDNN_SDPA). An
-    OPENBLAS_NUM_THREADS or MLX_CUDA_USE_CUDNN_SDPA already in the environment wins."""
+    count applied, and MLX's CUDA backend kept off cuDNN's attention (CUDNN_SDPA) and off
+    its lifetime cache-miss check (CACHE_THRASHING_CHECK). An OPENBLAS_NUM_THREADS,
+    MLX_CUDA_USE_CUDNN_SDPA or MLX_ENABLE_CACHE_THRASHING_CHECK already in the environment
+    wins."""
     env = dict(os.environ if base is None else base)
     env.setdefault(CUDNN_SDPA, "0")
+    env.setdefault(CACHE_THRASHING_CHECK, "0")
     lib = resolve_blas(setting, device=device)
     if lib:
         existing = env.get("LD_PRELOAD", "")

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import pytest
 
 from shared.blas import BlasError, resolve_blas, worker_env
@@ -48,7 +50,7 @@ def test_explicit_path(libs: tuple[str, str, str]) -> None:
         resolve_blas(missing, (first,))
 
 
-NO_CUDNN = {"MLX_CUDA_USE_CUDNN_SDPA": "0"}
+NO_CUDNN = {"MLX_CUDA_USE_CUDNN_SDPA": "0", "MLX_ENABLE_CACHE_THRASHING_CHECK": "0"}
 
 
 def test_worker_env_sets_ld_preload(libs: tuple[str, str, str]) -> None:
@@ -200,3 +202,37 @@ def test_workers_run_without_cudnn_attention_unless_the_environment_says() -> No
     assert worker_env("off", base={})["MLX_CUDA_USE_CUDNN_SDPA"] == "0"
     mine = {"MLX_CUDA_USE_CUDNN_SDPA": "1"}
     assert worker_env("off", base=mine)["MLX_CUDA_USE_CUDNN_SDPA"] == "1"
+
+
+def test_workers_run_without_mlx_cache_thrashing_check_unless_the_environment_says() -> None:
+    assert worker_env("off", base={})["MLX_ENABLE_CACHE_THRASHING_CHECK"] == "0"
+    mine = {"MLX_ENABLE_CACHE_THRASHING_CHECK": "1"}
+    assert worker_env("off", base=mine)["MLX_ENABLE_CACHE_THRASHING_CHECK"] == "1"
+
+
+# More convolution shapes than twice the cache MLX's CUDA backend keeps for them (8 here).
+THRASH = """
+import mlx.core as mx
+w = mx.ones((4, 3, 8))
+for n in range(3, 40):
+    mx.eval(mx.conv1d(mx.ones((1, n, 8)), w))
+print("survived")
+"""
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="MLX's CUDA backend keeps these caches")
+def test_a_cuda_worker_outlives_more_new_shapes_than_mlx_caches_hold() -> None:
+    """With MLX's check on, a process raises once a cache has missed twice its capacity in
+    its life; a worker's environment turns the check off, and the same process lives on."""
+    small = {"MLX_CUDA_CONV_CACHE_SIZE": "8"}
+
+    def run(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", THRASH], env=env, capture_output=True, text=True, timeout=300
+        )
+
+    checked = run(worker_env("off") | small | {"MLX_ENABLE_CACHE_THRASHING_CHECK": "1"})
+    assert checked.returncode != 0 and "Cache thrashing" in checked.stderr
+    survived = run(worker_env("off") | small)
+    assert survived.returncode == 0, survived.stderr[-2000:]
+    assert "survived" in survived.stdout
