@@ -3,7 +3,7 @@
 # models of Llama-3.2-1B's and Llama-3.1-8B's shapes in bf16 (vocab 128,256).
 #
 #   benchmarks/h200.sh OUT [1b] [8b] [agent] [arrivals] [steps] [steps8b] [shapes] [leaving]
-#                      [prefills] [profile]
+#                      [prefills] [prefill-profile] [profile]
 #   (default: 1b 8b agent)
 #
 # Run from the repository root with MLX (CUDA), mlx-lm and the project importable by
@@ -40,6 +40,9 @@
 # - prefills: benchmarks.prefill_shapes on the 1b shape, with MLX's cuDNN attention and
 #   without (MLX_CUDA_USE_CUDNN_SDPA=1, 0): a joining group's prefill at a shape met for the
 #   first time against later ones, and a long prompt's ($PREFILLS_ARGS: more flags).
+# - prefill-profile: py-spy --native over benchmarks.prefill_shapes meeting 228 new shapes
+#   (rows $PROFILE_ROWS, default 1,2,3,4,6,8, by 90-127 tokens) without cuDNN:
+#   OUT/prefill-profile.json and, ranked by total share, OUT/prefill-profile.txt.
 # - leaving: benchmarks.leaving on the 1b and 8b shapes: rows' KV taken out of a batch for the
 #   prefix cache, row by row (mlx-lm's extract) against shelves (a gather, a concatenation).
 # - profile: the gateway on the $PROFILE_SHAPE shape (1b or 8b, default 1b) at
@@ -236,6 +239,14 @@ for step in $STEPS; do
         MLX_CUDA_USE_CUDNN_SDPA=$cudnn $PY -m benchmarks.prefill_shapes "$(model 1b $SHAPE_1B)" \
           ${PREFILLS_ARGS:-} 2>&1 | tee -a "$OUT/prefills.jsonl"
       done
+      ;;
+    prefill-profile)  # where new shapes' prefills go, C++ frames included (workers' setting)
+      MLX_CUDA_USE_CUDNN_SDPA=0 py-spy record --native --rate 200 --format speedscope \
+        --output "$OUT/prefill-profile.json" -- $PY -m benchmarks.prefill_shapes \
+        "$(model 1b $SHAPE_1B)" --long 0 --again 0 --rows "${PROFILE_ROWS:-1,2,3,4,6,8}" \
+        --lengths "$(seq -s, 90 127)" >"$OUT/prefill-profile.log" 2>&1 || true
+      [ -f "$OUT/prefill-profile.json" ] && $PY -m benchmarks.profile_summary \
+        "$OUT/prefill-profile.json" --by total --under prefill_ms --top 80 >"$OUT/prefill-profile.txt"
       ;;
     shapes)
       $PY -m benchmarks.new_shapes "$(model 1b $SHAPE_1B)" ${SHAPES_ARGS:-} 2>&1 | tee "$OUT/shapes.jsonl"

@@ -6,15 +6,15 @@
 A served worker's joins prefill groups of rows whose count and prompt lengths change from one
 join to the next (the rows batch, worker/backends/rows.py: each row's prefix from the prefix
 cache, merged, the group right-padded to its longest prompt). For each row count and length,
-in this order, such a group is prefilled three times, each to its last logits; the first
-meets the shape for the first time. On MLX's CUDA backend a new shape of attention over
-several query positions builds a cuDNN graph (`MLX_CUDA_USE_CUDNN_SDPA`, on by default; off,
-MLX computes the attention with separate operations), so the script is meant to run once
-with each setting. Then one row of `--long` prompt tokens is prefilled in chunks of
-`--chunk`, twice (every chunk attends over a longer cache: a new shape each), what long
-prompts cost either way.
+in this order, such a group is prefilled three times (`--again`: the prefills after the
+first), each to its last logits; the first meets the shape for the first time. On MLX's
+CUDA backend a new shape of attention over several query positions builds a cuDNN graph
+(`MLX_CUDA_USE_CUDNN_SDPA`, on by default; off, MLX computes the attention with separate
+operations), so the script is meant to run once with each setting. Then one row of
+`--long` prompt tokens is prefilled in chunks of `--chunk`, twice (every chunk attends over
+a longer cache: a new shape each), what long prompts cost either way.
 
-Prints one JSON line per shape (`first_ms`, `later_ms`: the median of the two after) and
+Prints one JSON line per shape (`first_ms`, `later_ms`: the median of those after) and
 one for the long prompt (`first_ms`, `again_ms`), then a summary line: the medians over the
 shapes, and `MLX_CUDA_USE_CUDNN_SDPA` as the process saw it.
 """
@@ -39,6 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix", type=int, default=16, help="each row's cached prefix (tokens)")
     p.add_argument("--long", type=int, default=8192, help="the long prompt (0: none)")
     p.add_argument("--chunk", type=int, default=2048, help="its prefill chunk (tokens)")
+    p.add_argument(
+        "--again", type=int, default=2, help="prefills of each shape after its first (0: none)"
+    )
     return p.parse_args(argv)
 
 
@@ -108,18 +111,20 @@ def main(argv: list[str] | None = None) -> int:
     firsts, laters = [], []
     for rows in args.rows:
         for length in args.lengths:
-            times = [prefill_ms(model, rows, length, args.prefix) for _ in range(3)]
-            later = statistics.median(times[1:])
+            times = [prefill_ms(model, rows, length, args.prefix) for _ in range(1 + args.again)]
             firsts.append(times[0])
-            laters.append(later)
-            line = {"rows": rows, "length": length, "first_ms": round(times[0], 2)}
-            print(json.dumps({**line, "later_ms": round(later, 2)}), flush=True)
+            line: dict[str, Any] = {"rows": rows, "length": length, "first_ms": round(times[0], 2)}
+            if args.again:
+                laters.append(statistics.median(times[1:]))
+                line["later_ms"] = round(laters[-1], 2)
+            print(json.dumps(line), flush=True)
     summary: dict[str, Any] = {
         "cudnn_sdpa": os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "1 (default)"),
         "shapes": len(firsts),
         "first_ms_median": round(statistics.median(firsts), 2),
-        "later_ms_median": round(statistics.median(laters), 2),
     }
+    if laters:
+        summary["later_ms_median"] = round(statistics.median(laters), 2)
     if args.long:
         first, again = (long_ms(model, args.long, args.chunk) for _ in range(2))
         line = {"long": args.long, "chunk": args.chunk, "first_ms": round(first, 1)}
