@@ -42,7 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--again", type=int, default=2, help="prefills of each shape after its first (0: none)"
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if min(args.prefix, args.long, args.again) < 0 or args.chunk < 1:
+        p.error("--prefix, --long and --again must be at least 0, --chunk at least 1")
+    return args
 
 
 def _group(model: Any, rows: int, length: int, prefix: int) -> tuple[list[Any], Any, bool]:
