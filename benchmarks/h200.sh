@@ -156,7 +156,7 @@ throughput() {  # NAME SHAPE LEVELS: the ceiling, then each of $SOURCES
   [ "${INTERLEAVE:-0}" = 1 ] && order=""
   $PY -m benchmarks.serving --model "$dir" --inprocess "${launch[@]}" \
     --concurrency "$3" --min-requests 16 $order \
-    --steal-retries 0 --wait-idle 0 --warm-levels ${SERVING_ARGS:-} --out "$OUT/$1.json" 2>&1 |
+    --steal-retries 0 --wait-idle 0 --warm-levels --log-dir "$OUT/$1-logs" ${SERVING_ARGS:-} --out "$OUT/$1.json" 2>&1 |
     tee "$OUT/$1.log"
   unset MLX_GATEWAY_STEP_TRACE
   if [ "${STEP_TRACE:-0}" = 1 ]; then
