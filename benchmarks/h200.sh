@@ -24,7 +24,8 @@
 #   BatchGenerator in one process (the ceiling), this gateway (engine.batcher mlx_lm, then
 #   rows) and mlx_lm server, one after another on the same prompts (each launched once for all levels, every level run once
 #   unrecorded first: MLX CUDA compiles kernels on first use of a shape, and a server meets
-#   many more batch shapes than the ceiling).
+#   many more batch shapes than the ceiling); the servers' logs land in OUT/1b-logs/ and
+#   OUT/8b-logs/.
 # - agent: benchmarks.agent_session on the 1b shape: 8 turns over a 4k-token system prompt,
 #   1 and 4 concurrent sessions, the gateway with its prefix cache on and off and on its rows
 #   batch, mlx_lm server.
