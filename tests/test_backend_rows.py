@@ -5,6 +5,7 @@ with their first step in the batch's, leave lazily, and decode exactly as mlx-lm
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -60,6 +61,31 @@ def test_rows_joining_at_different_steps_decode_as_alone(
     _run(batch, 30, out)
     for uid, prompt in zip(first + late, prompts[:5], strict=True):
         assert out[uid][:16] == reference_greedy(chat.model, prompt, 16), uid
+
+
+def test_the_next_inputs_keep_the_sampled_dtype_when_rows_join_a_running_batch(
+    chat: Loaded, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Joining rows' first inputs are uint32 like sampled tokens: an int32 array joined to
+    uint32 ones would promote the batch's inputs to int64 (one more gather kernel for MLX's
+    CUDA backend to compile at first use, in a served step)."""
+    dtypes = set()
+    decode = RowBatch._decode
+
+    def noted(self: RowBatch, want_logprobs: bool) -> Any:
+        assert self.inputs is not None
+        dtypes.add(self.inputs.dtype)
+        return decode(self, want_logprobs)
+
+    monkeypatch.setattr(RowBatch, "_decode", noted)
+    batch = RowBatch(chat.model, prefill_step_size=64)
+    out: dict[int, list[int]] = {}
+    _insert(batch, chat, prompts[:2])
+    _run(batch, 3, out)
+    _insert(batch, chat, prompts[2:4])
+    _run(batch, 6, out)
+    assert len(batch.rows) == 4
+    assert dtypes == {mx.uint32}
 
 
 def test_a_row_that_leaves_is_dropped_lazily_and_never_seen_again(

@@ -354,7 +354,7 @@ class RowBatch:
             for c in group.caches:
                 c.filter(live)
         rows = [group.rows[i] for i in live]
-        first = mx.array([r.last for r in rows])
+        first = mx.array([r.last for r in rows], dtype=mx.uint32)  # as sampled: no int64 mix
         if self.rows:
             for mine, theirs in zip(self.caches, group.caches, strict=True):
                 mine.extend(theirs)
