@@ -8,9 +8,11 @@ beside this one."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 from mlx_lm import stream_generate
+from mlx_lm.models.cache import BatchKVCache
 
 from shared.config import EngineOptions
 from shared.protocol import Add
@@ -164,3 +166,34 @@ def test_utf8_in_a_batch(utf8: tuple[Loaded, list[int], dict[str, int]]) -> None
     outputs = drive(loaded.engine(), requests)
     for deltas in outputs.values():
         assert [o.text for o in deltas] == ["", "\u00e9", "b", ""]
+
+
+# ---- the load's probe ----------------------------------------------------------------------
+
+
+def test_the_probe_takes_a_served_batch_s_paths_and_leaves_the_engine_as_it_found_it(
+    chat: Loaded, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At load, the probe's rows join as a padded group, another joins them while they
+    decode, and the batch compacts as they leave (the paths whose kernels MLX's CUDA backend
+    compiles at first use); afterwards nothing is left and greedy tokens are mlx-lm's."""
+    calls: list[str] = []
+    for name in ("finalize", "extend", "filter"):
+        method = getattr(BatchKVCache, name)
+
+        def counted(self: Any, *args: Any, _method: Any = method, _name: str = name) -> Any:
+            calls.append(_name)
+            return _method(self, *args)
+
+        monkeypatch.setattr(BatchKVCache, name, counted)
+    engine = chat.engine(prefix_cache_gb=0.5)
+    engine.probe()
+    assert not engine.has_work
+    assert not engine.backend.active
+    stats = engine.prefix_stats()
+    assert stats is not None and stats.entries == 0 and stats.nbytes == 0
+    if getattr(engine.backend, "batch", None) is not None:  # the rows batch
+        assert {"finalize", "extend", "filter"} <= set(calls), calls
+    prompt = prompts[2]
+    out = drive(engine, [greedy("a", prompt, 12, ignore_eos=True)])["a"]
+    assert token_ids(out) == reference_greedy(chat.model, prompt, 12)

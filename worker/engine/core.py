@@ -355,27 +355,54 @@ class EngineCore:
         return job.entries
 
     def probe(self, max_steps: int = 64, prepared: PreparedRequest | None = None) -> None:
-        """Generate one greedy token through the real batch: Ready means this worked.
-        `prepared`: a request of its own to probe with (an image, for a vision model)."""
-        request_id = "__probe__"
+        """Generate greedy tokens through the real batch: Ready means this worked.
+        `prepared`: a request of its own to probe with (an image, for a vision model).
+
+        Without one, the probe takes the paths a served batch takes: two prompts of
+        different lengths arrive together (one padded group), a third joins them while they
+        decode, and they leave one by one (the batch compacts). On MLX's CUDA backend the
+        first use of an operation compiles its kernels, seconds each for the gathers these
+        paths run: here they are compiled at load, not in the first requests that take
+        them (docs/benchmarks.md)."""
+        encode = self.backend.tokenizer.encode
+        sampling = SamplingParams(temperature=0.0, ignore_eos=True)
+        later: list[PreparedRequest] = []
         if prepared is None:
-            prompt = list(self.backend.tokenizer.encode("Hi")) or [0]
-            sampling = SamplingParams(temperature=0.0, ignore_eos=True)
-            prepared = PreparedRequest(request_id, prompt, 1, sampling)
-        prepared.request_id = request_id
-        self.add(prepared)
+            short = list(encode("Hi")) or [0]
+            longer = list(encode("Hello, who is there?")) or [0]
+            if len(longer) <= len(short):
+                longer = short + short[-1:] * 2
+            probes = [
+                PreparedRequest("__probe__", short, 1, sampling),
+                PreparedRequest("__probe_longer__", longer, 6, sampling),
+            ]
+            later = [PreparedRequest("__probe_joining__", list(encode("Hey")) or [0], 2, sampling)]
+        else:
+            prepared.request_id = "__probe__"
+            probes = [prepared]
+        expected = {p.request_id: p.max_tokens for p in probes + later}
+        for probe in probes:
+            self.add(probe)
         for _ in range(max_steps):
             for output in self.step():
-                if output.request_id != request_id or output.finish_reason is None:
+                if output.request_id not in expected or output.finish_reason is None:
                     continue
                 if output.error is not None:
+                    self.abort(list(expected))
                     raise RuntimeError(f"the probe failed: {output.error.message}")
-                if output.usage is None or output.usage.completion_tokens != 1:
-                    raise RuntimeError("the probe finished without generating a token")
+                wanted = expected.pop(output.request_id)
+                made = output.usage.completion_tokens if output.usage is not None else 0
+                if made != wanted:
+                    self.abort(list(expected))
+                    raise RuntimeError(f"the probe finished with {made} of {wanted} tokens")
+            for probe in later:  # after the first step: the others are in the batch
+                self.add(probe)
+            later = []
+            if not expected:
                 if self.prefix_cache is not None:
                     self.prefix_cache.clear()  # the probe's KV is no one's prefix
                 return
-        self.abort([request_id])
+        self.abort(list(expected))
         raise RuntimeError(f"the probe generated no token within {max_steps} engine steps")
 
 
