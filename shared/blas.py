@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+from shared.paths import cache_dir
 
 CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
@@ -69,18 +73,37 @@ CUDNN_SDPA = "MLX_CUDA_USE_CUDNN_SDPA"
 # recently used out) and nothing is raised. Other backends do not read it.
 CACHE_THRASHING_CHECK = "MLX_ENABLE_CACHE_THRASHING_CHECK"
 
+# MLX's CUDA backend compiles some kernels with NVRTC at their first use in a process (the
+# gathers a batch's joins and compactions run: 4-10 s each on an H100) and keeps the result on
+# disk, by default under the temporary directory (/tmp/mlx/VERSION/ptx), which many Linux
+# hosts empty at boot and which a service with a private /tmp loses at every restart. Workers
+# keep it in the project's user cache instead (one folder per MLX version: MLX names the files
+# by kernel only), so each kernel is compiled once per install, not once per boot.
+PTX_CACHE = "MLX_PTX_CACHE_DIR"
+
+
+def ptx_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """Where CUDA workers keep MLX's compiled kernels: the user cache (`shared.paths`), a
+    folder per installed MLX version."""
+    try:
+        mlx = version("mlx")
+    except PackageNotFoundError:
+        mlx = "unknown"
+    return cache_dir(environ) / "mlx-ptx" / mlx
+
 
 def worker_env(
     setting: str, threads: int = 0, base: dict[str, str] | None = None, device: str = "cpu"
 ) -> dict[str, str]:
     """The environment for a worker process on `device`, with the BLAS preload and thread
     count applied, and MLX's CUDA backend kept off cuDNN's attention (CUDNN_SDPA) and off
-    its lifetime cache-miss check (CACHE_THRASHING_CHECK). An OPENBLAS_NUM_THREADS,
-    MLX_CUDA_USE_CUDNN_SDPA or MLX_ENABLE_CACHE_THRASHING_CHECK already in the environment
-    wins."""
+    its lifetime cache-miss check (CACHE_THRASHING_CHECK), its compiled kernels kept in the
+    user cache (PTX_CACHE). An OPENBLAS_NUM_THREADS, MLX_CUDA_USE_CUDNN_SDPA,
+    MLX_ENABLE_CACHE_THRASHING_CHECK or MLX_PTX_CACHE_DIR already in the environment wins."""
     env = dict(os.environ if base is None else base)
     env.setdefault(CUDNN_SDPA, "0")
     env.setdefault(CACHE_THRASHING_CHECK, "0")
+    env.setdefault(PTX_CACHE, str(ptx_cache_dir(env)))
     lib = resolve_blas(setting, device=device)
     if lib:
         existing = env.get("LD_PRELOAD", "")

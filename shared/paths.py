@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import platformdirs
@@ -19,8 +20,10 @@ def default_run_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"{APP}-{os.getuid()}"
 
 
-def cache_dir() -> Path:
-    override = os.environ.get("MLX_GATEWAY_CACHE_DIR")
+def cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """The user's cache for this project (MLX_GATEWAY_CACHE_DIR in `environ`, default the
+    process's environment, else the platform's user cache)."""
+    override = (os.environ if environ is None else environ).get("MLX_GATEWAY_CACHE_DIR")
     return Path(override) if override else Path(platformdirs.user_cache_dir(APP))
 
 

@@ -1,4 +1,4 @@
-"""resolve_blas and the worker environment's LD_PRELOAD."""
+"""resolve_blas and the worker environment: LD_PRELOAD and MLX's settings."""
 
 from __future__ import annotations
 
@@ -6,13 +6,16 @@ import asyncio
 import os
 import subprocess
 import sys
+import tempfile
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import pytest
 
-from shared.blas import BlasError, resolve_blas, worker_env
+from shared.blas import BlasError, ptx_cache_dir, resolve_blas, worker_env
+from shared.paths import cache_dir
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
@@ -50,7 +53,11 @@ def test_explicit_path(libs: tuple[str, str, str]) -> None:
         resolve_blas(missing, (first,))
 
 
-NO_CUDNN = {"MLX_CUDA_USE_CUDNN_SDPA": "0", "MLX_ENABLE_CACHE_THRASHING_CHECK": "0"}
+NO_CUDNN = {
+    "MLX_CUDA_USE_CUDNN_SDPA": "0",
+    "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
+    "MLX_PTX_CACHE_DIR": str(ptx_cache_dir({})),
+}
 
 
 def test_worker_env_sets_ld_preload(libs: tuple[str, str, str]) -> None:
@@ -236,3 +243,36 @@ def test_a_cuda_worker_outlives_more_new_shapes_than_mlx_caches_hold() -> None:
     survived = run(worker_env("off") | small)
     assert survived.returncode == 0, survived.stderr[-2000:]
     assert "survived" in survived.stdout
+
+
+def test_workers_keep_mlx_compiled_kernels_in_the_user_cache_per_mlx_version(
+    tmp_path: Path,
+) -> None:
+    env = worker_env("off", base={"MLX_GATEWAY_CACHE_DIR": str(tmp_path)})
+    assert env["MLX_PTX_CACHE_DIR"] == str(tmp_path / "mlx-ptx" / version("mlx"))
+    default = Path(worker_env("off", base={})["MLX_PTX_CACHE_DIR"])
+    assert default == cache_dir({}) / "mlx-ptx" / version("mlx")
+    assert not str(default).startswith(tempfile.gettempdir())  # not emptied at boot
+    mine = {"MLX_PTX_CACHE_DIR": str(tmp_path / "mine")}
+    assert worker_env("off", base=mine)["MLX_PTX_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+# A gather along an axis: MLX's CUDA backend compiles its kernels at first use (NVRTC).
+GATHER = """
+import mlx.core as mx
+x = mx.ones((4, 8, 16), dtype=mx.bfloat16)
+mx.eval(mx.take_along_axis(x, mx.zeros((4, 8, 16), dtype=mx.int32), axis=2))
+print("gathered")
+"""
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="MLX's CUDA backend compiles these")
+def test_a_cuda_worker_keeps_the_kernels_it_compiles_in_the_user_cache(tmp_path: Path) -> None:
+    base = {k: v for k, v in os.environ.items() if k != "MLX_PTX_CACHE_DIR"}
+    env = worker_env("off", base=base | {"MLX_GATEWAY_CACHE_DIR": str(tmp_path)})
+    done = subprocess.run(
+        [sys.executable, "-c", GATHER], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    kept = list((tmp_path / "mlx-ptx" / version("mlx")).glob("gather_axis_*.ptx"))
+    assert kept, sorted(p.name for p in tmp_path.rglob("*"))
