@@ -42,7 +42,8 @@
 #   without (MLX_CUDA_USE_CUDNN_SDPA=1, 0): a joining group's prefill at a shape met for the
 #   first time against later ones, and a long prompt's ($PREFILLS_ARGS: more flags).
 # - prefill-profile: py-spy --native over benchmarks.prefill_shapes meeting 228 new shapes
-#   (rows $PROFILE_ROWS, default 1,2,3,4,6,8, by 90-127 tokens) without cuDNN:
+#   (rows $PROFILE_ROWS, default 1,2,3,4,6,8, by 90-127 tokens) without cuDNN, $PROFILE_RATE
+#   samples a second (default 50: at 200, py-spy fell minutes behind and the step timed out):
 #   OUT/prefill-profile.json and, ranked by total share, OUT/prefill-profile.txt.
 # - leaving: benchmarks.leaving on the 1b and 8b shapes: rows' KV taken out of a batch for the
 #   prefix cache, row by row (mlx-lm's extract) against shelves (a gather, a concatenation).
@@ -242,7 +243,7 @@ for step in $STEPS; do
       done
       ;;
     prefill-profile)  # where new shapes' prefills go, C++ frames included (workers' setting)
-      MLX_CUDA_USE_CUDNN_SDPA=0 py-spy record --native --rate 200 --format speedscope \
+      MLX_CUDA_USE_CUDNN_SDPA=0 py-spy record --native --rate "${PROFILE_RATE:-50}" --format speedscope \
         --output "$OUT/prefill-profile.json" -- $PY -m benchmarks.prefill_shapes \
         "$(model 1b $SHAPE_1B)" --long 0 --again 0 --rows "${PROFILE_ROWS:-1,2,3,4,6,8}" \
         --lengths "$(seq -s, 90 127)" >"$OUT/prefill-profile.log" 2>&1 || true

@@ -74,7 +74,7 @@ CUDNN_SDPA = "MLX_CUDA_USE_CUDNN_SDPA"
 CACHE_THRASHING_CHECK = "MLX_ENABLE_CACHE_THRASHING_CHECK"
 
 # MLX's CUDA backend compiles some kernels with NVRTC at their first use in a process (the
-# gathers a batch's joins and compactions run: 4-10 s each on an H100) and keeps the result on
+# gathers a batch's joins and compactions run: 4-9 s each on an H100) and keeps the result on
 # disk, by default under the temporary directory (/tmp/mlx/VERSION/ptx), which many Linux
 # hosts empty at boot and which a service with a private /tmp loses at every restart. Workers
 # keep it in the project's user cache instead (one folder per MLX version: MLX names the files
