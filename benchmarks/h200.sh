@@ -3,7 +3,7 @@
 # models of Llama-3.2-1B's and Llama-3.1-8B's shapes in bf16 (vocab 128,256).
 #
 #   benchmarks/h200.sh OUT [1b] [8b] [agent] [arrivals] [steps] [steps8b] [shapes] [leaving]
-#                      [prefills] [prefill-profile] [profile]
+#                      [prefills] [prefill-profile] [profile] [first-use]
 #   (default: 1b 8b agent)
 #
 # Run from the repository root with MLX (CUDA), mlx-lm and the project importable by
@@ -45,6 +45,9 @@
 #   (rows $PROFILE_ROWS, default 1,2,3,4,6,8, by 90-127 tokens) without cuDNN, $PROFILE_RATE
 #   samples a second (default 50: at 200, py-spy fell minutes behind and the step timed out):
 #   OUT/prefill-profile.json and, ranked by total share, OUT/prefill-profile.txt.
+# - first-use: benchmarks.first_use on the 1b shape: a worker's engine with nothing compiled
+#   (empty MLX_PTX_CACHE_DIR and CUDA_CACHE_PATH), its load's probe and 400 requests, then
+#   again with what that run kept: OUT/first-use.jsonl ($FIRST_USE_ARGS: more flags).
 # - leaving: benchmarks.leaving on the 1b and 8b shapes: rows' KV taken out of a batch for the
 #   prefix cache, row by row (mlx-lm's extract) against shelves (a gather, a concatenation).
 # - profile: the gateway on the $PROFILE_SHAPE shape (1b or 8b, default 1b) at
@@ -249,6 +252,15 @@ for step in $STEPS; do
         --lengths "$(seq -s, 90 127)" >"$OUT/prefill-profile.log" 2>&1 || true
       [ -f "$OUT/prefill-profile.json" ] && $PY -m benchmarks.profile_summary \
         "$OUT/prefill-profile.json" --by total --under prefill_ms --top 80 >"$OUT/prefill-profile.txt"
+      ;;
+    first-use)  # nothing compiled, then what that run kept
+      ptx=$(mktemp -d /tmp/ptx-XXXX)
+      driver=$(mktemp -d /tmp/nv-XXXX)
+      for run in fresh cached; do
+        CUDA_CACHE_PATH=$driver $PY -m benchmarks.first_use "$(model 1b $SHAPE_1B)" \
+          --ptx-cache "$ptx" --label $run ${FIRST_USE_ARGS:-} | tee -a "$OUT/first-use.jsonl"
+      done
+      rm -rf "$ptx" "$driver"
       ;;
     shapes)
       $PY -m benchmarks.new_shapes "$(model 1b $SHAPE_1B)" ${SHAPES_ARGS:-} 2>&1 | tee "$OUT/shapes.jsonl"
