@@ -403,7 +403,7 @@ class EngineCore:
                     self.prefix_cache.clear()  # the probe's KV is no one's prefix
                 return
         self.abort(list(expected))
-        raise RuntimeError(f"the probe generated no token within {max_steps} engine steps")
+        raise RuntimeError(f"the probe did not finish within {max_steps} engine steps")
 
 
 @dataclass(slots=True, eq=False)
