@@ -352,6 +352,7 @@ def test_a_dropped_link_loses_no_request_and_mixes_none(
                 assert "was lost" in message, message
             if which is not None:  # only the worker could tell
                 assert "dropped" in worker.logs() and "joins the gateway again" in worker.logs()
-            assert whole_or_error(client, "And now?")[0] == "text"
+            kind, text = whole_or_error(client, "And now?")
+            assert kind == "text", text
         finally:
             worker.stop()
