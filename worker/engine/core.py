@@ -364,10 +364,10 @@ class EngineCore:
         first use of an operation compiles its kernels, seconds each for the gathers these
         paths run: here they are compiled at load, not in the first requests that take
         them (docs/benchmarks.md)."""
-        encode = self.backend.tokenizer.encode
-        sampling = SamplingParams(temperature=0.0, ignore_eos=True)
         later: list[PreparedRequest] = []
         if prepared is None:
+            encode = self.backend.tokenizer.encode
+            sampling = SamplingParams(temperature=0.0, ignore_eos=True)
             short = list(encode("Hi")) or [0]
             longer = list(encode("Hello, who is there?")) or [0]
             if len(longer) <= len(short):
