@@ -50,7 +50,7 @@ from benchmarks._agent_trace import ChatTokens, Trace, build_trace
 from benchmarks._stats import machine_header, machine_info
 
 SOURCES = ("gateway", "gateway-nocache", "mlx_lm", "vllm_mlx")  # launched by default
-KNOWN = (*SOURCES, "gateway-rows", "gateway-rows-nocache", "gateway-rows-exact")
+KNOWN = (*SOURCES, "gateway-rows", "gateway-rows-nocache")
 # "gateway" and "gateway-nocache" keep BatchGenerator (the tables measured so far), the rows
 # batch (the default now) is "gateway-rows" ("gateway-rows-nocache" without the prefix cache).
 GATEWAY_ENGINE: dict[str, dict[str, bool | int | float | str]] = {
@@ -58,8 +58,6 @@ GATEWAY_ENGINE: dict[str, dict[str, bool | int | float | str]] = {
     "gateway-nocache": {"prefix_cache": False, "batcher": "mlx_lm"},
     "gateway-rows": {"prefix_cache": True, "batcher": "rows"},
     "gateway-rows-nocache": {"prefix_cache": False, "batcher": "rows"},
-    # prefills at their exact shapes (on MLX's CUDA backend the rows batch pads them)
-    "gateway-rows-exact": {"prefix_cache": True, "batcher": "rows", "prefill_shapes": "exact"},
 }
 GATEWAY_MODEL_NAME = "bench"
 

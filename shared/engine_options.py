@@ -69,12 +69,6 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # step (the model's layers read slices of them: no second copy). Opt-in until measured
     # served on a GPU (docs/benchmarks.md).
     decode_projections: Literal["separate", "stacked"] = "separate"
-    # Rows batch only: a joining group's prefill at its exact shape ("exact"), or padded to a
-    # few shapes ("bucketed": positions to a multiple of 32, keys to a multiple of 256, rows
-    # to 1, 2, 4, 8 or a multiple of 8; worker/backends/prefill_shapes.py), which a process
-    # meets again instead of paying for a new one. "auto": bucketed on MLX's CUDA backend,
-    # where a new shape costs 17-60 ms (docs/benchmarks.md), exact elsewhere.
-    prefill_shapes: Literal["auto", "bucketed", "exact"] = "auto"
     # The model's tool-call format: the name of one of mlx-lm's tool parsers
     # (mlx_lm/tool_parsers: json_tools, qwen3_coder, mistral, pythonic, glm47, ...).
     # Default: the one mlx-lm infers from the model's chat template, if any.
@@ -111,8 +105,6 @@ def engine_problem(opts: EngineOptions) -> str | None:
     for name, default in (("decode_attention", "auto"), ("decode_projections", "separate")):
         if getattr(opts, name) != default and not compiled:
             return f"engine.{name} applies to the compiled step only"
-    if opts.prefill_shapes == "bucketed" and opts.batcher == "mlx_lm":
-        return "engine.prefill_shapes = 'bucketed' applies to the rows batch only"
     if opts.join_settle_steps and opts.batcher == "mlx_lm":
         return "engine.join_settle_steps applies to the rows batch only, not to batcher = 'mlx_lm'"
     if opts.prefix_cache_gb < 0 or not math.isfinite(opts.prefix_cache_gb):

@@ -125,18 +125,15 @@ __all__ = ["GatewayProc"]
 @pytest.fixture(params=["mlx_lm", "rows", "compiled"])
 def batcher(request: pytest.FixtureRequest) -> Iterator[str]:
     """Engines built in the test use this continuous batch (engine.batcher; "compiled": the
-    rows batch as on MLX's CUDA backend, with the compiled decode step and its prefills
-    padded to a few shapes: engine.decode_step, engine.prefill_shapes), unless the test
-    names another; modules opt in with `pytestmark = pytest.mark.usefixtures("batcher")`."""
+    rows batch with the compiled decode step, engine.decode_step), unless the test names
+    another; modules opt in with `pytestmark = pytest.mark.usefixtures("batcher")`."""
     from tests import engine_fixtures
 
     compiled = request.param == "compiled"
     engine_fixtures.ENGINE_DEFAULTS["batcher"] = "rows" if compiled else request.param
     engine_fixtures.ENGINE_DEFAULTS["decode_step"] = "compiled" if compiled else "model"
-    if compiled:
-        engine_fixtures.ENGINE_DEFAULTS["prefill_shapes"] = "bucketed"
     try:
         yield request.param
     finally:
-        for name in ("batcher", "decode_step", "prefill_shapes"):
-            engine_fixtures.ENGINE_DEFAULTS.pop(name, None)
+        engine_fixtures.ENGINE_DEFAULTS.pop("batcher", None)
+        engine_fixtures.ENGINE_DEFAULTS.pop("decode_step", None)

@@ -270,7 +270,6 @@ class MlxRowsBackend(MlxLmBackend):
                     "forward pass on this backend (set decode_step = 'compiled')",
                     ", ".join(named),
                 )
-        cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
         self.batch = RowBatch(
             model,
             options.prefill_step_size,
@@ -288,9 +287,7 @@ class MlxRowsBackend(MlxLmBackend):
                 else None
             ),
             # what it saves was measured on MLX's CUDA backend only (buckets.py)
-            bucket_rows=cuda,
-            shaped=options.prefill_shapes == "bucketed"
-            or (options.prefill_shapes == "auto" and cuda),
+            bucket_rows=mx.default_device() == mx.gpu and mx.cuda.is_available(),
             # a shelf the prefix cache keeps whole while any of its rows is kept
             shelf_bytes=max(1, int(options.prefix_cache_gb * (1 << 30)) // 8),
         )

@@ -2,27 +2,31 @@
 forward pass and mlx-lm's `BatchKVCache` (merge, prepare, finalize, extend, filter, extract).
 
 What it changes against mlx-lm's BatchGenerator is what a row joining or leaving costs the
-batch (docs/benchmarks.md measured a join at four to five decode steps on a host-bound GPU):
+batch (docs/benchmarks.md measured a join at four to five decode steps on a GPU whose step is
+bound by the host):
 - joining rows are prefilled together (grouped by how many chunks their prompts take; two
-  groups at a time, a chunk of each per step), without waiting on the device; their first
-  decode step is the running batch's next one (one forward pass for all rows);
+  groups at a time, a chunk of each per step), without waiting on the device, and their first
+  decode step is the running batch's next step (one forward pass for all rows), not a pass of
+  their own;
 - a row that leaves is only marked: it decodes on, unseen, until enough rows have left (or
   rows join) to compact the batch in one filter;
 - into a large batch, rows join a few at a time: a join costs the batch two copies of its KV
-  (compaction, extension) and a prefill pass, whatever the number of rows joining. Joiners
+  (compaction, extension) and a prefill pass, whatever the number of rows joining, so one
+  arriving every step (a full batch under a closed loop) would pay them every step. Joiners
   wait until there are `running // JOIN_DIVISOR` of them, or until the oldest has waited as
   many steps; into a batch of under 2 * JOIN_DIVISOR rows they join at once. With
   `settle_steps` (`engine.join_settle_steps`, default 0: off), a group big enough to start
-  waits until no row has arrived for that many steps, within the same bound;
-- while no running row is padded (one row, or rows that started together), a decode step
-  passes the model no attention mask: with one, MLX's CUDA backend leaves its fused
+  waits until no row has arrived for that many steps, within the same bound: requests
+  returning in a wave would then start in one join instead of two or three;
+- while no running row is padded (every row's KV starts at the batch's first position: one
+  row, or rows that started together), a decode step passes the model no attention mask:
+  mlx-lm's batch cache always makes one, and with a mask MLX's CUDA backend leaves its fused
   one-token attention kernel for separate matmul, softmax and matmul kernels in every layer;
 - the host builds step n+1 while the device runs step n, as BatchGenerator does, and splits
   a step's distribution into one array per row only while a request asks for logprobs
   (BatchGenerator always does: at 128 rows on an H200, up to a third of a step);
-- a step with a prefill due and a first token pending only reads the tokens (`_flush`);
-- with `shaped` (MLX's CUDA backend), a joining group's prefill is padded to a few shapes
-  (prefill_shapes.py).
+- a large prefill's hand-over waits for most of it to run (at most ten command buffers in
+  flight), so a step with one due and a first token pending only reads the tokens (`_flush`).
 
 Greedy output is the same token for token as mlx-lm's `generate_step` (tests). Stop rules
 and max_tokens are the engine's: a row runs until the engine removes it.
@@ -38,7 +42,6 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
-from worker.backends import prefill_shapes as shapes
 from worker.backends.buckets import ROW_BUCKET, bucketed
 from worker.backends.sampling import LogitsProcessor, Sampler, process_rows
 from worker.backends.shelves import take_out
@@ -67,7 +70,9 @@ class Row:
     dead: bool = False
     pending: int = -1  # a token read ahead of its step (`_flush`), not yet in `held`
     guide: Guide | None = None  # masks its next tokens (a grammar, a thinking budget)
-    shift: int = 0  # added to its positions (mRoPE: an image takes fewer than its tokens)
+    # added to the row's positions (mRoPE models: an image's tokens take fewer positions than
+    # tokens; the model takes `shifts`, one per row, when any row has one)
+    shift: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -98,9 +103,8 @@ class RowBatch:
         decode: Any = None,
         bucket_rows: bool = False,
         shelf_bytes: int = 1 << 28,
-        shaped: bool = False,
     ) -> None:
-        self.model, self.shaped = model, shaped  # shaped: prefills padded (prefill_shapes.py)
+        self.model = model
         self.shelf_bytes = shelf_bytes  # the most that rows leaving together share (shelves.py)
         # Whether the batch's row count is kept to multiples of ROW_BUCKET (buckets.py)
         self.bucket = ROW_BUCKET if bucket_rows else 1
@@ -282,15 +286,11 @@ class RowBatch:
             fits = len(waiting) < self.max_group and self._chunks(item.rest) == chunks
             (waiting if fits else later).append(item)
         self.waiting = later
-        rows, rests = [w.row for w in waiting], [w.rest for w in waiting]
-        kept = [w.cache for w in waiting]
+        rows = [w.row for w in waiting]
+        rests = [w.rest for w in waiting]
+        layers = len(waiting[0].cache)
+        caches = [BatchKVCache.merge([w.cache[layer] for w in waiting]) for layer in range(layers)]
         longest = max(len(r) for r in rests)
-        shaped = shapes.padded(rests, kept, self.prefill_step_size) if self.shaped else None
-        if shaped is not None:  # dead rows to pad its shape (prefill_shapes.py)
-            dead, longest = shaped
-            rows += [Row(-1, None, [], [], 0, dead=True) for _ in dead]  # type: ignore[arg-type]
-            rests, kept = rests + [t for t, _ in dead], kept + [c for _, c in dead]
-        caches = [BatchKVCache.merge([c[layer] for c in kept]) for layer in range(len(kept[0]))]
         if longest == 0:
             return Group(rows, caches, None, False)
         padding = [longest - len(r) for r in rests]
@@ -350,8 +350,8 @@ class RowBatch:
         live = [i for i, r in enumerate(group.rows) if not r.dead]
         if not live:
             return
-        if len(live) < len(group.rows) or (self.shaped and group.padded):
-            for c in group.caches:  # (filter drops the left padding every row has too)
+        if len(live) < len(group.rows):
+            for c in group.caches:
                 c.filter(live)
         rows = [group.rows[i] for i in live]
         first = mx.array([r.last for r in rows], dtype=mx.uint32)  # as sampled: no int64 mix
