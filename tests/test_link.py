@@ -52,3 +52,20 @@ def test_sessions_count_up_and_a_second_join_waits() -> None:
     assert not joins.due() and joins.again("the same drop, seen twice") is None
     joins._at -= REJOIN_COALESCE_S  # a second later
     assert joins.due() and joins.again("another drop") == 2
+
+
+def test_a_join_the_gateway_asked_for_answers_the_drops_before_it() -> None:
+    """Every connection dropped; the gateway's Rejoin made the worker join before its own
+    check did (once every connection is back): that join answers the outage, and no second
+    join follows (it would end the requests the new session had started)."""
+    link = watch()
+    link._on(0, zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    for index in (0, 1, 2):
+        link._on(index, zmq.EVENT_DISCONNECTED)
+    link._on(0, zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    link.joining()  # asked to rejoin while the output connections are still down
+    for index in (1, 2):
+        link._on(index, zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    assert link.whole and not link.dropped.is_set()  # no second join
+    link._on(2, zmq.EVENT_DISCONNECTED)  # a later drop counts again
+    assert link.dropped.is_set()

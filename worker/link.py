@@ -127,6 +127,14 @@ class LinkWatch:
         with self._lock:
             return not self._down
 
+    def joining(self) -> None:
+        """The worker is about to say Hello (for a drop, or because the gateway asked): that
+        join answers every drop seen so far, and they must not make another (the gateway
+        would end what the new session had started). What a drop loses was sent before it;
+        what the new session sends on a connection still down waits for it in ZeroMQ's
+        queue. A drop seen after this makes the next join."""
+        self.dropped.clear()
+
     def _on(self, index: int, kind: int) -> None:
         if kind == zmq.EVENT_DISCONNECTED:
             with self._lock:

@@ -321,6 +321,8 @@ class WorkerProc:
         after are queued behind that."""
         session = self.joins.again(why)
         if session is not None:
+            if self.link_watch is not None:
+                self.link_watch.joining()
             sock.send(codec.encode(self._hello()))
             if self.ready is not None:
                 sock.send(codec.encode(self.ready))
@@ -355,7 +357,6 @@ class WorkerProc:
         while not self.stopping.is_set():
             # once every connection is back (a second after a join at the earliest)
             if link is not None and link.dropped.is_set() and link.whole and self.joins.due():
-                link.dropped.clear()
                 self._join_again(sock, codec, "a connection to it dropped")
             try:
                 if not sock.poll(200):
