@@ -73,6 +73,8 @@ class GatewayProc:
             **server,
         }
         self.workers_address: str = server.get("workers_listen") or ""
+        self.preloaded = [m["name"] for m in models if m.get("preload", True)]
+        self._workers_key: str | None = None
         self.config = write_config(self.run_dir / "config.toml", models, server)
         self.log = open(self.run_dir / "gateway.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -94,19 +96,41 @@ class GatewayProc:
                 failed = [m for m in models if states.get(m) == "failed"]
                 if failed:
                     raise RuntimeError(f"models failed: {failed}\n{self.logs()}")
-            time.sleep(0.2)
+            time.sleep(0.1)
         raise TimeoutError(f"gateway not ready in {timeout}s\n{self.logs()}")
 
     def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, "-m", "gateway", "--config", str(self.config), *args]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=check)
 
-    def ps(self) -> dict[str, dict[str, Any]]:
-        """The admin API's ps, straight over the unix socket (gatewayctl has its own tests)."""
+    def workers_key(self) -> str:
+        """The key remote workers check this gateway by (`gatewayctl workers key`, once)."""
+        if self._workers_key is None:
+            self._workers_key = self.ctl("workers", "key").stdout.strip()
+        return self._workers_key
+
+    def admin(self, method: str, path: str, timeout: float = 10, **kw: Any) -> httpx.Response:
+        """A call to the admin API, straight over the unix socket (gatewayctl has its own
+        tests, and takes most of a second to start)."""
         transport = httpx.HTTPTransport(uds=str(self.run_dir / "admin.sock"))
-        with httpx.Client(transport=transport, base_url="http://gw", timeout=10) as admin:
-            rows = admin.get("/ps").json()
-        return {r["model"]: r for r in rows}
+        with httpx.Client(transport=transport, base_url="http://gw", timeout=timeout) as admin:
+            return admin.request(method, path, **kw)
+
+    def ps(self) -> dict[str, dict[str, Any]]:
+        """The admin API's ps."""
+        return {r["model"]: r for r in self.admin("GET", "/ps").json()}
+
+    def load(self, model: str) -> None:
+        """As `gatewayctl load MODEL`: once the model is ready."""
+        self.admin("POST", "/load", timeout=120, json={"model": model}).raise_for_status()
+
+    def unload(self, model: str) -> None:
+        """As `gatewayctl unload MODEL`: once its workers are gone."""
+        self.admin("POST", "/unload", timeout=60, json={"model": model}).raise_for_status()
+
+    def reload(self, model: str) -> None:
+        """As `gatewayctl reload MODEL`: once the new worker is ready."""
+        self.admin("POST", "/reload", timeout=120, json={"model": model}).raise_for_status()
 
     def logs(self) -> str:
         text = (self.run_dir / "gateway.log").read_text(errors="replace")[-6000:]
@@ -129,9 +153,16 @@ class GatewayProc:
 def running_gateway(
     models: list[dict[str, Any]], env: dict[str, str] | None = None, **server: Any
 ) -> Iterator[GatewayProc]:
-    gw = GatewayProc(models, env, **server)
+    with serving(GatewayProc(models, env, **server)) as gw:
+        yield gw
+
+
+@contextlib.contextmanager
+def serving(gw: GatewayProc) -> Iterator[GatewayProc]:
+    """A gateway started before (tests that each need their own can start them together, a
+    core each, then take them in turn): once its preloaded models are ready; stopped after."""
     try:
-        gw.wait_ready([m["name"] for m in models if m.get("preload", True)])
+        gw.wait_ready(gw.preloaded)
         yield gw
     finally:
         gw.stop()

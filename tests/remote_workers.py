@@ -9,6 +9,7 @@ import subprocess
 import sys
 from typing import Any
 
+from shared.cluster import WORKER_KEY, key_pair
 from tests.gateway_proc import GatewayProc, write_config
 
 
@@ -32,10 +33,12 @@ class RemoteWorker:
             [dict(model)],
             {"cluster_dir": str(self.home / "cluster"), "log_level": "info"},
         )
-        self.public_key = self.ctl("worker", "--show-key").stdout.strip()
+        # its key pair, made where `gatewayctl worker` finds it (as its --show-key would, in
+        # most of a second: tests/test_e2e_remote.py runs that once)
+        self.public_key = key_pair(self.home / "cluster" / WORKER_KEY).public
         if allow:
             gw.ctl("workers", "add", name, self.public_key)
-        key = gateway_key or gw.ctl("workers", "key").stdout.strip()
+        key = gateway_key or gw.workers_key()
         where = address or gw.workers_address
         args = ["--gateway", where, "--gateway-key", key, "--model", model["name"]]
         args += ["--id", f"{model['name']}@{name}"]

@@ -331,10 +331,13 @@ def test_error_before_the_first_byte_is_a_plain_http_error(claude: anthropic.Ant
 
 @pytest.fixture(scope="module")
 def crashing_gateway(chat_model: Path) -> Iterator[GatewayProc]:
-    """A worker that dies right after the first token of a prompt containing CRASH."""
+    """A worker that dies right after the first token of a prompt containing CRASH; the
+    first death ends the stream (resume_max = 0: going on from its tokens on the next
+    worker, which the prompt kills too, is tests/test_e2e_faults.py's)."""
     models = [{"name": "fragile", "source": str(chat_model)}]
     faults = {"MLX_GATEWAY_FAULTS": json.dumps({"fragile": {"crash_on": "CRASH"}})}
-    with running_gateway(models, faults, request_timeout_s=60.0, restart_backoff_s=0.2) as gw:
+    server = {"request_timeout_s": 60.0, "restart_backoff_s": 0.2, "resume_max": 0}
+    with running_gateway(models, faults, **server) as gw:
         yield gw
 
 

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway_proc import GatewayProc, running_gateway, wait_for
+from tests.gateway_proc import GatewayProc, running_gateway, serving, wait_for
 
 MESSAGES = [{"role": "user", "content": "Hello there"}]
 ENDLESS = {"max_tokens": 100_000, "stream": True, "extra_body": {"ignore_eos": True}}
@@ -62,7 +62,12 @@ def _endless(gw: GatewayProc, key: str, out: list[object]) -> threading.Thread:
 @pytest.fixture(scope="module")
 def secured(chat_model: Path, other_model: Path) -> Iterator[GatewayProc]:
     models = [
-        {"name": "chat", "source": str(chat_model), "engine": {"max_context": 1_000_000}},
+        {
+            "name": "chat",
+            "source": str(chat_model),
+            "aliases": ["assistant"],
+            "engine": {"max_context": 1_000_000},
+        },
         {"name": "other", "source": str(other_model)},
     ]
     with running_gateway(models, admin_http=True) as gw:
@@ -151,13 +156,13 @@ def test_a_corrupt_key_file_fails_closed(secured: GatewayProc) -> None:
     assert _chat(gw, None).status_code == 401  # and back to normal
 
 
-def test_aliases_count_for_a_keys_model_list(chat_model: Path) -> None:
-    model = {"name": "chat", "source": str(chat_model), "aliases": ["assistant"]}
-    with running_gateway([model]) as gw:
-        key = _create(gw, "by-alias", "--models", "assistant")
-        assert _chat(gw, key, model="chat").status_code == 200
-        assert _chat(gw, key, model="assistant").status_code == 200
-        assert _chat(gw, key, model="nope").status_code == 404
+def test_aliases_count_for_a_keys_model_list(secured: GatewayProc) -> None:
+    gw = secured  # its chat is also "assistant"
+    key = _create(gw, "by-alias", "--models", "assistant")
+    assert _chat(gw, key, model="chat").status_code == 200
+    assert _chat(gw, key, model="assistant").status_code == 200
+    assert _chat(gw, key, model="other").status_code == 403
+    assert _chat(gw, key, model="nope").status_code == 404
 
 
 def test_model_scope_and_expiry(secured: GatewayProc) -> None:
@@ -237,13 +242,37 @@ def test_tokens_per_minute_and_concurrency(secured: GatewayProc) -> None:
     wait_for(lambda: _chat(gw, one).status_code == 200, what="the slot to be released")
 
 
-def test_interactive_key_is_served_while_a_batch_key_floods(chat_model: Path) -> None:
+@pytest.fixture(scope="module")
+def own(chat_model: Path) -> Iterator[dict[str, GatewayProc]]:
+    """The gateways of the three tests below, each set up its own way, started together (a
+    core each): each test waits for its own, and stops it."""
+
+    def chat(**engine: Any) -> list[dict[str, Any]]:
+        return [{"name": "chat", "source": str(chat_model), "engine": engine}]
+
+    gateways: dict[str, GatewayProc] = {}
+    try:
+        # (a test that ends with streams still running has a short drain when it stops)
+        gateways["flood"] = GatewayProc(
+            chat(max_running=4, batch_share=0.5, max_context=1_000_000), drain_timeout_s=0.5
+        )
+        gateways["limits"] = GatewayProc(
+            chat(), max_tokens_cap=8, max_prompt_tokens=40, max_body_bytes=4096
+        )
+        gateways["queue"] = GatewayProc(
+            chat(max_running=1, max_context=1_000_000), max_queued=1, drain_timeout_s=0.5
+        )
+        yield gateways
+    finally:
+        for gw in gateways.values():
+            gw.stop()
+
+
+def test_interactive_key_is_served_while_a_batch_key_floods(own: dict[str, GatewayProc]) -> None:
     """Batch requests hold at most batch_share of max_running: with the batch key's endless
     streams filling its share and more queued behind, an interactive request still starts at
     once (without priority classes it would wait behind the flood for good)."""
-    model = {"name": "chat", "source": str(chat_model)}
-    model["engine"] = {"max_running": 4, "batch_share": 0.5, "max_context": 1_000_000}
-    with running_gateway([model]) as gw:
+    with serving(own["flood"]) as gw:  # max_running 4, batch_share 0.5
         batch = _create(gw, "batch", "--priority", "batch")
         interactive = _create(gw, "ui")
         out: list[object] = []
@@ -268,10 +297,9 @@ def test_interactive_key_is_served_while_a_batch_key_floods(chat_model: Path) ->
         assert rest[-1].choices[0].finish_reason == "length"
 
 
-def test_request_limits(chat_model: Path) -> None:
-    model = {"name": "chat", "source": str(chat_model)}
-    server = {"max_tokens_cap": 8, "max_prompt_tokens": 40, "max_body_bytes": 4096}
-    with running_gateway([model], **server) as gw:
+def test_request_limits(own: dict[str, GatewayProc]) -> None:
+    # max_tokens_cap 8, max_prompt_tokens 40, max_body_bytes 4096
+    with serving(own["limits"]) as gw:
         over_cap = _chat(gw, None, max_tokens=9)
         assert over_cap.status_code == 400
         assert over_cap.json()["error"]["param"] == "max_tokens"
@@ -282,7 +310,7 @@ def test_request_limits(chat_model: Path) -> None:
         # Completions default to 16 tokens, within the cap too.
         completion = httpx.post(
             f"{gw.base_url}/v1/completions",
-            json={"model": model["name"], "prompt": "Once", "ignore_eos": True},
+            json={"model": "chat", "prompt": "Once", "ignore_eos": True},
             timeout=30,
         )
         assert completion.status_code == 200, completion.text
@@ -298,10 +326,8 @@ def test_request_limits(chat_model: Path) -> None:
         assert "server.max_body_bytes" in huge.json()["error"]["message"]
 
 
-def test_queue_full_is_503(chat_model: Path) -> None:
-    model = {"name": "chat", "source": str(chat_model)}
-    model["engine"] = {"max_running": 1, "max_context": 1_000_000}
-    with running_gateway([model], max_queued=1) as gw:
+def test_queue_full_is_503(own: dict[str, GatewayProc]) -> None:
+    with serving(own["queue"]) as gw:  # max_running 1, max_queued 1
         out: list[object] = []
         _endless(gw, "unused", out)  # runs
         wait_for(lambda: 1 in out, what="the first stream to run")

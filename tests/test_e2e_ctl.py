@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +188,37 @@ def test_chat_in_a_terminal_streams_a_reply(gw: GatewayProc, env: dict[str, str]
         term.close()
 
 
+def test_logs_follow(gw: GatewayProc) -> None:
+    loads = (gw.run_dir / "logs" / "worker-chat.log").read_text().count("loading model chat")
+    cmd = [sys.executable, "-m", "gateway", "--config", str(gw.config), "logs", "chat", "-f"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        seen = _read_until(proc, lambda text: "ready in" in text)
+        assert "ready in" in seen
+        gw.ctl("reload", "chat")  # a new worker writes to the same log
+
+        def reloaded(text: str) -> bool:
+            return text.count("loading model chat") > loads
+
+        assert reloaded(_read_until(proc, reloaded, seen))
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def _read_until(proc: Any, done: Callable[[str], bool], seen: str = "") -> str:
+    """`seen` and what `proc` writes next, up to where `done` holds of it all (or 30 s)."""
+    box: list[str] = []
+    deadline = time.monotonic() + 30
+    while not done(seen) and time.monotonic() < deadline:
+        reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(max(0.1, deadline - time.monotonic()))
+        if box:
+            seen += box.pop()
+    return seen
+
+
 def test_chat_needs_a_key_once_keys_exist(gw: GatewayProc, env: dict[str, str]) -> None:
     """Last in the module: a key turns authentication on for the gateway."""
     key = ctl(gw, env, "keys", "create", "chatter").stdout.strip()
@@ -205,29 +236,3 @@ def test_chat_needs_a_key_once_keys_exist(gw: GatewayProc, env: dict[str, str]) 
         assert run.stdout.strip()
     finally:
         ctl(gw, env, "keys", "revoke", "chatter")
-
-
-def test_logs_follow(other_model: Path) -> None:
-    with running_gateway([{"name": "m", "source": str(other_model)}]) as gw:
-        cmd = [sys.executable, "-m", "gateway", "--config", str(gw.config), "logs", "m", "-f"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        try:
-            assert "ready in" in _read_until(proc, "ready in")
-            gw.ctl("reload", "m")  # a new worker writes to the same log
-            assert "loading model m" in _read_until(proc, "loading model m")
-        finally:
-            proc.kill()
-            proc.wait(10)
-
-
-def _read_until(proc: Any, needle: str, timeout: float = 30.0) -> str:
-    seen = ""
-    box: list[str] = []
-    deadline = time.monotonic() + timeout
-    while needle not in seen and time.monotonic() < deadline:
-        reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(max(0.1, deadline - time.monotonic()))
-        if box:
-            seen += box.pop()
-    return seen

@@ -40,12 +40,15 @@ def gw(hermes_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         {"name": "flagged", "source": str(hermes_model_dir), "matryoshka": True, "preload": False},
         # the kind from its files; its vectors may be cut (as if trained for it)
         {"name": "folder", "source": str(MINILM), "preload": False, "matryoshka": True},
-        {"name": "fragile", "source": MINILM_SOURCE, "preload": False, "similarity_rerank": True},
+        # loaded with the first (a core each: the tests then wait only for its restarts)
+        {"name": "fragile", "source": MINILM_SOURCE, "similarity_rerank": True},
         {"name": "text", "source": str(hermes_model_dir), "preload": False},
     ]
     faults = {"fragile": {"crash_on": "CRASH", "crash_before_token": True}}
     env = {"MLX_GATEWAY_FAULTS": json.dumps(faults)}
-    with running_gateway(models, env, request_timeout_s=60.0) as proc:
+    # fragile's deaths: each next worker after 0.2 s, not the default 1 s doubling per death
+    server = {"request_timeout_s": 60.0, "restart_backoff_s": 0.2, "restart_backoff_max_s": 1.0}
+    with running_gateway(models, env, **server) as proc:
         yield proc
 
 

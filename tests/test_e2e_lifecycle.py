@@ -6,13 +6,15 @@ import base64
 import io
 import signal
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
-from tests.gateway_proc import GatewayProc
+from tests.gateway_proc import GatewayProc, serving
 
 
 def _png() -> bytes:
@@ -52,28 +54,37 @@ def _wait_gone(pid: int, timeout: float) -> None:
     assert _gone(pid), f"worker {pid} outlived its gateway"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_workers_exit_with_the_gateway(other_model: Path, sig: signal.Signals) -> None:
-    gw = GatewayProc([{"name": "m", "source": str(other_model)}])
+@pytest.fixture(scope="module")
+def own(chat_model: Path, other_model: Path) -> Iterator[dict[str, GatewayProc]]:
+    """The gateways of the three tests below, started together (a core each): each test
+    waits for its own, and stops it."""
+    endless = {"name": "m", "source": str(chat_model), "engine": {"max_context": 1_000_000}}
+    gateways: dict[str, GatewayProc] = {}
     try:
-        gw.wait_ready(["m"])
+        for sig in ("SIGTERM", "SIGKILL"):
+            gateways[sig] = GatewayProc([{"name": "m", "source": str(other_model)}])
+        gateways["timeout"] = GatewayProc([endless], request_timeout_s=1.0)
+        yield gateways
+    finally:
+        for gw in gateways.values():
+            gw.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_workers_exit_with_the_gateway(own: dict[str, GatewayProc], sig: signal.Signals) -> None:
+    with serving(own[sig.name]) as gw:
         pid = gw.ps()["m"]["pid"]
         gw.proc.send_signal(sig)
         gw.proc.wait(30)
         # SIGTERM: the lifespan unloads; SIGKILL: the worker notices its parent is gone.
         _wait_gone(pid, 15)
-    finally:
-        gw.stop()
 
 
-def test_request_timeout_aborts_and_reports(chat_model: Path) -> None:
+def test_request_timeout_aborts_and_reports(own: dict[str, GatewayProc]) -> None:
     import httpx
     import openai
 
-    from tests.gateway_proc import running_gateway
-
-    models = [{"name": "m", "source": str(chat_model), "engine": {"max_context": 1_000_000}}]
-    with running_gateway(models, request_timeout_s=2.0) as gw:
+    with serving(own["timeout"]) as gw:  # request_timeout_s 1
         body = {
             "model": "m",
             "messages": [{"role": "user", "content": "go on forever"}],
@@ -120,8 +131,6 @@ def test_embedded_default_serves_the_demo_model(tmp_path: Path) -> None:
         )
         assert r.choices[0].message.content
         assert "random-weight demo" in gw.logs()
-        vectors = client.embeddings.create(model="embeddings", input=["a", "b"]).data
-        assert [len(v.embedding) for v in vectors] == [384, 384]
         assert vision.id == "demo-vision-random"
         assert "random-weight" in (vision.model_extra or {})["description"]
         assert (vision.model_extra or {})["kind"] == "vision"
@@ -134,16 +143,30 @@ def test_embedded_default_serves_the_demo_model(tmp_path: Path) -> None:
             {"type": "image_url", "image_url": {"url": image}},
             {"type": "text", "text": "What is it?"},
         ]
-        r = client.chat.completions.create(
-            model="vision", messages=[{"role": "user", "content": content}], max_tokens=8
-        )
-        assert r.usage is not None and r.usage.prompt_tokens > 20
-        heard = client.audio.transcriptions.create(model="whisper", file=("a.wav", _wav()))
-        assert heard.text == "hello world"  # the demo Whisper is scripted to say it
-        spoken = client.audio.speech.create(
-            model="tts", input="Hello.", voice="alloy", response_format="wav"
-        )
-        assert spoken.content[:4] == b"RIFF" and len(spoken.content) > 1000
+        # each of the four loads on its first request: all at once (seconds each, one core)
+        with ThreadPoolExecutor(4) as pool:
+            vectors = pool.submit(client.embeddings.create, model="embeddings", input=["a", "b"])
+            seen = pool.submit(
+                lambda: client.chat.completions.create(
+                    model="vision", messages=[{"role": "user", "content": content}], max_tokens=8
+                )
+            )
+            heard = pool.submit(
+                client.audio.transcriptions.create, model="whisper", file=("a.wav", _wav())
+            )
+            spoken = pool.submit(
+                client.audio.speech.create,
+                model="tts",
+                input="Hello.",
+                voice="alloy",
+                response_format="wav",
+            )
+        assert [len(v.embedding) for v in vectors.result().data] == [384, 384]
+        usage = seen.result().usage
+        assert usage is not None and usage.prompt_tokens > 20
+        assert heard.result().text == "hello world"  # the demo Whisper is scripted to say it
+        audio = spoken.result().content
+        assert audio[:4] == b"RIFF" and len(audio) > 1000
     assert list(tmp_path.glob("models/demo-llama-*/model.safetensors"))
     assert list(tmp_path.glob("models/demo-qwen2-vl-*/model.safetensors"))
 

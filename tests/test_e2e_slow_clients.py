@@ -23,10 +23,12 @@ from tests.gateway_proc import GatewayProc, openai_client, running_gateway, wait
 
 HEADER_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 3.0
-SEND_TIMEOUT_S = 8.0
 # How long a never-reading client's stream takes to fill its socket's buffers here (about
 # 2.5 s on 2 cores); from then on each send blocks
 FILL_S = 4.0
+# Over the longest a send of the stream that is closed at FILL_S has blocked by then (FILL_S
+# less the fill, plus a request's answer and a heartbeat's lag: about 3 s here)
+SEND_TIMEOUT_S = 6.0
 MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
 # Endless (a context far beyond what a test makes: it ends only by abort), and heavy: twenty
 # alternatives a token fill a client's socket buffers within seconds.

@@ -49,17 +49,25 @@ def gw(tmp_path_factory: pytest.TempPathFactory, chat_model: Path) -> Iterator[G
     models: list[dict[str, Any]] = [
         {"name": "whisper", "source": str(whisper)},
         {"name": "tts", "source": str(tts)},
-        {"name": "fragile", "source": str(whisper), "preload": False},
+        # loaded with the others (the tests then wait only for their restarts)
+        {"name": "fragile", "source": str(whisper)},
         {"name": "text", "source": str(chat_model), "preload": False},
-        {"name": "fragile-tts", "source": str(tts), "preload": False},
+        {"name": "fragile-tts", "source": str(tts)},
     ]
     faults = {
         "fragile": {"crash_on": "CRASH", "crash_before_token": True},
         "fragile-tts": {"crash_on": "CRASH"},  # dies once that request's first audio left
     }
     env = {"MLX_GATEWAY_FAULTS": json.dumps(faults)}
-    limit = 200_000  # a small upload cap, to see it enforced
-    with running_gateway(models, env, request_timeout_s=60.0, audio_max_bytes=limit) as proc:
+    server = {
+        "request_timeout_s": 60.0,
+        "audio_max_bytes": 200_000,  # a small upload cap, to see it enforced
+        # the fragile models' deaths: each next worker after 0.2 s, not the default 1 s
+        # doubling per death
+        "restart_backoff_s": 0.2,
+        "restart_backoff_max_s": 1.0,
+    }
+    with running_gateway(models, env, **server) as proc:
         yield proc
 
 

@@ -20,11 +20,12 @@ import openai
 import psutil
 import pytest
 
-from tests.gateway_proc import GatewayProc, openai_client, running_gateway, wait_for
+from tests.gateway_proc import GatewayProc, openai_client, running_gateway, serving, wait_for
 
 MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
 BIG = {"engine": {"max_context": 1_000_000}}  # streams that end only when aborted
 FAST_RESTART = {"restart_backoff_s": 0.2, "restart_backoff_max_s": 1.0}
+SLOW_LOAD_S = 3.0
 
 
 def _gone(pid: int) -> bool:
@@ -60,7 +61,9 @@ def jit_gateway(chat_model: Path, other_model: Path) -> Iterator[GatewayProc]:
         {"name": "brief", "source": str(chat_model), "preload": False, "ttl": 1},
         {"name": "kept", "source": str(other_model), "preload": False},
     ]
-    faults = {"slow": {"load_delay_s": 4.5}, "broken": {"probe_error": "no logits"}}
+    # "slow" loads for over SLOW_LOAD_S (its start, then that sleep): longer than the gateway
+    # waits before its first keep-alive comment (2 s)
+    faults = {"slow": {"load_delay_s": SLOW_LOAD_S}, "broken": {"probe_error": "no logits"}}
     with running_gateway(models, _faults(faults), **FAST_RESTART) as gw:
         yield gw
 
@@ -98,7 +101,8 @@ def test_streaming_request_gets_keepalives_while_the_model_loads(jit_gateway: Ga
     comments = [x for x in lines if x.startswith(":")]
     data = [x for x in lines if x.startswith("data:")]
     assert comments and "loading model slow" in comments[0]
-    assert first_line_after is not None and first_line_after < 4.0  # before the load ended
+    # before the load ended (its sleep alone takes SLOW_LOAD_S)
+    assert first_line_after is not None and first_line_after < SLOW_LOAD_S
     assert data[-1] == "data: [DONE]" and len(data) >= 3
     assert lines.index(comments[-1]) < lines.index(data[0])
 
@@ -106,7 +110,7 @@ def test_streaming_request_gets_keepalives_while_the_model_loads(jit_gateway: Ga
 def test_a_stream_waiting_for_its_model_can_be_cancelled(jit_gateway: GatewayProc) -> None:
     """Cancel by id also works while the model is still loading (the 200 is already out)."""
     if jit_gateway.ps()["slow"]["state"] != "unloaded":
-        jit_gateway.ctl("unload", "slow")
+        jit_gateway.unload("slow")
     body = {"model": "slow", "messages": MESSAGES, "max_tokens": 4, "stream": True}
     with httpx.stream(
         "POST", f"{jit_gateway.base_url}/v1/chat/completions", json=body, timeout=60
@@ -115,6 +119,7 @@ def test_a_stream_waiting_for_its_model_can_be_cancelled(jit_gateway: GatewayPro
         request_id = r.headers["x-request-id"]
         cancel = httpx.post(f"{jit_gateway.base_url}/v1/requests/{request_id}/cancel", timeout=10)
         assert cancel.status_code == 200, cancel.text
+        assert jit_gateway.ps()["slow"]["state"] == "loading"  # it was cancelled meanwhile
         data = [x for x in r.iter_lines() if x.startswith("data:")]
     assert data[-1] == "data: [DONE]"
     assert json.loads(data[-2][len("data: ") :])["error"]["code"] == "cancelled"
@@ -199,13 +204,48 @@ def drain_gateway(chat_model: Path) -> Iterator[GatewayProc]:
         yield gw
 
 
+# ---- reload (first: its model is loaded, the unloads end it) ----------------------------
+
+
+def test_reload_under_load_fails_no_request(drain_gateway: GatewayProc) -> None:
+    gw = drain_gateway
+    if gw.ps()["busy"]["state"] != "ready":
+        gw.load("busy")
+    old = gw.ps()["busy"]["pid"]
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            statuses.append(_chat(gw, "busy", max_tokens=8).status_code)
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: len(statuses) >= 3, what="traffic")
+    out = gw.ctl("reload", "busy").stdout
+    assert "reloaded" in out
+    answered = len(statuses)
+    wait_for(lambda: len(statuses) >= answered + 6, what="traffic after the reload")
+    stop.set()
+    for t in threads:
+        t.join(60)
+    new = gw.ps()["busy"]["pid"]
+    assert new != old
+    wait_for(lambda: _gone(old), what="the old worker drained and gone")
+    assert statuses and set(statuses) == {200}, statuses
+
+
+# ---- unload -----------------------------------------------------------------------------
+
+
 @pytest.mark.parametrize("force", [False, True])
 def test_unload_drains_then_aborts_with_a_clear_error(
     drain_gateway: GatewayProc, force: bool
 ) -> None:
     gw = drain_gateway
     if gw.ps()["busy"]["state"] != "ready":
-        gw.ctl("load", "busy")
+        gw.load("busy")
     out: list[object] = []
     thread = _stream_in_background(gw, "busy", out)
     wait_for(lambda: len(out) >= 3, what="tokens streaming")
@@ -243,7 +283,7 @@ def crash_gateway(
     ]
     starts = tmp_path_factory.mktemp("flaky") / "starts"
     faults = {
-        "loop": {"crash_after_ready_s": 1.0},
+        "loop": {"crash_after_ready_s": 0.5},
         # its first three workers die half a second after Ready (one loop), then it heals
         "flaky": {"crash_after_ready_s": 0.5, "crash_starts": 3, "starts_file": str(starts)},
         "stall": {"stall_on": "FREEZE"},
@@ -299,6 +339,8 @@ def test_a_crash_loop_backs_the_model_off(crash_gateway: GatewayProc) -> None:
     r = _chat(gw, "loop")
     assert r.status_code == 503 and "backing off" in r.json()["error"]["message"]
     assert 1 <= int(r.headers["retry-after"]) <= 6
+    # else it goes on looping (a worker started every few seconds) through the other tests
+    gw.unload("loop")
 
 
 def test_a_crash_loop_that_heals_serves_again_with_no_command(crash_gateway: GatewayProc) -> None:
@@ -344,36 +386,20 @@ def test_a_stopped_worker_is_killed_and_restarted(crash_gateway: GatewayProc) ->
     assert _chat(gw, "stopped").status_code == 200
 
 
-# ---- reload -----------------------------------------------------------------------------
+# ---- catalog at run time ----------------------------------------------------------------
 
 
-def test_reload_under_load_fails_no_request(drain_gateway: GatewayProc) -> None:
-    gw = drain_gateway
-    if gw.ps()["busy"]["state"] != "ready":
-        gw.ctl("load", "busy")
-    old = gw.ps()["busy"]["pid"]
-    statuses: list[int] = []
-    stop = threading.Event()
-
-    def load() -> None:
-        while not stop.is_set():
-            statuses.append(_chat(gw, "busy", max_tokens=8).status_code)
-
-    threads = [threading.Thread(target=load) for _ in range(3)]
-    for t in threads:
-        t.start()
-    wait_for(lambda: len(statuses) >= 3, what="traffic")
-    out = gw.ctl("reload", "busy").stdout
-    assert "reloaded" in out
-    answered = len(statuses)
-    wait_for(lambda: len(statuses) >= answered + 6, what="traffic after the reload")
-    stop.set()
-    for t in threads:
-        t.join(60)
-    new = gw.ps()["busy"]["pid"]
-    assert new != old
-    wait_for(lambda: _gone(old), what="the old worker drained and gone")
-    assert statuses and set(statuses) == {200}, statuses
+def test_gatewayctl_load_adds_a_model_at_run_time(
+    jit_gateway: GatewayProc, other_model: Path
+) -> None:
+    gw = jit_gateway
+    r = _chat(gw, "extra")
+    assert r.status_code == 404  # clients cannot reach models outside the catalog
+    out = gw.ctl("load", "extra", "--source", str(other_model), "--alias", "x").stdout
+    assert "extra: ready" in out
+    assert _chat(gw, "x").status_code == 200
+    ids = {m["id"] for m in httpx.get(f"{gw.base_url}/v1/models").json()["data"]}
+    assert {"jit", "extra"} <= ids
 
 
 # ---- memory budget ----------------------------------------------------------------------
@@ -394,11 +420,31 @@ def _budget_models(chat_model: Path, other_model: Path) -> list[dict[str, Any]]:
     ]
 
 
+@pytest.fixture(scope="module")
+def budgets(chat_model: Path, other_model: Path) -> Iterator[dict[str, GatewayProc]]:
+    """A gateway for each memory_policy, started together (a core each): each test below
+    waits for its own, and stops it."""
+
+    def gateway(policy: str, **server: Any) -> GatewayProc:
+        models = _budget_models(chat_model, other_model)
+        return GatewayProc(models, memory_budget_gb=1.6, memory_policy=policy, **server)
+
+    gateways: dict[str, GatewayProc] = {}
+    try:
+        # (b's stream still runs at the end of its test: a short drain when it stops)
+        gateways["fail"] = gateway("fail", drain_timeout_s=0.5)
+        gateways["preempt"] = gateway("preempt")
+        gateways["wait"] = gateway("wait", memory_wait_s=30.0)
+        yield gateways
+    finally:
+        for gw in gateways.values():
+            gw.stop()
+
+
 def test_memory_budget_evicts_the_least_recently_used_idle_model(
-    chat_model: Path, other_model: Path
+    budgets: dict[str, GatewayProc],
 ) -> None:
-    models = _budget_models(chat_model, other_model)
-    with running_gateway(models, memory_budget_gb=1.6, memory_policy="fail") as gw:
+    with serving(budgets["fail"]) as gw:
         assert _chat(gw, "a").status_code == 200
         pid_a = gw.ps()["a"]["pid"]
         assert _chat(gw, "b").status_code == 200  # a is idle: evicted
@@ -417,9 +463,8 @@ def test_memory_budget_evicts_the_least_recently_used_idle_model(
         assert gw.ps()["b"]["state"] == "ready"
 
 
-def test_memory_budget_preempts_a_lower_priority_model(chat_model: Path, other_model: Path) -> None:
-    models = _budget_models(chat_model, other_model)
-    with running_gateway(models, memory_budget_gb=1.6, memory_policy="preempt") as gw:
+def test_memory_budget_preempts_a_lower_priority_model(budgets: dict[str, GatewayProc]) -> None:
+    with serving(budgets["preempt"]) as gw:
         out: list[object] = []
         thread = _stream_in_background(gw, "a", out)
         wait_for(lambda: len(out) >= 2, what="a busy")
@@ -429,26 +474,10 @@ def test_memory_budget_preempts_a_lower_priority_model(chat_model: Path, other_m
         assert gw.ps()["a"]["state"] == "unloaded"
 
 
-# ---- catalog at run time ----------------------------------------------------------------
-
-
-def test_gatewayctl_load_adds_a_model_at_run_time(other_model: Path) -> None:
-    with running_gateway([{"name": "base", "source": str(other_model)}]) as gw:
-        r = _chat(gw, "extra")
-        assert r.status_code == 404  # clients cannot reach models outside the catalog
-        out = gw.ctl("load", "extra", "--source", str(other_model), "--alias", "x").stdout
-        assert "extra: ready" in out
-        assert _chat(gw, "x").status_code == 200
-        ids = {m["id"] for m in httpx.get(f"{gw.base_url}/v1/models").json()["data"]}
-        assert {"base", "extra"} <= ids
-
-
 def test_memory_policy_wait_loads_once_a_busy_model_goes_idle(
-    chat_model: Path, other_model: Path
+    budgets: dict[str, GatewayProc],
 ) -> None:
-    models = _budget_models(chat_model, other_model)
-    server = {"memory_budget_gb": 1.6, "memory_policy": "wait", "memory_wait_s": 30.0}
-    with running_gateway(models, **server) as gw:
+    with serving(budgets["wait"]) as gw:
         body = {
             "model": "a",
             "messages": MESSAGES,

@@ -67,12 +67,20 @@ def gw(vision_model_dir: Path, chat_model: Path) -> Iterator[GatewayProc]:
     models: list[dict[str, Any]] = [
         {"name": "vision", "source": str(vision_model_dir)},
         {"name": "text", "source": str(chat_model), "preload": False},
-        {"name": "fragile", "source": str(vision_model_dir), "preload": False},
+        # loaded with the first (a core each: the test then waits only for its restarts)
+        {"name": "fragile", "source": str(vision_model_dir)},
     ]
     faults = {"fragile": {"crash_on": "CRASH"}}  # dies once that request's first token left
     env = {"MLX_GATEWAY_FAULTS": json.dumps(faults)}
-    # the test's image server is on 127.0.0.1: allowed here (refused by default)
-    with running_gateway(models, env, request_timeout_s=60.0, image_fetch_private=True) as proc:
+    server = {
+        "request_timeout_s": 60.0,
+        # the test's image server is on 127.0.0.1: allowed here (refused by default)
+        "image_fetch_private": True,
+        # fragile's deaths: each next worker after 0.2 s, not the default 1 s doubling per death
+        "restart_backoff_s": 0.2,
+        "restart_backoff_max_s": 1.0,
+    }
+    with running_gateway(models, env, **server) as proc:
         yield proc
 
 
