@@ -74,7 +74,6 @@ class GatewayProc:
         }
         self.workers_address: str = server.get("workers_listen") or ""
         self.preloaded = [m["name"] for m in models if m.get("preload", True)]
-        self._workers_key: str | None = None
         self.config = write_config(self.run_dir / "config.toml", models, server)
         self.log = open(self.run_dir / "gateway.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -102,12 +101,6 @@ class GatewayProc:
     def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, "-m", "gateway", "--config", str(self.config), *args]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=check)
-
-    def workers_key(self) -> str:
-        """The key remote workers check this gateway by (`gatewayctl workers key`, once)."""
-        if self._workers_key is None:
-            self._workers_key = self.ctl("workers", "key").stdout.strip()
-        return self._workers_key
 
     def admin(self, method: str, path: str, timeout: float = 10, **kw: Any) -> httpx.Response:
         """A call to the admin API, straight over the unix socket (gatewayctl has its own

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from typing import Any
 
-from shared.cluster import WORKER_KEY, key_pair
+from shared.cluster import ALLOWED_FILE, GATEWAY_KEY, WORKER_KEY, AllowedWorkers, key_pair
 from tests.gateway_proc import GatewayProc, write_config
 
 
@@ -24,6 +24,7 @@ class RemoteWorker:
         env: dict[str, str] | None = None,
         gateway_key: str | None = None,
         address: str | None = None,  # where it dials (default: the gateway's worker port)
+        by_ctl: bool = False,  # allowed by `gatewayctl workers add`, with `workers key`'s key
     ) -> None:
         self.name = name
         self.home = gw.run_dir / f"host-{name}"
@@ -36,11 +37,14 @@ class RemoteWorker:
         # its key pair, made where `gatewayctl worker` finds it (as its --show-key would, in
         # most of a second: tests/test_e2e_remote.py runs that once)
         self.public_key = key_pair(self.home / "cluster" / WORKER_KEY).public
-        if allow:
+        if allow and by_ctl:
             gw.ctl("workers", "add", name, self.public_key)
-        key = gateway_key or gw.workers_key()
+        elif allow:  # as `gatewayctl workers add` does, without a Python start
+            AllowedWorkers(gw.run_dir / "cluster" / ALLOWED_FILE).add(name, self.public_key)
+        if gateway_key is None:
+            gateway_key = gw.ctl("workers", "key").stdout.strip() if by_ctl else workers_key(gw)
         where = address or gw.workers_address
-        args = ["--gateway", where, "--gateway-key", key, "--model", model["name"]]
+        args = ["--gateway", where, "--gateway-key", gateway_key, "--model", model["name"]]
         args += ["--id", f"{model['name']}@{name}"]
         self.log = open(self.home / "worker.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -70,6 +74,11 @@ class RemoteWorker:
                 self.proc.kill()
                 self.proc.wait(5)
         self.log.close()
+
+
+def workers_key(gw: GatewayProc) -> str:
+    """The key workers check `gw` by, as `gatewayctl workers key` prints it there."""
+    return key_pair(gw.run_dir / "cluster" / GATEWAY_KEY, create=False).public
 
 
 def replicas(gw: GatewayProc, model: str) -> dict[str, dict[str, Any]]:

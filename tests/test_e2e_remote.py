@@ -45,7 +45,11 @@ def wait_ready_replicas(gw: GatewayProc, ids: list[str], timeout: float = 90) ->
 def cluster(chat_model: Path) -> Iterator[tuple[GatewayProc, list[RemoteWorker]]]:
     listen = f"127.0.0.1:{free_port()}"
     with running_gateway(gateway_models(chat_model), workers_listen=listen) as gw:
-        workers = [RemoteWorker(gw, name, chat_model_entry(chat_model)) for name in ("a", "b")]
+        # a is allowed as people do it, with gatewayctl (the others without its start)
+        workers = [
+            RemoteWorker(gw, name, chat_model_entry(chat_model), by_ctl=name == "a")
+            for name in ("a", "b")
+        ]
         try:
             wait_ready_replicas(gw, ["chat@a", "chat@b"])
             yield gw, workers

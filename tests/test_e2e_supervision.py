@@ -283,9 +283,9 @@ def crash_gateway(
     ]
     starts = tmp_path_factory.mktemp("flaky") / "starts"
     faults = {
-        "loop": {"crash_after_ready_s": 0.5},
-        # its first three workers die half a second after Ready (one loop), then it heals
-        "flaky": {"crash_after_ready_s": 0.5, "crash_starts": 3, "starts_file": str(starts)},
+        "loop": {"crash_after_ready_s": 0.3},
+        # its first three workers die 0.3 s after Ready (one loop), then it heals
+        "flaky": {"crash_after_ready_s": 0.3, "crash_starts": 3, "starts_file": str(starts)},
         "stall": {"stall_on": "FREEZE"},
     }
     server = {
@@ -328,7 +328,7 @@ def test_crash_replays_requests_that_had_not_started_and_resumes_the_rest(
 
 def test_a_crash_loop_backs_the_model_off(crash_gateway: GatewayProc) -> None:
     gw = crash_gateway
-    gw.ctl("load", "loop", check=False)
+    gw.admin("POST", "/load", json={"model": "loop"}, timeout=120)  # it dies soon after
     wait_for(lambda: gw.ps()["loop"]["state"] == "backoff", timeout=60, what="crash loop")
     row = gw.ps()["loop"]
     assert "crash loop" in row["last_error"] and "exit status 17" in row["last_error"]
