@@ -2,7 +2,7 @@
 # The GPU figures of docs/benchmarks.md: one NVIDIA GPU, MLX's CUDA backend, random-weight
 # models of Llama-3.2-1B's and Llama-3.1-8B's shapes in bf16 (vocab 128,256).
 #
-#   benchmarks/h200.sh OUT [1b] [8b] [agent] [arrivals] [steps] [steps8b] [shapes] [leaving]
+#   benchmarks/h200.sh OUT [1b] [8b] [agent] [agent8b] [arrivals] [steps] [steps8b] [shapes] [leaving]
 #                      [prefills] [prefill-profile] [profile] [first-use]
 #   (default: 1b 8b agent)
 #
@@ -26,9 +26,9 @@
 #   unrecorded first: MLX CUDA compiles kernels on first use of a shape, and a server meets
 #   many more batch shapes than the ceiling); the servers' logs land in OUT/1b-logs/ and
 #   OUT/8b-logs/.
-# - agent: benchmarks.agent_session on the 1b shape: 8 turns over a 4k-token system prompt,
-#   1 and 4 concurrent sessions, the gateway with its prefix cache on and off and on its rows
-#   batch, mlx_lm server.
+# - agent / agent8b: benchmarks.agent_session on the 1b / 8b shape: 8 turns over a 4k-token
+#   system prompt, 1 and 4 concurrent sessions, the gateway with its prefix cache on and off
+#   and on its rows batch, mlx_lm server (OUT/agent.json, OUT/agent8b.json).
 # - arrivals: benchmarks.arrivals on the 1b shape in one process: mlx-lm's BatchGenerator and
 #   the project's rows batch (joins at once and settled) with sequences starting together
 #   and spread, and what one join costs each.
@@ -220,11 +220,12 @@ for step in $STEPS; do
   case $step in
     1b) throughput 1b "$SHAPE_1B" "$LEVELS_1B" ;;
     8b) throughput 8b "$SHAPE_8B" "$LEVELS_8B" ;;
-    agent)
-      $PY -m benchmarks.agent_session --model "$(model 1b $SHAPE_1B)" \
+    agent | agent8b)
+      if [ "$step" = agent ]; then dir=$(model 1b $SHAPE_1B); else dir=$(model 8b $SHAPE_8B); fi
+      $PY -m benchmarks.agent_session --model "$dir" \
         --sources gateway,gateway-nocache,gateway-rows,mlx_lm --sessions 1,4 --turns "$AGENT_TURNS" \
-        --system-tokens "$AGENT_SYSTEM" --wait-idle 0 ${AGENT_ARGS:-} --out "$OUT/agent.json" 2>&1 |
-        tee "$OUT/agent.log"
+        --system-tokens "$AGENT_SYSTEM" --wait-idle 0 ${AGENT_ARGS:-} --out "$OUT/$step.json" 2>&1 |
+        tee "$OUT/$step.log"
       ;;
     arrivals)
       $PY -m benchmarks.arrivals "$(model 1b $SHAPE_1B)" --concurrency "$LEVELS_ARRIVALS" \
