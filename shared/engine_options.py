@@ -31,6 +31,11 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # in the gateway's memory budget.
     prefix_cache: bool = True
     prefix_cache_gb: float = 2.0
+    # Chat prompts tokenized by segments (the text between special tokens), each segment's
+    # tokens kept for the next turn, so a turn encodes only its new messages
+    # (worker/prompt_segments.py; checked equal to the whole encoding at load, and off where
+    # it is not). False: every prompt is encoded whole.
+    segment_tokens: bool = True
     # The bound of MLX's buffer cache (freed buffers kept for reuse), in GiB; the worker also
     # hands it back once the model has been idle for 2 s. Default: on a Mac the smaller of
     # 4 GiB and an eighth of the recommended working set; elsewhere MLX's own default.

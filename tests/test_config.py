@@ -380,6 +380,15 @@ def test_fused_cpu_ops_takes_a_bool_only(tmp_path: Path) -> None:
         load_config(write(tmp_path, head + 'fused_cpu_ops = "yes"\n'))
 
 
+def test_segment_tokens_is_on_by_default_and_takes_a_bool_only(tmp_path: Path) -> None:
+    head = '[[models]]\nname = "a"\nsource = "x"\n[models.engine]\n'
+    assert load_config(write(tmp_path, head)).models[0].engine.segment_tokens is True
+    off = load_config(write(tmp_path, head + "segment_tokens = false\n"))
+    assert off.models[0].engine.segment_tokens is False
+    with pytest.raises(ConfigError, match="segment_tokens"):
+        load_config(write(tmp_path, head + "segment_tokens = 1\n"))
+
+
 def test_join_settle_steps_is_for_the_rows_batch(tmp_path: Path) -> None:
     head = '[[models]]\nname = "a"\nsource = "x"\n[models.engine]\n'
     assert load_config(write(tmp_path, head)).models[0].engine.join_settle_steps == 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -23,6 +23,7 @@ from shared.types import (
 )
 from worker.backends.formats import ModelFormats, arguments_object, model_formats, template_tools
 from worker.parsing.response import ResponseParser
+from worker.prompt_segments import prompt_segments, whole_only
 from worker.structured.grammars import GrammarError, response_grammar, tool_grammar
 from worker.structured.guide import Grammars, Guide
 
@@ -67,6 +68,9 @@ class PreparedRequest:
 
 
 class Preprocessor:
+    # chat prompts tokenized by segments where engine.segment_tokens and the probe allow
+    by_segments: ClassVar[bool] = True
+
     def __init__(
         self,
         tokenizer: Any,
@@ -81,6 +85,8 @@ class Preprocessor:
         self.vocab_size = len(tokenizer)
         self.formats = formats or model_formats(tokenizer, options.tool_parser)
         self._grammars = grammars
+        chat = options.segment_tokens and self.by_segments and has_chat_template(tokenizer)
+        self.segments = prompt_segments(tokenizer) if chat else None
 
     @property
     def grammars(self) -> Grammars:
@@ -92,7 +98,7 @@ class Preprocessor:
         param = _prompt_param(frame)
         self._check_token_ids(frame.sampling)
         self._check_features(frame.kind, frame.request)
-        prompt = self._tokenize(frame.kind, frame.request)
+        prompt = self._tokenize(frame.kind, frame.request, frame.request_id)
         if not prompt:
             raise _invalid("the prompt is empty after tokenization", param)
         limit = self.options.max_prompt_tokens
@@ -232,7 +238,9 @@ class Preprocessor:
             )
         return {"text": self.tokenizer.decode(tokens)}
 
-    def _tokenize(self, kind: RequestKind, request: CanonicalRequest) -> list[int]:
+    def _tokenize(
+        self, kind: RequestKind, request: CanonicalRequest, request_id: str = ""
+    ) -> list[int]:
         if kind == RequestKind.CHAT:
             if not has_chat_template(self.tokenizer):
                 raise _invalid(
@@ -255,22 +263,34 @@ class Preprocessor:
                     f"chat_template_kwargs.{reserved} is not a template variable",
                     f"chat_template_kwargs.{reserved}",
                 )
-            ids = self._render(messages, request, kwargs)
-            if isinstance(ids, dict):  # transformers 5 may return a BatchEncoding
-                ids = ids.get("input_ids", ids)
-            tokens = list(ids) if isinstance(ids, list | tuple) else None
-            if tokens is None or not all(type(t) is int for t in tokens):
-                raise _invalid(
-                    "the chat template did not produce token ids (check chat_template_kwargs)",
-                    "chat_template_kwargs",
-                )
-            return tokens
+            return self._chat_tokens(messages, request, kwargs, request_id)
         if request.prompt_token_ids is not None:
             bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise _invalid(f"token id {bad[0]} is outside the vocabulary", "prompt")
             return list(request.prompt_token_ids)
         return list(self.tokenizer.encode(request.prompt or "", add_special_tokens=True))
+
+    def _chat_tokens(
+        self,
+        messages: list[dict[str, Any]],
+        request: CanonicalRequest,
+        kwargs: dict[str, Any],
+        request_id: str,
+    ) -> list[int]:
+        """The chat template applied: its text tokenized by segments where this model's
+        prompts allow it (worker/prompt_segments.py), else the template's own ids."""
+
+        def whole() -> list[int]:
+            return _template_ids(self._render(messages, request, kwargs))
+
+        segments = self.segments
+        if segments is None or not segments.on or whole_only(kwargs):
+            return whole()
+        text = self._template(messages, request, kwargs, tokenize=False)
+        if not isinstance(text, str):
+            return whole()
+        return segments.encode(text, whole, request_id)
 
     def _resumed(self, tokens: list[int], max_tokens: int) -> list[int]:
         """A continuation's tokens (the gateway's: a 400 here is a bug there, never silent)."""
@@ -338,6 +358,19 @@ class Preprocessor:
         if sampling.min_tokens > requested:
             raise _invalid("min_tokens must not exceed max_tokens", "min_tokens")
         return requested
+
+
+def _template_ids(ids: Any) -> list[int]:
+    """The chat template's token ids, or a 400 where it made something else."""
+    if isinstance(ids, dict):  # transformers 5 may return a BatchEncoding
+        ids = ids.get("input_ids", ids)
+    tokens = list(ids) if isinstance(ids, list | tuple) else None
+    if tokens is None or not all(type(t) is int for t in tokens):
+        raise _invalid(
+            "the chat template did not produce token ids (check chat_template_kwargs)",
+            "chat_template_kwargs",
+        )
+    return tokens
 
 
 def _prompt_param(frame: Add) -> str:

@@ -29,6 +29,8 @@ DETAILS = ("auto", "low", "high")
 
 
 class VisionPreprocessor(Preprocessor):
+    by_segments = False  # its prompts stay whole: the processor's, or the template's ids
+
     def __init__(
         self,
         tokenizer: Any,

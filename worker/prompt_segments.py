@@ -1,0 +1,353 @@
+"""A chat prompt tokenized by segments, each segment's tokens kept for the next turn.
+
+Every turn of a conversation re-sends all of it, and encoding the rendered template is most
+of what preparing a long chat request costs (a 25k-token prompt: about 1 ms to render, 25-50
+ms to encode on one core; by segments about 1 ms: benchmarks/tokenize_turns.py). Hugging
+Face's `tokenizers` splits a text at its added tokens before it normalizes, pre-tokenizes and
+models the pieces between them, so the text between two special tokens tokenizes on its own:
+the prompt, cut where each special token starts, encodes as its segments' tokens end to end,
+and a segment met before (every turn's but the newest few) is looked up instead of encoded.
+
+The cut is made only at special tokens that match as written (not normalized, no stripping,
+not single-word) and whose text starts and ends with a character that is neither a word's
+nor a space, and only where no other added token could match across it. Equivalence is
+checked, never assumed: at load a small conversation through the model's own template and a
+text of special tokens and words are encoded both ways (`prompt_segments`), and the first
+SHADOW_CHECKS prompts of two segments or more are encoded whole too. Any difference turns
+segments off for the model, logged, and the prompt keeps its whole encoding.
+
+Cost: the memo holds at most MEMO_CHARS characters of segment text with their token ids,
+about 8 bytes a character (the text, and a list of ints at about a token per 4 characters):
+some 30 MB at the bound, least recently used segments out first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MEMO_CHARS = 4_000_000
+SHADOW_CHECKS = 16
+# apply_chat_template's own parameters that change how the rendered text is encoded (not
+# template variables): a request that passes one is encoded whole.
+ENCODING_KWARGS = frozenset({"sanitize_control_tokens"})
+
+EncodeBatch = Callable[[list[str]], list[list[int]]]
+
+# The probe: a conversation with the edges tokenizers treat specially (spaces and newlines
+# at both ends, accents, digits, wide characters), rendered by the model's own template.
+PROBE_MESSAGES = (
+    {"role": "system", "content": "  You are a careful assistant.\n"},
+    {"role": "user", "content": " Héllo wörld: 12345 ✓ 日本語 \n\n"},
+    {"role": "assistant", "content": "\tSure, 3.14159 and 2 + 2 = 4.  "},
+    {"role": "user", "content": "And now?\n "},
+)
+
+
+@dataclass(slots=True)
+class SegmentStats:
+    hits: int = 0  # segments found in the memo
+    misses: int = 0  # segments encoded
+    evicted: int = 0  # segments dropped from the memo for room
+    shadow_checked: int = 0  # prompts encoded whole too, to compare
+
+
+class SegmentMemo:
+    """Segment text -> its token ids, least recently used out first, at most `max_chars`
+    characters of text. Not locked: PromptSegments holds its lock around it."""
+
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars = max_chars
+        self.chars = 0
+        self._ids: OrderedDict[str, list[int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def get(self, text: str) -> list[int] | None:
+        ids = self._ids.get(text)
+        if ids is not None:
+            self._ids.move_to_end(text)
+        return ids
+
+    def put(self, text: str, ids: list[int]) -> int:
+        """Keep `ids` for `text` (never one longer than the bound); the number evicted."""
+        if len(text) > self.max_chars or text in self._ids:
+            return 0
+        self._ids[text] = ids
+        self.chars += len(text)
+        evicted = 0
+        while self.chars > self.max_chars:
+            old, _ = self._ids.popitem(last=False)
+            self.chars -= len(old)
+            evicted += 1
+        return evicted
+
+    def clear(self) -> None:
+        self._ids.clear()
+        self.chars = 0
+
+
+class PromptSegments:
+    """A rendered prompt's token ids, from its segments' (the memo's, or encoded in one
+    batch). `encode` is called from the input thread, and from the engine thread in a
+    sharded group: the memo and the counts are behind a lock; encoding runs outside it."""
+
+    def __init__(
+        self,
+        tokens: Sequence[str],
+        encode_batch: EncodeBatch,
+        memo_chars: int = MEMO_CHARS,
+        shadow_checks: int = SHADOW_CHECKS,
+    ) -> None:
+        if not tokens:
+            raise ValueError("no tokens to cut at")
+        self.tokens = sorted(set(tokens), key=len, reverse=True)
+        self._cut = matcher(self.tokens)
+        self._encode_batch = encode_batch
+        self._memo = SegmentMemo(memo_chars)
+        self._lock = threading.Lock()
+        self.shadow_checks = shadow_checks
+        self.stats = SegmentStats()
+        self.off_reason: str | None = None
+
+    @property
+    def on(self) -> bool:
+        return self.off_reason is None
+
+    def split(self, text: str) -> list[str]:
+        """The text cut where each special token starts (the first piece may have none)."""
+        starts = [m.start() for m in self._cut.finditer(text)]
+        if not starts or starts[0] != 0:
+            starts.insert(0, 0)
+        starts.append(len(text))
+        return [text[a:b] for a, b in itertools.pairwise(starts) if b > a]
+
+    def encode(self, text: str, whole: Callable[[], list[int]], request_id: str = "") -> list[int]:
+        """`text`'s token ids by segments; `whole()` (the text encoded whole) where segments
+        are off, for the first prompts checked, and where they differ (then off for good)."""
+        if not self.on:
+            return whole()
+        segments = self.split(text)
+        try:
+            ids = self.lookup(segments)
+        except Exception as exc:  # the whole encoding still serves the request
+            log.exception("tokenizing by segments failed; prompts are tokenized whole from now")
+            self.turn_off(f"encoding by segments failed: {exc}")
+            return whole()
+        if len(segments) < 2 or not self._shadow_due():
+            return ids
+        expected = whole()
+        if ids != expected:
+            where = _first_difference(ids, expected)
+            self.turn_off(f"request {request_id or '?'}'s prompt differed at token {where}")
+            log.warning(
+                "request %s: its prompt tokenized by segments differs from its whole encoding "
+                "at token %d; this model's prompts are tokenized whole from now",
+                request_id or "?",
+                where,
+                extra={"request_id": request_id},
+            )
+            return expected
+        return ids
+
+    def lookup(self, segments: Sequence[str]) -> list[int]:
+        """The segments' ids end to end: the memo's, the rest encoded in one batch."""
+        with self._lock:
+            found = [self._memo.get(s) for s in segments]
+        missing = list(dict.fromkeys(s for s, f in zip(segments, found, strict=True) if f is None))
+        encoded = dict(zip(missing, self._encode_batch(missing), strict=True)) if missing else {}
+        with self._lock:
+            self.stats.hits += len(found) - found.count(None)
+            self.stats.misses += len(missing)
+            for text, ids in encoded.items():
+                self.stats.evicted += self._memo.put(text, ids)
+        out: list[int] = []
+        for s, f in zip(segments, found, strict=True):
+            out += encoded[s] if f is None else f
+        return out
+
+    def turn_off(self, reason: str) -> None:
+        with self._lock:
+            self.off_reason = reason
+            self._memo.clear()
+
+    def clear(self) -> None:
+        """An empty memo and counts (after the probe, and for benchmarks)."""
+        with self._lock:
+            self._memo.clear()
+            self.stats = SegmentStats()
+
+    def memo_chars(self) -> int:
+        with self._lock:
+            return self._memo.chars
+
+    def _shadow_due(self) -> bool:
+        """Whether this prompt is one of the first `shadow_checks` (counted as taken)."""
+        with self._lock:
+            due = self.stats.shadow_checked < self.shadow_checks
+            self.stats.shadow_checked += due
+            return due
+
+
+def whole_only(kwargs: Mapping[str, Any]) -> bool:
+    """Whether these apply_chat_template kwargs change the encoding itself (no segments)."""
+    return any(key in ENCODING_KWARGS and kwargs[key] for key in kwargs)
+
+
+def prompt_segments(
+    tokenizer: Any, memo_chars: int = MEMO_CHARS, shadow_checks: int = SHADOW_CHECKS
+) -> PromptSegments | None:
+    """This model's PromptSegments, probed; None, logged with why, where its chat prompts
+    must be encoded whole."""
+    try:
+        found = _probed(tokenizer, memo_chars, shadow_checks)
+    except Exception as exc:  # a tokenizer unlike any met: the whole encoding serves
+        found = f"probing it failed: {exc!r}"
+    if isinstance(found, str):
+        log.info("chat prompts are tokenized whole: %s", found)
+        return None
+    return found
+
+
+def cut_tokens(added: Iterable[Any]) -> list[str]:
+    """The special tokens a prompt may be cut at: matched as written (not normalized, no
+    stripping, not single-word), their text bounded by characters that are neither a
+    word's nor a space (so that no neighbouring token's stripping or word test sees past
+    the cut)."""
+    return [
+        t.content
+        for t in added
+        if t.special and not (t.normalized or t.lstrip or t.rstrip or t.single_word)
+        if _bounded(t.content)
+    ]
+
+
+def crossing(added: Iterable[Any], tokens: Sequence[str]) -> str | None:
+    """An added token that could match across a cut (it holds a cut token, or ends with the
+    start of one), or None. Normalized tokens match only between the others: never across."""
+    cut = matcher(tokens)
+    starts = {token[:k] for token in tokens for k in range(1, len(token) + 1)}
+    names = set(tokens)
+    for t in added:
+        text = t.content
+        if t.normalized or text in names:
+            continue
+        if cut.search(text) or any(text[i:] in starts for i in range(1, len(text))):
+            return str(text)
+    return None
+
+
+def _probed(tokenizer: Any, memo_chars: int, shadow_checks: int) -> PromptSegments | str:
+    if not getattr(tokenizer, "chat_template", None):
+        return "the model has no chat template"
+    if getattr(tokenizer, "split_special_tokens", False):
+        return "its tokenizer encodes special tokens as text (split_special_tokens)"
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "encode_batch"):
+        return "its tokenizer is not a fast (Hugging Face tokenizers) one"
+    added = list(dict(getattr(tokenizer, "added_tokens_decoder", None) or {}).values())
+    tokens = cut_tokens(added)
+    if not tokens:
+        return "its tokenizer has no special token to cut a prompt at"
+    clash = crossing(added, tokens)
+    if clash is not None:
+        return f"its added token {clash!r} may match across a special token"
+
+    def encode_batch(texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+
+    segments = PromptSegments(tokens, encode_batch, memo_chars, shadow_checks)
+    problem = probe(tokenizer, segments)
+    if problem is not None:
+        return problem
+    segments.clear()
+    return segments
+
+
+def probe(tokenizer: Any, segments: PromptSegments) -> str | None:
+    """Why this tokenizer's prompts encode differently by segments, or None: a small
+    conversation through its chat template, and a text of special tokens and words."""
+    rendered: tuple[Any, Any] | None = None
+    problem: Exception | None = None
+    for messages in (PROBE_MESSAGES, PROBE_MESSAGES[1:]):  # a template may take no system
+        try:
+            rendered = tuple(
+                tokenizer.apply_chat_template(
+                    [dict(m) for m in messages], add_generation_prompt=True, tokenize=tokenize
+                )
+                for tokenize in (False, True)
+            )
+            break
+        except Exception as exc:
+            problem = exc
+    if rendered is None:
+        return f"its chat template rejected the probe conversation ({problem})"
+    text, whole = rendered
+    if not isinstance(text, str):
+        return "its chat template did not render text"
+    if len(segments.split(text)) < 2:
+        return "its chat template writes no special token to cut at"
+    plain = "lead " + "".join(
+        f"{t} Héllo, 42 {t}\n{t}x{i}  " for i, t in enumerate(segments.tokens[:32])
+    )
+    checks = (
+        ("the probe conversation", text, token_ids(whole)),
+        (
+            "a text of special tokens",
+            plain,
+            list(tokenizer.encode(plain, add_special_tokens=False)),
+        ),
+    )
+    for name, sample, want in checks:
+        if segments.lookup(segments.split(sample)) != want:
+            return f"{name} encodes differently by segments"
+    return None
+
+
+def matcher(tokens: Iterable[str]) -> re.Pattern[str]:
+    """A regex of these texts, the longest where several start at one place (as tokenizers'
+    matching of added tokens), as a trie: at each place one path is tried, not every text."""
+    trie: dict[str, Any] = {}
+    for token in tokens:
+        node = trie
+        for c in token:
+            node = node.setdefault(c, {})
+        node[""] = {}  # a text ends here
+
+    def pattern(node: dict[str, Any]) -> str:
+        paths = [re.escape(c) + pattern(child) for c, child in node.items() if c]
+        if not paths:
+            return ""
+        body = paths[0] if len(paths) == 1 else "(?:" + "|".join(paths) + ")"
+        return f"(?:{body})?" if "" in node else body  # greedy: the longer text first
+
+    return re.compile(pattern(trie))
+
+
+def token_ids(encoded: Any) -> list[int]:
+    """apply_chat_template's ids as a list (transformers 5 may return a BatchEncoding)."""
+    if isinstance(encoded, Mapping) or hasattr(encoded, "input_ids"):
+        encoded = encoded["input_ids"]
+    return list(encoded)
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def _bounded(text: str) -> bool:
+    return bool(text) and not any(
+        c.isalnum() or c == "_" or c.isspace() for c in (text[0], text[-1])
+    )
