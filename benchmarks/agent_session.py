@@ -50,14 +50,16 @@ from benchmarks._agent_trace import ChatTokens, Trace, build_trace
 from benchmarks._stats import machine_header, machine_info
 
 SOURCES = ("gateway", "gateway-nocache", "mlx_lm", "vllm_mlx")  # launched by default
-KNOWN = (*SOURCES, "gateway-rows", "gateway-rows-nocache")
+KNOWN = (*SOURCES, "gateway-rows", "gateway-rows-nocache", "gateway-rows-whole")
 # "gateway" and "gateway-nocache" keep BatchGenerator (the tables measured so far), the rows
-# batch (the default now) is "gateway-rows" ("gateway-rows-nocache" without the prefix cache).
+# batch (the default now) is "gateway-rows" ("gateway-rows-nocache" without the prefix cache,
+# "gateway-rows-whole" with every prompt tokenized whole: engine.segment_tokens = false).
 GATEWAY_ENGINE: dict[str, dict[str, bool | int | float | str]] = {
     "gateway": {"prefix_cache": True, "batcher": "mlx_lm"},
     "gateway-nocache": {"prefix_cache": False, "batcher": "mlx_lm"},
     "gateway-rows": {"prefix_cache": True, "batcher": "rows"},
     "gateway-rows-nocache": {"prefix_cache": False, "batcher": "rows"},
+    "gateway-rows-whole": {"prefix_cache": True, "batcher": "rows", "segment_tokens": False},
 }
 GATEWAY_MODEL_NAME = "bench"
 

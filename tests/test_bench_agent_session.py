@@ -119,6 +119,13 @@ def test_the_rows_source_is_the_gateway_on_its_own_batch(tmp_path: Path) -> None
     assert "gateway-rows" not in agent_session.SOURCES  # measured when asked for
 
 
+def test_the_whole_source_tokenizes_prompts_whole(tmp_path: Path) -> None:
+    engine = agent_session.GATEWAY_ENGINE["gateway-rows-whole"]
+    path = _launch.write_gateway_config(tmp_path / "gw.toml", tmp_path, "/m", "bench", engine)
+    options = load_config(path).models[0].engine
+    assert options.segment_tokens is False and options.prefix_cache is True
+
+
 def test_two_sessions_of_two_turns_against_a_real_gateway(
     gateway: GatewayProc, tokens: ChatTokens
 ) -> None:
