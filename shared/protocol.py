@@ -17,7 +17,7 @@ import msgspec
 
 from shared.types import CanonicalRequest, RequestKind, RequestOutput, SamplingParams
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 
 
 class WorkerState(enum.StrEnum):
@@ -145,6 +145,19 @@ class PrefixCacheStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     evictions: int = 0
 
 
+class PromptSegmentStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The worker's memo of chat prompts' segments (worker/prompt_segments.py), cumulative
+    since the worker started."""
+
+    entries: int = 0  # segments held now
+    chars: int = 0  # their characters, held now
+    capacity_chars: int = 0
+    prompts: int = 0  # chat prompts tokenized by segments
+    hits: int = 0  # segments found in the memo
+    misses: int = 0  # segments encoded
+    evictions: int = 0
+
+
 class Heartbeat(_Frame, tag="hb"):
     worker_id: str
     state: WorkerState
@@ -160,6 +173,7 @@ class Heartbeat(_Frame, tag="hb"):
     prefix_cache: PrefixCacheStats | None = None
     wired_limit_bytes: int = 0  # MLX memory kept resident (Metal; 0: none set)
     cache_limit_bytes: int = 0  # the bound of MLX's buffer cache (0: MLX's default)
+    prompt_segments: PromptSegmentStats | None = None  # protocol 12 (None: off, or none)
 
 
 class ControlReply(_Frame, tag="ctlr"):

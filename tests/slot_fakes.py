@@ -10,14 +10,30 @@ from typing import cast
 
 from gateway.workers.slots import Slot, WorkerHandle
 from shared.config import ModelConfig
-from shared.protocol import Capacity, Heartbeat, PrefixCacheStats, Ready, WorkerState
+from shared.protocol import (
+    Capacity,
+    Heartbeat,
+    PrefixCacheStats,
+    PromptSegmentStats,
+    Ready,
+    WorkerState,
+)
 
 GiB = 2**30
 
 
-def heartbeat(prefix_cache: PrefixCacheStats | None = None) -> Heartbeat:
+def heartbeat(
+    prefix_cache: PrefixCacheStats | None = None,
+    prompt_segments: PromptSegmentStats | None = None,
+) -> Heartbeat:
     return Heartbeat(
-        "w1", WorkerState.READY, step=7, running=1, waiting=0, prefix_cache=prefix_cache
+        "w1",
+        WorkerState.READY,
+        step=7,
+        running=1,
+        waiting=0,
+        prefix_cache=prefix_cache,
+        prompt_segments=prompt_segments,
     )
 
 
@@ -38,4 +54,13 @@ STATS = PrefixCacheStats(
     hits=25,
     hit_tokens=9000,
     evictions=3,
+)
+SEGMENTS = PromptSegmentStats(
+    entries=30,
+    chars=250_000,
+    capacity_chars=4_000_000,
+    prompts=9,
+    hits=46,
+    misses=4,
+    evictions=2,
 )

@@ -9,9 +9,9 @@ from litestar.datastructures import State
 from litestar.testing import TestClient
 
 from gateway.admin import create_admin_app
-from gateway.ctl.ps import plain, prefix_cache
+from gateway.ctl.ps import plain, prefix_cache, prompt_segments
 from gateway.workers.slots import Slot, status_row
-from tests.slot_fakes import STATS, GiB, heartbeat, ready_slot
+from tests.slot_fakes import SEGMENTS, STATS, GiB, heartbeat, ready_slot
 
 
 class FakeSupervisor:
@@ -51,6 +51,24 @@ def test_ps_rows_carry_theprefix_cache() -> None:
     assert gone["prefix_cache"] is None and gone["state"] == "unloaded"
 
 
+def test_ps_rows_carry_the_prompt_segment_memo() -> None:
+    unloaded = ready_slot("gone", heartbeat(prompt_segments=SEGMENTS))
+    unloaded.handle = None
+    on = ready_slot("chat", heartbeat(STATS, SEGMENTS))
+    chat, off, gone = ps_rows(on, ready_slot("off", heartbeat(STATS)), unloaded)
+    assert chat["prompt_segments"] == {
+        "entries": 30,
+        "chars": 250_000,
+        "capacity_chars": 4_000_000,
+        "prompts": 9,
+        "hits": 46,
+        "misses": 4,
+        "evictions": 2,
+    }
+    assert off["prompt_segments"] is None  # segments off (or a model without them)
+    assert gone["prompt_segments"] is None
+
+
 def test_prefix_cache_cell() -> None:
     stats = {"nbytes": int(1.2 * GiB), "capacity_bytes": 2 * GiB, "lookups": 40, "hits": 26}
     assert prefix_cache(stats) == "1.2/2.0 GiB 65% hit"
@@ -59,12 +77,20 @@ def test_prefix_cache_cell() -> None:
     assert prefix_cache(None) == "-"  # no worker, or no prefix cache
 
 
-def test_table_has_a_prefix_cache_column() -> None:
-    rows = ps_rows(ready_slot("chat", heartbeat(STATS)), ready_slot("off", heartbeat()))
+def test_prompt_memo_cell() -> None:
+    stats = {"chars": 250_000, "capacity_chars": 4_000_000, "hits": 46, "misses": 4}
+    assert prompt_segments(stats) == "0.2/4.0M chars 92% hit"
+    small = {"chars": 120, "capacity_chars": 300, "hits": 0, "misses": 0}
+    assert prompt_segments(small) == "0.1/0.3k chars"  # nothing looked up yet: no rate
+    assert prompt_segments(None) == "-"  # no worker, or segments off
+
+
+def test_table_has_prefix_cache_and_prompt_memo_columns() -> None:
+    rows = ps_rows(ready_slot("chat", heartbeat(STATS, SEGMENTS)), ready_slot("off", heartbeat()))
     header, chat, off = plain(rows).splitlines()
-    assert header.split()[-2:] == ["PREFIX", "CACHE"]
-    assert chat.endswith("1.2/2.0 GiB 62% hit")
-    assert off.endswith("  -")
-    # rows from a gateway that predates the column
-    old = {k: v for k, v in rows[0].items() if k != "prefix_cache"}
-    assert plain([old]).splitlines()[1].endswith("  -")
+    assert header.split()[-4:] == ["PREFIX", "CACHE", "PROMPT", "MEMO"]
+    assert chat.endswith("1.2/2.0 GiB 62% hit  0.2/4.0M chars 92% hit")
+    assert off.split()[-2:] == ["-", "-"]
+    # rows from a gateway that predates the columns
+    old = {k: v for k, v in rows[0].items() if k not in ("prefix_cache", "prompt_segments")}
+    assert plain([old]).splitlines()[1].split()[-2:] == ["-", "-"]

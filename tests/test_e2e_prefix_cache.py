@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.engine_fixtures import Loaded, drive, greedy
 from tests.gateway_proc import GatewayProc, openai_client, running_gateway, wait_for
@@ -106,6 +108,17 @@ def test_a_four_turn_conversation_reuses_each_turn_token_for_token(gw: GatewayPr
                 assert cached_tokens(reply) >= previous_prompt, f"turn {turn}"
             previous_prompt = reply.usage.prompt_tokens
     assert answers["cached"] == answers["uncached"] == answers["rows"]
+
+    def memo_hits() -> float:  # each turn's earlier messages: segments found in the worker's memo
+        text = httpx.get(f"{gw.base_url}/metrics", timeout=10).text
+        return sum(
+            s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "mlxgw_prompt_segments_hits_total" and s.labels == {"model": "cached"}
+        )
+
+    wait_for(lambda: memo_hits() > 0, what="prompt-segment hits in a heartbeat")
 
 
 def test_anthropic_reports_cache_reads_and_accepts_cache_control(gw: GatewayProc) -> None:

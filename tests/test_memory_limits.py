@@ -6,9 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import psutil
 import pytest
 
 from shared.config import EngineOptions
+from shared.protocol import PromptSegmentStats, WorkerState
 from worker import memory
 
 GiB = 1 << 30
@@ -80,3 +82,14 @@ def test_the_buffer_cache_goes_once_per_idle_spell_and_not_between_requests() ->
     assert not idle.due(busy=True, now=11.0)
     assert not idle.due(busy=False, now=11.5)
     assert idle.due(busy=False, now=13.5)
+
+
+def test_a_heartbeat_carries_the_limits_and_the_prompt_memo() -> None:
+    where = (WorkerState.LOADING, "loading weights", 0.5)
+    limits = memory.MemoryLimits(GiB, GiB // 2)
+    memo = PromptSegmentStats(3, 600, 4_000_000, 2, 5, 4, 1)
+    hb = memory.heartbeat("w1", where, None, limits, psutil.Process(), memo)
+    assert (hb.state, hb.stage, hb.progress, hb.step, hb.running) == (*where, 0, 0)
+    assert (hb.wired_limit_bytes, hb.cache_limit_bytes) == (GiB, GiB // 2)
+    assert hb.prompt_segments == memo and hb.prefix_cache is None and hb.memory_bytes > 0
+    assert memory.heartbeat("w1", where, None, limits, psutil.Process()).prompt_segments is None

@@ -19,7 +19,7 @@ from gateway.edge.metrics import Metrics
 from gateway.workers.client import WorkerClient
 from gateway.workers.slots import Slot
 from tests.gateway_proc import GatewayProc, openai_client, running_gateway, wait_for
-from tests.slot_fakes import STATS, heartbeat, ready_slot
+from tests.slot_fakes import SEGMENTS, STATS, heartbeat, ready_slot
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me about the sea."}]
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -196,11 +196,32 @@ def test_prefix_cache_figures_come_from_the_last_heartbeat() -> None:
     assert plain and all(("model", "chat") in labels for _, labels in plain)
 
 
+def test_prompt_segment_figures_come_from_the_last_heartbeat() -> None:
+    on = ready_slot("chat", heartbeat(STATS, SEGMENTS))
+    metrics = metrics_of(on, ready_slot("whole", heartbeat(STATS)))
+    text = metrics.render().decode()
+    samples = parse(text)
+    assert value(samples, "mlxgw_prompt_segments_entries", model="chat") == 30
+    assert value(samples, "mlxgw_prompt_segments_chars", model="chat") == 250_000
+    assert value(samples, "mlxgw_prompt_segments_capacity_chars", model="chat") == 4_000_000
+    assert "# TYPE mlxgw_prompt_segments_chars gauge" in text
+    assert "# TYPE mlxgw_prompt_segments_hits_total counter" in text
+    assert value(samples, "mlxgw_prompt_segments_prompts_total", model="chat") == 9
+    assert value(samples, "mlxgw_prompt_segments_hits_total", model="chat") == 46
+    assert value(samples, "mlxgw_prompt_segments_misses_total", model="chat") == 4
+    assert value(samples, "mlxgw_prompt_segments_evictions_total", model="chat") == 2
+    # A worker that reports no memo (segments off, or a model without them) has no samples.
+    memo = [k for k in samples if k[0].startswith("mlxgw_prompt_segments")]
+    assert len(memo) == 7 and all(("model", "chat") in labels for _, labels in memo)
+    assert value(samples, "mlxgw_prefix_cache_hits_total", model="whole") == 25
+
+
 def test_a_model_without_a_worker_has_no_prefix_cache_samples() -> None:
-    slot = ready_slot("chat", heartbeat(STATS))
+    slot = ready_slot("chat", heartbeat(STATS, SEGMENTS))
     slot.handle = None
     samples = parse(metrics_of(slot).render().decode())
     assert not any(name.startswith("mlxgw_prefix_cache") for name, _ in samples)
+    assert not any(name.startswith("mlxgw_prompt_segments") for name, _ in samples)
     assert value(samples, "mlxgw_model_state", model="chat", state="unloaded") == 1
 
 

@@ -20,7 +20,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import PreTrainedTokenizerFast
 
 from shared.config import EngineOptions
-from shared.protocol import Add
+from shared.protocol import Add, PromptSegmentStats
 from shared.types import (
     CanonicalRequest,
     Message,
@@ -35,6 +35,7 @@ from worker.chat_templates import CHAT_TEMPLATE
 from worker.modelgen import IM_END, SPECIAL_TOKENS
 from worker.preprocess import Preprocessor
 from worker.prompt_segments import (
+    MEMO_CHARS,
     PromptSegments,
     SegmentMemo,
     crossing,
@@ -42,6 +43,7 @@ from worker.prompt_segments import (
     matcher,
     probe,
     prompt_segments,
+    segment_stats,
 )
 
 WEATHER = Tool(
@@ -159,6 +161,7 @@ def test_the_next_turn_encodes_only_its_new_segments(chat: Loaded) -> None:
     second = pre(chat_frame(CanonicalRequest(messages=history)))
     # only the answer and the new question are encoded; the rest is the memo's
     assert (pre.segments.stats.misses, pre.segments.stats.hits) == (4 + 2, 7)
+    assert pre.segments.stats.prompts == 2
     assert second.prompt[: len(first.prompt)] == first.prompt
     expected = whole_ids(chat.tokenizer, [{"role": m.role, "content": m.content} for m in history])
     assert second.prompt == expected
@@ -181,6 +184,35 @@ def test_the_memo_stays_within_its_bound(chat: Loaded) -> None:
     long = "<|im_start|>user\n" + "word " * 100  # longer than the bound: never kept
     assert segments.lookup([long]) == chat.tokenizer.encode(long, add_special_tokens=False)
     assert segments.memo_chars() == held
+
+
+def test_the_snapshot_is_the_memo_and_its_counts(chat: Loaded) -> None:
+    pre = preprocessor(chat.tokenizer)
+    assert pre.segments is not None
+    assert segment_stats(pre) == PromptSegmentStats(0, 0, MEMO_CHARS)  # after the probe
+    history = [Message(m["role"], m["content"]) for m in MESSAGES]
+    for turn in (2, 4):
+        pre(chat_frame(CanonicalRequest(messages=history[:turn])))
+    snapshot = pre.segments.snapshot()
+    assert snapshot == segment_stats(pre)
+    stats = pre.segments.stats
+    assert (snapshot.prompts, snapshot.hits, snapshot.misses) == (2, stats.hits, stats.misses)
+    assert snapshot.entries == stats.misses and snapshot.evictions == 0  # each kept
+    assert snapshot.chars == pre.segments.memo_chars() > 0
+    # none for a preprocessor without segments, or one that turned them off
+    assert segment_stats(preprocessor(chat.tokenizer, segment_tokens=False)) is None
+    assert segment_stats(object()) is None  # embeddings, speech: no `segments` at all
+    pre.segments.turn_off("a test")
+    assert segment_stats(pre) is None
+
+
+def test_the_snapshot_counts_evictions() -> None:
+    segments = PromptSegments(["<|a|>"], lambda texts: [[len(t)] for t in texts], memo_chars=12)
+    for text in ("<|a|>one", "<|a|>two", "<|a|>one", "<|a|>one"):  # room for one of them
+        assert segments.encode(text, lambda: [0]) == [8]
+    assert segments.snapshot() == PromptSegmentStats(
+        entries=1, chars=8, capacity_chars=12, prompts=4, hits=1, misses=3, evictions=2
+    )
 
 
 def test_the_memo_evicts_the_least_recently_used_first() -> None:

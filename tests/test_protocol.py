@@ -19,6 +19,7 @@ from shared.protocol import (
     Heartbeat,
     Hello,
     PrefixCacheStats,
+    PromptSegmentStats,
     Ready,
     Refuse,
     Rejoin,
@@ -189,18 +190,24 @@ FROM_WORKER = {
     ),
     "heartbeat": (
         heartbeat(),
-        # 9f (was 9c): prefix_cache (nil when absent), wired and cache limits appended
-        "9fa26862a27731a57265616479110100cd0400cd0800cd0200cd1000a0cbbff0000000000000c00000",
+        # dc0010 (9f in v11, 9c before): prefix_cache (nil when absent), wired and cache
+        # limits, then prompt_segments (nil when absent) appended
+        "dc0010a26862a27731a57265616479110100cd0400cd0800cd0200cd1000a0cbbff0000000000000c00000c0",
     ),
     "heartbeat_prefix_cache": (
         heartbeat(prefix_cache=PrefixCacheStats(2, 4096, 8192, 5, 3, 300, 1)),
-        "9fa26862a27731a57265616479110100cd0400cd0800cd0200cd1000a0cbbff0000000000000"
-        "9702cd1000cd20000503cd012c010000",
+        "dc0010a26862a27731a57265616479110100cd0400cd0800cd0200cd1000a0cbbff0000000000000"
+        "9702cd1000cd20000503cd012c010000c0",
     ),
     "heartbeat_limits": (
         heartbeat(wired_limit_bytes=1 << 34, cache_limit_bytes=1 << 32),
-        "9fa26862a27731a57265616479110100cd0400cd0800cd0200cd1000a0cbbff0000000000000"
-        "c0cf0000000400000000cf0000000100000000",
+        "dc0010a26862a27731a57265616479110100cd0400cd0800cd0200cd1000a0cbbff0000000000000"
+        "c0cf0000000400000000cf0000000100000000c0",
+    ),
+    "heartbeat_prompt_segments": (
+        heartbeat(prompt_segments=PromptSegmentStats(3, 600, 4_000_000, 2, 5, 4, 1)),
+        "dc0010a26862a27731a57265616479110100cd0400cd0800cd0200cd1000a0cbbff0000000000000"
+        "c000009703cd0258ce003d090002050401",
     ),
     "control_reply": (ControlReply("w1", 3, True, {"n": 1}), "96a463746c72a2773103c381a16e01c0"),
     "worker_dead": (

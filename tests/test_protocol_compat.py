@@ -14,6 +14,8 @@ from shared.protocol import (
     Codec,
     Heartbeat,
     Hello,
+    PrefixCacheStats,
+    PromptSegmentStats,
     Ready,
     Shutdown,
     ShutdownMode,
@@ -117,6 +119,12 @@ V8_ADD = (
     "000000cb0000000000000000cb00000000000000008105cbbff8000000000000c2c200c200"
 )
 
+# Protocol 11's bytes for a Heartbeat with a prefix cache, before it gained prompt_segments.
+V11_HEARTBEAT = (
+    "9fa26862a27731a57265616479110100cd0400cd0800cd0200cd1000a0cbbff0000000000000"
+    "9702cd1000cd20000503cd012c010000"
+)
+
 
 def test_protocol_2_frames_decode_with_the_new_fields_defaulted() -> None:
     """A protocol-2 peer's Add and StepOutputs (shorter arrays) still decode: append-only."""
@@ -153,7 +161,7 @@ def test_protocol_2_frames_decode_with_the_new_fields_defaulted() -> None:
 
 def test_protocol_version_is_an_int() -> None:
     assert type(PROTOCOL_VERSION) is int
-    assert PROTOCOL_VERSION == 11  # bumped with sessions (a remote worker that joins again)
+    assert PROTOCOL_VERSION == 12  # bumped with the heartbeat's prompt_segments
     hello = Codec().from_worker.decode(Codec().encode(Hello("w", PROTOCOL_VERSION, 1, "m")))
     assert isinstance(hello, Hello)
     assert hello.protocol_version == PROTOCOL_VERSION
@@ -269,3 +277,16 @@ def test_protocol_8_frames_decode_with_nothing_resumed() -> None:
     resumed = msgspec.structs.replace(ADD, request=CanonicalRequest(prompt="x", resumed=[5, 6]))
     back = codec.to_worker.decode(codec.encode(resumed))
     assert isinstance(back, Add) and back.request.resumed == [5, 6]
+
+
+def test_protocol_11_heartbeats_decode_with_no_prompt_segments() -> None:
+    codec = Codec()
+    hb = codec.from_worker.decode(bytes.fromhex(V11_HEARTBEAT))
+    cache = PrefixCacheStats(2, 4096, 8192, 5, 3, 300, 1)
+    old = Heartbeat("w1", WorkerState.READY, 17, 1, 0, 1024, 2048, 512, 4096, prefix_cache=cache)
+    assert hb == old and isinstance(hb, Heartbeat) and hb.prompt_segments is None
+    # ... and the new bytes only append to the old array
+    memo = PromptSegmentStats(3, 600, 4_000_000, 2, 5, 4, 1)
+    new = msgspec.msgpack.decode(codec.encode(msgspec.structs.replace(old, prompt_segments=memo)))
+    before = msgspec.msgpack.decode(bytes.fromhex(V11_HEARTBEAT))
+    assert new[: len(before)] == before and new[len(before) :] == [[3, 600, 4_000_000, 2, 5, 4, 1]]

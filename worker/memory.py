@@ -10,7 +10,7 @@ import mlx.core as mx
 import psutil
 
 from shared.config import EngineOptions
-from shared.protocol import Heartbeat, WorkerState
+from shared.protocol import Heartbeat, PromptSegmentStats, WorkerState
 
 GiB = 1 << 30
 KV_HEADROOM = 0.9  # of what is left: activations, the buffer cache, fragmentation
@@ -99,9 +99,11 @@ def heartbeat(
     engine: Any,
     limits: MemoryLimits,
     process: psutil.Process,
+    segments: PromptSegmentStats | None = None,
 ) -> Heartbeat:
     """A worker's heartbeat: its state, stage and progress (`where`), its engine's counts and
-    prefix cache, and its memory as the process and MLX see it, with the limits it set."""
+    prefix cache, its memory as the process and MLX see it, with the limits it set, and its
+    prompt-segment memo (`segments`: None where it has none)."""
     state, stage, progress = where
     running, waiting = engine.counts() if engine else (0, 0)
     return Heartbeat(
@@ -119,4 +121,5 @@ def heartbeat(
         engine.prefix_stats() if engine else None,
         limits.wired_bytes,
         limits.cache_bytes,
+        segments,
     )

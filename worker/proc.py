@@ -49,6 +49,7 @@ from worker.lockstep import IDLE_TICK_S, Lockstep, Turn
 from worker.memory import IdleRelease, MemoryLimits, heartbeat, own_memory
 from worker.opening import Engine, open_model
 from worker.preprocess import PreparedRequest, PreprocessError
+from worker.prompt_segments import segment_stats
 
 log = logging.getLogger("worker")
 
@@ -464,9 +465,9 @@ class WorkerProc:
                 try:
                     stage = "" if self.state == WorkerState.READY else self.stage
                     where = (self.state, stage, self.stage_progress)
-                    beat = codec.encode(
-                        heartbeat(self.worker_id, where, self.engine, self.limits, process)
-                    )
+                    memo = segment_stats(self.preprocess)
+                    hb = heartbeat(self.worker_id, where, self.engine, self.limits, process, memo)
+                    beat = codec.encode(hb)
                 except Exception:  # a bug: log it, keep the thread (and the outbox) alive
                     log.exception("cannot make a heartbeat")
                 else:

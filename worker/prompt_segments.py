@@ -18,7 +18,8 @@ segments off for the model, logged, and the prompt keeps its whole encoding.
 
 Cost: the memo holds at most MEMO_CHARS characters of segment text with their token ids,
 about 8 bytes a character (the text, and a list of ints at about a token per 4 characters):
-some 30 MB at the bound, least recently used segments out first.
+some 30 MB at the bound, least recently used segments out first. Its figures go out in each
+heartbeat (`segment_stats`), as the gateway's `mlxgw_prompt_segments_*` metrics.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from shared.protocol import PromptSegmentStats
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ PROBE_MESSAGES = (
 
 @dataclass(slots=True)
 class SegmentStats:
+    prompts: int = 0  # chat prompts tokenized by segments
     hits: int = 0  # segments found in the memo
     misses: int = 0  # segments encoded
     evicted: int = 0  # segments dropped from the memo for room
@@ -143,6 +147,8 @@ class PromptSegments:
             log.exception("tokenizing by segments failed; prompts are tokenized whole from now")
             self.turn_off(f"encoding by segments failed: {exc}")
             return whole()
+        with self._lock:
+            self.stats.prompts += 1
         if len(segments) < 2 or not self._shadow_due():
             return ids
         expected = whole()
@@ -190,12 +196,33 @@ class PromptSegments:
         with self._lock:
             return self._memo.chars
 
+    def snapshot(self) -> PromptSegmentStats:
+        """The memo now and the counts since the last clear (a heartbeat's figures)."""
+        with self._lock:
+            memo, stats = self._memo, self.stats
+            return PromptSegmentStats(
+                len(memo),
+                memo.chars,
+                memo.max_chars,
+                stats.prompts,
+                stats.hits,
+                stats.misses,
+                stats.evicted,
+            )
+
     def _shadow_due(self) -> bool:
         """Whether this prompt is one of the first `shadow_checks` (counted as taken)."""
         with self._lock:
             due = self.stats.shadow_checked < self.shadow_checks
             self.stats.shadow_checked += due
             return due
+
+
+def segment_stats(preprocess: Any) -> PromptSegmentStats | None:
+    """A preprocessor's memo figures; None for one without segments (embeddings, speech,
+    vision; the option off; a tokenizer that cannot be cut) or that turned them off."""
+    segments = getattr(preprocess, "segments", None)
+    return segments.snapshot() if isinstance(segments, PromptSegments) and segments.on else None
 
 
 def whole_only(kwargs: Mapping[str, Any]) -> bool:

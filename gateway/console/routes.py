@@ -86,6 +86,7 @@ STATUS_FIELDS = (
     "ttl_left_s",
     "next_attempt_s",
     "prefix_cache",
+    "prompt_segments",
 )
 GATEWAY_FIELDS = (
     "version",

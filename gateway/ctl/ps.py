@@ -21,6 +21,7 @@ HEADER = (
     "UPTIME",
     "TTL LEFT",
     "PREFIX CACHE",
+    "PROMPT MEMO",
 )
 
 
@@ -46,6 +47,7 @@ def table(rows: list[dict[str, Any]]) -> Table:
             duration(r.get("uptime_s")),
             ttl,
             prefix_cache(r.get("prefix_cache")),
+            prompt_segments(r.get("prompt_segments")),
         )
     return grid
 
@@ -124,14 +126,28 @@ def prefix_cache(stats: dict[str, int] | None) -> str:
     """1.2/2.0 GiB 63% hit: held of its bound, and the share of lookups that reused a prefix."""
     if not stats:
         return "-"
+    units = ((" GiB", 2**30), (" MiB", 2**20))
     held, bound = stats.get("nbytes", 0), stats.get("capacity_bytes", 0)
-    unit, scale = ("GiB", 2**30) if max(held, bound) >= 2**30 else ("MiB", 2**20)
-    size = "/".join(f"{n / scale:.1f}" for n in ((held, bound) if bound else (held,)))
-    size += f" {unit}"
-    lookups = stats.get("lookups", 0)
-    if not lookups:
-        return size
-    return f"{size} {100 * stats.get('hits', 0) / lookups:.0f}% hit"
+    return _held(held, bound, units, stats.get("hits", 0), stats.get("lookups", 0))
+
+
+def prompt_segments(stats: dict[str, int] | None) -> str:
+    """0.3/4.0M chars 92% hit: the memo's segment text held of its bound, and the share of
+    prompt segments found in it (not encoded)."""
+    if not stats:
+        return "-"
+    units = (("M chars", 10**6), ("k chars", 10**3))
+    held, bound = stats.get("chars", 0), stats.get("capacity_chars", 0)
+    hits = stats.get("hits", 0)
+    return _held(held, bound, units, hits, hits + stats.get("misses", 0))
+
+
+def _held(held: int, bound: int, units: tuple[tuple[str, int], ...], hits: int, of: int) -> str:
+    """`held`/`bound` in the first of `units` they reach (else the last), then the hit share
+    (none while nothing was looked up)."""
+    unit, scale = next((u for u in units if max(held, bound) >= u[1]), units[-1])
+    size = "/".join(f"{n / scale:.1f}" for n in ((held, bound) if bound else (held,))) + unit
+    return f"{size} {100 * hits / of:.0f}% hit" if of else size
 
 
 def status(info: dict[str, Any]) -> str:

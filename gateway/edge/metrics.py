@@ -32,6 +32,30 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1)
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 
+# A family of a heartbeat's stats Struct: its kind, its name after the prefix, its help, and
+# the Struct's field it shows.
+StatsFamily = tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, str, str]
+GAUGE, COUNTER = GaugeMetricFamily, CounterMetricFamily
+
+PREFIX_CACHE: tuple[StatsFamily, ...] = (
+    (GAUGE, "bytes", "KV cache bytes the prefix cache holds", "nbytes"),
+    (GAUGE, "capacity_bytes", "The prefix cache's bound", "capacity_bytes"),
+    (GAUGE, "entries", "Cached prefixes held", "entries"),
+    (COUNTER, "lookups", "Requests that looked for a cached prefix", "lookups"),
+    (COUNTER, "hits", "Requests that reused a cached prefix", "hits"),
+    (COUNTER, "hit_tokens", "Prompt tokens served from the cache", "hit_tokens"),
+    (COUNTER, "evictions", "Cached prefixes evicted", "evictions"),
+)
+PROMPT_SEGMENTS: tuple[StatsFamily, ...] = (
+    (GAUGE, "entries", "Chat prompt segments the memo holds", "entries"),
+    (GAUGE, "chars", "Characters of segment text the memo holds", "chars"),
+    (GAUGE, "capacity_chars", "The prompt-segment memo's bound in characters", "capacity_chars"),
+    (COUNTER, "prompts", "Chat prompts tokenized by segments", "prompts"),
+    (COUNTER, "hits", "Prompt segments found in the memo", "hits"),
+    (COUNTER, "misses", "Prompt segments encoded", "misses"),
+    (COUNTER, "evictions", "Prompt segments evicted from the memo", "evictions"),
+)
+
 
 def counted(path: str) -> bool:
     """The requests the metrics (and the console) count: API requests, not /metrics,
@@ -200,35 +224,24 @@ class WorkerCollector(Collector):
                 load.add_metric([name], view.info.load_time_s)
         yield from (info, state, running, waiting, in_flight, rss, active, cache, peak, wired)
         yield from (cache_limit, load, restarts, generated, after_crash)
-        yield from self.prefix_cache()
+        yield from self.heartbeat_stats("prefix_cache", PREFIX_CACHE)
+        yield from self.heartbeat_stats("prompt_segments", PROMPT_SEGMENTS)
 
-    def prefix_cache(self) -> Iterator[Metric]:
-        """The current worker's prefix cache, as its last heartbeat reported it. The worker
-        counts lookups, hits and evictions from its start: counters that a new worker (a
+    def heartbeat_stats(self, field: str, families: tuple[StatsFamily, ...]) -> Iterator[Metric]:
+        """The current worker's figures of one of its heartbeat's stats Structs (`field`:
+        also the metrics' prefix), as its last heartbeat reported them; no samples while it
+        reports none. The worker counts from its start: counters that a new worker (a
         restart, a reload) resets, which Prometheus' rate() and increase() expect."""
-
-        def gauge(name: str, doc: str) -> GaugeMetricFamily:
-            return GaugeMetricFamily(f"mlxgw_prefix_cache_{name}", doc, labels=["model"])
-
-        def counter(name: str, doc: str) -> CounterMetricFamily:
-            return CounterMetricFamily(f"mlxgw_prefix_cache_{name}", doc, labels=["model"])
-
-        # Each family and the PrefixCacheStats field it shows.
-        families: list[tuple[GaugeMetricFamily | CounterMetricFamily, str]] = [
-            (gauge("bytes", "KV cache bytes the prefix cache holds"), "nbytes"),
-            (gauge("capacity_bytes", "The prefix cache's bound"), "capacity_bytes"),
-            (gauge("entries", "Cached prefixes held"), "entries"),
-            (counter("lookups", "Requests that looked for a cached prefix"), "lookups"),
-            (counter("hits", "Requests that reused a cached prefix"), "hits"),
-            (counter("hit_tokens", "Prompt tokens served from the cache"), "hit_tokens"),
-            (counter("evictions", "Cached prefixes evicted"), "evictions"),
+        made = [
+            (kind(f"mlxgw_{field}_{name}", doc, labels=["model"]), attr)
+            for kind, name, doc, attr in families
         ]
         for view in self.workers.views():
-            stats = view.heartbeat.prefix_cache if view.heartbeat is not None else None
+            stats = getattr(view.heartbeat, field) if view.heartbeat is not None else None
             if stats is not None:
-                for family, field in families:
-                    family.add_metric([view.name], getattr(stats, field))
-        yield from (family for family, _ in families)
+                for family, attr in made:
+                    family.add_metric([view.name], getattr(stats, attr))
+        yield from (family for family, _ in made)
 
 
 @get("/metrics", include_in_schema=False)

@@ -295,6 +295,8 @@ def status_row(slot: Slot, ttl: float, now: float) -> dict[str, object]:
         # The current worker's prefix cache as its last heartbeat reported it (None: no
         # worker, or one that reports none): held now, and counted since it started.
         "prefix_cache": None,
+        # ... and its memo of chat prompts' segments (None: no worker, or segments off)
+        "prompt_segments": None,
         # every worker serving it, this machine's and others' (lost ones until they rejoin)
         "replicas": [replica_row(h) for h in ([slot.handle] if slot.handle else []) + slot.remotes],
     }
@@ -312,6 +314,8 @@ def status_row(slot: Slot, ttl: float, now: float) -> dict[str, object]:
             row.update(running=hb.running, waiting=hb.waiting)
             if hb.prefix_cache is not None:
                 row["prefix_cache"] = msgspec.structs.asdict(hb.prefix_cache)
+            if hb.prompt_segments is not None:
+                row["prompt_segments"] = msgspec.structs.asdict(hb.prompt_segments)
             if not handle.is_ready:
                 row.update(stage=hb.stage, progress=hb.progress)
     return row
