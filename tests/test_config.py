@@ -372,21 +372,15 @@ def test_slow_client_timeouts_are_positive_and_named(tmp_path: Path, setting: st
         load_config(write(tmp_path, f"[server]\n{setting}\n"))
 
 
-def test_fused_cpu_ops_takes_a_bool_only(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("option", "default"), [("fused_cpu_ops", True), ("segment_tokens", True)])
+def test_bool_engine_options_take_a_bool_only(tmp_path: Path, option: str, default: bool) -> None:
     head = '[[models]]\nname = "a"\nsource = "x"\n[models.engine]\n'
-    off = load_config(write(tmp_path, head + "fused_cpu_ops = false\n"))
-    assert off.models[0].engine.fused_cpu_ops is False
-    with pytest.raises(ConfigError, match="fused_cpu_ops"):
-        load_config(write(tmp_path, head + 'fused_cpu_ops = "yes"\n'))
-
-
-def test_segment_tokens_is_on_by_default_and_takes_a_bool_only(tmp_path: Path) -> None:
-    head = '[[models]]\nname = "a"\nsource = "x"\n[models.engine]\n'
-    assert load_config(write(tmp_path, head)).models[0].engine.segment_tokens is True
-    off = load_config(write(tmp_path, head + "segment_tokens = false\n"))
-    assert off.models[0].engine.segment_tokens is False
-    with pytest.raises(ConfigError, match="segment_tokens"):
-        load_config(write(tmp_path, head + "segment_tokens = 1\n"))
+    assert getattr(load_config(write(tmp_path, head)).models[0].engine, option) is default
+    off = load_config(write(tmp_path, head + f"{option} = false\n"))
+    assert getattr(off.models[0].engine, option) is False
+    for wrong in ('"yes"', "1"):
+        with pytest.raises(ConfigError, match=option):
+            load_config(write(tmp_path, head + f"{option} = {wrong}\n"))
 
 
 def test_join_settle_steps_is_for_the_rows_batch(tmp_path: Path) -> None:

@@ -288,15 +288,9 @@ def crash_gateway(
         "flaky": {"crash_after_ready_s": 0.3, "crash_starts": 3, "starts_file": str(starts)},
         "stall": {"stall_on": "FREEZE"},
     }
-    server = {
-        **FAST_RESTART,
-        "crash_loop_count": 3,
-        "crash_backoff_s": 3.0,
-        "crash_backoff_max_s": 6.0,
-        "heartbeat_timeout_s": 2.0,
-        "wedge_timeout_s": 2.0,
-        "request_timeout_s": 120.0,
-    }
+    crash = {"crash_loop_count": 3, "crash_backoff_s": 3.0, "crash_backoff_max_s": 6.0}
+    hangs = {"heartbeat_timeout_s": 2.0, "wedge_timeout_s": 2.0, "request_timeout_s": 120.0}
+    server = {**FAST_RESTART, **crash, **hangs}
     with running_gateway(models, _faults(faults), **server) as gw:
         yield gw
 

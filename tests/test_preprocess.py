@@ -4,6 +4,7 @@ a text worker does not serve)."""
 
 from __future__ import annotations
 
+from collections import UserDict
 from pathlib import Path
 
 import msgspec
@@ -28,7 +29,7 @@ from shared.types import (
 )
 from tests.engine_fixtures import Loaded, drive, load, token_ids
 from worker.modelgen import IM_START_ID, TinyModelSpec, build_tiny_model
-from worker.preprocess import PreprocessError, Preprocessor, capabilities
+from worker.preprocess import PreprocessError, Preprocessor, _template_ids, capabilities
 
 
 def test_preprocess_allows_zero_max_tokens_with_echo(preprocess: Preprocessor) -> None:
@@ -72,6 +73,14 @@ def test_preprocess_completion_and_defaults(chat: Loaded, preprocess: Preprocess
     result = no_default(add_frame(RequestKind.COMPLETION, ids))
     assert result.prompt == [5, 6, 7]
     assert result.max_tokens == 61  # all the room left
+
+
+class Ids(UserDict[str, list[int]]):
+    """As transformers' BatchEncoding: a UserDict whose ids are also an attribute."""
+
+    def __init__(self, ids: list[int]) -> None:
+        super().__init__({"input_ids": ids})
+        self.input_ids = ids
 
 
 def preprocess_error(preprocess: Preprocessor, frame: Add) -> PreprocessError:
@@ -326,3 +335,18 @@ def test_a_model_with_nothing_to_parse_gets_no_parser(preprocess: Preprocessor) 
     """No think block, no tools: the output is all answer, parsed by nothing per token."""
     prepared = preprocess(add_frame(RequestKind.CHAT, CanonicalRequest(messages=USER_HI)))
     assert prepared.parser is None and prepared.guide is None
+
+
+@pytest.mark.parametrize(
+    "made",
+    [[1, 2], (1, 2), {"input_ids": [1, 2]}, UserDict({"input_ids": [1, 2]}), Ids([1, 2])],
+)
+def test_a_templates_ids_are_taken_from_any_shape_transformers_returns(made: object) -> None:
+    assert _template_ids(made) == [1, 2]
+
+
+@pytest.mark.parametrize("made", ["<|im_start|>hi", None, 3, {"text": "hi"}, ["a", "b"]])
+def test_a_template_that_made_no_ids_is_a_400_naming_chat_template_kwargs(made: object) -> None:
+    with pytest.raises(PreprocessError) as info:
+        _template_ids(made)
+    assert info.value.error.param == "chat_template_kwargs"

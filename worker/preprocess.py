@@ -23,7 +23,7 @@ from shared.types import (
 )
 from worker.backends.formats import ModelFormats, arguments_object, model_formats, template_tools
 from worker.parsing.response import ResponseParser
-from worker.prompt_segments import prompt_segments, whole_only
+from worker.prompt_segments import prompt_segments, token_ids, whole_only
 from worker.structured.grammars import GrammarError, response_grammar, tool_grammar
 from worker.structured.guide import Grammars, Guide
 
@@ -362,9 +362,10 @@ class Preprocessor:
 
 def _template_ids(ids: Any) -> list[int]:
     """The chat template's token ids, or a 400 where it made something else."""
-    if isinstance(ids, dict):  # transformers 5 may return a BatchEncoding
-        ids = ids.get("input_ids", ids)
-    tokens = list(ids) if isinstance(ids, list | tuple) else None
+    try:
+        tokens = token_ids(ids) if not isinstance(ids, str) else None
+    except (TypeError, KeyError):
+        tokens = None
     if tokens is None or not all(type(t) is int for t in tokens):
         raise _invalid(
             "the chat template did not produce token ids (check chat_template_kwargs)",

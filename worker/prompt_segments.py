@@ -361,7 +361,8 @@ def matcher(tokens: Iterable[str]) -> re.Pattern[str]:
 
 
 def token_ids(encoded: Any) -> list[int]:
-    """apply_chat_template's ids as a list (transformers 5 may return a BatchEncoding)."""
+    """apply_chat_template's ids as a list (transformers 5 may return a BatchEncoding); the
+    preprocessor checks that they are ids (TypeError or KeyError where nothing is)."""
     if isinstance(encoded, Mapping) or hasattr(encoded, "input_ids"):
         encoded = encoded["input_ids"]
     return list(encoded)
