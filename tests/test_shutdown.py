@@ -109,6 +109,15 @@ def _shutdown(gw: GatewayProc, out: list[Any], bound: float) -> tuple[int, float
     return code, took, at_signal
 
 
+def _in_flight(gw: GatewayProc) -> float:
+    """Requests the gateway holds for the model, as /metrics says."""
+    text = httpx.get(f"{gw.base_url}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith('mlxgw_in_flight_requests{model="chat"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 @pytest.fixture(params=["granian", "uvicorn"])
 def http_server(request: pytest.FixtureRequest) -> str:
     return str(request.param)
@@ -151,6 +160,9 @@ def test_sigterm_aborts_what_outlasts_the_drain(chat_model: Path, http_server: s
         )
         waiter.start()
         thread = _stream(gw, 100_000, out)
+        # Both requests must be in the gateway before the signal, or the plain one may
+        # only connect after it (a refused connection, not the drain's 503).
+        wait_for(lambda: _in_flight(gw) >= 2, timeout=60, what="both requests in flight")
         code, took, _ = _shutdown(gw, out, bound=1.0 + 20)
         thread.join(10)
         waiter.join(10)
