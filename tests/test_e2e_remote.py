@@ -246,10 +246,13 @@ def test_kill_9_of_a_replica_replays_its_unstarted_requests(
             started = [stream_until_started(client, f"Tell story {i}.") for i in range(2)]
             # its engine stops once this arrives: what is queued behind it never starts
             pool = concurrent.futures.ThreadPoolExecutor(3)
-            waiting = [
-                pool.submit(ask, client, [{"role": "user", "content": text}], max_tokens=5)
-                for text in ("STALL-HERE please.", "Queued one.", "Queued two.")
-            ]
+
+            def send(text: str) -> concurrent.futures.Future[Any]:
+                return pool.submit(ask, client, [{"role": "user", "content": text}], max_tokens=5)
+
+            waiting = [send("STALL-HERE please.")]  # first: one connection keeps the order
+            wait_for(lambda: gw.ps()["chat"]["in_flight"] == 3, 20, "the stall sent")
+            waiting += [send("Queued one."), send("Queued two.")]
             wait_for(lambda: gw.ps()["chat"]["in_flight"] == 5, 20, "five in flight")
             second = RemoteWorker(gw, "second", chat_model_entry(chat_model))
             wait_ready_replicas(gw, ["chat@second"])
