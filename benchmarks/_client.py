@@ -5,11 +5,11 @@ have been started or the level's deadline passes, so exactly ``concurrency`` req
 in flight for most of the level. Only loopback URLs are accepted.
 
 The client is aiohttp (C-accelerated HTTP parsing) on uvloop, as vLLM's serving benchmark
-does: on a 2-core box the load generator shares the cores with the server, and with httpx
-it took 0.14 of a core at 16 streams against 0.05 for aiohttp (docs/benchmarks.md). For the
-same reason the stream is read a socket read at a time (not a line at a time) and each event
-is decoded by msgspec into the few fields measured: every cycle the client spends is one the
-server under test does not get.
+does: on a 2-core box the load generator shares the cores with the server, and with httpx it
+took 0.14 of a core at 16 streams against 0.05 for aiohttp
+(docs/lab/2026-11-cpu-serving-runs.md). For the same reason the stream is read a socket read
+at a time (not a line at a time) and each event is decoded by msgspec into the few fields
+measured: every cycle the client spends is one the server under test does not get.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def blas_thread_count(threads: int, cpus: int | None = None) -> int:
 # every request (prompt lengths vary; a cached prefix changes the key length). Without it
 # (MLX's own kernels) agent turns over a 4k-token prompt got their first token in 34-58 ms
 # against 74-81 (one session; 123-177 against 224-251 with four), a whole 4-5k prefill in
-# 160-230 ms against 230-890 (docs/benchmarks.md). Other backends do not read it.
+# 160-230 ms against 230-890 (docs/lab/2026-12-gpu-runs.md). Other backends do not read it.
 CUDNN_SDPA = "MLX_CUDA_USE_CUDNN_SDPA"
 
 # MLX's CUDA backend keeps bounded LRU caches (instantiated CUDA graphs 400, cuDNN attention

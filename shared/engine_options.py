@@ -56,7 +56,7 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # Rows batch only: into a large batch, a group of requests big enough to start waits
     # until this many steps pass without a new arrival (the rest of a wave of returning
     # clients), at most as long as a small group waits. 0: it starts at once. Experimental:
-    # docs/benchmarks.md has what it was measured at.
+    # not measured served yet (docs/benchmarks.md).
     join_settle_steps: int = 0
     # Rows batch only: how a decode step runs the model. "model": mlx-lm's forward pass.
     # "compiled": the project's own one-token step for Llama-family models (llama, mistral,

@@ -1,6 +1,7 @@
 """Run the gateway: Granian (Rust HTTP) on uvloop, one worker process running the app.
 
-Granian against uvicorn+httptools on the token-relay path is measured in docs/benchmarks.md;
+Granian against uvicorn+httptools on the token-relay path is measured in
+docs/lab/2026-11-cpu-serving-runs.md;
 `server.http_server = "uvicorn"` keeps uvicorn available. Granian runs the app in a child
 process: the resolved config travels to it as JSON in the environment, and the app watches
 its parent so that nothing outlives `gatewayctl serve`.

@@ -4,9 +4,10 @@ count a multiple of ROW_BUCKET from BUCKET_FROM rows up.
 There the first decode step at a row count a process has not met costs 40-100 ms more than
 the next ones (kernels, plans and traces built for the shape: benchmarks/new_shapes.py), and
 a served batch moves through every count up to its size: on the H200 such steps were about
-10 % of a 1B model's served time at c = 128 (docs/benchmarks.md). So a compaction leaves in
-the batch as many of the rows that left as round its count up (they decode on, unseen, until
-a later compaction), when that many can stay at no cost but their rows; else none stays.
+10 % of a 1B model's served time at c = 128 (docs/lab/2026-12-gpu-runs.md). So a compaction
+leaves in the batch as many of the rows that left as round its count up (they decode on,
+unseen, until a later compaction), when that many can stay at no cost but their rows; else
+none stays.
 From 32 rows, the KV of the rows kept (which the scheduler's memory budget does not count)
 is at most 7/32 of the batch's.
 """

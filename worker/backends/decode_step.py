@@ -304,7 +304,7 @@ def build(
         # Stacked after the probe, which checked the step's structure with the projections
         # apart: cuBLAS multiplies a stacked matrix in another order than three separate
         # ones, and in bfloat16 that drifts past the probe's tolerance over a model's layers
-        # (docs/benchmarks.md); the stacked step's first layer is checked against the
+        # (docs/lab/2026-12-gpu-runs.md); the stacked step's first layer is checked against the
         # apart step's here instead. The step's arrays are the weights that the stacking
         # replaces: dropped first, so that they are not held twice meanwhile.
         hidden = model.model.norm.weight.shape[0]

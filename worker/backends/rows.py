@@ -55,7 +55,7 @@ COMPACT_SHARE = 0.25
 # is being prefilled start beside it instead of waiting for all of it.
 MAX_GROUPS = 2
 # Into a batch of n running rows, joiners start in groups of n // JOIN_DIVISOR (or after
-# waiting that many steps): at 128 rows a pair (docs/benchmarks.md measured 4, 16 and 64).
+# waiting that many steps): at 128 rows a pair (docs/lab/2026-12-gpu-runs.md measured 4, 16 and 64).
 JOIN_DIVISOR = 64
 
 
