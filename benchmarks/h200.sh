@@ -10,7 +10,8 @@
 # $PYTHON (default python3). Models are built under $MODELS (default /tmp/models) on first use.
 # SMALL=1 swaps in tiny shapes, to rehearse the whole script on a CPU machine; SERVING_ARGS
 # and AGENT_ARGS add flags to benchmarks.serving and benchmarks.agent_session; SOURCES picks
-# the servers of 1b / 8b (default gateway,gateway-rows,mlx_lm; gateway is BatchGenerator's batch,
+# the servers of 1b / 8b (default gateway-compiled,mlx_lm: the gateway's defaults and mlx_lm
+# server; gateway is BatchGenerator's batch,
 # gateway-rows the rows batch with mlx-lm's forward pass, gateway-compiled the rows batch with
 # the compiled decode step, gateway-compiled-mask the same with MLX's masked attention
 # instead of the ragged-attention kernel (engine.decode_attention = "mlx"), gateway-compiled-stacked
@@ -21,9 +22,9 @@
 # the rows batch with engine.join_settle_steps = $SETTLE, default 2) and LEVELS_1B / LEVELS_8B
 # their concurrency levels (default 1,8,32,64,128 and 1,32,128).
 # - 1b / 8b: benchmarks.serving, closed loop, 128-token prompts and outputs: mlx-lm's
-#   BatchGenerator in one process (the ceiling), this gateway (engine.batcher mlx_lm, then
-#   rows) and mlx_lm server, one after another on the same prompts (each launched once for all levels, every level run once
-#   unrecorded first: MLX CUDA compiles kernels on first use of a shape, and a server meets
+#   BatchGenerator in one process (the ceiling), then each of $SOURCES, one after another on
+#   the same prompts (each launched once for all levels, every level run once unrecorded
+#   first: MLX CUDA compiles kernels on first use of a shape, and a server meets
 #   many more batch shapes than the ceiling); the servers' logs land in OUT/1b-logs/ and
 #   OUT/8b-logs/.
 # - agent / agent8b: benchmarks.agent_session on the 1b / 8b shape: 8 turns over a 4k-token
@@ -72,7 +73,7 @@ shift
 STEPS=${*:-1b 8b agent}
 LEVEL_PROFILE=${PROFILE_LEVEL:-64}
 PY=${PYTHON:-python3}
-SOURCES=${SOURCES:-gateway,gateway-rows,mlx_lm}
+SOURCES=${SOURCES:-gateway-compiled,mlx_lm}
 M=${MODELS:-/tmp/models}
 mkdir -p "$OUT" "$M"
 
