@@ -150,8 +150,8 @@ class PromptSegmentStats(msgspec.Struct, array_like=True, omit_defaults=True, gc
     since the worker started."""
 
     entries: int = 0  # segments held now
-    chars: int = 0  # their characters, held now
-    capacity_chars: int = 0
+    nbytes: int = 0  # their text and token ids, held now (as Python holds them)
+    capacity_bytes: int = 0
     prompts: int = 0  # chat prompts tokenized by segments
     hits: int = 0  # segments found in the memo
     misses: int = 0  # segments encoded

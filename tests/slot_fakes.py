@@ -57,8 +57,8 @@ STATS = PrefixCacheStats(
 )
 SEGMENTS = PromptSegmentStats(
     entries=30,
-    chars=250_000,
-    capacity_chars=4_000_000,
+    nbytes=3_250_000,
+    capacity_bytes=32 * 2**20,
     prompts=9,
     hits=46,
     misses=4,

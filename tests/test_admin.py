@@ -58,8 +58,8 @@ def test_ps_rows_carry_the_prompt_segment_memo() -> None:
     chat, off, gone = ps_rows(on, ready_slot("off", heartbeat(STATS)), unloaded)
     assert chat["prompt_segments"] == {
         "entries": 30,
-        "chars": 250_000,
-        "capacity_chars": 4_000_000,
+        "nbytes": 3_250_000,
+        "capacity_bytes": 32 * 2**20,
         "prompts": 9,
         "hits": 46,
         "misses": 4,
@@ -78,10 +78,10 @@ def test_prefix_cache_cell() -> None:
 
 
 def test_prompt_memo_cell() -> None:
-    stats = {"chars": 250_000, "capacity_chars": 4_000_000, "hits": 46, "misses": 4}
-    assert prompt_segments(stats) == "0.2/4.0M chars 92% hit"
-    small = {"chars": 120, "capacity_chars": 300, "hits": 0, "misses": 0}
-    assert prompt_segments(small) == "0.1/0.3k chars"  # nothing looked up yet: no rate
+    stats = {"nbytes": 3_250_000, "capacity_bytes": 32 * 2**20, "hits": 46, "misses": 4}
+    assert prompt_segments(stats) == "3.1/32.0 MiB 92% hit"
+    small = {"nbytes": 120 * 2**10, "capacity_bytes": 512 * 2**10, "hits": 0, "misses": 0}
+    assert prompt_segments(small) == "120.0/512.0 KiB"  # nothing looked up yet: no rate
     assert prompt_segments(None) == "-"  # no worker, or segments off
 
 
@@ -89,7 +89,7 @@ def test_table_has_prefix_cache_and_prompt_memo_columns() -> None:
     rows = ps_rows(ready_slot("chat", heartbeat(STATS, SEGMENTS)), ready_slot("off", heartbeat()))
     header, chat, off = plain(rows).splitlines()
     assert header.split()[-4:] == ["PREFIX", "CACHE", "PROMPT", "MEMO"]
-    assert chat.endswith("1.2/2.0 GiB 62% hit  0.2/4.0M chars 92% hit")
+    assert chat.endswith("1.2/2.0 GiB 62% hit  3.1/32.0 MiB 92% hit")
     assert off.split()[-2:] == ["-", "-"]
     # rows from a gateway that predates the columns
     old = {k: v for k, v in rows[0].items() if k not in ("prefix_cache", "prompt_segments")}

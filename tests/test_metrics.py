@@ -202,9 +202,9 @@ def test_prompt_segment_figures_come_from_the_last_heartbeat() -> None:
     text = metrics.render().decode()
     samples = parse(text)
     assert value(samples, "mlxgw_prompt_segments_entries", model="chat") == 30
-    assert value(samples, "mlxgw_prompt_segments_chars", model="chat") == 250_000
-    assert value(samples, "mlxgw_prompt_segments_capacity_chars", model="chat") == 4_000_000
-    assert "# TYPE mlxgw_prompt_segments_chars gauge" in text
+    assert value(samples, "mlxgw_prompt_segments_bytes", model="chat") == 3_250_000
+    assert value(samples, "mlxgw_prompt_segments_capacity_bytes", model="chat") == 32 * 2**20
+    assert "# TYPE mlxgw_prompt_segments_bytes gauge" in text
     assert "# TYPE mlxgw_prompt_segments_hits_total counter" in text
     assert value(samples, "mlxgw_prompt_segments_prompts_total", model="chat") == 9
     assert value(samples, "mlxgw_prompt_segments_hits_total", model="chat") == 46

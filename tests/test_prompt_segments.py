@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -35,11 +36,13 @@ from worker.chat_templates import CHAT_TEMPLATE
 from worker.modelgen import IM_END, SPECIAL_TOKENS
 from worker.preprocess import Preprocessor
 from worker.prompt_segments import (
-    MEMO_CHARS,
+    LARGEST_SHARE,
+    MEMO_BYTES,
     PromptSegments,
     SegmentMemo,
     crossing,
     cut_tokens,
+    entry_bytes,
     matcher,
     probe,
     prompt_segments,
@@ -168,28 +171,28 @@ def test_the_next_turn_encodes_only_its_new_segments(chat: Loaded) -> None:
 
 
 def test_the_memo_stays_within_its_bound(chat: Loaded) -> None:
-    segments = prompt_segments(chat.tokenizer, memo_chars=300)
+    segments = prompt_segments(chat.tokenizer, memo_bytes=12_000)
     assert segments is not None
     rng = random.Random("memo")
-    for _ in range(20):
+    for _ in range(60):
         text = chat.tokenizer.apply_chat_template(
             [{"role": "user", "content": words(rng)}, {"role": "assistant", "content": "ok"}],
             tokenize=False,
         )
         expected = chat.tokenizer.encode(text, add_special_tokens=False)
         assert segments.lookup(segments.split(text)) == expected
-        assert segments.memo_chars() <= 300
+        assert segments.memo_bytes() <= 12_000
     assert segments.stats.evicted > 0
-    held = segments.memo_chars()
-    long = "<|im_start|>user\n" + "word " * 100  # longer than the bound: never kept
+    held = segments.memo_bytes()
+    long = "<|im_start|>user\n" + "word " * 200  # over a sixteenth of the bound: not kept
     assert segments.lookup([long]) == chat.tokenizer.encode(long, add_special_tokens=False)
-    assert segments.memo_chars() == held
+    assert segments.memo_bytes() == held
 
 
 def test_the_snapshot_is_the_memo_and_its_counts(chat: Loaded) -> None:
     pre = preprocessor(chat.tokenizer)
     assert pre.segments is not None
-    assert segment_stats(pre) == PromptSegmentStats(0, 0, MEMO_CHARS)  # after the probe
+    assert segment_stats(pre) == PromptSegmentStats(0, 0, MEMO_BYTES)  # after the probe
     history = [Message(m["role"], m["content"]) for m in MESSAGES]
     for turn in (2, 4):
         pre(chat_frame(CanonicalRequest(messages=history[:turn])))
@@ -198,7 +201,7 @@ def test_the_snapshot_is_the_memo_and_its_counts(chat: Loaded) -> None:
     stats = pre.segments.stats
     assert (snapshot.prompts, snapshot.hits, snapshot.misses) == (2, stats.hits, stats.misses)
     assert snapshot.entries == stats.misses and snapshot.evictions == 0  # each kept
-    assert snapshot.chars == pre.segments.memo_chars() > 0
+    assert snapshot.nbytes == pre.segments.memo_bytes() > 0
     # none for a preprocessor without segments, or one that turned them off
     assert segment_stats(preprocessor(chat.tokenizer, segment_tokens=False)) is None
     assert segment_stats(object()) is None  # embeddings, speech: no `segments` at all
@@ -207,22 +210,38 @@ def test_the_snapshot_is_the_memo_and_its_counts(chat: Loaded) -> None:
 
 
 def test_the_snapshot_counts_evictions() -> None:
-    segments = PromptSegments(["<|a|>"], lambda texts: [[len(t)] for t in texts], memo_chars=12)
-    for text in ("<|a|>one", "<|a|>two", "<|a|>one", "<|a|>one"):  # room for one of them
-        assert segments.encode(text, lambda: [0]) == [8]
+    texts = [f"<|a|>{c}" for c in "abcdefghijklmnopq"]  # 17, each as costly
+    one = entry_bytes(texts[0], [6])
+    bound = one * LARGEST_SHARE  # room for 16 of them
+    segments = PromptSegments(["<|a|>"], lambda batch: [[len(t)] for t in batch], bound)
+    for text in [*texts, texts[-1], texts[0]]:  # the first, evicted, comes back
+        assert segments.encode(text, lambda: [0]) == [6]
     assert segments.snapshot() == PromptSegmentStats(
-        entries=1, chars=8, capacity_chars=12, prompts=4, hits=1, misses=3, evictions=2
+        entries=16,
+        nbytes=16 * one,
+        capacity_bytes=bound,
+        prompts=19,
+        hits=1,
+        misses=18,
+        evictions=2,
     )
 
 
-def test_the_memo_evicts_the_least_recently_used_first() -> None:
-    memo = SegmentMemo(max_chars=6)
-    for text in ("aa", "bb", "cc"):
-        assert memo.put(text, [len(text)]) == 0
-    assert memo.get("aa") == [2]  # used: the newest now
-    assert memo.put("dd", [2]) == 1
-    assert memo.get("bb") is None and memo.get("aa") == [2] and len(memo) == 3
-    assert memo.put("x" * 7, [1]) == 0 and memo.chars == 6  # above the bound: not kept
+def test_the_memo_counts_what_it_holds_and_evicts_the_least_recently_used_first() -> None:
+    ids = list(range(1_000, 1_010))  # ints Python does not share
+    cost = entry_bytes("aa", ids)
+    assert cost >= len("aa") + 10 * (8 + 28)  # each id's pointer and int object
+    memo = SegmentMemo(max_bytes=LARGEST_SHARE * cost)  # room for 16 such
+    texts = [f"{c}{c}" for c in "abcdefghijklmnop"]
+    for text in texts:
+        assert memo.put(text, ids) == 0
+    assert memo.nbytes == 16 * cost and len(memo) == 16
+    assert memo.get("aa") == ids  # used: the newest now
+    assert memo.put("qq", ids) == 1
+    assert memo.get("bb") is None and memo.get("aa") == ids and len(memo) == 16
+    assert memo.nbytes == 16 * cost
+    # a segment over a sixteenth of the bound is never kept: it would push out the rest
+    assert memo.put("z" * 3, ids) == 0 and memo.get("z" * 3) is None and len(memo) == 16
 
 
 # ---- off where cutting differs ------------------------------------------------------------
@@ -405,3 +424,17 @@ def test_the_option_off_and_encoding_kwargs_take_the_whole_encoding(
     prompt = on(chat_frame(sanitized)).prompt
     assert prompt == off(chat_frame(sanitized)).prompt != off(chat_frame(request)).prompt
     assert on.segments.stats.misses + on.segments.stats.hits == asked
+
+
+def test_a_tokenize_call_is_encoded_whole_and_takes_no_check(chat: Loaded) -> None:
+    """Rank 0 of a sharded group answers tokenize calls alone: were they among the prompts
+    the checks take, its ranks could decide differently about segments."""
+    pre = preprocessor(chat.tokenizer)
+    assert pre.segments is not None
+    history = [Message(m["role"], m["content"]) for m in MESSAGES]
+    request = msgspec.to_builtins(CanonicalRequest(messages=history))  # as the gateway sends
+    for _ in range(3):
+        got = pre.tokenize_call({"kind": RequestKind.CHAT.value, "request": request})
+        assert got["tokens"] == whole_ids(chat.tokenizer, MESSAGES)
+    stats = pre.segments.stats
+    assert (stats.prompts, stats.shadow_checked, pre.segments.snapshot().entries) == (0, 0, 0)

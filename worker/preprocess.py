@@ -220,7 +220,9 @@ class Preprocessor:
         except (KeyError, ValueError, msgspec.ValidationError) as exc:
             raise _invalid(f"bad tokenize call: {exc}") from exc
         self._check_features(kind, request)  # counted as a request would be served
-        tokens = self._tokenize(kind, request)
+        # whole: a call here is not one of the prompts the memo's checks take (rank 0 of a
+        # sharded group answers these alone, and its ranks must decide alike on segments)
+        tokens = self._tokenize(kind, request, by_segments=False)
         result: dict[str, Any] = {"tokens": tokens, "count": len(tokens)}
         result["max_context"] = self.max_context
         if args.get("with_text"):
@@ -239,7 +241,11 @@ class Preprocessor:
         return {"text": self.tokenizer.decode(tokens)}
 
     def _tokenize(
-        self, kind: RequestKind, request: CanonicalRequest, request_id: str = ""
+        self,
+        kind: RequestKind,
+        request: CanonicalRequest,
+        request_id: str = "",
+        by_segments: bool = True,
     ) -> list[int]:
         if kind == RequestKind.CHAT:
             if not has_chat_template(self.tokenizer):
@@ -263,7 +269,7 @@ class Preprocessor:
                     f"chat_template_kwargs.{reserved} is not a template variable",
                     f"chat_template_kwargs.{reserved}",
                 )
-            return self._chat_tokens(messages, request, kwargs, request_id)
+            return self._chat_tokens(messages, request, kwargs, request_id, by_segments)
         if request.prompt_token_ids is not None:
             bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
             if bad:
@@ -277,15 +283,17 @@ class Preprocessor:
         request: CanonicalRequest,
         kwargs: dict[str, Any],
         request_id: str,
+        by_segments: bool,
     ) -> list[int]:
         """The chat template applied: its text tokenized by segments where this model's
-        prompts allow it (worker/prompt_segments.py), else the template's own ids."""
+        prompts allow it (worker/prompt_segments.py) and `by_segments`, else the template's
+        own ids."""
 
         def whole() -> list[int]:
             return _template_ids(self._render(messages, request, kwargs))
 
         segments = self.segments
-        if segments is None or not segments.on or whole_only(kwargs):
+        if segments is None or not by_segments or not segments.on or whole_only(kwargs):
             return whole()
         text = self._template(messages, request, kwargs, tokenize=False)
         if not isinstance(text, str):

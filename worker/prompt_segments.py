@@ -16,10 +16,11 @@ text of special tokens and words are encoded both ways (`prompt_segments`), and 
 SHADOW_CHECKS prompts of two segments or more are encoded whole too. Any difference turns
 segments off for the model, logged, and the prompt keeps its whole encoding.
 
-Cost: the memo holds at most MEMO_CHARS characters of segment text with their token ids,
-about 8 bytes a character (the text, and a list of ints at about a token per 4 characters):
-some 30 MB at the bound, least recently used segments out first. Its figures go out in each
-heartbeat (`segment_stats`), as the gateway's `mlxgw_prompt_segments_*` metrics.
+Cost: the memo holds at most MEMO_BYTES (32 MiB) of segment text and token ids, counted as
+Python holds them (`entry_bytes`: about 10 bytes a character of English text, more where a
+token is a character or a byte), least recently used segments out first; a segment over a
+sixteenth of that is encoded every time, never kept. Its figures go out in each heartbeat
+(`segment_stats`), as the gateway's `mlxgw_prompt_segments_*` metrics.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import re
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -37,7 +39,14 @@ from shared.protocol import PromptSegmentStats
 
 log = logging.getLogger(__name__)
 
-MEMO_CHARS = 4_000_000
+MEMO_BYTES = 32 * 2**20
+# What an entry costs besides its text and list: each id's int object (Python shares those up
+# to 256 only) and the ordered dict's own bookkeeping of the key.
+INT_BYTES = 28
+ENTRY_BYTES = 100
+# A segment that would take more than this share of the bound is not kept: one huge message
+# would push every conversation's segments out.
+LARGEST_SHARE = 16
 SHADOW_CHECKS = 16
 # apply_chat_template's own parameters that change how the rendered text is encoded (not
 # template variables): a request that passes one is encoded whole.
@@ -64,40 +73,49 @@ class SegmentStats:
     shadow_checked: int = 0  # prompts encoded whole too, to compare
 
 
-class SegmentMemo:
-    """Segment text -> its token ids, least recently used out first, at most `max_chars`
-    characters of text. Not locked: PromptSegments holds its lock around it."""
+def entry_bytes(text: str, ids: list[int]) -> int:
+    """What the memo holds for a segment, as Python holds it: the text, the list of ids and
+    their int objects, the entry's bookkeeping."""
+    return sys.getsizeof(text) + sys.getsizeof(ids) + INT_BYTES * len(ids) + ENTRY_BYTES
 
-    def __init__(self, max_chars: int) -> None:
-        self.max_chars = max_chars
-        self.chars = 0
-        self._ids: OrderedDict[str, list[int]] = OrderedDict()
+
+class SegmentMemo:
+    """Segment text -> its token ids, least recently used out first, at most `max_bytes`
+    (`entry_bytes`). Not locked: PromptSegments holds its lock around it."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._ids: OrderedDict[str, tuple[list[int], int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._ids)
 
     def get(self, text: str) -> list[int] | None:
-        ids = self._ids.get(text)
-        if ids is not None:
-            self._ids.move_to_end(text)
-        return ids
+        entry = self._ids.get(text)
+        if entry is None:
+            return None
+        self._ids.move_to_end(text)
+        return entry[0]
 
     def put(self, text: str, ids: list[int]) -> int:
-        """Keep `ids` for `text` (never one longer than the bound); the number evicted."""
-        if len(text) > self.max_chars or text in self._ids:
+        """Keep `ids` for `text` (never one over a LARGEST_SHARE of the bound); the number
+        evicted."""
+        cost = entry_bytes(text, ids)
+        if cost * LARGEST_SHARE > self.max_bytes or text in self._ids:
             return 0
-        self._ids[text] = ids
-        self.chars += len(text)
+        self._ids[text] = (ids, cost)
+        self.nbytes += cost
         evicted = 0
-        while self.chars > self.max_chars:
-            old, _ = self._ids.popitem(last=False)
-            self.chars -= len(old)
+        while self.nbytes > self.max_bytes:
+            _, (_, old) = self._ids.popitem(last=False)
+            self.nbytes -= old
             evicted += 1
         return evicted
 
     def clear(self) -> None:
         self._ids.clear()
-        self.chars = 0
+        self.nbytes = 0
 
 
 class PromptSegments:
@@ -109,7 +127,7 @@ class PromptSegments:
         self,
         tokens: Sequence[str],
         encode_batch: EncodeBatch,
-        memo_chars: int = MEMO_CHARS,
+        memo_bytes: int = MEMO_BYTES,
         shadow_checks: int = SHADOW_CHECKS,
     ) -> None:
         if not tokens:
@@ -117,7 +135,7 @@ class PromptSegments:
         self.tokens = sorted(set(tokens), key=len, reverse=True)
         self._cut = matcher(self.tokens)
         self._encode_batch = encode_batch
-        self._memo = SegmentMemo(memo_chars)
+        self._memo = SegmentMemo(memo_bytes)
         self._lock = threading.Lock()
         self.shadow_checks = shadow_checks
         self.stats = SegmentStats()
@@ -192,9 +210,9 @@ class PromptSegments:
             self._memo.clear()
             self.stats = SegmentStats()
 
-    def memo_chars(self) -> int:
+    def memo_bytes(self) -> int:
         with self._lock:
-            return self._memo.chars
+            return self._memo.nbytes
 
     def snapshot(self) -> PromptSegmentStats:
         """The memo now and the counts since the last clear (a heartbeat's figures)."""
@@ -202,8 +220,8 @@ class PromptSegments:
             memo, stats = self._memo, self.stats
             return PromptSegmentStats(
                 len(memo),
-                memo.chars,
-                memo.max_chars,
+                memo.nbytes,
+                memo.max_bytes,
                 stats.prompts,
                 stats.hits,
                 stats.misses,
@@ -231,12 +249,12 @@ def whole_only(kwargs: Mapping[str, Any]) -> bool:
 
 
 def prompt_segments(
-    tokenizer: Any, memo_chars: int = MEMO_CHARS, shadow_checks: int = SHADOW_CHECKS
+    tokenizer: Any, memo_bytes: int = MEMO_BYTES, shadow_checks: int = SHADOW_CHECKS
 ) -> PromptSegments | None:
     """This model's PromptSegments, probed; None, logged with why, where its chat prompts
     must be encoded whole."""
     try:
-        found = _probed(tokenizer, memo_chars, shadow_checks)
+        found = _probed(tokenizer, memo_bytes, shadow_checks)
     except Exception as exc:  # a tokenizer unlike any met: the whole encoding serves
         found = f"probing it failed: {exc!r}"
     if isinstance(found, str):
@@ -273,7 +291,7 @@ def crossing(added: Iterable[Any], tokens: Sequence[str]) -> str | None:
     return None
 
 
-def _probed(tokenizer: Any, memo_chars: int, shadow_checks: int) -> PromptSegments | str:
+def _probed(tokenizer: Any, memo_bytes: int, shadow_checks: int) -> PromptSegments | str:
     if not getattr(tokenizer, "chat_template", None):
         return "the model has no chat template"
     if getattr(tokenizer, "split_special_tokens", False):
@@ -292,7 +310,7 @@ def _probed(tokenizer: Any, memo_chars: int, shadow_checks: int) -> PromptSegmen
     def encode_batch(texts: list[str]) -> list[list[int]]:
         return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
 
-    segments = PromptSegments(tokens, encode_batch, memo_chars, shadow_checks)
+    segments = PromptSegments(tokens, encode_batch, memo_bytes, shadow_checks)
     problem = probe(tokenizer, segments)
     if problem is not None:
         return problem

@@ -132,12 +132,12 @@ def prefix_cache(stats: dict[str, int] | None) -> str:
 
 
 def prompt_segments(stats: dict[str, int] | None) -> str:
-    """0.3/4.0M chars 92% hit: the memo's segment text held of its bound, and the share of
-    prompt segments found in it (not encoded)."""
+    """3.1/32.0 MiB 92% hit: what the memo holds of its bound, and the share of prompt
+    segments found in it (not encoded)."""
     if not stats:
         return "-"
-    units = (("M chars", 10**6), ("k chars", 10**3))
-    held, bound = stats.get("chars", 0), stats.get("capacity_chars", 0)
+    units = ((" MiB", 2**20), (" KiB", 2**10))
+    held, bound = stats.get("nbytes", 0), stats.get("capacity_bytes", 0)
     hits = stats.get("hits", 0)
     return _held(held, bound, units, hits, hits + stats.get("misses", 0))
 

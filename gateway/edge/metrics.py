@@ -48,8 +48,8 @@ PREFIX_CACHE: tuple[StatsFamily, ...] = (
 )
 PROMPT_SEGMENTS: tuple[StatsFamily, ...] = (
     (GAUGE, "entries", "Chat prompt segments the memo holds", "entries"),
-    (GAUGE, "chars", "Characters of segment text the memo holds", "chars"),
-    (GAUGE, "capacity_chars", "The prompt-segment memo's bound in characters", "capacity_chars"),
+    (GAUGE, "bytes", "Bytes of segment text and token ids the memo holds", "nbytes"),
+    (GAUGE, "capacity_bytes", "The prompt-segment memo's bound", "capacity_bytes"),
     (COUNTER, "prompts", "Chat prompts tokenized by segments", "prompts"),
     (COUNTER, "hits", "Prompt segments found in the memo", "hits"),
     (COUNTER, "misses", "Prompt segments encoded", "misses"),
