@@ -207,6 +207,8 @@ def test_the_snapshot_is_the_memo_and_its_counts(chat: Loaded) -> None:
     assert segment_stats(object()) is None  # embeddings, speech: no `segments` at all
     pre.segments.turn_off("a test")
     assert segment_stats(pre) is None
+    pre.segments.lookup(["<|im_start|>user\nlate"])  # a lookup under way at the turn-off
+    assert pre.segments.memo_bytes() == 0  # puts nothing back
 
 
 def test_the_snapshot_counts_evictions() -> None:

@@ -192,7 +192,7 @@ class PromptSegments:
         with self._lock:
             self.stats.hits += len(found) - found.count(None)
             self.stats.misses += len(missing)
-            for text, ids in encoded.items():
+            for text, ids in encoded.items() if self.on else ():  # (not after a turn_off)
                 self.stats.evicted += self._memo.put(text, ids)
         out: list[int] = []
         for s, f in zip(segments, found, strict=True):
