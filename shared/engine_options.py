@@ -23,8 +23,9 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # requests streaming while the rest prefill; one prompt longer than it goes in alone.
     max_prefill_tokens: int = 8192
     # Memory for running requests' KV cache, in GiB: a request is admitted while the KV of
-    # every running request at its full length (prompt + max_tokens) fits. Default: what
-    # the device has left after the weights and the prefix cache, less a tenth.
+    # the running requests (as long as each is now) plus its prompt and up to 256 tokens of
+    # its output fits (worker/engine/scheduler.py). Default: what the device has left after
+    # the weights and the prefix cache, less a tenth.
     kv_memory_gb: float | None = None
     # Reuse of earlier requests' KV: a prompt that shares a prefix with one seen before
     # prefills only the rest. Bounded in bytes (least recently used out first) and counted
