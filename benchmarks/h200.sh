@@ -28,8 +28,9 @@
 #   many more batch shapes than the ceiling); the servers' logs land in OUT/1b-logs/ and
 #   OUT/8b-logs/.
 # - agent / agent8b: benchmarks.agent_session on the 1b / 8b shape: 8 turns over a 4k-token
-#   system prompt, 1 and 4 concurrent sessions, the gateway with its prefix cache on and off
-#   and on its rows batch, mlx_lm server (OUT/agent.json, OUT/agent8b.json).
+#   system prompt, 1 and 4 concurrent sessions, the gateway (its defaults) with its prefix
+#   cache on and off, mlx_lm server (OUT/agent.json, OUT/agent8b.json; AGENT_ARGS="--sources
+#   ..." picks others, e.g. gateway-rows-whole: prompts tokenized whole).
 # - arrivals: benchmarks.arrivals on the 1b shape in one process: mlx-lm's BatchGenerator and
 #   the project's rows batch (joins at once and settled) with sequences starting together
 #   and spread, and what one join costs each.
@@ -224,7 +225,7 @@ for step in $STEPS; do
     agent | agent8b)
       if [ "$step" = agent ]; then dir=$(model 1b $SHAPE_1B); else dir=$(model 8b $SHAPE_8B); fi
       $PY -m benchmarks.agent_session --model "$dir" \
-        --sources gateway,gateway-nocache,gateway-rows,mlx_lm --sessions 1,4 --turns "$AGENT_TURNS" \
+        --sources gateway-rows,gateway-rows-nocache,mlx_lm --sessions 1,4 --turns "$AGENT_TURNS" \
         --system-tokens "$AGENT_SYSTEM" --wait-idle 0 ${AGENT_ARGS:-} --out "$OUT/$step.json" 2>&1 |
         tee "$OUT/$step.log"
       ;;
