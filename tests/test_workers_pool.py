@@ -97,3 +97,77 @@ async def test_loading_over_the_memory_budget_evicts_the_idle_model(tmp_path: Pa
     await r.pool.load("b")
     assert r.catalog.slot("a").state == ModelState.UNLOADED
     assert r.catalog.slot("b").state == ModelState.READY
+
+
+async def test_a_reload_whose_old_worker_dies_meanwhile_takes_what_waited(
+    tmp_path: Path,
+) -> None:
+    """The old worker crashes while the new one loads (its restart still backing off): the
+    new one serves, with the request the crash left waiting, and the restart is off."""
+    r = rig(tmp_path, restart_backoff_s=0.5)
+    await r.pool.load("m")
+    old, slot = r.handle(), r.catalog.slot("m")
+    held = await r.admission.submit(chat("held"))
+    r.processes.auto_ready = False
+    reload = asyncio.ensure_future(r.pool.reload("m"))
+    await until(lambda: len(r.processes.spawned) == 2)
+    new = r.processes.spawned[1]
+    r.processes.exit(old, -9)
+    assert slot.restarting and held in slot.replay
+    r.processes.make_ready(new)
+    assert await reload is new
+    assert r.handle() is new and not slot.restarting and held.request_id in new.streams
+    await asyncio.sleep(0.6)  # the crash's restart wakes, and finds nothing to do
+    assert len(r.processes.spawned) == 2 and slot.state == ModelState.READY
+    fresh = await r.admission.submit(chat("fresh"))
+    assert fresh.request_id in new.streams and old not in slot.retiring
+
+
+async def test_a_reload_overtaken_by_the_restart_keeps_one_worker(tmp_path: Path) -> None:
+    """The crash's restart starts a worker before the reload's is ready: the reload's goes,
+    and the reload answers with the restart's."""
+    r = rig(tmp_path, restart_backoff_s=0.01)
+    await r.pool.load("m")
+    old = r.handle()
+    r.processes.auto_ready = False
+    reload = asyncio.ensure_future(r.pool.reload("m"))
+    await until(lambda: len(r.processes.spawned) == 2)
+    new = r.processes.spawned[1]
+    r.processes.exit(old, -9)
+    await until(lambda: len(r.processes.spawned) == 3)  # the restart's worker
+    third = r.processes.spawned[2]
+    r.processes.make_ready(new)
+    await until(lambda: new.exited.is_set())  # not needed: ended
+    r.processes.make_ready(third)
+    assert await reload is third and r.handle() is third
+    await r.pool.unload("m")
+    assert third.exited.is_set()
+
+
+async def test_an_unload_under_an_on_demand_load_is_a_503(tmp_path: Path) -> None:
+    r = rig(tmp_path)
+    r.processes.auto_ready = False
+    waiter = asyncio.ensure_future(r.admission.submit(chat("x")))
+    await until(lambda: len(r.processes.spawned) == 1)
+    await r.pool.unload("m")
+    with pytest.raises(GatewayError, match="was unloaded while it was loading") as err:
+        await waiter
+    assert err.value.code == ErrorCode.WORKER_UNAVAILABLE and err.value.retry_after == 2
+
+
+async def test_a_restart_that_cannot_spawn_fails_the_model_and_its_waiters(
+    tmp_path: Path,
+) -> None:
+    r = rig(tmp_path, restart_backoff_s=0.01)
+    await r.pool.load("m")
+    waiting = await r.admission.submit(chat("w"))
+
+    async def no_descriptors(model: ModelConfig, restart: bool) -> None:
+        raise OSError(24, "Too many open files")
+
+    r.processes.spawn = no_descriptors  # type: ignore[assignment,method-assign]
+    r.processes.exit(r.handle(), -9)
+    slot = r.catalog.slot("m")
+    await until(lambda: waiting.finished)
+    assert not slot.restarting and slot.state == ModelState.FAILED
+    assert "Too many open files" in (slot.error or "")

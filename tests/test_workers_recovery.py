@@ -215,6 +215,26 @@ async def test_a_request_whose_second_worker_dies_too_is_not_sent_a_third_time(
     assert list(r.handle().streams) == ["innocent"] and not innocent.finished
 
 
+async def test_suspects_waiting_to_be_tried_alone_go_on_after_a_reload(tmp_path: Path) -> None:
+    """Two requests on probation at a death wait to be tried one at a time; a reload
+    meanwhile must not strand the one not yet sent."""
+    r = rig(tmp_path, restart_backoff_s=0.01, crash_loop_count=10)
+    await r.pool.load("m")
+    slot = r.catalog.slot("m")
+    a, b = await r.admission.submit(chat("a")), await r.admission.submit(chat("b"))
+    r.processes.exit(r.handle(), -9)  # both sent again, on probation
+    await until(lambda: serving(slot))
+    r.processes.exit(r.handle(), -9)  # two suspects: each tried alone next
+    await until(lambda: serving(slot))
+    first = r.handle()
+    [tried] = first.streams
+    new = await r.pool.reload("m")
+    r.output(first, RequestOutput(tried, text="x", token_ids=[1], finish_reason=FinishReason.STOP))
+    waiting = b if tried == "a" else a
+    await until(lambda: waiting.request_id in new.streams)
+    assert not slot.replay
+
+
 async def test_a_crash_loop_backs_the_model_off_then_it_restarts_by_itself(
     tmp_path: Path,
 ) -> None:

@@ -109,6 +109,16 @@ class Pool:
                 f"model {slot.name!r} did not load within server.load_timeout_s={timeout:g}s",
                 retry_after=5,
             ) from None
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if not task.cancelled() or (current is not None and current.cancelling()):
+                raise  # this waiter was cancelled (its client left), not the load
+            # the load was called off under it: an unload, or the gateway shutting down
+            raise GatewayError(
+                ErrorCode.WORKER_UNAVAILABLE,
+                f"model {slot.name!r} was unloaded while it was loading",
+                retry_after=2,
+            ) from None
 
     async def bring_up(self, slot: Slot, restart: bool = False) -> WorkerHandle:
         """Room in the budget, a worker spawned, its Ready; then the requests that waited
@@ -204,12 +214,39 @@ class Pool:
             if not new.exited.is_set():
                 await self.processes.kill(new, signal.SIGKILL, grace=0)
             raise
+        if slot.handle is not old:  # the old worker died while this one loaded
+            return await self._after_crash(slot, new)
         slot.handle = new
         self.lifetime.touch(slot)
         self.lifetime.released(slot)
         log.info("model %s: reloaded; worker %s drains", slot.name, old.worker_id)
         self.tasks.spawn(self.retire(slot, old, False, self.server.drain_timeout_s))
+        if slot.replay:  # requests a death left to be tried alone go on here
+            self.recovery.resubmit(slot, new)
         return new
+
+    async def _after_crash(self, slot: Slot, new: WorkerHandle) -> WorkerHandle:
+        """A reload whose old worker crashed while `new` loaded: `new` takes what waited
+        for the restart, unless the restart's own worker got there first."""
+        if slot.restarting and slot.handle is None and slot.loading is None:
+            slot.restarting = slot.restart_pending = False  # the restart is not needed
+            slot.backoff_until = None
+            slot.handle = new
+            self.recovery.resubmit(slot, new)
+            self.lifetime.touch(slot)
+            self.lifetime.released(slot)
+            log.info("model %s: reloaded; its old worker had died meanwhile", slot.name)
+            return new
+        await self.processes.kill(new, signal.SIGTERM, grace=5)
+        if slot.loading is not None:
+            return await self._await_load(slot, slot.loading)
+        if slot.handle is None:  # unloaded meanwhile, or its restart failed
+            raise GatewayError(
+                ErrorCode.WORKER_UNAVAILABLE,
+                f"model {slot.name!r} lost its worker during the reload: {slot.last_error}",
+                retry_after=2,
+            )
+        return slot.handle
 
     # ---- the worker for a request ---------------------------------------------------
 

@@ -166,9 +166,17 @@ class Recovery:
             if not slot.restart_pending and slot.restarting:
                 # Not a crash of the new worker (that schedules the next attempt): give up.
                 reason = getattr(exc, "message", "the restart was cancelled")
-                slot.restarting = False
-                slot.error = slot.last_error = f"restart failed: {reason}"
-                slot.died += self.fail_replay(slot, slot.error)
+                self._give_up(slot, reason)
+        except Exception as exc:  # no worker to wait for: a spawn that failed (descriptors)
+            log.exception("model %s: restarting it failed", slot.name)
+            if slot.restarting:
+                self._give_up(slot, f"{type(exc).__name__}: {exc}")
+
+    def _give_up(self, slot: Slot, reason: str) -> None:
+        """A restart that cannot go on: the model fails, and what waited for it ends."""
+        slot.restarting = slot.restart_pending = False
+        slot.error = slot.last_error = f"restart failed: {reason}"
+        slot.died += self.fail_replay(slot, slot.error)
 
     def blame(
         self, slot: Slot, held: list[RequestStream], message: str
