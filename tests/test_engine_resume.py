@@ -23,7 +23,7 @@ from shared.types import (
     RequestOutput,
     SamplingParams,
 )
-from tests.engine_fixtures import Loaded, drive, load
+from tests.engine_fixtures import Loaded, drive, greedy, load
 from worker.preprocess import PreparedRequest, PreprocessError, Preprocessor
 
 
@@ -119,3 +119,24 @@ def test_resumed_tokens_the_request_cannot_hold_are_refused(hermes: Loaded) -> N
     with pytest.raises(PreprocessError) as caught:
         prepare(hermes, "y", chat(resumed=[10**9]), max_tokens=8)
     assert caught.value.error.param == "resumed"
+
+
+def test_a_continuation_shares_its_long_prompt_once_prefilled(hermes: Loaded, batcher: str) -> None:
+    """Its prompt's KV goes to the prefix cache at its first token here, as a new request's
+    does: a request sharing the long prefix waits for that prefill, not for the
+    continuation's whole output (its count of tokens starts at those it resumed)."""
+    base = [(i * 7) % 400 + 5 for i in range(300)]
+    engine = hermes.engine(batcher=batcher)
+    resumed = greedy("r", [*base, 11, 12, 13, 14], 60, ignore_eos=True)
+    resumed.resumed = 4  # (its prompt's last 4 tokens were an earlier worker's output)
+    engine.add(resumed)
+    engine.add(greedy("w", [*base, 99, 98], 5, ignore_eos=True))
+    first: dict[str, int] = {}
+    for step in range(300):
+        for output in engine.step():
+            if output.token_ids:
+                first.setdefault(output.request_id, step)
+        if not engine.has_work:
+            break
+    assert first["w"] <= first["r"] + 4, first  # not after r's 56 more tokens
+    assert engine.scheduler.kv_tokens() == 0

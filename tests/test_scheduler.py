@@ -136,6 +136,17 @@ def test_admission_by_free_kv_memory() -> None:
     assert scheduler.kv_tokens() == 284 + 16 + 2 * 100
 
 
+def test_a_continuation_s_resumed_tokens_are_counted_once() -> None:
+    scheduler = make()
+    continuation = request("c", prompt=110)  # its prompt ends with the 10 tokens it resumed
+    continuation.resumed = continuation.completion_tokens = 10  # (primed: counted as made)
+    scheduler.add(continuation)
+    scheduler.schedule()
+    assert scheduler.kv_tokens() == 110
+    continuation.completion_tokens = 13  # three made here
+    assert scheduler.kv_tokens() == 113
+
+
 def test_kv_reserve_is_capped_for_long_outputs() -> None:
     scheduler = make(kv_budget_bytes=1000 + DECODE_RESERVE, kv_bytes_per_token=1)
     scheduler.add(request("a", prompt=10))

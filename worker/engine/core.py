@@ -262,7 +262,9 @@ class EngineCore:
                 output.text += last.text
                 output.finish_reason, output.usage = last.finish_reason, last.usage
             outputs.append(output)
-            if request.completion_tokens == 1 and self._worth_a_snapshot(request):
+            # its first token here (a continuation's count starts at the tokens it resumed)
+            first = request.completion_tokens == request.resumed + 1
+            if first and self._worth_a_snapshot(request):
                 fresh.append(s.uid)
             if request.status is RequestStatus.FINISHED:
                 if s.ended:

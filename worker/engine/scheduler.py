@@ -145,8 +145,9 @@ class Scheduler:
         return admitted
 
     def kv_tokens(self) -> int:
-        """KV positions the running requests hold now."""
-        return sum(len(r.prompt) + r.completion_tokens for r in self.running.values())
+        """KV positions the running requests hold now (a continuation's prompt holds the
+        tokens it resumed, which its completion count starts at)."""
+        return sum(len(r.prompt) + r.completion_tokens - r.resumed for r in self.running.values())
 
     def finish(self, request_id: str) -> Request | None:
         """A running request is done (finished or aborted): its place and KV are free."""
