@@ -214,6 +214,20 @@ async def test_other_weights_than_the_models_are_refused(tmp_path: Path) -> None
     assert "other weights" in refusal.reason
 
 
+async def test_what_waited_for_a_replica_dialing_in_again_ends_if_it_is_refused(
+    tmp_path: Path,
+) -> None:
+    # weights of its own here (a folder): their identity outlives the replicas'
+    world = World(tmp_path, ModelConfig(name="m", source=str(tmp_path)))
+    a = world.join("m@a", "a", identity="sha256:one")
+    fresh = stream("r1", a)
+    world.replicas.lose(a, "its connection closed", back=True)  # it dials in again...
+    assert world.slot.replay == [fresh] and not world.loads
+    world.join("m@a", "a", identity="sha256:two")  # ...with other weights: refused
+    assert world.loads == [world.slot]  # what waited for it waits for the model's own worker
+    assert world.slot.replay == [fresh] and not fresh.finished
+
+
 async def test_a_lost_replica_sends_its_unstarted_requests_to_another(tmp_path: Path) -> None:
     world = World(tmp_path)
     a, b = world.join("m@a", "a"), world.join("m@b", "b")

@@ -198,6 +198,8 @@ class Replicas:
             )
             self.refuse(handle.worker_id, reason)
             self._drop(slot, handle)
+            if slot.replay and not slot.ready_remotes():  # what waited for it (lose, back)
+                self._no_replica(slot, f"worker {handle.worker_id} was refused: {reason}")
             return False
         if not expected and frame.identity:
             slot.identity = frame.identity
