@@ -202,6 +202,8 @@ def test_bad_text_blocks_are_named() -> None:
         ({"metadata": {"user_id": "u", "session": "s"}}, "metadata.session"),
         ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
         ({"system": [{"type": "image", "source": {}}]}, "system"),
+        ({"stop_sequences": ["s"] * 17}, "stop_sequences"),  # checked at every token
+        ({"stop_sequences": ["s" * 1025]}, "stop_sequences"),
     ],
 )
 def test_refusals_name_the_field(fields: dict[str, Any], param: str) -> None:

@@ -76,16 +76,19 @@ def secured(chat_model: Path, other_model: Path) -> Iterator[GatewayProc]:
 
 def test_admin_over_http_needs_an_admin_key(secured: GatewayProc) -> None:
     gw = secured
-    # Even with no key configured, /admin over HTTP is never open.
-    assert httpx.get(f"{gw.base_url}/admin/ps", timeout=10).status_code == 401
+    # Even with no key configured, /admin over HTTP is never open (nor `//admin`: the
+    # router merges repeated slashes, and so do the checks)
+    for path in ("/admin/ps", "//admin/ps", "/admin//ps"):
+        assert httpx.get(f"{gw.base_url}{path}", timeout=10).status_code == 401, path
     admin = _create(gw, "ops", "--scope", "admin")
     user = _create(gw, "user")
     rows = httpx.get(
         f"{gw.base_url}/admin/ps", headers={"Authorization": f"Bearer {admin}"}, timeout=10
     )
     assert rows.status_code == 200 and {r["model"] for r in rows.json()} == {"chat", "other"}
-    denied = httpx.get(f"{gw.base_url}/admin/ps", headers={"x-api-key": user}, timeout=10)
-    assert denied.status_code == 403 and "not admin" in denied.json()["error"]["message"]
+    for path in ("/admin/ps", "//admin/ps"):
+        denied = httpx.get(f"{gw.base_url}{path}", headers={"x-api-key": user}, timeout=10)
+        assert denied.status_code == 403 and "not admin" in denied.json()["error"]["message"]
     assert _chat(gw, admin).status_code == 200  # admin keys may also infer
     gw.ctl("keys", "revoke", "ops")
     gw.ctl("keys", "revoke", "user")
@@ -204,9 +207,16 @@ def test_requests_per_minute(secured: GatewayProc) -> None:
     assert third.headers["ratelimit-remaining"] == "0"
     with pytest.raises(openai.RateLimitError):
         _client(gw, key).chat.completions.create(model="chat", messages=MESSAGES, max_tokens=2)
-    for path in ("/v2/rerank", "/rerank"):  # the rerank API's paths outside /v1 too
-        body = {"model": "chat", "query": "q", "documents": ["d"]}
-        headers = {"authorization": f"Bearer {key}"}
+    headers = {"authorization": f"Bearer {key}"}
+    rerank = {"model": "chat", "query": "q", "documents": ["d"]}
+    tokenize = {"model": "chat", "prompt": "q"}
+    for path, body in (  # the model routes outside /v1 too, and no `//` around them
+        ("/v2/rerank", rerank),
+        ("/rerank", rerank),
+        ("/tokenize", tokenize),
+        ("/detokenize", {"model": "chat", "tokens": [1]}),
+        ("//v1/chat/completions", {"model": "chat", "messages": MESSAGES, "max_tokens": 1}),
+    ):
         reply = httpx.post(f"{gw.base_url}{path}", json=body, headers=headers, timeout=10)
         assert reply.status_code == 429, (path, reply.text)
     # Limits are per key: another key is unaffected, on any model.

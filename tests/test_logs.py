@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 
+from gateway.edge.logs import text_field
 from tests.gateway_proc import GatewayProc, running_gateway, wait_for
 
 SECRET_PROMPT = "zebra-quartz-7781 tell me"
@@ -92,3 +93,13 @@ def test_bodies_are_logged_only_when_asked(chat_model: Path) -> None:
     with running_gateway([model], log_bodies=True, log_level="debug") as gw:
         assert _chat(gw, SECRET_PROMPT, max_tokens=2).status_code == 200
         wait_for(lambda: SECRET_PROMPT in _all_logs(gw), what="the body in the log")
+
+
+def test_a_text_access_line_keeps_a_clients_values_to_their_field() -> None:
+    """A path, model or user id a client chose cannot start a line nor forge a field."""
+    assert text_field("/v1/chat/completions") == "/v1/chat/completions" and text_field(None) == "-"
+    assert text_field(12.5) == "12.5" and text_field("é-ok") == "é-ok"
+    forged = "/v1/models\n2030-01-01 00:00:00,000 INFO gateway.access status=200 key=alice"
+    assert "\n" not in text_field(forged) and json.loads(text_field(forged)) == forged
+    assert text_field("x key=alice") == '"x key=alice"'
+    assert text_field('say "hi"') == '"say \\"hi\\""'

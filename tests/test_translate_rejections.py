@@ -41,6 +41,7 @@ SCHEMA_REJECTIONS = [
     ("top_p", 0),
     ("messages", []),
     ("stop", ["s"] * 17),
+    ("stop", "s" * 1025),
     ("n", 0),
     ("top_logprobs", 21),
     ("top_logprobs", -1),
@@ -65,6 +66,10 @@ def test_schema_rejections_set_param(field: str, value: Any) -> None:
 )
 def test_completion_schema_rejections_set_param(field: str, value: Any) -> None:
     assert rejected(completion, **{field: value}).param == field
+
+
+def test_a_stop_string_is_bounded_in_length() -> None:  # each is checked at every token
+    assert rejected(chat, stop=["ok", "s" * 1025]).param == "stop[1]"
 
 
 def test_unknown_field_is_named() -> None:

@@ -75,8 +75,9 @@ class InFlight:
     def __init__(self) -> None:
         self.requests: dict[str, _Entry] = {}
         # A client's own X-Request-Id names its request too: a non-streaming client learns
-        # the gateway's id only with the response, too late to cancel.
-        self.client_ids: dict[str, str] = {}
+        # the gateway's id only with the response, too late to cancel. Each key has its own
+        # (another key's request of the same id must not hide it).
+        self.client_ids: dict[tuple[str | None, str], str] = {}
 
     def add(
         self,
@@ -87,20 +88,22 @@ class InFlight:
     ) -> None:
         self.requests[request_id] = _Entry(ctx, streams, on_cancel)
         if ctx is not None and ctx.client_request_id:
-            self.client_ids[ctx.client_request_id] = request_id
+            self.client_ids[(_key_id(ctx), ctx.client_request_id)] = request_id
 
     def remove(self, request_id: str) -> None:
         entry = self.requests.pop(request_id, None)
         ctx = entry.ctx if entry else None
-        if ctx is not None and self.client_ids.get(ctx.client_request_id) == request_id:
-            del self.client_ids[ctx.client_request_id]
+        if ctx is not None and ctx.client_request_id:
+            named = (_key_id(ctx), ctx.client_request_id)
+            if self.client_ids.get(named) == request_id:
+                del self.client_ids[named]
 
     def cancel(self, workers: WorkerClient, request_id: str, by: RequestContext | None) -> int:
         """Abort a request's unfinished choices; they end with a `cancelled` error. Only its
         own key (or an admin key) may cancel it; anyone else sees it as unknown (404)."""
         entry = self.requests.get(request_id)
-        if entry is None and request_id in self.client_ids:
-            entry = self.requests.get(self.client_ids[request_id])
+        if entry is None:
+            entry = self.requests.get(self._by_client_id(request_id, by) or "")
         if entry is None or not _may_cancel(by, entry.ctx):
             raise GatewayError(
                 ErrorCode.NOT_FOUND,
@@ -117,6 +120,19 @@ class InFlight:
                 stream.fail(ErrorCode.CANCELLED, f"request {request_id} was cancelled")
                 cancelled += 1
         return cancelled
+
+    def _by_client_id(self, client_id: str, by: RequestContext | None) -> str | None:
+        """The request the caller's key named `client_id` (an admin key: any key's, the
+        latest)."""
+        found = self.client_ids.get((_key_id(by), client_id))
+        if found is None and by is not None and by.key is not None and by.key.scope == "admin":
+            named = [rid for (_, cid), rid in self.client_ids.items() if cid == client_id]
+            found = named[-1] if named else None
+        return found
+
+
+def _key_id(ctx: RequestContext | None) -> str | None:
+    return ctx.key.id if ctx is not None and ctx.key is not None else None
 
 
 def _may_cancel(by: RequestContext | None, owner: RequestContext | None) -> bool:

@@ -12,8 +12,10 @@ any log; `server.log_bodies` turns on DEBUG lines with request bodies, explicitl
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable
 
@@ -87,10 +89,23 @@ def access_hook() -> Callable[[RequestContext], None]:
             fields["client_request_id"] = ctx.client_request_id
         if ctx.user:  # the request's end-user id (OpenAI's user / safety_identifier)
             fields["user"] = ctx.user
-        text = " ".join(f"{k}={'-' if v is None else v}" for k, v in fields.items())
+        text = " ".join(f"{k}={text_field(v)}" for k, v in fields.items())
         access.info(text, extra=fields)
 
     return hook
+
+
+_PLAIN = re.compile(r"[^\s=\"\x00-\x1f\x7f-\x9f]*")
+
+
+def text_field(value: object) -> str:
+    """A field's value in a text access line: as it is where it is one word of printable
+    characters, else quoted and escaped as a JSON string (a client's path, model or user
+    id can hold spaces, `=` or line breaks: one request, one line, its own fields)."""
+    if value is None:
+        return "-"
+    text = str(value)
+    return text if _PLAIN.fullmatch(text) else json.dumps(text)
 
 
 def log_body(enabled: bool, ctx: RequestContext | None, body: bytes) -> None:

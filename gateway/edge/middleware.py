@@ -24,6 +24,7 @@ Access by path:
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -121,7 +122,10 @@ class GatewayMiddleware:
             await self.app(scope, receive, send)
             return
         headers = _headers(scope)
-        ctx = RequestContext(new_request_id(), scope["method"], scope["path"])
+        # The path as the router reads it (repeated slashes merged), for every check here:
+        # `//admin/...` is `/admin/...`
+        scope["path"] = path = REPEATED_SLASHES.sub("/", scope["path"])
+        ctx = RequestContext(new_request_id(), scope["method"], path)
         ctx.client_request_id = client_request_id(
             headers.get(b"x-request-id", b"").decode("latin-1") or None
         )
@@ -208,8 +212,10 @@ class GatewayMiddleware:
         return []
 
 
-# Model routes outside /v1 (the rerank API's other paths): limited as /v1 is
-LIMITED_OUTSIDE_V1 = frozenset({"/v2/rerank", "/rerank"})
+# Model routes outside /v1 (the rerank API's other paths, and the tokenizer's, which run in
+# the model's worker): limited as /v1 is
+LIMITED_OUTSIDE_V1 = frozenset({"/v2/rerank", "/rerank", "/tokenize", "/detokenize"})
+REPEATED_SLASHES = re.compile(r"//+")
 
 
 def _headers(scope: Scope) -> dict[bytes, bytes]:

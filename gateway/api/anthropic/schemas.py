@@ -16,6 +16,8 @@ from msgspec import Meta
 PosInt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 # Anthropic documents temperature in [0, 1]; top_p 0 would turn the filter off here, not on.
 Temperature = Annotated[float, Meta(ge=0.0, le=1.0)]
+# Stop sequences are checked at every token: their number and length are bounded
+StopSequences = Annotated[list[Annotated[str, Meta(max_length=1024)]], Meta(max_length=16)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 
@@ -156,7 +158,7 @@ class PromptFields(_Body):
 
 class MessagesRequest(PromptFields, kw_only=True):
     max_tokens: PosInt  # required, as in Anthropic's API
-    stop_sequences: list[str] | None = None
+    stop_sequences: StopSequences | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None

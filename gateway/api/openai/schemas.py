@@ -19,7 +19,9 @@ PosInt = Annotated[int, Meta(ge=1, le=INT32)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-StopList = Annotated[list[str], Meta(max_length=16)]
+# Stop strings are checked at every token: their number and length are bounded
+StopString = Annotated[str, Meta(max_length=1024)]
+StopList = Annotated[list[StopString], Meta(max_length=16)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 
 
@@ -127,7 +129,7 @@ class SamplingFields(_Body):
     n: PosInt = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | StopList | None = None
+    stop: StopString | StopList | None = None
     # Any integer msgpack carries (int64 or uint64; checked in translate: msgspec bounds stop
     # at int64); MLX keys take it modulo 2**64.
     seed: int | None = None
