@@ -175,6 +175,7 @@ def test_model_scope_and_expiry(secured: GatewayProc) -> None:
     with pytest.raises(openai.PermissionDeniedError) as denied:
         _client(gw, scoped).chat.completions.create(model="chat", messages=MESSAGES, max_tokens=2)
     assert "may not use model 'chat'" in str(denied.value)
+    assert [m.id for m in _client(gw, scoped).models.list()] == ["other"]  # only its own
 
     short = _create(gw, "short-lived", "--expires", "2s")
     assert _chat(gw, short).status_code == 200

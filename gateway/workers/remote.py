@@ -86,6 +86,7 @@ class RemoteDoor:
         self.routes: set[str] = set()  # worker ids reached through this door
         self.codec = Codec()
         self._decoder = msgspec.msgpack.Decoder(FromWorker)
+        self._undecodable_at = -60.0  # a peer's bad frames are logged once a minute
         self._on_frame: OnRemoteFrame | None = None
         self._on_disconnect: Callable[[], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -181,7 +182,15 @@ class RemoteDoor:
             try:
                 frame = self._decoder.decode(payload.buffer)
             except UNDECODABLE as exc:
-                log.warning("undecodable frame from remote worker %s, dropped: %s", key, exc)
+                now = time.monotonic()
+                if now - self._undecodable_at >= 60.0:
+                    self._undecodable_at = now
+                    log.warning(
+                        "undecodable frame from remote worker %r, dropped (such frames are "
+                        "logged once a minute): %.200r",
+                        key,
+                        str(exc),
+                    )
                 continue
             try:
                 on_frame(frame, str(key), str(peer), sender)

@@ -177,7 +177,7 @@ class Replicas:
         self.door.routes.add(worker_id)
         self._rejoin_sent.pop(worker_id, None)
         log.info(
-            "model %s: worker %s joined from %s (key %r, pid %d)",
+            "model %s: worker %.200r joined from %s (key %r, pid %d)",
             slot.name,
             worker_id,
             peer,

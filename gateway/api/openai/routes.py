@@ -33,7 +33,7 @@ from gateway.api.openai.translate import (
 from gateway.api.openapi import SSE, documented
 from gateway.api.serve import JSON, InFlight, Job, Served, serve
 from gateway.edge.logs import log_body
-from gateway.edge.middleware import authorize_model, context_of
+from gateway.edge.middleware import authorize_model, context_of, may_use
 from gateway.errors import GatewayError
 from gateway.workers.client import WorkerClient
 from shared.modelinfo import kind_served, peek
@@ -141,9 +141,16 @@ def model_card(state: State, name: str) -> ModelCard:
 
 
 @get("/models", operation_class=documented(ErrorBody, replies={JSON: ModelList}))
-async def list_models(state: State) -> Response[bytes]:
+async def list_models(request: Request[Any, Any, Any], state: State) -> Response[bytes]:
+    """The models the caller's key may use (every model on an open gateway)."""
     workers: WorkerClient = state.workers
-    cards = [model_card(state, name) for name in workers.models]
+    key = getattr(context_of(request.scope), "key", None)
+
+    def canonical(name: str) -> str:
+        return workers.resolve(name).name
+
+    names = [name for name in workers.models if may_use(key, name, canonical)]
+    cards = [model_card(state, name) for name in names]
     return Response(msgspec.json.encode(ModelList(cards)), media_type=JSON)
 
 
