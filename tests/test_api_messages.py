@@ -126,12 +126,28 @@ def test_openai_tool_calls_results_and_reasoning_map() -> None:
             "messages[2].content[0].image_url.url",
         ),
         ({"role": "user", "content": [{"type": "file", "file": {}}]}, "messages[2].content[0]"),
+        ({"role": "assistant", "content": "x", "audio": {"id": "a"}}, "messages[2].audio"),
+        (
+            {"role": "assistant", "content": "x", "function_call": {"name": "f"}},
+            "messages[2].function_call",
+        ),
+        ({"role": "assistant", "content": "x", "annotations": [{}]}, "messages[2].annotations"),
+        ({"role": "user", "content": "x", "function_call": {}}, "messages[2].function_call"),
     ],
 )
 def test_openai_malformed_messages_are_named(raw: dict[str, Any], param: str) -> None:
     with pytest.raises(GatewayError) as err:
         _openai(raw)
     assert err.value.param == param
+
+
+def test_an_assistant_message_as_the_sdk_returns_it_goes_back_as_it_is() -> None:
+    """`message.model_dump()`: its fields the SDK fills with nulls are no use of them."""
+    dumped = {"role": "assistant", "content": "Hi.", "refusal": None, "annotations": None}
+    dumped |= {"audio": None, "function_call": None, "tool_calls": None}
+    message, _ = _openai(dumped)
+    assert (message.role, message.content) == ("assistant", "Hi.")
+    assert _openai({**dumped, "annotations": []})[0] == message
 
 
 def _anthropic(raw: dict[str, Any]) -> tuple[list[Message], Unserved]:

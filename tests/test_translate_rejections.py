@@ -13,6 +13,7 @@ from gateway.api.common import decode_body
 from gateway.api.openai.errors import error_body
 from gateway.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.api.openai.translate import ChatFormatter, chat_request
+from gateway.api.responses.schemas import ResponsesRequest
 from gateway.errors import GatewayError
 from shared.types import ErrorCode, ImagePart
 from tests.openai_bodies import USER, chat, completion, completions, enc, rejected
@@ -132,6 +133,22 @@ def test_chat_images_pass_named_by_their_field() -> None:
 def test_legacy_function_calling_points_at_tools() -> None:
     assert "use `tools`" in rejected(chat, functions=[{"name": "f"}]).message
     assert "use `tool_choice`" in rejected(chat, function_call="auto").message
+
+
+def test_a_null_for_a_field_openai_types_as_optional_is_its_default() -> None:
+    """Wrappers forward the SDK's optional arguments as they hold them: `n=None` and the
+    like are the defaults, as on OpenAI's API."""
+    nulls = {"n": None, "stream": None, "logprobs": None}
+    body = decode_body(enc({"model": "m", "messages": USER, **nulls}), ChatCompletionRequest)
+    assert (body.n, body.stream, body.logprobs) == (1, False, False)
+    assert chat(**nulls) == chat()
+    done = decode_body(enc({"model": "m", "prompt": "a", "echo": None}), CompletionRequest)
+    assert (done.echo, done.n) == (False, 1)
+    raw = {"model": "m", "input": "hi", "stream": None, "store": None, "background": None}
+    responses = decode_body(enc(raw), ResponsesRequest)
+    assert (responses.stream, responses.store, responses.background) == (False, True, False)
+    assert decode_body(enc({**raw, "store": False}), ResponsesRequest).store is False
+    assert rejected(chat, n=0).param == "n"  # a value is still checked
 
 
 def test_chat_allowed_neutral_values() -> None:

@@ -38,9 +38,15 @@ def message_of(index: int, message: ChatMessage, unserved: Unserved | None = Non
     if message.role != "tool" and message.tool_call_id is not None:
         raise invalid("only a tool message has a `tool_call_id`", f"{where}.tool_call_id")
     if message.role != "assistant":
-        for field in ("tool_calls", "reasoning_content", "refusal"):
+        for field in ("tool_calls", "reasoning_content", "refusal", "audio", "function_call"):
             if getattr(message, field) is not None:
                 raise invalid(f"only an assistant message has `{field}`", f"{where}.{field}")
+    if message.audio is not None:
+        raise unsupported(f"{where}.audio", "an assistant's audio in the history is not served")
+    if message.function_call is not None:
+        raise unsupported(f"{where}.function_call", "use `tool_calls` (legacy function calling)")
+    if message.annotations:
+        raise unsupported(f"{where}.annotations", "annotations in the history are not served")
     calls = [
         ToolCall(call.id, call.function.name, call.function.arguments)
         for call in message.tool_calls or []

@@ -65,6 +65,11 @@ class ChatMessage(_Body):
     tool_call_id: str | None = None  # a tool message: the call it answers
     reasoning_content: str | None = None  # an assistant's thinking (vLLM, DeepSeek)
     refusal: str | None = None  # an assistant's refusal, as OpenAI returns it
+    # An assistant message as the SDK returns it carries these, null or empty: sent back
+    # (`message.model_dump()`), that is no use of them; a value is a 400 naming it
+    audio: Any | None = None
+    function_call: Any | None = None
+    annotations: list[Any] | None = None
 
 
 class StreamOptions(_Body):
@@ -126,8 +131,9 @@ class SamplingFields(_Body):
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Meta(ge=-1, le=INT32)] | None = None
     min_p: Probability | None = None
-    n: PosInt = 1
-    stream: bool = False
+    # OpenAI's SDKs type these as optional, and wrappers forward a null: it means the default
+    n_given: PosInt | None = msgspec.field(default=None, name="n")
+    stream_given: bool | None = msgspec.field(default=None, name="stream")
     stream_options: StreamOptions | None = None
     stop: StopString | StopList | None = None
     # Any integer msgpack carries (int64 or uint64; checked in translate: msgspec bounds stop
@@ -151,11 +157,19 @@ class SamplingFields(_Body):
     # or "30m" / "2h"; 0 unloads it after this request, a negative value never.
     keep_alive: float | str | None = None
 
+    @property
+    def n(self) -> int:
+        return self.n_given or 1
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.stream_given)
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)] = []
     max_completion_tokens: PosInt | None = None
-    logprobs: bool = False
+    logprobs_given: bool | None = msgspec.field(default=None, name="logprobs")  # null: false
     top_logprobs: TopLogprobs | None = None
     response_format: ResponseFormat | None = None
     tools: list[ToolParam] | None = None
@@ -174,16 +188,24 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, str | bool | int | float] | None = None
 
+    @property
+    def logprobs(self) -> bool:
+        return bool(self.logprobs_given)
+
 
 class CompletionRequest(SamplingFields):
     # msgspec allows one array type per union: the list's shape is checked in translate.
     prompt: str | list[str | NonNegInt | list[NonNegInt]] = ""
     max_tokens: NonNegInt | None = None  # 0 with echo: score the prompt only
-    echo: bool = False
+    echo_given: bool | None = msgspec.field(default=None, name="echo")  # null: false
     suffix: str | None = None
     best_of: PosInt | None = None
     logprobs: TopLogprobs | None = None
     response_format: ResponseFormat | None = None  # json_object / json_schema, as vLLM
+
+    @property
+    def echo(self) -> bool:
+        return bool(self.echo_given)
 
 
 # ---- responses --------------------------------------------------------------------------

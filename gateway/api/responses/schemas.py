@@ -80,10 +80,11 @@ class ResponsesRequest(_Body):
     max_output_tokens: PosInt | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    stream: bool = False
+    # optional in OpenAI's SDKs: a null is the default
+    stream_given: bool | None = msgspec.field(default=None, name="stream")
     stream_options: StreamOptions | None = None
-    store: bool = True
-    background: bool = False
+    store_given: bool | None = msgspec.field(default=None, name="store")  # null: true
+    background_given: bool | None = msgspec.field(default=None, name="background")
     metadata: Metadata | None = None
     user: str | None = None  # an end-user id: echoed
     safety_identifier: str | None = None  # likewise
@@ -101,6 +102,18 @@ class ResponsesRequest(_Body):
     top_logprobs: Any | None = None
     conversation: Any | None = None
     prompt: Any | None = None
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.stream_given)
+
+    @property
+    def store(self) -> bool:
+        return self.store_given is not False
+
+    @property
+    def background(self) -> bool:
+        return bool(self.background_given)
 
 
 class MessageItemIn(_Body):
