@@ -165,6 +165,7 @@ def test_anthropic_blocks_map_and_tool_results_become_tool_messages() -> None:
                     "type": "tool_result",
                     "tool_use_id": "t2",
                     "content": [{"type": "text", "text": "rain"}],
+                    "is_error": True,  # the model reads it: templates have no flag for it
                 },
                 {"type": "text", "text": "And "},
                 {"type": "image", "source": {"type": "url", "url": "https://e.com/a.png"}},
@@ -173,7 +174,7 @@ def test_anthropic_blocks_map_and_tool_results_become_tool_messages() -> None:
     )
     assert messages == [
         Message("tool", "sunny", tool_call_id="t1"),
-        Message("tool", "rain", tool_call_id="t2"),
+        Message("tool", "Error: rain", tool_call_id="t2"),
         Message(
             "user",
             "And ",

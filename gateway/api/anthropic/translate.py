@@ -48,6 +48,8 @@ from shared.types import ContentPart as Part
 T = TypeVar("T")
 
 MESSAGES_PATH = "/v1/messages"  # error bodies in Anthropic's shape
+# A tool_result with is_error: what the model reads before its content
+ERROR_PREFIX = "Error: "
 
 # Content block types Anthropic documents that have no place in the neutral message, and why.
 _BLOCKS_NOT_SERVED = {
@@ -126,6 +128,8 @@ class _Turn:
         elif kind == "tool_result":
             result = _convert(block, ToolResultBlock, where)
             inner = _Turn("tool", self.unserved)
+            if result.is_error:  # chat templates have no such flag: the model reads it
+                inner.parts.append(TextPart(ERROR_PREFIX))
             if isinstance(result.content, str):
                 inner.parts.append(TextPart(result.content))
             else:
