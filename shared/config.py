@@ -208,8 +208,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     tls_key: str | None = None
     mdns: bool = False
     mdns_name: str | None = None
-    # The Responses API's store (previous_response_id, GET/DELETE): in memory, the oldest
-    # dropped beyond responses_max_stored, each kept responses_ttl after it completed.
+    # The Responses API's store (previous_response_id, GET/DELETE): in memory, the oldest that
+    # ended dropped beyond responses_max_stored, each kept responses_ttl after it completed.
     responses_max_stored: int = 1000
     responses_ttl: Duration = 3600.0
     # Images in chat requests (vision models): each one's bytes (a data URL's or a fetched
@@ -353,7 +353,7 @@ def _validate(config: Config) -> None:
     parse_duration(config.server.default_ttl, "server.default_ttl")
     parse_duration(config.server.responses_ttl, "server.responses_ttl")
     server = config.server
-    for key in ("max_prompt_tokens", "max_tokens_cap"):
+    for key in ("max_prompt_tokens", "max_tokens_cap", "responses_max_stored"):
         value = getattr(server, key)
         if value is not None and value < 1:
             raise ConfigError(f"server.{key} must be at least 1")

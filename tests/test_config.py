@@ -171,6 +171,12 @@ def test_unknown_key_is_named(tmp_path: Path, text: str, key: str) -> None:
         load_config(write(tmp_path, text))
 
 
+@pytest.mark.parametrize("value", [0, -1])
+def test_a_response_store_holds_at_least_one(tmp_path: Path, value: int) -> None:
+    with pytest.raises(ConfigError, match=r"server\.responses_max_stored must be at least 1"):
+        load_config(write(tmp_path, f"[server]\nresponses_max_stored = {value}\n"))
+
+
 def test_wrong_type_and_missing_required(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="port"):
         load_config(write(tmp_path, '[server]\nport = "high"\n'))

@@ -25,6 +25,32 @@ def test_store_bound_drops_the_oldest() -> None:
     assert store.get(entries[4].id, None) is entries[4]
 
 
+def test_store_bound_drops_what_ended_before_what_runs() -> None:
+    """Another key's plain requests must not end a background response still running."""
+    store = ResponseStore(3, 60, Clock())
+    job = _entry("k1", status="in_progress")
+    assert store.add(job) == []
+    plain = [_entry("k2") for _ in range(4)]
+    dropped = []
+    for entry in plain:
+        dropped += store.add(entry)
+        store.ended(entry)
+    assert dropped == plain[:2] and store.get(job.id, None) is job
+    jobs = [_entry(status="in_progress") for _ in range(3)]  # the store full of running ones
+    for entry in jobs:
+        dropped += store.add(entry)
+    assert store.get(job.id, None) is None and job in dropped  # only then the oldest goes
+
+
+def test_the_expiry_heap_stays_near_the_bound() -> None:
+    store = ResponseStore(2, 3600, Clock())
+    for _ in range(1000):
+        entry = _entry()
+        store.add(entry)
+        store.ended(entry)
+    assert len(store) == 2 and len(store._expiry) <= 2 * 2 + 64 + 1
+
+
 def test_store_ttl_counts_from_the_end() -> None:
     clock = Clock()
     store = ResponseStore(10, 60, clock)

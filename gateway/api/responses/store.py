@@ -1,10 +1,10 @@
 """The Responses API's store: stored responses in the gateway's memory, bounded.
 
-At most `max_stored` entries (the oldest is dropped beyond that: a background response still
-running is cancelled by whoever added the newer one), each kept `ttl_s` after it ended (a
-negative TTL: until dropped). A response made with an API key is visible only to that key
-and to admin-scope keys; on an open gateway (no keys) to everyone. Anyone else sees an
-unknown id.
+At most `max_stored` entries (beyond that the oldest that has ended is dropped; a background
+response still running only when every entry is one, and it is then cancelled), each kept
+`ttl_s` after it ended (a negative TTL: until dropped). A response made with an API key is
+visible only to that key and to admin-scope keys; on an open gateway (no keys) to everyone.
+Anyone else sees an unknown id.
 """
 
 from __future__ import annotations
@@ -72,9 +72,15 @@ class ResponseStore:
         """Keep `entry` (the newest); returns those dropped to stay within the bound."""
         self._purge()
         self._entries[entry.id] = entry
-        dropped = []
-        while len(self._entries) > self.max_stored:
-            dropped.append(self._entries.popitem(last=False)[1])
+        over = len(self._entries) - self.max_stored
+        if over <= 0:
+            return []
+        # the oldest that ended first: one tenant's traffic must not end another's job
+        ended = [e for e in self._entries.values() if e is not entry and not e.running]
+        running = [e for e in self._entries.values() if e is not entry and e.running]
+        dropped = (ended + running)[:over]
+        for old in dropped:
+            del self._entries[old.id]
         return dropped
 
     def ended(self, entry: StoredResponse) -> None:
@@ -84,6 +90,9 @@ class ResponseStore:
         entry.expires_at = self.clock() + self.ttl_s
         self._count += 1
         heapq.heappush(self._expiry, (entry.expires_at, self._count, entry.id))
+        if len(self._expiry) > 2 * self.max_stored + 64:  # dropped entries' leave with them
+            self._expiry = [x for x in self._expiry if x[2] in self._entries]
+            heapq.heapify(self._expiry)
 
     def get(self, response_id: str, key: ApiKey | None) -> StoredResponse | None:
         self._purge()
