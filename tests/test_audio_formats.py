@@ -161,6 +161,7 @@ def test_a_form_into_a_canonical_request() -> None:
         (form(model="again"), "model"),
         ([("file", WAV), ("file", WAV), ("model", "whisper")], "file"),
         ([*form(), ("prompt", WAV)], "prompt"),
+        (form(prompt="word " * 2000), "prompt"),  # a text field is bounded, not the file
         (form(response_format="diarized_json"), "response_format"),
         (form(temperature="hot"), "temperature"),
         (form(temperature="1.5"), "temperature"),

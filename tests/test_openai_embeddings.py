@@ -30,6 +30,8 @@ def body(value: object, **more: object) -> EmbeddingRequest:
         (["a", "b"], CanonicalRequest(inputs=["a", "b"])),
         ([1, 2, 3], CanonicalRequest(input_token_ids=[[1, 2, 3]])),
         ([[1], [2, 3]], CanonicalRequest(input_token_ids=[[1], [2, 3]])),
+        # one token array longer than the list bound: one input (8k-token embedders)
+        (list(range(3000)), CanonicalRequest(input_token_ids=[list(range(3000))])),
     ],
 )
 def test_every_input_shape(value: object, want: CanonicalRequest) -> None:
@@ -43,6 +45,12 @@ def test_other_shapes_are_a_400_naming_input(value: object) -> None:
     with pytest.raises(GatewayError) as info:
         embedding_request(body(value))
     assert info.value.param == "input"
+
+
+def test_more_inputs_than_the_bound_are_a_400() -> None:
+    for value in (["a"] * 2049, [[1]] * 2049):
+        with pytest.raises(GatewayError, match="at most 2048"):
+            embedding_request(body(value))
 
 
 def test_dimensions_go_to_the_worker_which_knows_the_model() -> None:

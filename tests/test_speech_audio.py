@@ -151,3 +151,26 @@ def test_audio_longer_than_the_limit_is_a_400_and_at_the_limit_is_not() -> None:
     data = encode("flac", "flac", 16000, seconds=3.0)
     assert "longer than 2.5 s" in _rejected(data, max_seconds=2.5)
     assert decode_audio(data, max_seconds=3.0).duration == 3.0
+
+
+def _wav(rate: int, frames: int, block_align: int | None = None) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(1)
+        out.setframerate(rate)
+        out.writeframes(b"\x80" * frames)
+    data = bytearray(buf.getvalue())
+    if block_align is not None:  # the fmt chunk's, as a crafted file sets it
+        data[32:34] = block_align.to_bytes(2, "little")
+    return bytes(data)
+
+
+def test_a_rate_too_low_for_speech_is_a_400_before_it_is_resampled() -> None:
+    """A few bytes at 1 Hz would be thousands of times as many samples at 16 kHz."""
+    assert "sample rate (1 Hz) is below 4000 Hz" in _rejected(_wav(1, 70_000, 16384), 3600)
+    assert decode_audio(_wav(8000, 8000), max_seconds=2).duration == 1.0  # telephony's rate
+
+
+def test_a_long_frame_is_refused_by_what_it_will_hold() -> None:
+    assert "longer than 1 s" in _rejected(_wav(4000, 40_000), max_seconds=1)

@@ -65,6 +65,11 @@ def decode_audio(data: bytes, max_seconds: float, extension: str = "") -> Decode
     return DecodedAudio.of(samples)
 
 
+# Telephony's 8 kHz is the lowest rate speech comes at; below, a file is a way to make a
+# worker resample a few bytes into gigabytes
+MIN_SAMPLE_RATE = 4000
+
+
 def _decode(data: bytes, max_seconds: float, extension: str) -> np.ndarray:
     """Packet by packet, as FFmpeg's command line does: a packet its codec rejects (a
     corrupt one, the cut-off last one of a truncated upload) is skipped; a file none of
@@ -84,6 +89,15 @@ def _decode(data: bytes, max_seconds: float, extension: str) -> np.ndarray:
                 error = error or exc
                 continue
             for frame in frames:
+                rate = frame.sample_rate or SAMPLE_RATE
+                if rate < MIN_SAMPLE_RATE:  # one sample would become thousands here
+                    raise _invalid(
+                        f"the audio's sample rate ({rate} Hz) is below {MIN_SAMPLE_RATE} Hz"
+                    )
+                # what it will hold once resampled, before it is: a long frame of a low
+                # rate must not grow past the limit in memory first
+                if total + frame.samples * SAMPLE_RATE / rate > limit + SAMPLE_RATE:
+                    raise _too_long(max_seconds)
                 for out in resampler.resample(frame):
                     chunks.append(out.to_ndarray().reshape(-1))
                     total += len(chunks[-1])

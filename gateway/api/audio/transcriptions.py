@@ -159,9 +159,16 @@ def _audio(values: list[str | AudioPart]) -> AudioPart:
     return value
 
 
+# A text field's characters at most (a prompt: Whisper reads its last 223 tokens; the form's
+# other fields are a word each): the upload's bound is the file's, not the text's
+MAX_TEXT_FIELD = 8192
+
+
 def _text(name: str, value: str | AudioPart) -> str:
     if isinstance(value, AudioPart):
         raise invalid(f"`{name}` must be a text field, not a file", name)
+    if len(value) > MAX_TEXT_FIELD:
+        raise invalid(f"`{name}` is {len(value)} characters; at most {MAX_TEXT_FIELD}", name)
     return value
 
 

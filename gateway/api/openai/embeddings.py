@@ -66,12 +66,12 @@ def _inputs(value: str | list[Any]) -> CanonicalRequest:
         return CanonicalRequest(inputs=[value])
     if not value:
         raise invalid("`input` is an empty list", "input")
+    if all(_token(v) for v in value):  # one input: its length is the model's to bound
+        return CanonicalRequest(input_token_ids=[list(value)])
     if len(value) > MAX_INPUTS:
         raise invalid(f"`input` has {len(value)} items; at most {MAX_INPUTS}", "input")
     if all(isinstance(v, str) for v in value):
         return CanonicalRequest(inputs=list(value))
-    if all(_token(v) for v in value):
-        return CanonicalRequest(input_token_ids=[list(value)])
     if all(isinstance(v, list) and v and all(_token(t) for t in v) for v in value):
         return CanonicalRequest(input_token_ids=[list(v) for v in value])
     raise invalid(
