@@ -220,6 +220,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     image_max_pixels: int = 8192 * 8192
     image_max_count: int = 16
     image_max_total_bytes: int = 64 * 1024 * 1024  # one request's images together
+    # their pixels together, once for each of its choices (`n`): the worker decodes each
+    # image in full for each (an 8192 x 8192 PNG of one colour is 200 KB and 200 MB decoded)
+    image_max_total_pixels: int = 4 * 8192 * 8192
     image_fetch_timeout_s: float = 10.0
     image_fetch_private: bool = False
     # An audio upload's bytes at most (/v1/audio/transcriptions and translations; OpenAI's
@@ -368,6 +371,7 @@ def _validate(config: Config) -> None:
         "image_max_pixels",
         "image_max_count",
         "image_max_total_bytes",
+        "image_max_total_pixels",
         "audio_max_bytes",
     ):
         if getattr(server, key) < 1:

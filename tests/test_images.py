@@ -351,3 +351,24 @@ async def test_a_requests_images_together_are_capped() -> None:
     assert error.param == "messages[0].content[3].image_url.url"
     assert "server.image_max_total_bytes" in error.message
     assert await resolve_images(request, ImageLimits(max_total_bytes=len(PNG) * 3))
+
+
+@pytest.mark.anyio
+async def test_fetches_share_the_requests_byte_budget_as_they_arrive(server: Server) -> None:
+    """Each fetch under its own cap, together under the request's: the first past it ends
+    them all, not once every body is held."""
+    url = f"{server.base}/endless"
+    limits = ImageLimits(max_bytes=10**8, max_total_bytes=1_000_000, fetch_private=True)
+    error = await refusal(request_of(url, url, url), limits)
+    assert "more than 1000000 bytes together (server.image_max_total_bytes)" in error.message
+
+
+@pytest.mark.anyio
+async def test_a_requests_pixels_together_are_capped_once_per_choice() -> None:
+    request = request_of(*[PNG] * 3)  # 4 x 3 each
+    limits = ImageLimits(max_total_pixels=36)
+    assert await resolve_images(request, limits)  # 36 pixels
+    with pytest.raises(GatewayError) as info:
+        await resolve_images(request, limits, choices=2)  # the worker decodes them twice
+    assert "once for each of its 2 choices (server.image_max_total_pixels)" in info.value.message
+    assert info.value.param is not None and info.value.param.startswith("messages[0].content")

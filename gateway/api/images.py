@@ -41,6 +41,7 @@ class ImageLimits:
     fetch_timeout_s: float = 10.0
     fetch_private: bool = False
     max_total_bytes: int = 64 * 1024 * 1024
+    max_total_pixels: int = 4 * 8192 * 8192
 
     @classmethod
     def of(cls, server: ServerConfig) -> ImageLimits:
@@ -51,7 +52,38 @@ class ImageLimits:
             server.image_fetch_timeout_s,
             server.image_fetch_private,
             server.image_max_total_bytes,
+            server.image_max_total_pixels,
         )
+
+
+@dataclass(slots=True)
+class _Budget:
+    """One request's images together, taken from as their bytes arrive and as their headers
+    are read (the fetches run at once: the first past the bound ends them all)."""
+
+    limits: ImageLimits
+    choices: int  # the worker decodes each image once per choice (`n`)
+    nbytes: int = 0
+    pixels: int = 0
+
+    def take_bytes(self, image: ImagePart, count: int) -> None:
+        self.nbytes += count
+        if self.nbytes > self.limits.max_total_bytes:
+            raise refused(
+                image,
+                f"this request's images hold more than {self.limits.max_total_bytes} bytes "
+                "together (server.image_max_total_bytes)",
+            )
+
+    def take_pixels(self, image: ImagePart, count: int) -> None:
+        self.pixels += count * self.choices
+        if self.pixels > self.limits.max_total_pixels:
+            each = f", counted once for each of its {self.choices} choices" * (self.choices > 1)
+            raise refused(
+                image,
+                f"this request's images hold more than {self.limits.max_total_pixels} pixels "
+                f"together{each} (server.image_max_total_pixels)",
+            )
 
 
 def images_in(request: CanonicalRequest) -> list[ImagePart]:
@@ -63,9 +95,12 @@ def images_in(request: CanonicalRequest) -> list[ImagePart]:
     ]
 
 
-async def resolve_images(request: CanonicalRequest, limits: ImageLimits) -> CanonicalRequest:
+async def resolve_images(
+    request: CanonicalRequest, limits: ImageLimits, choices: int = 1
+) -> CanonicalRequest:
     """The request with each image's bytes fetched (its URLs fetched concurrently) and
-    checked, its media type the one its bytes have, and no URL left."""
+    checked, its media type the one its bytes have, and no URL left; its images' bytes and
+    pixels (times its `choices`) within the request's bounds."""
     images = images_in(request)
     if not images:
         return request
@@ -75,14 +110,7 @@ async def resolve_images(request: CanonicalRequest, limits: ImageLimits) -> Cano
             f"this request has {len(images)} images; at most {limits.max_count} are taken "
             "(server.image_max_count)",
         )
-    made = await _all_ready(images, limits)
-    total = sum(len(image.data) for image in made)
-    if total > limits.max_total_bytes:
-        raise refused(
-            made[-1],
-            f"this request's images hold {total} bytes; at most {limits.max_total_bytes} "
-            "together (server.image_max_total_bytes)",
-        )
+    made = await _all_ready(images, _Budget(limits, max(1, choices)))
     ready = iter(made)
     messages = [
         msgspec.structs.replace(
@@ -101,10 +129,11 @@ def refused(image: ImagePart, why: str) -> GatewayError:
     return GatewayError(ErrorCode.INVALID_REQUEST, f"`{where}`: {why}", where)
 
 
-async def _all_ready(images: list[ImagePart], limits: ImageLimits) -> list[ImagePart]:
+async def _all_ready(images: list[ImagePart], budget: _Budget) -> list[ImagePart]:
     """Each image ready, all at once; the first failure cancels the rest."""
+    limits = budget.limits
     if not any(image.url is not None for image in images):
-        return [await _ready(None, image, limits) for image in images]
+        return [await _ready(None, image, budget) for image in images]
     async with httpx.AsyncClient(
         timeout=limits.fetch_timeout_s,
         follow_redirects=False,
@@ -112,7 +141,7 @@ async def _all_ready(images: list[ImagePart], limits: ImageLimits) -> list[Image
         # a connection per fetch: one made for a host is never reused for another on its IP
         limits=httpx.Limits(max_keepalive_connections=0),
     ) as client:
-        tasks = [asyncio.ensure_future(_ready(client, image, limits)) for image in images]
+        tasks = [asyncio.ensure_future(_ready(client, image, budget)) for image in images]
         try:
             return await asyncio.gather(*tasks)
         finally:
@@ -121,20 +150,21 @@ async def _all_ready(images: list[ImagePart], limits: ImageLimits) -> list[Image
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _ready(
-    client: httpx.AsyncClient | None, image: ImagePart, limits: ImageLimits
-) -> ImagePart:
-    data = image.data
+async def _ready(client: httpx.AsyncClient | None, image: ImagePart, budget: _Budget) -> ImagePart:
+    data, limits = image.data, budget.limits
     if image.url is not None:
         assert client is not None
-        data = await fetch(client, image, image.url, limits)
-    media_type = await asyncio.to_thread(checked, image, data, limits)
+        data = await fetch(client, image, image.url, limits, budget)
+    else:
+        budget.take_bytes(image, len(data))
+    media_type, pixels = await asyncio.to_thread(checked, image, data, limits)
+    budget.take_pixels(image, pixels)
     return msgspec.structs.replace(image, data=data, media_type=media_type, url=None)
 
 
-def checked(image: ImagePart, data: bytes, limits: ImageLimits) -> str:
-    """The media type of `data`, an image within the limits that Pillow reads and verifies
-    (its size read from the header, before anything is decoded)."""
+def checked(image: ImagePart, data: bytes, limits: ImageLimits) -> tuple[str, int]:
+    """The media type and pixels of `data`, an image within the limits that Pillow reads
+    and verifies (its size read from the header, before anything is decoded)."""
     if len(data) > limits.max_bytes:
         raise refused(
             image,
@@ -155,7 +185,7 @@ def checked(image: ImagePart, data: bytes, limits: ImageLimits) -> str:
         raise refused(image, f"not a readable image (one of {', '.join(FORMATS)})") from None
     except Exception as exc:
         raise refused(image, f"the image is damaged or incomplete ({exc})") from None
-    return Image.MIME.get(kind, f"image/{kind.lower()}")
+    return Image.MIME.get(kind, f"image/{kind.lower()}"), width * height
 
 
 def _too_many_pixels(image: ImagePart, size: str, limits: ImageLimits) -> GatewayError:
@@ -166,12 +196,17 @@ def _too_many_pixels(image: ImagePart, size: str, limits: ImageLimits) -> Gatewa
 
 
 async def fetch(
-    client: httpx.AsyncClient, image: ImagePart, url: str, limits: ImageLimits
+    client: httpx.AsyncClient,
+    image: ImagePart,
+    url: str,
+    limits: ImageLimits,
+    budget: _Budget | None = None,
 ) -> bytes:
-    """The body at `url` within the limits (redirects followed and checked), or a 400."""
+    """The body at `url` within the limits (redirects followed and checked), or a 400;
+    its bytes taken from the request's `budget` as they arrive."""
     try:
         async with asyncio.timeout(limits.fetch_timeout_s):
-            return await _follow(client, image, httpx.URL(url), limits)
+            return await _follow(client, image, httpx.URL(url), limits, budget)
     except (TimeoutError, httpx.TimeoutException):
         why = f"took longer than {limits.fetch_timeout_s:g} s (server.image_fetch_timeout_s)"
         raise refused(image, f"fetching {_short(url)} {why}") from None
@@ -183,7 +218,11 @@ async def fetch(
 
 
 async def _follow(
-    client: httpx.AsyncClient, image: ImagePart, url: httpx.URL, limits: ImageLimits
+    client: httpx.AsyncClient,
+    image: ImagePart,
+    url: httpx.URL,
+    limits: ImageLimits,
+    budget: _Budget | None,
 ) -> bytes:
     for _ in range(MAX_REDIRECTS + 1):
         if url.scheme not in ("http", "https") or not url.host:
@@ -194,7 +233,7 @@ async def _follow(
             if response.status_code in _REDIRECTS and "location" in response.headers:
                 url = url.join(response.headers["location"])
                 continue
-            return await _body(image, url, response, limits)
+            return await _body(image, url, response, limits, budget)
         finally:
             await response.aclose()
     raise refused(image, f"fetching it was redirected more than {MAX_REDIRECTS} times")
@@ -265,7 +304,11 @@ async def _get(
 
 
 async def _body(
-    image: ImagePart, url: httpx.URL, response: httpx.Response, limits: ImageLimits
+    image: ImagePart,
+    url: httpx.URL,
+    response: httpx.Response,
+    limits: ImageLimits,
+    budget: _Budget | None,
 ) -> bytes:
     if response.status_code != 200:
         raise refused(image, f"fetching {_short(url)} got HTTP {response.status_code}")
@@ -285,6 +328,8 @@ async def _body(
         body += chunk
         if len(body) > limits.max_bytes:
             raise too_large
+        if budget is not None:
+            budget.take_bytes(image, len(chunk))
     return bytes(body)
 
 

@@ -249,7 +249,8 @@ async def with_images(state: State, served: Served) -> None:
     for index, job in enumerate(served.jobs):
         if images_in(job.request):
             workers.check(served.model, needs_of(served.kind, job.sampling, job.request))
-            served.jobs[index] = Job(await resolve_images(job.request, limits), job.sampling)
+            resolved = await resolve_images(job.request, limits, served.n)
+            served.jobs[index] = Job(resolved, job.sampling)
 
 
 def authorize(request_: Request[Any, Any, Any], state: State, model: str) -> None:
