@@ -177,6 +177,17 @@ def test_image_blocks_pass_named_by_their_source() -> None:
     assert canonical.needs() == ["vision"]
 
 
+def test_an_image_source_with_the_other_kinds_fields_is_named() -> None:
+    mixed = [
+        ({"type": "url", "url": "https://e.com/a.png", "data": "iVBO"}, "source.data"),
+        ({"type": "base64", "media_type": "image/png", "data": "iVBO", "url": "x"}, "source.url"),
+    ]
+    for source, field in mixed:
+        content = [{"type": "image", "source": source}]
+        error = refused(messages=[{"role": "user", "content": content}])
+        assert error.param == f"messages[0].content[0].{field}"
+
+
 def test_bad_text_blocks_are_named() -> None:
     bad = [{"role": "user", "content": [{"type": "text", "text": "a", "colour": "red"}]}]
     error = refused(messages=bad)

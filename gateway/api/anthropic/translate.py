@@ -80,6 +80,13 @@ def _convert(block: dict[str, Any], type_: type[T], where: str) -> T:
 def _image(block: dict[str, Any], where: str) -> ImagePart:
     """An image block's source, base64 or URL: the image is named by `where`.source."""
     source = _convert(block, ImageBlock, where).source
+    others = ("media_type", "data") if source.type == "url" else ("url",)
+    for field in others:  # the other kind's fields: which would it be?
+        if getattr(source, field) is not None:
+            raise invalid(
+                f"`{where}.source` of type {source.type!r} has no `{field}`",
+                f"{where}.source.{field}",
+            )
     if source.type == "url":
         if not source.url:
             raise invalid(f"`{where}.source` of type 'url' needs `url`", f"{where}.source.url")
