@@ -428,3 +428,49 @@ def test_a_model_without_a_call_format_cannot_be_forced() -> None:
     with pytest.raises(GrammarError) as caught:
         tool_grammar(TOOLS, REQUIRED, None)
     assert caught.value.param == "tool_choice"
+
+
+# ---- a tool schema's root definitions (Pydantic's `$defs`) in a forced call ----------------
+
+CONVERT = Tool(
+    "convert",
+    parameters={
+        "type": "object",
+        "$defs": {
+            "Temp": {
+                "type": "object",
+                "properties": {"unit": {"enum": ["c", "f"]}},
+                "required": ["unit"],
+            }
+        },
+        "properties": {"t": {"$ref": "#/$defs/Temp"}},
+        "required": ["t"],
+    },
+    strict=True,
+)
+
+
+def test_a_tools_definitions_hold_in_its_forced_call(hermes: Model, coder: Model) -> None:
+    """The call wraps the parameters: their `#/$defs/...` must still point somewhere."""
+    grammar = tool_grammar([CONVERT], REQUIRED, tool_format("json_tools"), hermes.grammars.literal)
+    assert grammar is not None
+    assert hermes.accepts(grammar, hermes_call("convert", {"t": {"unit": "c"}}))
+    assert hermes.refuses(grammar, hermes_call("convert", {"t": {"unit": "k"}}))
+    xml = coder_grammar(coder, [CONVERT])
+    assert coder.accepts(xml, coder_call("convert", {"t": json.dumps({"unit": "f"})}))
+
+
+def test_definitions_two_tools_give_one_name_are_an_error_or_one() -> None:
+    again = Tool("again", parameters={**(CONVERT.parameters or {}), "properties": {}})
+    assert tool_grammar([CONVERT, again], REQUIRED, tool_format("json_tools"))
+    other = Tool("other", parameters={"type": "object", "$defs": {"Temp": {"type": "string"}}})
+    with pytest.raises(GrammarError, match="in two ways") as info:
+        tool_grammar([CONVERT, other], REQUIRED, tool_format("json_tools"))
+    assert info.value.param == "tools"
+
+
+def test_an_xml_tool_schema_of_the_wrong_shape_is_an_error() -> None:
+    bad = Tool("bad", parameters={"type": "object", "properties": [1]})
+    with pytest.raises(GrammarError, match="must be an object") as info:
+        tool_grammar([bad], REQUIRED, tool_format("qwen3_coder"))
+    assert info.value.param == "tools"

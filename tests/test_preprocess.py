@@ -316,6 +316,18 @@ def test_forced_calls_name_a_tool_of_the_request(hermes: Loaded) -> None:
     assert error.param == "tools"
 
 
+def test_a_tool_schema_of_the_wrong_shape_is_a_400_not_a_500(coder_model_dir: Path) -> None:
+    coder = load(coder_model_dir)  # Qwen3-Coder's XML calls: each parameter its own grammar
+    preprocess = Preprocessor(coder.tokenizer, EngineOptions(), max_context=4096)
+    enum = {"type": "string", "enum": 5}  # not a list
+    odd = Tool("odd", parameters={"type": "object", "properties": {"u": enum}})
+    request = CanonicalRequest(
+        messages=USER_HI, tools=[odd], tool_choice=ToolChoice(ToolChoiceMode.REQUIRED)
+    )
+    error = preprocess_error(preprocess, add_frame(RequestKind.CHAT, request)).error
+    assert error.code is ErrorCode.INVALID_REQUEST, error.message
+
+
 def test_a_response_format_beside_callable_tools_is_refused(hermes: Loaded) -> None:
     """The answer's grammar would forbid every call from the first token: a 400, not a
     tool set silently ignored."""

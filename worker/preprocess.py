@@ -194,6 +194,8 @@ class Preprocessor:
             return build()
         except GrammarError as exc:
             raise _invalid(str(exc), exc.param) from None
+        except (TypeError, AttributeError, ValueError) as exc:  # a schema of the wrong shape
+            raise _invalid(f"the schema cannot be made a constraint: {exc}") from None
 
     def _matcher(self, grammar: str, param: str) -> Any:
         try:

@@ -88,16 +88,18 @@ def tool_grammar(
         raise GrammarError(
             f"tool_choice names {choice.name!r}, which is not in tools", "tool_choice"
         )
+    defs = _definitions(chosen)
     if fmt.parser in JSON_CALL_FORMATS:
-        body = json.dumps(_styled(_json_call(chosen), _strict(chosen)))
+        body = json.dumps(_styled({**_json_call(chosen), **defs}, _strict(chosen)))
         call = f"{literal(fmt.start)} {_lit(NL)} %json {body} {_lit(NL)} {literal(fmt.end)}"
         return _lark(call, repeat, "\n")
     if fmt.parser in XML_CALL_FORMATS:
         rules = [f"call: {' | '.join(f'call{i}' for i in range(len(chosen)))}"]
-        rules += [_xml_call(i, tool, fmt, literal) for i, tool in enumerate(chosen)]
+        rules += [_xml_call(i, tool, fmt, literal, defs) for i, tool in enumerate(chosen)]
         return _lark("call", repeat, "\n", rules)
     if fmt.parser == "mistral":  # [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
         items: dict[str, Any] = {"type": "array", "items": _json_call(chosen), "minItems": 1}
+        items |= defs
         if not repeat:
             items["maxItems"] = 1
         body = json.dumps(_styled(items, _strict(chosen)))
@@ -107,6 +109,28 @@ def tool_grammar(
         f"({fmt.parser or 'unnamed'}); its calls cannot be constrained: use tool_choice auto",
         "tool_choice",
     )
+
+
+def _definitions(tools: list[Tool]) -> dict[str, Any]:
+    """The tools' root definitions (`$defs`, `definitions`: what Pydantic's schemas refer to
+    with `#/$defs/...`), for the root of the schema that wraps their parameters, where those
+    references then point; the same name defined two ways by two tools is a 400."""
+    found: dict[str, dict[str, Any]] = {}
+    for tool in tools:
+        for key in ("$defs", "definitions"):
+            defined = (tool.parameters or {}).get(key)
+            if not isinstance(defined, dict):
+                continue
+            have = found.setdefault(key, {})
+            for name, sub in defined.items():
+                if name in have and have[name] != sub:
+                    raise GrammarError(
+                        f"the tools' parameters define {key}/{name} in two ways, and a forced "
+                        "call's grammar holds them as one schema",
+                        "tools",
+                    )
+                have[name] = sub
+    return found
 
 
 def _strict(tools: list[Tool]) -> bool:
@@ -129,17 +153,28 @@ def _json_call(tools: list[Tool]) -> dict[str, Any]:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def _xml_call(index: int, tool: Tool, fmt: ToolFormat, literal: Callable[[str], str]) -> str:
+def _xml_call(
+    index: int,
+    tool: Tool,
+    fmt: ToolFormat,
+    literal: Callable[[str], str],
+    defs: dict[str, Any] | None = None,
+) -> str:
     """One tool's call in Qwen3-Coder's XML: each parameter in the schema's order,
-    required ones always, optional ones optionally; strings raw, the rest as JSON."""
+    required ones always, optional ones optionally; strings raw, the rest as JSON (each
+    its own schema, with the tools' root definitions beside it)."""
     schema = tool.parameters or {}
-    properties: dict[str, Any] = schema.get("properties") or {}
-    required = set(schema.get("required") or [])
+    properties = schema.get("properties") or {}
+    required = schema.get("required") or []
+    if not isinstance(properties, dict) or not isinstance(required, list):
+        raise GrammarError(
+            f"tool {tool.name!r}: `properties` must be an object and `required` a list", "tools"
+        )
     parts = [literal(fmt.start), _lit(f"\n<function={tool.name}>\n")]
     for key, sub in properties.items():
-        value = _xml_value(sub if isinstance(sub, dict) else {}, tool.strict)
+        value = _xml_value({**sub, **(defs or {})} if isinstance(sub, dict) else {}, tool.strict)
         param = f"({_lit(f'<parameter={key}>' + NL)} {value})"
-        parts.append(param if key in required else param + "?")
+        parts.append(param if key in set(required) else param + "?")
     parts += [_lit("</function>\n"), literal(fmt.end)]
     return f"call{index}: " + " ".join(parts)
 
