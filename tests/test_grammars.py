@@ -205,6 +205,16 @@ def test_a_reference_to_nowhere_does_not_compile(hermes: Model) -> None:
             hermes.grammars.matcher(grammar)
 
 
+def test_a_reference_loop_fails_at_compile_not_at_the_first_token(hermes: Model) -> None:
+    """llguidance finds it at the first mask: checked there at once, a 400, not an answer
+    of nothing."""
+    loop = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}
+    for schema in ({**loop, "$ref": "#/$defs/a"}, {"$ref": "#"}):
+        grammar = json_grammar(schema, "response_format", True)
+        with pytest.raises(ValueError):
+            hermes.grammars.matcher(grammar)
+
+
 # ---- the compiled grammars ---------------------------------------------------------------------
 
 

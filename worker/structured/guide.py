@@ -62,6 +62,12 @@ class Grammars:
             proto = llguidance.LLMatcher(self.tokenizer, grammar)
             if proto.is_error():
                 raise ValueError(proto.get_error())
+            # some grammars fail only at their first mask (a `$ref` loop): that one, on a
+            # copy, here, so that they are a 400 and not an empty answer
+            trial = proto.deep_copy()
+            llg_numpy.fill_next_token_bitmask(trial, np.zeros((1, self.words), np.int32), 0)
+            if trial.is_error():
+                raise ValueError(trial.get_error().splitlines()[0])
             self._compiled[grammar] = proto
             if len(self._compiled) > self.capacity:
                 self._compiled.popitem(last=False)
