@@ -294,6 +294,8 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
             config = msgspec.toml.decode(Path(path).read_bytes(), type=Config)
         except FileNotFoundError as exc:
             raise ConfigError(f"config file not found: {path}") from exc
+        except OSError as exc:  # a directory, no permission
+            raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from exc
         except msgspec.ValidationError as exc:
             raise ConfigError(f"invalid config {path}: {exc}") from exc
         except msgspec.DecodeError as exc:
@@ -356,6 +358,8 @@ def _validate(config: Config) -> None:
     parse_duration(config.server.default_ttl, "server.default_ttl")
     parse_duration(config.server.responses_ttl, "server.responses_ttl")
     server = config.server
+    if not 0 <= server.port <= 65535:  # 0: a port the system picks
+        raise ConfigError(f"server.port must be 0-65535, not {server.port}")
     for key in ("max_prompt_tokens", "max_tokens_cap", "responses_max_stored"):
         value = getattr(server, key)
         if value is not None and value < 1:

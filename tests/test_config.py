@@ -177,6 +177,13 @@ def test_a_response_store_holds_at_least_one(tmp_path: Path, value: int) -> None
         load_config(write(tmp_path, f"[server]\nresponses_max_stored = {value}\n"))
 
 
+def test_a_config_that_cannot_be_read_or_a_port_out_of_range_is_said(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_config(tmp_path)  # a directory
+    with pytest.raises(ConfigError, match=r"server\.port must be 0-65535, not 99999"):
+        load_config(write(tmp_path, "[server]\nport = 99999\n"))
+
+
 def test_wrong_type_and_missing_required(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="port"):
         load_config(write(tmp_path, '[server]\nport = "high"\n'))

@@ -64,7 +64,7 @@ def _words(value: str) -> list[str]:
 def test_launch_agent_plist(tmp_path: Path) -> None:
     env = _env(
         tmp_path, HF_HOME="/data/hf", HF_HUB_OFFLINE="1", HF_TOKEN="hf_x", MLX_GATEWAY_FAULTS="{}"
-    )
+    ) | {"XDG_CONFIG_HOME": "/data/xdg"}  # where the shell's gatewayctl keeps the keys
     spec = service.build_spec(
         _config(tmp_path), "/etc/gw.toml", kind=ManagerKind.LAUNCHD, env=env, python=PYTHON
     )
@@ -94,6 +94,7 @@ def test_launch_agent_plist(tmp_path: Path) -> None:
     assert environment["MLX_GATEWAY_RUN_DIR"] == str(tmp_path / "run")
     assert environment["HF_HOME"] == "/data/hf"
     assert environment["HF_HUB_OFFLINE"] == "1"
+    assert environment["XDG_CONFIG_HOME"] == "/data/xdg"
     assert "HF_TOKEN" not in environment  # the file is world-readable
     assert "MLX_GATEWAY_FAULTS" not in environment
     assert "HOME" not in environment  # launchd gives an agent its user's HOME
@@ -169,6 +170,7 @@ def test_systemd_user_unit(tmp_path: Path) -> None:
         "MLX_GATEWAY_CONFIG": config_path,
         "MLX_GATEWAY_RUN_DIR": str(tmp_path / "run"),
         "HF_HOME": '/hf "home"',
+        "XDG_CONFIG_HOME": str(tmp_path / "xdg"),  # the keys the shell's gatewayctl made
         "PYTHONUNBUFFERED": "1",
     }
     assert sections["Install"] == [("WantedBy", "default.target")]

@@ -174,3 +174,27 @@ def test_sigterm_aborts_what_outlasts_the_drain(chat_model: Path, http_server: s
         assert '"error"' in str(out[-2]), out[-3:]
     finally:
         gw.stop()
+
+
+def test_an_open_console_does_not_hold_the_drain(chat_model: Path) -> None:
+    """The console's live stream ends when the gateway drains: an open tab must not keep
+    the HTTP server waiting until it is killed."""
+    gw = _gateway(chat_model, "granian", drain=30.0)
+    try:
+        events: list[str] = []
+
+        def watch() -> None:
+            with httpx.stream("GET", f"{gw.base_url}/console/api/live", timeout=120) as reply:
+                for line in reply.iter_lines():
+                    events.append(line)
+
+        thread = threading.Thread(target=watch, daemon=True)
+        thread.start()
+        wait_for(lambda: any(e.startswith("event: state") for e in events), what="the stream")
+        started = time.monotonic()
+        gw.proc.send_signal(signal.SIGTERM)
+        assert gw.proc.wait(60) == 0, gw.logs()
+        assert time.monotonic() - started < 20  # (it was killed after 45 s)
+        thread.join(10)
+    finally:
+        gw.stop()

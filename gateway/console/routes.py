@@ -182,9 +182,11 @@ async def live_route(request: Request[Any, Any, Any]) -> Response[Any]:
             yield {"event": "state", "data": _json(first)}
             while True:
                 point = await live.next(queue)
-                if point is None or not _still_allowed(request):
-                    # a reader dropped for not reading, a revoked or expired key, or keys
-                    # now needed: the stream ends (the page asks again)
+                supervisor: Supervisor = request.app.state.supervisor
+                if point is None or supervisor.draining or not _still_allowed(request):
+                    # a reader dropped for not reading, a revoked or expired key, keys now
+                    # needed, or the gateway shutting down (an open tab must not hold its
+                    # drain): the stream ends (the page asks again)
                     return
                 rows = _visible_rows(request)
                 names = {str(row["model"]) for row in rows}

@@ -10,9 +10,12 @@ its parent so that nothing outlives `gatewayctl serve`.
 from __future__ import annotations
 
 import asyncio
+import errno
+import fcntl
 import logging
 import math
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +55,12 @@ def serve(config: Config) -> None:
         raise SystemExit(f"gatewayctl: {exc}") from None
     run_dir = RunDir(config.server.run_dir)
     run_dir.create()
+    lock = _own(run_dir)  # held for the gateway's life (closed with the process)
+    try:
+        _port_free(config.server.host, config.server.port)
+    except SystemExit:
+        lock.close()
+        raise
     run_dir.pid_file.write_text(str(os.getpid()))
     for model in config.models:
         note = " (random-weight demo model: output is gibberish by design)" if model.is_demo else ""
@@ -77,6 +86,39 @@ def serve(config: Config) -> None:
             _granian(config, tls)
     finally:
         run_dir.pid_file.unlink(missing_ok=True)
+
+
+def _own(run_dir: RunDir) -> Any:
+    """The run directory, for this gateway alone: a second gateway on it would take its
+    sockets and end its workers as leftovers."""
+    lock = open(run_dir.root / "gateway.lock", "a+")  # noqa: SIM115 (held open on purpose)
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        pid = run_dir.pid_file.read_text().strip() if run_dir.pid_file.exists() else "?"
+        raise SystemExit(
+            f"gatewayctl: another gateway (pid {pid}) serves from {run_dir.root}; stop it, "
+            "or give this one another --run-dir"
+        ) from None
+    os.set_inheritable(lock.fileno(), False)
+    return lock
+
+
+def _port_free(host: str, port: int) -> None:
+    """The port, checked to be free (a server that shares ports would start beside another
+    one, and the kernel would split the requests between them)."""
+    if not 0 <= port <= 65535:
+        raise SystemExit(f"gatewayctl: the port must be 0-65535, not {port}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no user
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise SystemExit(f"gatewayctl: {host}:{port} is in use already") from None
+            raise SystemExit(f"gatewayctl: cannot serve on {host}:{port}: {exc}") from None
 
 
 def _granian(config: Config, tls: tuple[Path, Path] | None) -> None:

@@ -150,6 +150,9 @@ class KeyStore:
             return msgspec.json.decode(self.path.read_bytes(), type=KeyFile)
         except FileNotFoundError:
             return KeyFile()
+        except OSError as exc:  # no permission, a directory: refuse (fail closed), saying why
+            why = exc.strerror or exc
+            raise ConfigError(f"key file {self.path} cannot be read: {why}") from exc
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ConfigError(f"key file {self.path} is not valid: {exc}") from exc
 

@@ -31,6 +31,10 @@ PASSTHROUGH = (
     "HF_HOME",
     "HF_HUB_CACHE",
     "HF_HUB_OFFLINE",
+    # where the keys file, the cluster's keys and the caches are: the service must find
+    # those the installing shell's gatewayctl wrote
+    "XDG_CONFIG_HOME",
+    "XDG_CACHE_HOME",
 )
 SYSTEM_RUN_DIR = "/run/mlx-gateway"  # systemd RuntimeDirectory= of a system unit
 HOME = "__HOME__"  # placeholders in the templates under deploy/

@@ -498,7 +498,9 @@
     if (!text || !model || state.chatAbort) return;
     $("chat-input").value = "";
     addMessage("user", text);
-    state.chat.push({ role: "user", content: text });
+    // this conversation's: a new chat (or another key) while it streams starts another
+    const chat = state.chat;
+    chat.push({ role: "user", content: text });
     const out = addMessage("assistant", "");
     const abort = new AbortController();
     state.chatAbort = abort;
@@ -516,7 +518,7 @@
         headers: headers({ "content-type": "application/json" }),
         signal: abort.signal,
         body: JSON.stringify({
-          model, messages: state.chat, stream: true, stream_options: { include_usage: true },
+          model, messages: chat, stream: true, stream_options: { include_usage: true },
           max_tokens: Number($("chat-max").value) || 256,
         }),
       });
@@ -545,12 +547,12 @@
           $("chat-log").scrollTop = $("chat-log").scrollHeight;
         }
       }
-      state.chat.push({ role: "assistant", content: reply });
+      chat.push({ role: "assistant", content: reply });
     } catch (err) {
       if (abort.signal.aborted) {
-        state.chat.push({ role: "assistant", content: reply });
+        chat.push({ role: "assistant", content: reply });
       } else {
-        state.chat.pop();
+        chat.pop();
         addMessage("error", String(err.message || err));
       }
     } finally {
