@@ -171,19 +171,6 @@ def test_unknown_key_is_named(tmp_path: Path, text: str, key: str) -> None:
         load_config(write(tmp_path, text))
 
 
-@pytest.mark.parametrize("value", [0, -1])
-def test_a_response_store_holds_at_least_one(tmp_path: Path, value: int) -> None:
-    with pytest.raises(ConfigError, match=r"server\.responses_max_stored must be at least 1"):
-        load_config(write(tmp_path, f"[server]\nresponses_max_stored = {value}\n"))
-
-
-def test_a_config_that_cannot_be_read_or_a_port_out_of_range_is_said(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="cannot be read"):
-        load_config(tmp_path)  # a directory
-    with pytest.raises(ConfigError, match=r"server\.port must be 0-65535, not 99999"):
-        load_config(write(tmp_path, "[server]\nport = 99999\n"))
-
-
 def test_wrong_type_and_missing_required(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="port"):
         load_config(write(tmp_path, '[server]\nport = "high"\n'))
@@ -308,81 +295,6 @@ def test_durations(value: float | str, seconds: float) -> None:
 def test_bad_durations_are_named(value: object) -> None:
     with pytest.raises(ConfigError, match="keep_alive"):
         parse_duration(value, "keep_alive")  # type: ignore[arg-type]
-
-
-def test_lifecycle_settings(tmp_path: Path) -> None:
-    text = """
-[server]
-default_ttl = "30m"
-memory_budget_gb = 12.5
-memory_policy = "preempt"
-crash_loop_count = 3
-
-[[models]]
-name = "a"
-source = "/m/a"
-ttl = 600
-on_demand = "refuse"
-memory_gb = 4.0
-priority = 2
-"""
-    config = load_config(write(tmp_path, text))
-    assert config.server.default_ttl == "30m" and config.server.memory_policy == "preempt"
-    assert config.server.memory_budget_gb == 12.5 and config.server.crash_loop_count == 3
-    model = config.models[0]
-    assert (model.ttl, model.on_demand, model.memory_gb, model.priority) == (600, "refuse", 4.0, 2)
-
-
-@pytest.mark.parametrize(
-    ("text", "needle"),
-    [
-        ('[server]\ndefault_ttl = "later"', "server.default_ttl"),
-        ('[server]\nmemory_policy = "pray"', "memory_policy"),
-        ('[[models]]\nname = "a"\nsource = "/m"\nttl = "x"', "'a': ttl"),
-        ('[[models]]\nname = "a"\nsource = "/m"\non_demand = "maybe"', "on_demand"),
-        ('[[models]]\nname = "a"\nsource = "/m"\nmemory_gb = 0', "memory_gb"),
-    ],
-)
-def test_bad_lifecycle_settings_are_named(tmp_path: Path, text: str, needle: str) -> None:
-    with pytest.raises(ConfigError, match=needle):
-        load_config(write(tmp_path, text))
-
-
-def test_image_settings(tmp_path: Path) -> None:
-    server = ServerConfig()
-    assert (server.image_max_bytes, server.image_max_pixels) == (20 * 2**20, 8192 * 8192)
-    assert (server.image_max_count, server.image_fetch_timeout_s) == (16, 10.0)
-    assert server.image_fetch_private is False
-    text = "[server]\nimage_max_count = 2\nimage_fetch_private = true\n"
-    config = load_config(write(tmp_path, text))
-    assert config.server.image_max_count == 2 and config.server.image_fetch_private is True
-
-
-@pytest.mark.parametrize(
-    "setting",
-    [
-        "image_max_bytes = 0",
-        "image_max_pixels = -1",
-        "image_max_count = 0",
-        "image_fetch_timeout_s = 0",
-        "image_fetch_timeout_s = inf",
-    ],
-)
-def test_bad_image_settings_are_named(tmp_path: Path, setting: str) -> None:
-    with pytest.raises(ConfigError, match=f"server.{setting.split()[0]}"):
-        load_config(write(tmp_path, f"[server]\n{setting}\n"))
-
-
-@pytest.mark.parametrize(
-    "setting",
-    ["header_read_timeout_s = 0", "body_read_timeout_s = -1", "send_timeout_s = inf"],
-)
-def test_slow_client_timeouts_are_positive_and_named(tmp_path: Path, setting: str) -> None:
-    server = ServerConfig()
-    assert (server.header_read_timeout_s, server.body_read_timeout_s) == (30.0, 60.0)
-    assert server.send_timeout_s == 60.0
-    with pytest.raises(ConfigError, match=f"server.{setting.split()[0]}"):
-        load_config(write(tmp_path, f"[server]\n{setting}\n"))
 
 
 @pytest.mark.parametrize(("option", "default"), [("fused_cpu_ops", True), ("segment_tokens", True)])
