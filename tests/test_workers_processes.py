@@ -161,3 +161,22 @@ async def test_an_nccl_group_is_refused_before_any_rank_starts_where_it_cannot_f
     with pytest.raises(GatewayError, match="each of the 2 ranks; CUDA_VISIBLE_DEVICES lists 1"):
         await cuda.spawn(model, restart=False)
     assert cpu.by_id == {} and cuda.by_id == {}
+
+
+async def test_a_rank_killed_by_a_signal_is_named_over_the_peer_that_lost_it(
+    tmp_path: Path,
+) -> None:
+    # rank 0 reports its lost peer and exits first; the rank killed by a signal is the cause
+    script = (
+        "import os, signal, time\n"
+        "if os.environ['MLX_RANK'] == '0': time.sleep(0.3); raise SystemExit(1)\n"
+        "time.sleep(0.6); os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    exits: list[WorkerHandle] = []
+    procs = _processes(tmp_path, script, exits)
+    handle = await procs.spawn(ModelConfig(name="m", source="/x", shards=2), restart=False)
+    handle.error = "[ring] connection to a peer was lost"  # rank 0's WorkerDead
+    await asyncio.wait_for(handle.exited.wait(), 20)
+    assert handle.error == (
+        "rank 1 of its 2-process group exited (killed by SIGKILL); the group is restarted as a unit"
+    )

@@ -63,6 +63,9 @@ def free_port() -> int:
 
 # How long rank 0 has to leave once another rank of its group stopped cleanly
 CLEAN_EXIT_S = 10.0
+# how long a group's other ranks get to end by themselves once one has (a lost ring peer is
+# seen at once): which of them was the cause is told from how each ended
+SETTLE_S = 2.0
 
 # The command line of a worker: (worker id, the model's config as JSON) -> argv.
 Command = Callable[[str, str], list[str]]
@@ -283,9 +286,15 @@ class Processes:
         assert handle.process is not None
         ranks = [handle.process, *handle.ranks]
         waits = {asyncio.ensure_future(p.wait()): rank for rank, p in enumerate(ranks)}
-        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        first = min(done, key=lambda task: waits[task])
+        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if pending and any(task.result() for task in done):
+            more, _ = await asyncio.wait(pending, timeout=SETTLE_S)
+            done |= more
+        # a rank killed by a signal is the cause, not the peers that then lost it and exited
+        # with an error (rank 0's own report of the lost peer may have come in first)
+        first = min(done, key=lambda task: (task.result() >= 0, waits[task]))
         rank, code = waits[first], first.result()
+        killed_by_signal = code < 0
         if rank and code == 0:  # a clean stop: rank 0 leaves by itself once its frames are out
             leader = next(task for task, r in waits.items() if r == 0)
             with contextlib.suppress(TimeoutError):
@@ -299,10 +308,12 @@ class Processes:
             if hosts.ranks and not runs_here(hosts, rank):
                 how += ", ssh's 255: the machine was not reached" if code == 255 else ""
                 where = f" (on {hosts.ranks[rank]}, over ssh)"
-            handle.error = handle.error or (
+            cause = (
                 f"rank {rank}{where} of its {len(ranks)}-process group exited "
                 f"({how}); the group is restarted as a unit"
             )
+            override = killed_by_signal and not handle.killed
+            handle.error = cause if override else handle.error or cause
         with contextlib.suppress(OSError):
             (self.run_dir.root / f"ring-{handle.worker_id}.json").unlink()
         return code
