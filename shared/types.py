@@ -289,8 +289,9 @@ class Usage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
 class Timings(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Where a request's time to first token went inside the worker, in seconds: preparing
-    it (chat template, tokenizing), waiting for a place in the batch, and from joining the
-    batch to its first token (prefill and the first step). Sent with the first token."""
+    it (chat template, tokenizing), waiting for a place in the batch (and for its grammar's
+    compile), and from joining the batch to its first token (prefill and the first step).
+    Sent with the first token."""
 
     preprocess_s: float = 0.0
     queue_s: float = 0.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,10 @@ def drive(
     for _ in range(max_steps):
         if not engine.has_work:
             break
+        if not engine.can_step:  # grammars compiling: the worker waits for their wake
+            compiling = [r.guide.compiling for r in requests if r.guide and r.guide.compiling]
+            assert compiling, "the engine has work but can take no step"
+            concurrent.futures.wait(compiling, timeout=60)
         for output in engine.step():
             outputs.setdefault(output.request_id, []).append(output)
     else:

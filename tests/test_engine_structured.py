@@ -5,6 +5,7 @@ and the unconstrained rows beside them make exactly the tokens they make alone."
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future
 from pathlib import Path
 
 import jsonschema
@@ -14,6 +15,7 @@ from shared.config import EngineOptions
 from shared.protocol import Add
 from shared.types import (
     CanonicalRequest,
+    ErrorCode,
     FinishReason,
     Message,
     OutputFormat,
@@ -175,3 +177,53 @@ def test_rows_joining_and_leaving_around_a_constrained_row_keep_every_mask_on_it
     for rid in ("j0", "j1"):
         assert out[rid][-1].finish_reason is FinishReason.STOP
         jsonschema.validate(json.loads(text(out[rid])), SCHEMA)
+
+
+def test_a_grammar_still_compiling_holds_its_request_alone(hermes: Loaded) -> None:
+    # its compile on the grammar thread (here, by hand): the plain request runs to its end
+    # meanwhile; once compiled the constrained one follows its schema; a failed compile is
+    # that request's 400, naming its field
+    fmt = ResponseFormat(OutputFormat.JSON_SCHEMA, SCHEMA, param="response_format", strict=True)
+    constrained = prepare(hermes, "j", chat(response_format=fmt, chat_template_kwargs=OFF))
+    grammar = constrained.guide
+    assert grammar is not None and grammar.compiling is not None
+    done = grammar.compiling
+    held: Future[object] = Future()
+    grammar.compiling = held
+    broken = prepare(hermes, "x", chat(response_format=fmt, chat_template_kwargs=OFF))
+    assert broken.guide is not None
+    broken.guide.compiling = failing = Future()
+    engine = hermes.engine()
+    for r in (constrained, broken):
+        r.max_tokens = 120
+        engine.add(r)
+    plain = prepare(hermes, "p", chat(chat_template_kwargs=OFF), max_tokens=6, temperature=0.0)
+    engine.add(plain)
+    ended = []
+    for _ in range(200):  # to the plain one's end: the other two still wait
+        if not engine.can_step:
+            break
+        ended += [o for o in engine.step() if o.finish_reason is not None]
+    assert [o.request_id for o in ended] == ["p"] and engine.counts() == (0, 2)
+    assert not engine.can_step and engine.has_work
+    failing.set_exception(ValueError("a `$ref` to nothing"))
+    held.set_result(done.result(timeout=60))
+    out = drive(engine, [])
+    [error] = out["x"]
+    assert error.finish_reason is FinishReason.ERROR and error.error is not None
+    assert error.error.param == "response_format" and "`$ref` to nothing" in error.error.message
+    assert out["j"][-1].finish_reason is FinishReason.STOP
+    jsonschema.validate(json.loads(text(out["j"])), SCHEMA)
+
+
+def test_a_schema_beyond_llguidance_s_limits_is_a_400_naming_it(hermes: Loaded) -> None:
+    # hundreds of optional properties: a row of the parse grows past llguidance's limit
+    # (2,000 items) at the object's first key; the schema's size, not a fault of the server
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(600)}}
+    fmt = ResponseFormat(OutputFormat.JSON_SCHEMA, wide, param="response_format", strict=True)
+    request = prepare(hermes, "w", chat(response_format=fmt, chat_template_kwargs=OFF))
+    request.max_tokens = 40
+    [*_, last] = drive(hermes.engine(), [request])["w"]
+    assert last.finish_reason is FinishReason.ERROR and last.error is not None
+    assert last.error.code is ErrorCode.INVALID_REQUEST and last.error.param == "response_format"
+    assert "too large for constrained decoding" in last.error.message

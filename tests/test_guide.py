@@ -4,6 +4,7 @@ the answer; and Masks.apply, the mask as plain MLX ops on the logits."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -13,7 +14,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from shared.types import OutputFormat, ResponseFormat
-from worker.structured.grammars import response_grammar
+from worker.structured.grammars import json_grammar, response_grammar
 from worker.structured.guide import Grammars, Guide, Masks
 
 SCHEMA = {
@@ -304,3 +305,24 @@ def test_settle_records_the_state_the_engine_reads(grammars: Grammars, grammar: 
     assert guide.error and guide.failure is None
     guide.settle()
     assert guide.failure == guide.error
+
+
+def test_grammars_compile_on_a_thread_of_their_own_once_per_text(
+    tokenizer: TokenizerWrapper,
+) -> None:
+    woken: list[str] = []
+    grammars = Grammars(
+        tokenizer, on_compiled=lambda: woken.append(threading.current_thread().name)
+    )
+    text = json_grammar({"type": "object", "properties": {"x": {"type": "integer"}}}, "f", True)
+    future = grammars.compile(text)
+    assert grammars.compile(text) is future  # asked again while compiling: the same compile
+    proto = future.result(timeout=60)
+    assert woken == ["grammar"]  # the engine's wake, from the grammar thread
+    assert grammars.compile(text).done() and grammars.matcher(text) is not proto  # a copy
+    bad = grammars.compile("start: undefined_rule\n")
+    with pytest.raises(ValueError):
+        bad.result(timeout=60)
+    assert grammars.compile("start: undefined_rule\n") is bad  # it fails the same way again
+    guide = Guide(None, compiling=grammars.compile(text), words=grammars.words)
+    assert guide.ready() and guide.matcher is not None and guide.compiling is None

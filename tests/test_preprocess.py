@@ -4,6 +4,7 @@ a text worker does not serve)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import UserDict
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from shared.types import (
 from tests.engine_fixtures import Loaded, drive, load, token_ids
 from worker.modelgen import IM_START_ID, TinyModelSpec, build_tiny_model
 from worker.preprocess import PreprocessError, Preprocessor, _template_ids, capabilities
+from worker.structured.guide import Guide
 
 
 def test_preprocess_allows_zero_max_tokens_with_echo(preprocess: Preprocessor) -> None:
@@ -264,7 +266,8 @@ def test_guides_and_parsers_follow_the_request(hermes: Loaded) -> None:
         messages=user, tools=[WEATHER], tool_choice=ToolChoice(ToolChoiceMode.REQUIRED)
     )
     prepared = preprocess(add_frame(RequestKind.CHAT, forced))
-    assert prepared.guide is not None and prepared.guide.matcher is not None
+    assert prepared.guide is not None and prepared.guide.compiling is not None
+    assert compiled(prepared.guide).matcher is not None
     assert prepared.guide.thinking  # the prompt opened a think block: the grammar waits
     budget = CanonicalRequest(messages=user, reasoning=Reasoning(enabled=True, budget_tokens=3))
     guide = preprocess(add_frame(RequestKind.CHAT, budget)).guide
@@ -283,18 +286,6 @@ def test_guides_and_parsers_follow_the_request(hermes: Loaded) -> None:
             CanonicalRequest(messages=USER_HI, reasoning=Reasoning(effort="high")),
             "reasoning_effort",
         ),
-        (
-            CanonicalRequest(
-                messages=USER_HI,
-                response_format=ResponseFormat(
-                    OutputFormat.JSON_SCHEMA,
-                    {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}},
-                    param="response_format.json_schema.schema",
-                    strict=True,
-                ),
-            ),
-            "response_format.json_schema.schema",
-        ),
     ],
 )
 def test_what_the_model_cannot_do_is_a_400_naming_it(
@@ -303,6 +294,35 @@ def test_what_the_model_cannot_do_is_a_400_naming_it(
     error = preprocess_error(preprocess, add_frame(RequestKind.CHAT, request_)).error
     assert error.code is ErrorCode.INVALID_REQUEST
     assert error.param == param, error.message
+
+
+def compiled(guide: Guide) -> Guide:
+    """The guide once its grammar's compile on the grammar thread is done."""
+    if guide.compiling is not None:
+        with contextlib.suppress(ValueError):
+            guide.compiling.result(timeout=60)
+    assert guide.ready()
+    return guide
+
+
+def test_a_grammar_that_cannot_compile_is_a_400_here_or_once_compiled(hermes: Loaded) -> None:
+    # found by its compile (a `$ref` to nothing): on the grammar thread the request waits for,
+    # and the engine answers the 400; where the compile is known, or done here, at once
+    param = "response_format.json_schema.schema"
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}
+    fmt = ResponseFormat(OutputFormat.JSON_SCHEMA, schema, param=param, strict=True)
+    frame = add_frame(RequestKind.CHAT, CanonicalRequest(messages=USER_HI, response_format=fmt))
+    waiting = Preprocessor(hermes.tokenizer, EngineOptions(), max_context=4096)
+    guide = waiting(frame).guide
+    assert guide is not None and guide.compiling is not None and not guide.stopped
+    assert compiled(guide).matcher is None and guide.param == param
+    assert guide.compile_error is not None and "nowhere" in guide.compile_error
+    again = preprocess_error(waiting, frame).error  # the same text fails the same way
+    assert again.code is ErrorCode.INVALID_REQUEST and again.param == param
+    here = Preprocessor(hermes.tokenizer, EngineOptions(), max_context=4096)
+    here.compile_async = False  # a sharded group's ranks
+    error = preprocess_error(here, frame).error
+    assert error.param == param and "cannot be compiled" in error.message
 
 
 def test_forced_calls_name_a_tool_of_the_request(hermes: Loaded) -> None:

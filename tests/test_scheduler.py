@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 from shared.types import Priority, SamplingParams
 from worker.engine.request import Request
 from worker.engine.scheduler import DECODE_RESERVE, FullPrefill, Scheduler, SchedulerConfig
+from worker.structured.guide import Guide
 
 
 def request(name: str, prompt: int = 10, max_tokens: int = 16, batch: bool = False) -> Request:
@@ -191,3 +194,19 @@ def test_a_held_request_keeps_its_place_and_others_go_ahead() -> None:
     assert [r.request_id for r in scheduler.queues[False]] == ["b"]
     scheduler.add(request("d"))
     assert names(scheduler.schedule(Cached())) == ["b", "d"]  # b first: its place was kept
+
+
+def test_a_request_whose_grammar_compiles_waits_in_its_place_and_others_go_ahead() -> None:
+    compiling: Future[object] = Future()
+    scheduler = make(max_prefill_requests=8)
+    slow = request("slow")
+    slow.guide = Guide(None, compiling=compiling)
+    for r in (slow, request("b")):
+        scheduler.add(r)
+    assert names(scheduler.schedule()) == ["b"]
+    assert not scheduler.startable()  # the engine waits for the compile's wake, no spin
+    compiling.set_exception(ValueError("no"))  # its failure is the engine's to answer
+    assert scheduler.startable()
+    scheduler.add(request("c"))
+    assert names(scheduler.schedule()) == ["slow", "c"]
+    assert slow.guide.compile_error == "no"

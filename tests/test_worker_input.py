@@ -1,5 +1,6 @@
 """The worker's input thread over a real ZeroMQ socket: a frame it cannot decode is logged
-and dropped, and the frames after it still reach the engine's queue."""
+and dropped, and the frames after it still reach the engine's queue; what is made off that
+thread (a grammar) wakes the engine."""
 
 from __future__ import annotations
 
@@ -9,10 +10,20 @@ from pathlib import Path
 
 import pytest
 import zmq
+from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from shared.config import ModelConfig
-from shared.protocol import Abort, Codec
-from worker.proc import WorkerArgs, WorkerProc
+from shared.config import EngineOptions, ModelConfig
+from shared.protocol import Abort, Add, Codec
+from shared.types import (
+    CanonicalRequest,
+    Message,
+    OutputFormat,
+    RequestKind,
+    ResponseFormat,
+    SamplingParams,
+)
+from worker.preprocess import Preprocessor
+from worker.proc import WAKE, WorkerArgs, WorkerProc
 
 # a Control whose args hold a list nested 100,000 deep: msgspec raises RecursionError
 TOO_DEEP = b"\x94\xa3ctl\x01\xa5stats\x81\xa1a" + b"\x91" * 100_000 + b"\xc0"
@@ -55,3 +66,24 @@ def test_an_undecodable_frame_never_deafens_the_worker(
         context.term()
     dropped = [r.getMessage() for r in caplog.records if "undecodable frame" in r.getMessage()]
     assert len(dropped) == 2 and "maximum recursion depth" in dropped[0]
+
+
+def test_a_grammar_compiled_off_the_input_thread_wakes_the_engine(
+    tmp_path: Path, hermes_model_dir: Path
+) -> None:
+    """The engine waits on its inputs while its only requests wait on their grammars: the
+    compile's end must put something there, or they would start a heartbeat late."""
+    args = WorkerArgs(
+        "w1", f"ipc://{tmp_path}/in.sock", f"ipc://{tmp_path}/out.sock", ModelConfig("m", "m")
+    )
+    proc = WorkerProc(args)
+    try:
+        proc._adopt(Preprocessor(load_tokenizer(hermes_model_dir), EngineOptions(), 4096))
+        fmt = ResponseFormat(OutputFormat.JSON_SCHEMA, {"type": "object"}, strict=True)
+        request = CanonicalRequest(messages=[Message("user", "Hi")], response_format=fmt)
+        prepared = proc.preprocess(Add("r1", RequestKind.CHAT, request, SamplingParams()))
+        assert prepared.guide.compiling is not None  # not compiled on this thread
+        assert proc.inputs.get(timeout=60) is WAKE
+        assert prepared.guide.ready() and prepared.guide.matcher is not None
+    finally:
+        proc.channels.close()

@@ -125,6 +125,10 @@ class FaultyEngine:
     def has_work(self) -> bool:
         return self._dying or self._engine.has_work
 
+    @property
+    def can_step(self) -> bool:
+        return self._dying or self._engine.can_step
+
     def add(self, prepared: PreparedRequest) -> RequestOutput | None:
         output = self._engine.add(prepared)
         if prepared.request_id in self._faults.stall_ids:

@@ -41,6 +41,11 @@ class Engine(Protocol):
     @property
     def has_work(self) -> bool: ...
 
+    @property
+    def can_step(self) -> bool:
+        """A step would do something now (else the worker waits for inputs)."""
+        ...
+
     def add(self, prepared: Any) -> RequestOutput | None: ...
 
     def step(self) -> list[RequestOutput]: ...
@@ -95,6 +100,7 @@ def _text(
     opts = config.engine
     formats = model_formats(loaded.tokenizer, opts.tool_parser)
     preprocess = Preprocessor(loaded.tokenizer, opts, loaded.max_context, formats)
+    preprocess.compile_async = group is None  # a group's ranks prepare on their engine threads
     served = capabilities(loaded.tokenizer, formats)
     return Opened(engine, preprocess, text_ready(config, loaded, engine, worker_id, served))
 

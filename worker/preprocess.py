@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -70,6 +71,11 @@ class PreparedRequest:
 class Preprocessor:
     # chat prompts tokenized by segments where engine.segment_tokens and the probe allow
     by_segments: ClassVar[bool] = True
+    # grammars compile on their own thread, the request waiting for its place meanwhile;
+    # False: here, before the request goes on (a sharded group's ranks, which must decide
+    # alike, prepare requests on their engine threads)
+    compile_async: bool = True
+    on_compiled: Callable[[], None] | None = None  # after each such compile (wakes the engine)
 
     def __init__(
         self,
@@ -91,8 +97,12 @@ class Preprocessor:
     @property
     def grammars(self) -> Grammars:
         if self._grammars is None:  # built on first use: a tokenizer's map takes a moment
-            self._grammars = Grammars(self.tokenizer)
+            self._grammars = Grammars(self.tokenizer, on_compiled=self._compiled)
         return self._grammars
+
+    def _compiled(self) -> None:
+        if self.on_compiled is not None:
+            self.on_compiled()
 
     def __call__(self, frame: Add) -> PreparedRequest:
         param = _prompt_param(frame)
@@ -119,8 +129,7 @@ class Preprocessor:
         elif (fmt := frame.request.response_format) is not None:
             grammar = self._grammar(lambda: response_grammar(fmt))
             if grammar is not None:
-                matcher = self._matcher(grammar, fmt.param)
-                prepared.guide = Guide(matcher, words=self.grammars.words)
+                prepared.guide = self._guide(prepared, grammar, fmt.param)
         return prepared
 
     # ---- tools, thinking, structured output ------------------------------------------
@@ -179,14 +188,14 @@ class Preprocessor:
         budget = request.reasoning.budget_tokens if request.reasoning is not None else None
         if grammar is None and budget is None:
             return
-        matcher = self._matcher(grammar, param) if grammar else None
-        prepared.guide = Guide(
-            matcher,
+        prepared.guide = self._guide(
+            prepared,
+            grammar,
+            param,
             thinking=initial == "reasoning",
             end_tokens=formats.think_end_tokens or (),
             budget=budget,
             start_tokens=formats.think_start_tokens or (),
-            words=self.grammars.words,
         )
 
     def _grammar(self, build: Any) -> str | None:
@@ -197,11 +206,24 @@ class Preprocessor:
         except (TypeError, AttributeError, ValueError) as exc:  # a schema of the wrong shape
             raise _invalid(f"the schema cannot be made a constraint: {exc}") from None
 
-    def _matcher(self, grammar: str, param: str) -> Any:
+    def _guide(
+        self, prepared: PreparedRequest, grammar: str | None, param: str, **thinking: Any
+    ) -> Guide:
+        """The request's guide; its grammar compiled now where it is known already (or
+        must be: a continuation replays its tokens through it when added), else on the
+        grammar thread while the request waits (Guide.ready). A grammar that cannot be
+        compiled is a 400 naming `param`, from here or from the engine."""
+        words = self.grammars.words
+        if grammar is None:
+            return Guide(None, words=words, **thinking)
+        future = self.grammars.compile(grammar)
+        if self.compile_async and not prepared.resumed and not future.done():
+            return Guide(None, words=words, compiling=future, param=param, **thinking)
         try:
-            return self.grammars.matcher(grammar)
+            matcher = future.result().deep_copy()
         except ValueError as exc:
             raise _invalid(f"the constraint cannot be compiled: {exc}", param) from None
+        return Guide(matcher, words=words, param=param, **thinking)
 
     def _check_token_ids(self, sampling: SamplingParams) -> None:
         for param, ids in (

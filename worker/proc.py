@@ -48,13 +48,14 @@ from worker.loader import resolve_source
 from worker.lockstep import IDLE_TICK_S, Lockstep, Turn
 from worker.memory import IdleRelease, MemoryLimits, heartbeat, own_memory
 from worker.opening import Engine, open_model
-from worker.preprocess import PreparedRequest, PreprocessError
+from worker.preprocess import PreparedRequest, PreprocessError, Preprocessor
 from worker.prompt_segments import segment_stats
 
 log = logging.getLogger("worker")
 
 HEARTBEAT_S = 1.0
 _STOP = object()
+WAKE = object()  # into the engine's inputs: something it waits for is ready (nothing to do)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +133,7 @@ class WorkerProc:
             opened = open_model(
                 config, path, kind, self.worker_id, self.faults, self._progress, group
             )
-            self.preprocess = opened.preprocess
+            self._adopt(opened.preprocess)
             self.engine = opened.engine
             for probe in [None, *opened.probes]:
                 self._probe(probe)
@@ -160,6 +161,13 @@ class WorkerProc:
             return 1
         finally:
             self._close()
+
+    def _adopt(self, preprocess: Any) -> None:
+        """The model's preprocessor; a grammar it compiles off this thread wakes the engine
+        (which waits for inputs while its only requests wait on their grammars)."""
+        self.preprocess = preprocess
+        if isinstance(preprocess, Preprocessor):
+            preprocess.on_compiled = lambda: self.inputs.put(WAKE)
 
     def _hello(self) -> Hello:
         model = self.args.model.name
@@ -212,7 +220,7 @@ class WorkerProc:
         outputs: list[RequestOutput] = []
         # a sharded group's idle turns come a tick apart (worker/lockstep.py)
         idle_wait = HEARTBEAT_S if self.lockstep is None else IDLE_TICK_S
-        items = self._take(block=not self.engine.has_work, timeout=idle_wait)
+        items = self._take(block=not self.engine.can_step, timeout=idle_wait)
         if self.lockstep is not None:  # raw frames, shared with the other ranks first
             items = self._share(items)
         for item in items:
@@ -265,6 +273,8 @@ class WorkerProc:
 
     def _handle(self, item: object) -> list[RequestOutput]:
         assert self.engine is not None
+        if item is WAKE:
+            return []
         if isinstance(item, Abort):
             return self.engine.abort(item.request_ids)
         if isinstance(item, Shutdown):

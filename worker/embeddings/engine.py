@@ -91,6 +91,8 @@ class EmbeddingEngine:
     def has_work(self) -> bool:
         return any(self.queues.values())
 
+    can_step = has_work  # (nothing of theirs waits on another thread)
+
     def step(self) -> list[RequestOutput]:
         """One batch through the encoder; the requests it completed."""
         self.steps += 1

@@ -75,6 +75,12 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def can_step(self) -> bool:
+        """A step would do something now: not only requests that wait on their grammar's
+        compile (the worker then waits for its inputs, which that compile's end wakes)."""
+        return bool(self.scoring) or self.backend.active or self.scheduler.startable()
+
     def request_ids(self) -> list[str]:
         return list(self.requests)
 
@@ -195,6 +201,12 @@ class EngineCore:
         items = []
         now = time.perf_counter()
         for request in list(admitted):
+            guide = request.guide
+            if guide is not None and guide.compile_error is not None:
+                admitted.remove(request)
+                message = f"the constraint cannot be compiled: {guide.compile_error}"
+                failed.append(self._refused(request, message, guide.param))
+                continue
             request.admitted_at = now
             hit = (
                 self.prefix_cache.lookup(request.cache_key)
@@ -210,7 +222,8 @@ class EngineCore:
                     cache, shift = prefill(request.prompt, request.media, cache, cached)
                 except Exception as exc:  # the model refused this prompt: it alone fails
                     admitted.remove(request)
-                    failed.append(self._refused(request, exc))
+                    message = f"the model could not take this prompt's images: {exc}"
+                    failed.append(self._refused(request, message, "messages"))
                     continue
                 request.media = None  # the pixels are in the KV now
                 cached = len(request.prompt) - 1
@@ -236,10 +249,10 @@ class EngineCore:
             self.logprob_requests += request.wants_logprobs
         return failed
 
-    def _refused(self, request: Request, exc: Exception) -> RequestOutput:
+    def _refused(self, request: Request, message: str, param: str) -> RequestOutput:
+        """A request that cannot start after all, answered with a 400 naming `param`."""
         self._forget(request)
-        message = f"the model could not take this prompt's images: {exc}"
-        error = RequestError(ErrorCode.INVALID_REQUEST, message, "messages")
+        error = RequestError(ErrorCode.INVALID_REQUEST, message, param)
         return self.output.finish(request, FinishReason.ERROR, error=error)
 
     def _process(self, sampled: list[Sampled]) -> list[RequestOutput]:

@@ -71,5 +71,10 @@ class Request:
         return self.key[: min(n, len(tokens))] + tokens[n:]
 
     @property
+    def ready(self) -> bool:
+        """It may start: nothing it needs is still being made (its grammar compiling)."""
+        return self.guide is None or self.guide.ready()
+
+    @property
     def wants_logprobs(self) -> bool:
         return self.sampling.logprobs

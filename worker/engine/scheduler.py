@@ -11,7 +11,8 @@ class):
   that an interactive request always finds a place;
 - unless the plan (the engine's prefix cache) holds a request back: one whose long prompt
   prefix is being prefilled for another request waits for that KV instead of computing it
-  again, and keeps its place in the queue;
+  again, and keeps its place in the queue; so does one whose grammar is still being
+  compiled (on a thread of its own), while those behind it go ahead;
 - while the KV memory is free for it: what the running requests hold now (prompt and tokens
   made so far) plus the new prompt and up to `DECODE_RESERVE` tokens of its output fit in
   `kv_budget_bytes`. Reserving every request's whole max_tokens up front would hold most of
@@ -128,7 +129,7 @@ class Scheduler:
                 budget = config.kv_budget_bytes
                 if budget is not None and self.running and kv_used + kv > budget:
                     break  # first come, first served: no overtaking a large one
-                if plan.waits(request):
+                if not request.ready or plan.waits(request):
                     held.append(queue.popleft())
                     continue
                 prefill = plan.new_tokens(request)
@@ -143,6 +144,10 @@ class Scheduler:
                 plan.admitted(request, prefill)
             queue.extendleft(reversed(held))
         return admitted
+
+    def startable(self) -> bool:
+        """A waiting request could start (not all of them wait on something being made)."""
+        return any(r.ready for r in self._queued())
 
     def kv_tokens(self) -> int:
         """KV positions the running requests hold now (a continuation's prompt holds the

@@ -294,6 +294,8 @@ class SpeechEngine:
     def has_work(self) -> bool:
         return bool(self.running) or any(self.waiting.values())
 
+    can_step = has_work  # (nothing of theirs waits on another thread)
+
     def add(self, prepared: PreparedSpeech) -> RequestOutput | None:
         if not prepared.text.strip():
             raise ValueError("the request has no input")

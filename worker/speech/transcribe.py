@@ -210,6 +210,8 @@ class TranscriptionEngine:
     def has_work(self) -> bool:
         return bool(self.waiting)
 
+    can_step = has_work  # (nothing of theirs waits on another thread)
+
     @property
     def steps(self) -> int:
         """Steps taken. While one request is transcribed (one call, however long its audio)

@@ -15,26 +15,54 @@ token after the marker on, the grammar decides.
 from __future__ import annotations
 
 import json
+import queue
+import re
+import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
 
+# llguidance's messages when a parse reaches one of its limits (a row's Earley items, the
+# grammar's symbols, the lexer's states or fuel): the schema asks too much of it
+_LIMIT = re.compile(r"max is \d+|too big|limit", re.IGNORECASE)
+
+
+def beyond_limits(error: str) -> bool:
+    """The grammar failed at one of llguidance's limits (a schema too large for it, such as
+    hundreds of optional properties), not at a token it did not allow."""
+    return _LIMIT.search(error) is not None
+
 
 class Grammars:
     """The model's llguidance tokenizer and compiled grammars, one prototype matcher per
-    grammar text (least recently used out): a request gets a copy, not a new compile."""
+    grammar text (least recently used out): a request gets a copy, not a new compile.
 
-    def __init__(self, tokenizer: Any, capacity: int = 128) -> None:
+    Compiles run on a thread of their own (llguidance drops the GIL while it builds a
+    matcher): a large schema takes seconds (10,000 optional properties: ~10 s), and the
+    thread that prepares requests must not wait on it. A compile's outcome is kept like a
+    success, since the same text fails the same way."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        capacity: int = 128,
+        on_compiled: Callable[[], None] | None = None,
+    ) -> None:
         eos = sorted(tokenizer.eos_token_ids) or None
         self.tokenizer = llguidance.LLTokenizer(
             tokenizer.backend_tokenizer.to_str(), n_vocab=len(tokenizer), eos_token=eos
         )
         self.hf = tokenizer
         self.capacity = capacity
-        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self.on_compiled = on_compiled  # called on the compiling thread after each compile
+        self._compiled: OrderedDict[str, Future[Any]] = OrderedDict()
+        self._jobs: queue.SimpleQueue[tuple[str, Future[Any]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
 
     def literal(self, text: str) -> str:
         """Fixed text (a tool-call marker) as a lark expression. llguidance treats every
@@ -54,26 +82,52 @@ class Grammars:
             parts.append(json.dumps(pending.decode("utf-8", "replace")))
         return " ".join(parts) if parts else '""'
 
-    def matcher(self, grammar: str) -> Any:
-        """A fresh matcher for `grammar`; ValueError with llguidance's message if the
-        grammar cannot be compiled."""
-        proto = self._compiled.get(grammar)
-        if proto is None:
-            proto = llguidance.LLMatcher(self.tokenizer, grammar)
-            if proto.is_error():
-                raise ValueError(proto.get_error())
-            # some grammars fail only at their first mask (a `$ref` loop): that one, on a
-            # copy, here, so that they are a 400 and not an empty answer
-            trial = proto.deep_copy()
-            llg_numpy.fill_next_token_bitmask(trial, np.zeros((1, self.words), np.int32), 0)
-            if trial.is_error():
-                raise ValueError(trial.get_error().splitlines()[0])
-            self._compiled[grammar] = proto
-            if len(self._compiled) > self.capacity:
-                self._compiled.popitem(last=False)
-        else:
+    def compile(self, grammar: str) -> Future[Any]:
+        """`grammar`'s prototype matcher, compiled on the grammar thread (one thread, in
+        order; a text asked for again shares the first compile). Its exception is a
+        ValueError with llguidance's message if the grammar cannot be compiled. One thread
+        calls this (the one preparing requests)."""
+        future = self._compiled.get(grammar)
+        if future is not None:
             self._compiled.move_to_end(grammar)
-        return proto.deep_copy()
+            return future
+        future = self._compiled[grammar] = Future()
+        if len(self._compiled) > self.capacity:
+            self._compiled.popitem(last=False)  # (a request waiting on it keeps its future)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._compiling, name="grammar", daemon=True)
+            self._thread.start()
+        self._jobs.put((grammar, future))
+        return future
+
+    def matcher(self, grammar: str) -> Any:
+        """A fresh matcher for `grammar`, waiting for its compile; ValueError with
+        llguidance's message if the grammar cannot be compiled."""
+        return self.compile(grammar).result().deep_copy()
+
+    def _compiling(self) -> None:
+        while True:
+            grammar, future = self._jobs.get()
+            try:
+                future.set_result(self._build(grammar))
+            except ValueError as exc:
+                future.set_exception(exc)
+            except Exception as exc:  # llguidance's own failure: this request's, not the thread's
+                future.set_exception(ValueError(f"llguidance failed: {exc}"))
+            if self.on_compiled is not None:
+                self.on_compiled()
+
+    def _build(self, grammar: str) -> Any:
+        proto = llguidance.LLMatcher(self.tokenizer, grammar)
+        if proto.is_error():
+            raise ValueError(proto.get_error())
+        # some grammars fail only at their first mask (a `$ref` loop): that one, on a
+        # copy, here, so that they are a 400 and not an empty answer
+        trial = proto.deep_copy()
+        llg_numpy.fill_next_token_bitmask(trial, np.zeros((1, self.words), np.int32), 0)
+        if trial.is_error():
+            raise ValueError(trial.get_error().splitlines()[0])
+        return proto
 
     @property
     def words(self) -> int:
@@ -86,11 +140,14 @@ class Guide:
         "_forcing",
         "_tail",
         "budget",
+        "compile_error",
+        "compiling",
         "done",
         "end_tokens",
         "error",
         "failure",
         "matcher",
+        "param",
         "spent",
         "start_tokens",
         "thinking",
@@ -105,14 +162,21 @@ class Guide:
         budget: int | None = None,
         start_tokens: tuple[int, ...] = (),
         words: int = 0,
+        compiling: Future[Any] | None = None,
+        param: str = "",
     ) -> None:
         self.matcher = matcher  # llguidance.LLMatcher, or None: no grammar
+        # its grammar's prototype while it compiles (Grammars.compile): see ready()
+        self.compiling = compiling
+        self.compile_error: str | None = None  # the grammar could not be compiled
+        self.param = param  # the request's field the grammar comes from (its error names it)
         self.words = words  # of a bitmask row (Grammars.words)
         self.thinking = thinking and bool(end_tokens)  # inside the think block now
         self.end_tokens = end_tokens
         # without a grammar, a model may open its think block itself: the budget counts
         # from there
-        self.start_tokens = start_tokens if matcher is None and end_tokens else ()
+        grammar = matcher is not None or compiling is not None
+        self.start_tokens = start_tokens if not grammar and end_tokens else ()
         self.budget = budget  # thinking tokens allowed (None: no limit)
         self.spent = 0
         self.error: str | None = None
@@ -120,6 +184,21 @@ class Guide:
         self.failure: str | None = None  # as settled: the error after the returned token
         self._forcing = 0  # budget spent: end marker tokens forced so far
         self._tail: list[int] = []
+
+    def ready(self) -> bool:
+        """Its grammar is compiled (or failed to: `compile_error`); until then the request
+        waits for a place in the batch, and the others go ahead of it."""
+        future = self.compiling
+        if future is None:
+            return True
+        if not future.done():
+            return False
+        self.compiling = None
+        try:
+            self.matcher = future.result().deep_copy()
+        except ValueError as exc:
+            self.compile_error = str(exc)
+        return True
 
     @property
     def stopped(self) -> bool:
@@ -132,7 +211,8 @@ class Guide:
 
     @property
     def constrains(self) -> bool:
-        return self.matcher is not None or self.budget is not None
+        grammar = self.matcher is not None or self.compiling is not None
+        return grammar or self.budget is not None
 
     def bitmask(self, rows: int) -> np.ndarray:
         """A bitmask for `rows` rows, every token allowed."""
