@@ -19,6 +19,7 @@ import jsonschema
 import openai
 import pytest
 
+from gateway.api.responses.translate import seal
 from tests.gateway_proc import GatewayProc, openai_client, running_gateway
 
 WEATHER_SCHEMA = {
@@ -243,6 +244,26 @@ def test_responses_forced_function_call(oai: openai.OpenAI) -> None:
     )
     assert follow.usage is not None and response.usage is not None
     assert follow.usage.input_tokens > response.usage.input_tokens
+
+
+def test_responses_stateless_turns_pass_their_sealed_reasoning_back(oai: openai.OpenAI) -> None:
+    # as Codex sends its turns: store false, include reasoning.encrypted_content, and the
+    # output items passed back; the sealed thinking of the turn in progress reaches the prompt
+    tools: Any = [{"type": "function", "name": "get_weather", "parameters": WEATHER_SCHEMA}]
+    args: dict[str, Any] = {"model": "hermes", "tools": tools, "store": False}
+    args |= {"include": ["reasoning.encrypted_content"], "max_output_tokens": 4}
+    first = oai.responses.create(input="What is the weather in Oslo?", **args)
+    assert first.status == "incomplete" and first.store is False
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather"}
+    call["arguments"] = '{"city": "Oslo", "days": 1}'
+    turn: list[Any] = [{"role": "user", "content": "What is the weather in Oslo?"}, call]
+    turn.append({"type": "function_call_output", "call_id": "c1", "output": "12C"})
+    thought = {"type": "reasoning", "id": "rs_1", "summary": []}
+    thought["encrypted_content"] = seal("The user wants Oslo's weather; I will look it up.")
+    plain = oai.responses.create(input=turn, **args)
+    thinking = oai.responses.create(input=[turn[0], thought, *turn[1:]], **args)
+    assert plain.usage is not None and thinking.usage is not None
+    assert thinking.usage.input_tokens > plain.usage.input_tokens + 8
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -4,27 +4,32 @@ field), the settings echoed, and function calls and reasoning in the input."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
 from gateway.api.common import no_parameters
+from gateway.api.relay import Choice
 from gateway.api.responses.formatter import ResponsesFormatter
 from gateway.api.responses.translate import canonical_of, check_request, input_items, new_response
 from gateway.errors import GatewayError
 from shared.types import (
     CanonicalRequest,
     ErrorCode,
+    FinishReason,
     Message,
     OutputFormat,
     Reasoning,
+    RequestOutput,
     ResponseFormat,
     Tool,
     ToolCall,
     ToolChoice,
     ToolChoiceMode,
+    Usage,
 )
-from tests.responses_helpers import WEATHER, _request, _response
+from tests.responses_helpers import WEATHER, _parse, _request, _response
 
 
 def _canonical(**fields: Any) -> CanonicalRequest:
@@ -226,3 +231,49 @@ def test_input_calls_results_and_reasoning_become_messages() -> None:
         Message("tool", "3", tool_call_id="c3"),
         Message("user", "and?"),
     ]
+
+
+def test_sealed_reasoning_goes_back_and_forth() -> None:
+    # include reasoning.encrypted_content (Codex asks it whenever it sets reasoning, with
+    # store false): the reasoning item carries its text sealed, and a request that passes
+    # only that back (no content, as such clients do) has its thinking again
+    fmt = ResponsesFormatter(new_response(_request()), sealed=True)
+    choice = Choice(0, pieces=["Done."], thoughts=["I think ✓"])
+    choice.finish_reason = FinishReason.STOP
+    body = json.loads(fmt.response([choice], Usage(5, 3)))
+    reasoning = body["output"][0]
+    assert reasoning["type"] == "reasoning" and reasoning["encrypted_content"].startswith("mlxgw")
+    plain = json.loads(ResponsesFormatter(new_response(_request())).response([choice], Usage(5, 3)))
+    streamed = ResponsesFormatter(new_response(_request()), sealed=True)
+    first = RequestOutput("r", reasoning="I think ✓", token_ids=[1], usage=Usage(5, 0))
+    last = RequestOutput("r", text="Done.", token_ids=[2], finish_reason=FinishReason.STOP)
+    raw = streamed.stream_start(first) + streamed.stream_delta(0, first)
+    raw += streamed.stream_delta(0, last) + streamed.stream_finish(0, last)
+    [done, *_] = [d for n, d in _parse(raw) if n == "response.output_item.done"]
+    assert done["item"]["encrypted_content"] == reasoning["encrypted_content"]
+    assert "encrypted_content" not in plain["output"][0]  # not asked: not there
+    passed = {"type": "reasoning", "id": reasoning["id"], "summary": []}
+    passed["encrypted_content"] = reasoning["encrypted_content"]
+    request = _canonical(
+        include=["reasoning.encrypted_content"],
+        input=[
+            {"role": "user", "content": "go"},
+            passed,
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "1"},
+        ],
+    )
+    assert request.messages[1] == Message(
+        "assistant", tool_calls=[ToolCall("c1", "f", "{}")], reasoning="I think ✓"
+    )
+    # OpenAI's own sealed text is not readable here: its summary stands for it, as before
+    foreign = {**passed, "encrypted_content": "gAAAA-openai", "summary": [_summary("s")]}
+    assert _canonical(input=[foreign, {"role": "user", "content": "x"}]).messages[0].role == "user"
+    broken = {**passed, "encrypted_content": "mlxgw1:%%%"}
+    with pytest.raises(GatewayError) as info:
+        _canonical(input=[{"role": "user", "content": "go"}, broken])
+    assert info.value.param == "input[1].encrypted_content"
+
+
+def _summary(text: str) -> dict[str, str]:
+    return {"type": "summary_text", "text": text}

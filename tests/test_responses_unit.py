@@ -106,7 +106,7 @@ def test_input_string_and_messages() -> None:
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
         ({"reasoning": {"effort": "xhigh"}}, "reasoning.effort"),
-        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"include": ["file_search_call.results"]}, "include"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"truncation": "auto"}, "truncation"),
         ({"text": {"format": {"type": "xml"}}}, "text.format.type"),

@@ -39,7 +39,7 @@ from gateway.api.responses.schemas import (
     ResponseError,
     ResponseObject,
 )
-from gateway.api.responses.translate import new_id, usage_of
+from gateway.api.responses.translate import new_id, seal, usage_of
 from gateway.errors import GatewayError
 from shared.types import FinishReason, RequestOutput, ToolCall, Usage
 
@@ -54,13 +54,16 @@ class _Open:
     pieces: list[str] = field(default_factory=list)
 
 
-def _finished(item: OutputItem, text: str, status: str) -> None:
-    """The item with its whole text, ended with `status`."""
+def _finished(item: OutputItem, text: str, status: str, sealed: bool = False) -> None:
+    """The item with its whole text, ended with `status`; `sealed`: a reasoning item's
+    text in its `encrypted_content` too (include reasoning.encrypted_content)."""
     item.status = status
     if isinstance(item, MessageItem):
         item.content = [OutputText(text)]
     elif isinstance(item, ReasoningItem):
         item.content = [ReasoningText(text)]
+        if sealed:
+            item.encrypted_content = seal(text)
     else:
         item.arguments = text
 
@@ -79,13 +82,13 @@ def _call(call: ToolCall, status: str = "completed") -> FunctionCallItem:
     )
 
 
-def output_of(choice: Choice) -> list[OutputItem]:
+def output_of(choice: Choice, sealed: bool = False) -> list[OutputItem]:
     """A whole choice's output items: reasoning, message, calls; out of tokens, the item
     cut short is incomplete (and the empty answer after reasoning cut short)."""
     items: list[OutputItem] = []
     if choice.reasoning:
         items.append(_reasoning())
-        _finished(items[-1], choice.reasoning, "completed")
+        _finished(items[-1], choice.reasoning, "completed", sealed)
     if choice.text or not choice.tool_calls:
         items.append(_message())
         _finished(items[-1], choice.text, "completed")
@@ -109,9 +112,11 @@ class ResponsesFormatter:
         self,
         response: ResponseObject,
         on_done: Callable[[ResponseObject], None] | None = None,
+        sealed: bool = False,
     ) -> None:
         self.resp = response
         self.on_done = on_done
+        self.sealed = sealed  # reasoning items carry encrypted_content (`include` asks)
         self.items: list[OutputItem] = []  # the output so far, the open item last
         self.open: _Open | None = None
         self.sequence = 0
@@ -149,7 +154,7 @@ class ResponsesFormatter:
         """An end before the finish: the items and the tokens so far (the open one
         incomplete)."""
         if self.open is not None:
-            _finished(self.open.item, "".join(self.open.pieces), "incomplete")
+            _finished(self.open.item, "".join(self.open.pieces), "incomplete", self.sealed)
             self.open = None
         if self.items:
             self.resp.output = self.items
@@ -214,7 +219,7 @@ class ResponsesFormatter:
         item, index = self.open.item, self.open.index
         text = "".join(self.open.pieces)
         self.open = None
-        _finished(item, text, status)
+        _finished(item, text, status, self.sealed)
         where: dict[str, Any] = {"item_id": item.id, "output_index": index}
         if isinstance(item, FunctionCallItem):
             events = self._event("response.function_call_arguments.done", **where, arguments=text)
@@ -304,6 +309,6 @@ class ResponsesFormatter:
     def response(self, choices: list[Choice], usage: Usage) -> bytes:
         choice = choices[0]
         self.started = True
-        self.items = output_of(choice)
+        self.items = output_of(choice, self.sealed)
         self.complete(choice.finish_reason, usage)
         return self.encode(self.resp)

@@ -159,9 +159,10 @@ async def create_response(
         user=body.user or body.safety_identifier,
     )
     owner = key.id if key else None
+    sealed = "reasoning.encrypted_content" in (body.include or [])
     if body.background:
         response = new_response(body, "queued", options)
-        return _start_background(request, state, served, response, items, owner)
+        return _start_background(request, state, served, response, items, owner, sealed)
 
     def keep(response: ResponseObject) -> None:
         if body.store:
@@ -169,7 +170,7 @@ async def create_response(
             _keep(store, entry)
             store.ended(entry)
 
-    fmt = ResponsesFormatter(new_response(body, options=options), keep)
+    fmt = ResponsesFormatter(new_response(body, options=options), keep, sealed)
     try:
         return await serve(request, state, served, fmt)
     except GatewayError as exc:
@@ -183,11 +184,12 @@ def _start_background(
     response: ResponseObject,
     items: list[Item],
     owner: str | None,
+    sealed: bool,
 ) -> Response[bytes]:
     ctx = context_of(request.scope)
     authorize(request, state, served.model)
     store = store_of(state)
-    fmt = ResponsesFormatter(response)
+    fmt = ResponsesFormatter(response, sealed=sealed)
     entry = StoredResponse(response, owner, items, cancel=fmt.cancel)
     _keep(store, entry)
     answer = _json(response)  # encoded now: the task changes the response from here on

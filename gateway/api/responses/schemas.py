@@ -97,8 +97,8 @@ class ResponsesRequest(_Body):
     tools: list[Any] | None = None
     tool_choice: Any | None = None
     reasoning: ReasoningConfig | None = None
+    include: list[str] | None = None  # reasoning.encrypted_content only (else a 400)
     # Documented fields this gateway cannot honour (beyond their empty values): a 400 each.
-    include: list[str] | None = None
     top_logprobs: Any | None = None
     conversation: Any | None = None
     prompt: Any | None = None
@@ -154,8 +154,8 @@ class FunctionCallOutputIn(_Body):
 
 
 class ReasoningIn(_Body):
-    """A reasoning item passed back: its reasoning text, or else its summary texts
-    (encrypted content is not read)."""
+    """A reasoning item passed back: its reasoning text, or else the text its
+    `encrypted_content` holds (one this gateway made), or else its summary texts."""
 
     type: Literal["reasoning"]
     summary: list[SummaryText] = []
@@ -212,12 +212,15 @@ class SummaryText(msgspec.Struct, tag_field="type", tag="summary_text"):
 
 
 class ReasoningItem(msgspec.Struct, kw_only=True, tag_field="type", tag="reasoning"):
-    """The model's thinking: its text in `content` (never summarized here)."""
+    """The model's thinking: its text in `content` (never summarized here); with `include`
+    reasoning.encrypted_content, that text sealed too (translate.seal), for a client that
+    keeps no state on the server to pass back."""
 
     id: str
     status: str = "completed"
     summary: list[SummaryText] = []
     content: list[ReasoningText] = []
+    encrypted_content: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class FunctionCallItem(msgspec.Struct, kw_only=True, tag_field="type", tag="function_call"):

@@ -12,6 +12,7 @@ message, and is dropped when a user, system or tool message comes first.
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from typing import Any
@@ -51,6 +52,7 @@ from gateway.api.responses.schemas import (
     OutputTokensDetails,
     ReasoningIn,
     ReasoningItem,
+    ReasoningText,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
@@ -86,11 +88,41 @@ def new_id(prefix: str) -> str:
 # ---- requests ----------------------------------------------------------------------------
 
 
+# what `include` may ask for: the reasoning text sealed in each reasoning item, so that a
+# client that stores nothing here (`store` false: Codex and other agents) can pass it back
+INCLUDABLE = {"reasoning.encrypted_content"}
+SEAL = "mlxgw1:"  # a sealed reasoning text: this prefix, then its UTF-8 in base64url
+
+
+def seal(text: str) -> str:
+    """The reasoning text as `encrypted_content`: opaque to clients, read back here. Not
+    encrypted (it is the item's own `content`, which the client has): only made to go
+    back and forth as OpenAI's does."""
+    return SEAL + base64.urlsafe_b64encode(text.encode()).decode()
+
+
+def unseal(blob: str, where: str) -> str | None:
+    """A sealed reasoning text passed back; None: not one of ours (OpenAI's own, which
+    only OpenAI reads); one of ours that does not decode is a 400 naming it."""
+    if not blob.startswith(SEAL):
+        return None
+    try:
+        return base64.b64decode(blob[len(SEAL) :], altchars=b"-_", validate=True).decode()
+    except (ValueError, UnicodeDecodeError):
+        raise invalid(
+            "`encrypted_content` is not one this gateway made (it does not decode)",
+            f"{where}.encrypted_content",
+        ) from None
+
+
 def check_request(body: ResponsesRequest) -> Options:
     """Every documented field this gateway cannot honour is a 400 naming it; the options
     it does honour (tools, formats, reasoning) are checked and returned."""
-    if body.include:
-        raise unsupported("include", "no extra output data is served")
+    for value in body.include or []:
+        if value not in INCLUDABLE:
+            raise unsupported(
+                "include", f"{value!r} is not served (only {', '.join(sorted(INCLUDABLE))})"
+            )
     if body.top_logprobs:
         raise unsupported("top_logprobs", "logprobs are not served on the Responses API yet")
     if body.truncation == "auto":
@@ -171,10 +203,12 @@ def item_of(raw: dict[str, Any], where: str, unserved: Unserved) -> Item:
             id=result.id or new_id("fco"), call_id=result.call_id, output=output
         )
     reasoning = convert(raw, ReasoningIn, where)
+    content = reasoning.content or []
+    sealed = reasoning.encrypted_content
+    if not content and sealed and (text := unseal(sealed, where)) is not None:
+        content = [ReasoningText(text)]
     return ReasoningItem(
-        id=reasoning.id or new_id("rs"),
-        summary=reasoning.summary,
-        content=reasoning.content or [],
+        id=reasoning.id or new_id("rs"), summary=reasoning.summary, content=content
     )
 
 
