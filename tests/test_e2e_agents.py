@@ -252,6 +252,7 @@ def test_responses_stateless_turns_pass_their_sealed_reasoning_back(oai: openai.
     tools: Any = [{"type": "function", "name": "get_weather", "parameters": WEATHER_SCHEMA}]
     args: dict[str, Any] = {"model": "hermes", "tools": tools, "store": False}
     args |= {"include": ["reasoning.encrypted_content"], "max_output_tokens": 4}
+    args["extra_body"] = {"client_metadata": {"x-codex-installation-id": "test"}}
     first = oai.responses.create(input="What is the weather in Oslo?", **args)
     assert first.status == "incomplete" and first.store is False
     call = {"type": "function_call", "call_id": "c1", "name": "get_weather"}

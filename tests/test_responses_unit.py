@@ -139,6 +139,7 @@ def test_accepted_fields_echo() -> None:
         instructions="I",
         service_tier="auto",
         stream_options={"include_obfuscation": False},
+        client_metadata={"x-codex-installation-id": "i"},  # Codex's, with every turn
     )
     check_request(body)
     response = msgspec.to_builtins(new_response(body))

@@ -89,6 +89,8 @@ class ResponsesRequest(_Body):
     user: str | None = None  # an end-user id: echoed
     safety_identifier: str | None = None  # likewise
     prompt_cache_key: str | None = None  # a caching hint: prefix reuse needs none
+    # a client's own tracing data (Codex sends its ids with every turn): nothing to serve
+    client_metadata: dict[str, str] | None = None
     service_tier: Literal["auto", "default"] | None = None  # one tier here
     previous_response_id: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
