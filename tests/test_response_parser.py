@@ -96,6 +96,19 @@ def test_output_that_starts_inside_thinking(parser: str) -> None:
 
 
 @pytest.mark.parametrize("parser", FORMATS)
+def test_a_call_made_while_thinking_leaves_the_thinking_thinking(parser: str) -> None:
+    # a call inside the think block: the thinking after it (and its end marker) is still
+    # thinking, not the answer
+    if not tool_format(parser).end:
+        pytest.skip("a call without an end marker runs to the end of the output")
+    text = "Paris, then. " + RECORDED[parser].one + " Done.</think>It is sunny."
+    result = same_in_every_chunking(parser, text, initial="reasoning")
+    assert result.calls == [WEATHER_CALL]
+    assert result.reasoning == "Paris, then.  Done."
+    assert result.content == "It is sunny."
+
+
+@pytest.mark.parametrize("parser", FORMATS)
 def test_answer_after_reasoning_without_calls(parser: str) -> None:
     text = "Hello.</think>It is 3 < 4 and [1] {a: b} <b>bold</b>."
     result = same_in_every_chunking(parser, text, initial="reasoning")

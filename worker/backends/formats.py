@@ -21,6 +21,11 @@ JSON_CALL_FORMATS = frozenset({"json_tools"})
 XML_CALL_FORMATS = frozenset({"qwen3_coder"})
 
 
+# the state of a call's markup inside the think block (its end returns to the thinking)
+THINKING_CALL = "reasoning_tool"
+CALL_STATES = frozenset({"tool", THINKING_CALL})
+
+
 @dataclass(frozen=True, slots=True)
 class ToolFormat:
     parser: str  # mlx-lm's parser module name
@@ -78,9 +83,11 @@ class ModelFormats:
             targets = {dst for edges in self.transitions.values() for _, dst in edges}
             if "tool" not in targets:
                 transitions.setdefault("normal", []).append((self.tools.start, "tool"))
-            if self.thinking:
-                transitions["reasoning"].append((self.tools.start, "tool"))
             transitions["tool"] = [(self.tools.end, "normal")] if self.tools.end else []
+            if self.thinking:  # a call made while thinking: the thinking goes on after it
+                transitions["reasoning"].append((self.tools.start, THINKING_CALL))
+                end = [(self.tools.end, "reasoning")] if self.tools.end else []
+                transitions[THINKING_CALL] = end
         for marker in self.markers:
             transitions.setdefault("normal", []).append((marker, "normal"))
         for state, edges in self.transitions.items():

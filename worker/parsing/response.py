@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.types import ToolCallDelta
-from worker.backends.formats import ModelFormats
+from worker.backends.formats import CALL_STATES, ModelFormats
 from worker.parsing.call_stream import CallStream
 
 
@@ -68,7 +68,7 @@ class ResponseParser:
         self.state, segments = self.machine.split(self.state, text)
         last = len(segments) - 1
         for i, (state, piece) in enumerate(segments):
-            if state == "tool":
+            if state in CALL_STATES:
                 parsed += self._call_text(piece)
                 if i < last:  # its end marker came
                     parsed += self._close_call()
@@ -93,7 +93,7 @@ class ResponseParser:
         open (a format without an end marker, or a call cut short)."""
         self.state, tail, state = self.machine.flush(self.state)
         parsed = Parsed()
-        if state == "tool":
+        if state in CALL_STATES:
             parsed += self._call_text(tail)
         elif state == "reasoning":
             parsed.reasoning += tail
