@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -10,6 +11,16 @@ from pathlib import Path
 import platformdirs
 
 APP = "mlx-gateway"
+
+
+# the longest socket path this side of sockaddr_un's limit: 104 bytes with its NUL on macOS
+# (108 on Linux), where a longer one fails only once the server binds it
+SOCKET_PATH_MAX = 103
+SOCKETS = ("in.sock", "out.sock", "admin.sock")
+
+
+class RunDirError(Exception):
+    """The run directory cannot serve: the message says why, in one line."""
 
 
 def default_run_dir() -> Path:
@@ -34,9 +45,31 @@ class RunDir:
         self.root = Path(root) if root else default_run_dir()
 
     def create(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(self.root, 0o700)
-        self.logs.mkdir(exist_ok=True, mode=0o700)
+        """Made (0700) if it is not there; RunDirError if its sockets' paths are too long,
+        or if it is not this user's own directory (a link, or another user's folder in a
+        shared /tmp: its sockets would be theirs to take)."""
+        root = self.root
+        longest = max(len(os.fsencode(root / name)) for name in SOCKETS)
+        if longest > SOCKET_PATH_MAX:
+            raise RunDirError(
+                f"the run directory {root} is too long for its sockets: their paths would be "
+                f"{longest} bytes, and a socket's path holds at most {SOCKET_PATH_MAX}; give "
+                "a shorter one (server.run_dir, --run-dir)"
+            )
+        try:
+            root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            found = os.lstat(root)
+            if stat.S_ISLNK(found.st_mode) or not stat.S_ISDIR(found.st_mode):
+                raise RunDirError(f"the run directory {root} is not a directory (a link?)")
+            if found.st_uid != os.getuid():
+                raise RunDirError(
+                    f"the run directory {root} belongs to another user (uid {found.st_uid}); "
+                    "remove it, or give another one (server.run_dir, --run-dir)"
+                )
+            os.chmod(root, 0o700)
+            self.logs.mkdir(exist_ok=True, mode=0o700)
+        except OSError as exc:
+            raise RunDirError(f"the run directory {root} cannot be used: {exc}") from None
 
     @property
     def requests_ipc(self) -> str:

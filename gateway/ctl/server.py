@@ -24,7 +24,7 @@ import msgspec
 from gateway.app import WATCH_PARENT_ENV
 from gateway.edge.logs import setup_logging
 from shared.config import CONFIG_JSON_ENV, Config, ConfigError
-from shared.paths import RunDir
+from shared.paths import RunDir, RunDirError
 
 # Beyond server.drain_timeout_s: a stubborn worker gets SIGTERM after 5s more, SIGKILL after 5s.
 KILL_MARGIN_S = 15
@@ -54,7 +54,10 @@ def serve(config: Config) -> None:
     except ConfigError as exc:
         raise SystemExit(f"gatewayctl: {exc}") from None
     run_dir = RunDir(config.server.run_dir)
-    run_dir.create()
+    try:
+        run_dir.create()
+    except RunDirError as exc:
+        raise SystemExit(f"gatewayctl: {exc}") from None
     lock = _own(run_dir)  # held for the gateway's life (closed with the process)
     try:
         _port_free(config.server.host, config.server.port)
