@@ -30,6 +30,7 @@ from shared.types import (
 )
 from tests.engine_fixtures import Loaded, drive, load, text, token_ids
 from worker.preprocess import PreparedRequest, Preprocessor
+from worker.structured.guide import beyond_limits, first_line
 
 pytestmark = pytest.mark.usefixtures("batcher")
 
@@ -227,3 +228,32 @@ def test_a_schema_beyond_llguidance_s_limits_is_a_400_naming_it(hermes: Loaded) 
     assert last.finish_reason is FinishReason.ERROR and last.error is not None
     assert last.error.code is ErrorCode.INVALID_REQUEST and last.error.param == "response_format"
     assert "too large for constrained decoding" in last.error.message
+
+
+def test_a_grammar_that_fails_to_compile_is_answered_without_waiting_for_a_place(
+    hermes: Loaded,
+) -> None:
+    engine = hermes.engine(max_running=1)
+    busy = prepare(hermes, "b", chat(chat_template_kwargs=OFF), max_tokens=200, ignore_eos=True)
+    engine.add(busy)
+    engine.step()  # the batch's one place is taken for 200 tokens
+    fmt = ResponseFormat(OutputFormat.JSON_SCHEMA, SCHEMA, param="response_format", strict=True)
+    broken = prepare(hermes, "x", chat(response_format=fmt, chat_template_kwargs=OFF))
+    assert broken.guide is not None
+    broken.guide.compiling = failing = Future()
+    engine.add(broken)
+    failing.set_exception(ValueError("a `$ref` to nothing"))
+    [error] = [o for o in engine.step() if o.request_id == "x"]  # the next step, not 200 later
+    assert error.error is not None and error.error.param == "response_format"
+    assert engine.request_ids() == ["b"]  # the busy one goes on
+
+
+def test_llguidance_s_limits_are_told_by_its_first_line_alone() -> None:
+    grammar = '{"properties": {"limit": {"description": "max is 5, too big otherwise"}}}'
+    rejected = f'Parser Error: token "x" doesn\'t satisfy the grammar\n<state>\n{grammar}'
+    assert not beyond_limits(rejected)
+    assert first_line(rejected) == 'Parser Error: token "x" doesn\'t satisfy the grammar'
+    assert beyond_limits("Parser Error: Current row has 2407 items; max is 2000; consider")
+    assert beyond_limits(
+        "initial lexer configuration (grammar) too big (limit for this grammar: 1)"
+    )

@@ -326,3 +326,21 @@ def test_grammars_compile_on_a_thread_of_their_own_once_per_text(
     assert grammars.compile("start: undefined_rule\n") is bad  # it fails the same way again
     guide = Guide(None, compiling=grammars.compile(text), words=grammars.words)
     assert guide.ready() and guide.matcher is not None and guide.compiling is None
+
+
+def test_the_grammar_thread_outlives_any_failure_of_a_compile(
+    tokenizer: TokenizerWrapper, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a Rust panic reaches Python as a BaseException: the request fails, the thread goes on
+    grammars = Grammars(tokenizer)
+    built = Grammars._build
+
+    def panics(self: Grammars, grammar: str) -> object:
+        if "panic" in grammar:
+            raise BaseException("llguidance panicked")
+        return built(self, grammar)
+
+    monkeypatch.setattr(Grammars, "_build", panics)
+    with pytest.raises(ValueError, match="llguidance failed"):
+        grammars.compile('start: "panic"\n').result(timeout=60)
+    assert grammars.compile('start: "fine"\n').result(timeout=60) is not None

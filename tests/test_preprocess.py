@@ -319,6 +319,9 @@ def test_a_grammar_that_cannot_compile_is_a_400_here_or_once_compiled(hermes: Lo
     assert guide.compile_error is not None and "nowhere" in guide.compile_error
     again = preprocess_error(waiting, frame).error  # the same text fails the same way
     assert again.code is ErrorCode.INVALID_REQUEST and again.param == param
+    zero = add_frame(RequestKind.CHAT, frame.request, max_tokens=0, echo=True)
+    fresh = Preprocessor(hermes.tokenizer, EngineOptions(), max_context=4096)
+    assert preprocess_error(fresh, zero).error.param == param  # answered when added: here
     here = Preprocessor(hermes.tokenizer, EngineOptions(), max_context=4096)
     here.compile_async = False  # a sharded group's ranks
     error = preprocess_error(here, frame).error

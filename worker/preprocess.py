@@ -217,7 +217,10 @@ class Preprocessor:
         if grammar is None:
             return Guide(None, words=words, **thinking)
         future = self.grammars.compile(grammar)
-        if self.compile_async and not prepared.resumed and not future.done():
+        # here too for a request that is answered when added (max_tokens 0) or that replays
+        # its tokens then (a continuation)
+        waits = not prepared.resumed and prepared.max_tokens > 0
+        if self.compile_async and waits and not future.done():
             return Guide(None, words=words, compiling=future, param=param, **thinking)
         try:
             matcher = future.result().deep_copy()

@@ -68,6 +68,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}  # every request the engine holds
         self.by_uid: dict[int, Request] = {}  # those in the backend's batch
         self.scoring: dict[str, Scoring] = {}  # echo + logprobs: prompts being scored
+        self.compiling: list[Request] = []  # queued while their grammars compile
         self.logprob_requests = 0  # in the batch and asking for logprobs (0: step skips them)
         self.steps = 0
 
@@ -156,6 +157,8 @@ class EngineCore:
             return self.output.finish(request, FinishReason.LENGTH)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
+        if request.guide is not None and request.guide.compiling is not None:
+            self.compiling.append(request)
         return None
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
@@ -187,6 +190,8 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         self.steps += 1
         outputs = self._score_step() if self.scoring else []
+        if self.compiling:
+            outputs += self._compiled()
         outputs += self._start(self.scheduler.schedule(self.plan))
         if self.backend.active:
             sampled = self.backend.step(
@@ -201,12 +206,6 @@ class EngineCore:
         items = []
         now = time.perf_counter()
         for request in list(admitted):
-            guide = request.guide
-            if guide is not None and guide.compile_error is not None:
-                admitted.remove(request)
-                message = f"the constraint cannot be compiled: {guide.compile_error}"
-                failed.append(self._refused(request, message, guide.param))
-                continue
             request.admitted_at = now
             hit = (
                 self.prefix_cache.lookup(request.cache_key)
@@ -247,6 +246,23 @@ class EngineCore:
             request.status = RequestStatus.PREFILLING
             self.by_uid[uid] = request
             self.logprob_requests += request.wants_logprobs
+        return failed
+
+    def _compiled(self) -> list[RequestOutput]:
+        """Requests whose grammars have compiled since the last step: those that could not
+        be compiled are answered now (a 400), without waiting for a place in the batch."""
+        failed: list[RequestOutput] = []
+        for request in list(self.compiling):
+            guide = request.guide
+            assert guide is not None
+            if not guide.ready():
+                continue
+            self.compiling.remove(request)
+            if guide.compile_error is None or request.request_id not in self.requests:
+                continue  # compiled, or aborted meanwhile
+            self.scheduler.remove_waiting({request.request_id})
+            message = f"the constraint cannot be compiled: {guide.compile_error}"
+            failed.append(self._refused(request, message, guide.param))
         return failed
 
     def _refused(self, request: Request, message: str, param: str) -> RequestOutput:

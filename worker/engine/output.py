@@ -22,7 +22,7 @@ from worker.engine.detokenize import detokenizer_factory
 from worker.engine.request import Request, RequestStatus
 from worker.engine.tokens import TokenInfo
 from worker.parsing.response import ResponseParser
-from worker.structured.guide import beyond_limits
+from worker.structured.guide import beyond_limits, first_line
 
 
 class OutputProcessor:
@@ -65,11 +65,10 @@ class OutputProcessor:
             return self.finish(request, FinishReason.STOP, token, text, logprob=logprob)
         guide = request.guide
         if guide is not None and guide.failure is not None:
-            error = RequestError(
-                ErrorCode.INTERNAL, f"the output constraint failed: {guide.failure}"
-            )
+            failure = first_line(guide.failure)
+            error = RequestError(ErrorCode.INTERNAL, f"the output constraint failed: {failure}")
             if beyond_limits(guide.failure):  # the schema's size, not a fault here: a 400
-                message = f"the constraint is too large for constrained decoding: {guide.failure}"
+                message = f"the constraint is too large for constrained decoding: {failure}"
                 error = RequestError(ErrorCode.INVALID_REQUEST, message, guide.param or None)
             return self.finish(request, FinishReason.ERROR, token, text, True, logprob, error)
         if guide is not None and guide.done:  # the grammar is complete

@@ -15,6 +15,7 @@ token after the marker on, the grammar decides.
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import re
 import threading
@@ -27,15 +28,25 @@ import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
 
-# llguidance's messages when a parse reaches one of its limits (a row's Earley items, the
-# grammar's symbols, the lexer's states or fuel): the schema asks too much of it
-_LIMIT = re.compile(r"max is \d+|too big|limit", re.IGNORECASE)
+log = logging.getLogger("worker")
+
+# llguidance's first line when a parse reaches one of its limits (a row's Earley items, the
+# grammar's symbols, the lexer's states or fuel): the schema asks too much of it. (Its
+# message goes on with the parser's state and the whole grammar: not for the match.)
+_LIMIT = re.compile(
+    r"; max is \d+|too big \(limit for this grammar|Too many items \(limit|lexer_fuel"
+)
+
+
+def first_line(error: str) -> str:
+    """llguidance's message without the parser state and the grammar that follow it."""
+    return error.strip().splitlines()[0] if error.strip() else error
 
 
 def beyond_limits(error: str) -> bool:
     """The grammar failed at one of llguidance's limits (a schema too large for it, such as
     hundreds of optional properties), not at a token it did not allow."""
-    return _LIMIT.search(error) is not None
+    return _LIMIT.search(first_line(error)) is not None
 
 
 class Grammars:
@@ -112,10 +123,14 @@ class Grammars:
                 future.set_result(self._build(grammar))
             except ValueError as exc:
                 future.set_exception(exc)
-            except Exception as exc:  # llguidance's own failure: this request's, not the thread's
-                future.set_exception(ValueError(f"llguidance failed: {exc}"))
-            if self.on_compiled is not None:
-                self.on_compiled()
+            except BaseException as exc:  # llguidance's own failure (a Rust panic is not an
+                # Exception): this request's, not the thread's, which the others wait on
+                future.set_exception(ValueError(f"llguidance failed: {exc!r}"))
+            try:
+                if self.on_compiled is not None:
+                    self.on_compiled()
+            except Exception:
+                log.exception("waking the engine after a grammar's compile failed")
 
     def _build(self, grammar: str) -> Any:
         proto = llguidance.LLMatcher(self.tokenizer, grammar)
