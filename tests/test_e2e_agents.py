@@ -66,7 +66,7 @@ def agents(hermes_model_dir: Path, coder_model_dir: Path) -> Iterator[GatewayPro
         {"name": "hermes", "source": str(hermes_model_dir), "chat_template_kwargs": off},
         {"name": "coder", "source": str(coder_model_dir), "chat_template_kwargs": off},
     ]
-    with running_gateway(models, request_timeout_s=60.0) as gw:
+    with running_gateway(models, request_timeout_s=60.0, hosted_tools="omit") as gw:
         yield gw
 
 
@@ -250,11 +250,13 @@ def test_responses_stateless_turns_pass_their_sealed_reasoning_back(oai: openai.
     # as Codex sends its turns: store false, include reasoning.encrypted_content, and the
     # output items passed back; the sealed thinking of the turn in progress reaches the prompt
     tools: Any = [{"type": "function", "name": "get_weather", "parameters": WEATHER_SCHEMA}]
+    tools.append({"type": "web_search", "external_web_access": False})  # omitted here
     args: dict[str, Any] = {"model": "hermes", "tools": tools, "store": False}
     args |= {"include": ["reasoning.encrypted_content"], "max_output_tokens": 4}
     args["extra_body"] = {"client_metadata": {"x-codex-installation-id": "test"}}
     first = oai.responses.create(input="What is the weather in Oslo?", **args)
     assert first.status == "incomplete" and first.store is False
+    assert [tool.type for tool in first.tools] == ["function"]  # what the model was given
     call = {"type": "function_call", "call_id": "c1", "name": "get_weather"}
     call["arguments"] = '{"city": "Oslo", "days": 1}'
     turn: list[Any] = [{"role": "user", "content": "What is the weather in Oslo?"}, call]

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gateway.api.common import no_parameters
+from gateway.api.common import Unserved, no_parameters
 from gateway.api.relay import Choice
 from gateway.api.responses.formatter import ResponsesFormatter
 from gateway.api.responses.translate import canonical_of, check_request, input_items, new_response
@@ -18,11 +18,13 @@ from shared.types import (
     CanonicalRequest,
     ErrorCode,
     FinishReason,
+    ImagePart,
     Message,
     OutputFormat,
     Reasoning,
     RequestOutput,
     ResponseFormat,
+    TextPart,
     Tool,
     ToolCall,
     ToolChoice,
@@ -277,3 +279,51 @@ def test_sealed_reasoning_goes_back_and_forth() -> None:
 
 def _summary(text: str) -> dict[str, str]:
     return {"type": "summary_text", "text": text}
+
+
+def test_hosted_tools_are_refused_or_left_out_as_the_server_says() -> None:
+    # Codex declares its web_search (and may a freeform apply_patch) with every turn
+    tools = [
+        WEATHER,
+        {"type": "web_search", "external_web_access": False},
+        {"type": "custom", "name": "apply_patch", "format": {"type": "text"}},
+    ]
+    error = _refusal_of(lambda: check_request(_request(tools=tools)))
+    assert error.param == "tools[1].type" and 'server.hosted_tools = "omit"' in error.message
+    options = check_request(_request(tools=tools), omit_hosted=True)
+    assert [tool.name for tool in options.tools] == [WEATHER["name"]]
+    echoed = new_response(_request(tools=tools), options=options).tools
+    assert [tool["name"] for tool in echoed] == [WEATHER["name"]]  # what was served
+    assert _refusal_of(lambda: check_request(_request(tools=["x"]), True)).param == "tools[0]"
+
+
+def test_a_function_output_may_hold_images() -> None:
+    # a tool's screenshot (Codex's view_image): the tool message carries the image, for a
+    # vision model (a text model's request is refused, as for any image: `unserved`)
+    png = "data:image/png;base64,iVBORw0KGgo="
+    output = [
+        {"type": "input_text", "text": "the screen:"},
+        {"type": "input_image", "image_url": png, "detail": "original"},
+    ]
+    call = {"type": "function_call", "call_id": "c1", "name": "view_image", "arguments": "{}"}
+    result = {"type": "function_call_output", "call_id": "c1", "output": output}
+    body = _request(input=[{"role": "user", "content": "look"}, call, result])
+    unserved = Unserved()
+    items = input_items(body.input, unserved)  # type: ignore[arg-type]
+    assert "image" in unserved.features
+    bad = {**result, "output": [{"type": "input_file", "file_id": "f"}]}
+    refused = _refusal_of(lambda: _canonical(input=[call, bad]))
+    assert refused.param == "input[1].output[0].type" and "input_image" in refused.message
+    tool = canonical_of(body, [], items, check_request(body)).messages[-1]
+    assert tool.role == "tool" and tool.content == "the screen:" and tool.tool_call_id == "c1"
+    [text, image] = tool.parts
+    assert isinstance(text, TextPart) and isinstance(image, ImagePart)
+    assert image.where == "input[2].output[1].image_url" and image.detail == "high"  # original
+    text_only = {**result, "output": [{"type": "input_text", "text": "a"}, output[0]]}
+    assert _canonical(input=[call, text_only]).messages[-1].content == "athe screen:"
+
+
+def _refusal_of(call: Any) -> GatewayError:
+    with pytest.raises(GatewayError) as info:
+        call()
+    return info.value

@@ -43,8 +43,8 @@ class Options:
     reasoning: Reasoning | None
 
 
-def options_of(body: ResponsesRequest) -> Options:
-    tools = tools_of(body.tools or [])
+def options_of(body: ResponsesRequest, omit_hosted: bool = False) -> Options:
+    tools = tools_of(body.tools or [], omit_hosted)
     return Options(
         tools,
         tool_choice_of(body.tool_choice, tools, body.parallel_tool_calls),
@@ -64,17 +64,23 @@ def convert(value: Any, type_: type[T], where: str) -> T:
 # ---- tools -------------------------------------------------------------------------------
 
 
-def tools_of(raw: list[Any]) -> list[Tool]:
+def tools_of(raw: list[Any], omit_hosted: bool = False) -> list[Tool]:
+    """The function tools; a tool of another kind is a 400 naming it, or left out with
+    `omit_hosted` (server.hosted_tools = "omit")."""
     tools: list[Tool] = []
     for i, entry in enumerate(raw):
         where = f"tools[{i}]"
         if not isinstance(entry, dict):
             raise invalid(f"`{where}` must be an object", where)
         kind = entry.get("type")
+        if kind != "function" and omit_hosted and isinstance(kind, str):
+            continue
         if kind != "function":
             raise invalid(
                 f"`{where}.type` {kind!r} is not supported: only function tools are served "
-                "(OpenAI's hosted tools, custom and MCP tools are not)",
+                "(OpenAI's hosted tools, custom and MCP tools are not; the gateway can leave "
+                'them out instead: server.hosted_tools = "omit"; Codex: web_search = '
+                '"disabled" in its config)',
                 f"{where}.type",
             )
         tool = convert(entry, FunctionToolIn, where)

@@ -132,7 +132,7 @@ async def create_response(
     ctx = context_of(request.scope)
     log_body(state.config.server.log_bodies, ctx, raw)
     body = decode_body(raw, ResponsesRequest)
-    options = check_request(body)
+    options = check_request(body, state.config.server.hosted_tools == "omit")
     assert body.input is not None
     store = store_of(state)
     key = ctx.key if ctx else None

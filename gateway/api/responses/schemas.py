@@ -133,7 +133,8 @@ class ImagePartIn(_Body):
     type: Literal["input_image"]
     image_url: str | None = None
     file_id: str | None = None
-    detail: Literal["auto", "low", "high"] | None = None
+    # "original": Codex's own (full resolution), taken as "high"
+    detail: Literal["auto", "low", "high", "original"] | None = None
 
 
 class FunctionCallIn(_Body):
@@ -238,12 +239,13 @@ class FunctionCallItem(msgspec.Struct, kw_only=True, tag_field="type", tag="func
 class FunctionCallOutputItem(
     msgspec.Struct, kw_only=True, tag_field="type", tag="function_call_output"
 ):
-    """A call's result, as the client sent it (its text)."""
+    """A call's result, as the client sent it: its text, or its parts where it holds
+    images (a screenshot a tool took, say)."""
 
     id: str
     status: str = "completed"
     call_id: str
-    output: str
+    output: str | list[InputText | InputImage]
 
 
 OutputItem = MessageItem | ReasoningItem | FunctionCallItem

@@ -115,9 +115,10 @@ def unseal(blob: str, where: str) -> str | None:
         ) from None
 
 
-def check_request(body: ResponsesRequest) -> Options:
+def check_request(body: ResponsesRequest, omit_hosted: bool = False) -> Options:
     """Every documented field this gateway cannot honour is a 400 naming it; the options
-    it does honour (tools, formats, reasoning) are checked and returned."""
+    it does honour (tools, formats, reasoning) are checked and returned (`omit_hosted`:
+    tools of kinds no model here runs are left out, not refused)."""
     for value in body.include or []:
         if value not in INCLUDABLE:
             raise unsupported(
@@ -139,7 +140,7 @@ def check_request(body: ResponsesRequest) -> Options:
         raise invalid("`input` is required", "input")
     if isinstance(body.input, list) and not body.input:
         raise invalid("`input` must not be empty", "input")
-    return options_of(body)
+    return options_of(body, omit_hosted)
 
 
 def input_items(
@@ -194,11 +195,14 @@ def item_of(raw: dict[str, Any], where: str, unserved: Unserved) -> Item:
         )
     if kind == "function_call_output":
         result = convert(raw, FunctionCallOutputIn, where)
-        output = result.output
-        if not isinstance(output, str):
-            output = "".join(
-                _output_text(part, f"{where}.output[{j}]") for j, part in enumerate(output)
-            )
+        output: str | list[InputText | InputImage] = result.output  # type: ignore[assignment]
+        if not isinstance(result.output, str):
+            parts = [
+                _output_part(part, f"{where}.output[{j}]", unserved)
+                for j, part in enumerate(result.output)
+            ]
+            images = any(isinstance(part, InputImage) for part in parts)
+            output = parts if images else "".join(p.text for p in parts)  # type: ignore[union-attr]
         return FunctionCallOutputItem(
             id=result.id or new_id("fco"), call_id=result.call_id, output=output
         )
@@ -212,14 +216,19 @@ def item_of(raw: dict[str, Any], where: str, unserved: Unserved) -> Item:
     )
 
 
-def _output_text(part: dict[str, Any], where: str) -> str:
-    if part.get("type") != "input_text":
+def _output_part(part: dict[str, Any], where: str, unserved: Unserved) -> InputText | InputImage:
+    """A part of a function's output: text, or an image (for a vision model)."""
+    kind = part.get("type")
+    if kind == "input_image":
+        image = image_part(part, where, unserved)
+        return InputImage(part["image_url"], image.detail or "auto")
+    if kind != "input_text":
         raise invalid(
-            f"`{where}.type` {part.get('type')!r} is not supported: a function's output is "
-            "text (a string, or input_text parts)",
+            f"`{where}.type` {kind!r} is not supported: a function's output is text or images "
+            "(a string, or input_text and input_image parts)",
             f"{where}.type",
         )
-    return convert(part, TextPartIn, where).text
+    return InputText(convert(part, TextPartIn, where).text)
 
 
 def item_message(raw: dict[str, Any], where: str, unserved: Unserved) -> Message:
@@ -259,7 +268,8 @@ def image_part(raw: dict[str, Any], where: str, unserved: Unserved) -> ImagePart
     if part.image_url is None:
         field = "file_id" if part.file_id is not None else "image_url"
         raise unsupported(f"{where}.{field}", "an image needs `image_url` (files are not served)")
-    image = image_from_url(part.image_url, f"{where}.image_url", part.detail)
+    detail = "high" if part.detail == "original" else part.detail  # Codex's full resolution
+    image = image_from_url(part.image_url, f"{where}.image_url", detail)
     error = invalid(
         f"`{where}.type` 'input_image' is not supported: image input is not served",
         f"{where}.type",
@@ -272,14 +282,15 @@ def item_text(item: MessageItem) -> str:
     return "".join(part.text for part in item.content if not isinstance(part, InputImage))
 
 
-def _parts(item: MessageItem, where: str | None) -> list[Part]:
-    """A message item's content as neutral parts: its images named by their field in this
-    request's `input` (`where` the item's), or by `previous_response_id` for an item of the
-    conversation it was chained onto (an image fetched again is checked again)."""
+def _parts(content: list[Any], where: str | None) -> list[Part]:
+    """A message item's content (or a function output's parts) as neutral parts: its
+    images named by their field in this request's `input` (`where` the list's), or by
+    `previous_response_id` for an item of the conversation it was chained onto (an image
+    fetched again is checked again)."""
     parts: list[Part] = []
-    for j, part in enumerate(item.content):
+    for j, part in enumerate(content):
         if isinstance(part, InputImage):
-            field = f"{where}.content[{j}].image_url" if where else "previous_response_id"
+            field = f"{where}[{j}].image_url" if where else "previous_response_id"
             parts.append(image_from_url(part.image_url, field, part.detail))
         else:
             parts.append(TextPart(part.text))
@@ -297,11 +308,16 @@ def message_of(item: Item, where: str | None = None) -> Message:
     request's `input` (None: an item of an earlier response)."""
     if isinstance(item, MessageItem):
         role = "system" if item.role == "developer" else item.role
-        return Message(role, item_text(item), parts=media_parts(_parts(item, where)))
+        content = f"{where}.content" if where else None
+        return Message(role, item_text(item), parts=media_parts(_parts(item.content, content)))
     if isinstance(item, FunctionCallItem):
         return Message("assistant", tool_calls=[ToolCall(item.call_id, item.name, item.arguments)])
     if isinstance(item, FunctionCallOutputItem):
-        return Message("tool", item.output, tool_call_id=item.call_id)
+        if isinstance(item.output, str):
+            return Message("tool", item.output, tool_call_id=item.call_id)
+        parts = _parts(item.output, f"{where}.output" if where else None)
+        text = "".join(part.text for part in item.output if isinstance(part, InputText))
+        return Message("tool", text, parts=media_parts(parts), tool_call_id=item.call_id)
     return Message("assistant", reasoning=reasoning_text(item))
 
 
