@@ -7,6 +7,7 @@ compatibility rule: fields are only ever appended, always with defaults.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -185,11 +186,18 @@ class ResponseFormat(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 class Reasoning(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Thinking, for models whose template has it: on or off (None: the template's
     default), at most `budget_tokens` of it, and an effort level for templates that take
-    one (gpt-oss's `reasoning_effort`)."""
+    one (gpt-oss's `reasoning_effort`). `adaptive` (Anthropic's): the model decides, so a
+    model without thinking serves it without any (it asks for no capability)."""
 
     enabled: bool | None = None
     budget_tokens: int | None = None
     effort: str | None = None
+    adaptive: bool = False
+
+    @property
+    def required(self) -> bool:
+        """It asks for thinking a model must have."""
+        return self != Reasoning(enabled=False) and self != Reasoning(True, adaptive=True)
 
 
 class CanonicalRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -242,7 +250,7 @@ class CanonicalRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         fmt = self.response_format
         if fmt is not None and fmt.type is not OutputFormat.TEXT:
             needs.append("structured_output")
-        if self.reasoning is not None and self.reasoning != Reasoning(enabled=False):
+        if self.reasoning is not None and self.reasoning.required:
             needs.append("reasoning")
         parts = [part for message in self.messages for part in message.parts]
         if any(isinstance(part, ImagePart) for part in parts):
@@ -302,6 +310,31 @@ class RequestError(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     code: ErrorCode
     message: str
     param: str | None = None
+
+
+def context_exceeded(max_context: int, prompt: int, requested: int) -> str:
+    """A CONTEXT_LENGTH_EXCEEDED error's message, in OpenAI's words (which clients parse);
+    context_figures reads its numbers back, for protocols that say it their own way."""
+    return (
+        f"This model's maximum context length is {max_context} tokens. However, you requested "
+        f"{prompt + requested} tokens ({prompt} in the prompt, {requested} for the completion)."
+        " Please reduce the length of the prompt or of max_tokens."
+    )
+
+
+_CONTEXT = re.compile(
+    r"maximum context length is (\d+) tokens\. However, you requested \d+ tokens "
+    r"\((\d+) in the prompt, (\d+) for the completion\)"
+)
+
+
+def context_figures(message: str) -> tuple[int, int, int] | None:
+    """(max_context, prompt, requested) of a context_exceeded message; None: not one."""
+    found = _CONTEXT.search(message)
+    if found is None:
+        return None
+    limit, prompt, requested = (int(group) for group in found.groups())
+    return limit, prompt, requested
 
 
 class TopLogprob(msgspec.Struct, array_like=True, gc=False):

@@ -160,14 +160,14 @@ def test_server_tools_are_refused_as_such() -> None:
             {"type": "enabled", "budget_tokens": 16, "display": "summarized"},
             Reasoning(enabled=True, budget_tokens=16),
         ),
-        ({"type": "adaptive"}, Reasoning(enabled=True)),
+        ({"type": "adaptive"}, Reasoning(enabled=True, adaptive=True)),
         ({"type": "disabled"}, Reasoning(enabled=False)),
     ],
 )
 def test_thinking_maps(thinking: dict[str, Any], expected: Reasoning) -> None:
     canonical = create(thinking=thinking, max_tokens=2048)
     assert canonical.reasoning == expected
-    assert canonical.needs() == ([] if expected.enabled is False else ["reasoning"])
+    assert canonical.needs() == ([] if not expected.required else ["reasoning"])
 
 
 def test_no_thinking_leaves_it_to_the_template() -> None:
@@ -241,8 +241,7 @@ def test_a_tool_use_round_trip_is_served() -> None:
         ({"tools": [CLOCK], "tool_choice": {"type": "none"}}, True, True),
         ({"thinking": {"type": "disabled"}}, True, True),
         ({"tools": [CLOCK]}, False, True),
-        ({"thinking": {"type": "adaptive"}}, False, True),
-        ({"thinking": {"type": "adaptive", "display": "omitted"}}, False, False),
+        ({"thinking": {"type": "adaptive"}}, True, True),  # the model decides: it does not
         ({"thinking": {"type": "enabled", "budget_tokens": 9, "display": "omitted"}}, False, False),
     ],
 )

@@ -211,7 +211,8 @@ def test_bad_text_blocks_are_named() -> None:
         ({"top_k": -1}, "top_k"),
         ({"service_tier": "priority"}, "service_tier"),
         ({"metadata": {"user_id": "u", "session": "s"}}, "metadata.session"),
-        ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "system", "content": "x"}]}, "messages"),  # nothing to answer
         ({"system": [{"type": "image", "source": {}}]}, "system"),
         ({"stop_sequences": ["s"] * 17}, "stop_sequences"),  # checked at every token
         ({"stop_sequences": ["s" * 1025]}, "stop_sequences"),
@@ -222,7 +223,7 @@ def test_refusals_name_the_field(fields: dict[str, Any], param: str) -> None:
     assert error.param is not None and error.param.startswith(param), error.param
 
 
-@pytest.mark.parametrize("field", ["speed", "container", "output_config", "n", "logprobs"])
+@pytest.mark.parametrize("field", ["speed", "container", "mcp_servers", "n", "logprobs"])
 def test_unknown_fields_are_named(field: str) -> None:
     error = refused(**{field: 1})
     assert error.param == field

@@ -244,6 +244,38 @@ def test_accepted_fields_and_headers(gateway: GatewayProc) -> None:
     assert r.model == "chat-alias" and r.usage.output_tokens >= 1
 
 
+def test_claude_code_s_requests_are_served(claude: anthropic.Anthropic) -> None:
+    # what Claude Code sends with every request, to a model with no thinking (the session's
+    # "chat"): adaptive thinking, context editing, its billing block (whose checksum changes
+    # every request, and which must not end the prefix the turns share), a system message
+    # in the conversation; its 32000 max_tokens, past the 2048-token context, is refused in
+    # the words it reads to retry with fewer
+    system: list[Any] = [
+        {"type": "text", "text": "x-anthropic-billing-header: cc_version=2; cch=0a1b2;"},
+        {"type": "text", "text": "You are a helpful assistant. " * 40},
+    ]
+    fields: dict[str, Any] = {
+        "model": "chat",
+        "system": system,
+        "thinking": {"type": "adaptive"},
+        "extra_body": {
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}
+        },
+    }
+    messages: list[Any] = [
+        {"role": "user", "content": "Tell me about the sea."},
+        {"role": "system", "content": "Agents: explore."},  # a system message (2.1.154+)
+    ]
+    with pytest.raises(anthropic.BadRequestError) as info:
+        claude.messages.create(messages=messages, max_tokens=32000, stream=True, **fields)
+    assert "input length and `max_tokens` exceed context limit: " in str(info.value)
+    first = claude.messages.create(messages=messages, max_tokens=2, **fields)
+    assert first.content[0].type == "text"  # answered without thinking
+    system[0]["text"] = "x-anthropic-billing-header: cc_version=2; cch=9f8e7;"
+    again = claude.messages.create(messages=messages, max_tokens=2, **fields)
+    assert again.usage.cache_read_input_tokens >= 100  # the shared prefix, its system included
+
+
 # ---- errors -------------------------------------------------------------------------------
 
 
@@ -323,7 +355,7 @@ def test_error_before_the_first_byte_is_a_plain_http_error(claude: anthropic.Ant
         claude.messages.create(model="other", messages=MESSAGES, max_tokens=5000, stream=True)
     body = info.value.body
     assert isinstance(body, dict) and body["type"] == "error"
-    assert "context length" in body["error"]["message"]
+    assert "exceed context limit" in body["error"]["message"]
 
 
 # ---- a failure mid-stream -------------------------------------------------------------------

@@ -20,6 +20,7 @@ from shared.types import (
     RequestKind,
     SamplingParams,
     ToolChoiceMode,
+    context_exceeded,
     reserved_template_kwarg,
 )
 from worker.backends.formats import ModelFormats, arguments_object, model_formats, template_tools
@@ -105,6 +106,7 @@ class Preprocessor:
             self.on_compiled()
 
     def __call__(self, frame: Add) -> PreparedRequest:
+        frame = msgspec.structs.replace(frame, request=self._served(frame.request))
         param = _prompt_param(frame)
         self._check_token_ids(frame.sampling)
         self._check_features(frame.kind, frame.request)
@@ -133,6 +135,14 @@ class Preprocessor:
         return prepared
 
     # ---- tools, thinking, structured output ------------------------------------------
+
+    def _served(self, request: CanonicalRequest) -> CanonicalRequest:
+        """The request as this model serves it: thinking left to the model (adaptive) is
+        none for a model that does not think."""
+        reasoning = request.reasoning
+        if reasoning is not None and reasoning.adaptive and not self.formats.thinking:
+            return msgspec.structs.replace(request, reasoning=None)
+        return request
 
     def _check_features(self, kind: RequestKind, request: CanonicalRequest) -> None:
         """A 400 naming what this model cannot do (the gateway checks first, from Ready)."""
@@ -246,6 +256,7 @@ class Preprocessor:
             request = msgspec.convert(args["request"], CanonicalRequest)
         except (KeyError, ValueError, msgspec.ValidationError) as exc:
             raise _invalid(f"bad tokenize call: {exc}") from exc
+        request = self._served(request)
         self._check_features(kind, request)  # counted as a request would be served
         # whole: a call here is not one of the prompts the memo's checks take (rank 0 of a
         # sharded group answers these alone, and its ranks must decide alike on segments)
@@ -379,10 +390,7 @@ class Preprocessor:
             raise PreprocessError(
                 RequestError(
                     ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                    f"This model's maximum context length is {self.max_context} tokens. "
-                    f"However, you requested {prompt_len + requested} tokens "
-                    f"({prompt_len} in the prompt, {requested} for the completion). "
-                    "Please reduce the length of the prompt or of max_tokens.",
+                    context_exceeded(self.max_context, prompt_len, requested),
                     param,
                 )
             )

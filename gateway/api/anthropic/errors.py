@@ -8,7 +8,9 @@ from litestar import Request, Response
 from gateway.api import http
 from gateway.api.anthropic.schemas import ErrorBody, ErrorDetail
 from gateway.errors import GatewayError
-from shared.types import ErrorCode
+from shared.types import ErrorCode, context_figures
+
+CONTEXT = ErrorCode.CONTEXT_LENGTH_EXCEEDED
 
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
 TYPES = {
@@ -29,7 +31,23 @@ def error_json(error: GatewayError) -> bytes:
     kind = TYPES.get(error.status, "api_error")
     if error.status == 503 and error.code != ErrorCode.OVERLOADED:
         kind = "api_error"
-    return msgspec.json.encode(ErrorBody(ErrorDetail(kind, error.message)))
+    return msgspec.json.encode(ErrorBody(ErrorDetail(kind, _message(error))))
+
+
+def _message(error: GatewayError) -> str:
+    """The message; a context overflow in Anthropic's own words, which clients read: Claude
+    Code retries with a smaller max_tokens on the first, and compacts its conversation on
+    the second."""
+    figures = context_figures(error.message) if error.code == CONTEXT else None
+    if figures is None:
+        return error.message
+    limit, prompt, requested = figures
+    if prompt >= limit:
+        return f"prompt is too long: {prompt} tokens > {limit} maximum"
+    return (
+        f"input length and `max_tokens` exceed context limit: {prompt} + {requested} > "
+        f"{limit}, decrease input length or `max_tokens` and try again"
+    )
 
 
 def error_response(request: Request, exc: GatewayError) -> Response[bytes]:

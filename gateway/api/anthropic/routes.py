@@ -61,7 +61,7 @@ async def create_message(request: Request[Any, Any, Any], state: State) -> Respo
     ctx = context_of(request.scope)
     log_body(state.config.server.log_bodies, ctx, raw)
     body = decode_body(raw, MessagesRequest)
-    canonical, sampling = messages_request(body)
+    canonical, sampling = messages_request(body, state.config.server.hosted_tools == "omit")
     user = body.metadata.user_id if body.metadata else None
     served = Served(
         body.model, RequestKind.CHAT, [Job(canonical, sampling)], stream=body.stream, user=user
@@ -84,7 +84,7 @@ async def count_tokens(request: Request[Any, Any, Any], state: State) -> Respons
     raw = await request.body()
     log_body(state.config.server.log_bodies, context_of(request.scope), raw)
     body = decode_body(raw, CountTokensRequest)
-    canonical = prompt_request(body)
+    canonical = prompt_request(body, state.config.server.hosted_tools == "omit")
     result = await tokenize_prompt(state, request, body.model, RequestKind.CHAT, canonical)
     return Response(count_tokens_body(result["count"]), media_type=JSON)
 

@@ -80,7 +80,9 @@ class ThinkingBlock(_Body):
 
 
 class MessageParam(_Body):
-    role: Literal["user", "assistant"]
+    # "system": instructions in the conversation (Claude Code sends its agents and skills
+    # so): added to the system prompt, in order
+    role: Literal["user", "assistant", "system"]
     # A string, or a list of content blocks (checked one by one in translate).
     content: str | list[dict[str, Any]]
 
@@ -143,6 +145,30 @@ class Metadata(_Body):
     user_id: str | None = None  # an opaque end-user id: accepted, not used
 
 
+class ThinkingTurns(_Body, tag="thinking_turns", tag_field="type"):
+    value: PosInt
+
+
+class ClearThinking(_Body, tag="clear_thinking_20251015", tag_field="type"):
+    """Context editing: the thinking of all but the last `keep` assistant turns is left
+    out of the prompt ("all": none is; Anthropic's default: the last turn's is kept)."""
+
+    keep: Literal["all"] | ThinkingTurns = msgspec.field(default_factory=lambda: ThinkingTurns(1))
+
+
+class ContextManagement(_Body):
+    # each checked in translate: clear_thinking_20251015 is served, other edits are a 400
+    edits: list[dict[str, Any]] = []
+
+
+class OutputConfig(_Body):
+    """`effort` (reaches templates that take an effort level; "max" is their highest,
+    "high") and `format` (a JSON schema the answer must follow)."""
+
+    effort: Literal["low", "medium", "high", "max"] | None = None
+    format: dict[str, Any] | None = None
+
+
 class PromptFields(_Body):
     """Fields shared by /v1/messages and /v1/messages/count_tokens."""
 
@@ -154,6 +180,8 @@ class PromptFields(_Body):
     thinking: ThinkingParam | None = None
     # Automatic prompt caching's request-level breakpoint: accepted and ignored, as on blocks.
     cache_control: dict[str, Any] | None = None
+    context_management: ContextManagement | None = None
+    output_config: OutputConfig | None = None
 
 
 class MessagesRequest(PromptFields, kw_only=True):

@@ -26,8 +26,9 @@ def _tool(raw: dict[str, Any], where: str) -> ToolDef:
     kind = raw.get("type")
     if kind is not None and kind != "custom":
         raise invalid(
-            f"`{where}.type` is {kind!r}: server tools are not served; a client tool has "
-            "`name`, `description` and `input_schema` (and no `type`, or 'custom')",
+            f"`{where}.type` is {kind!r}: server tools are not served (or left out, with "
+            'server.hosted_tools = "omit"); a client tool has `name`, `description` and '
+            "`input_schema` (and no `type`, or 'custom')",
             f"{where}.type",
         )
     try:
@@ -43,12 +44,16 @@ def _tool(raw: dict[str, Any], where: str) -> ToolDef:
     return tool
 
 
-def tools_of(raw: list[dict[str, Any]] | None) -> list[Tool]:
-    """The request's tools, each checked; a 400 names the first bad one's field."""
+def tools_of(raw: list[dict[str, Any]] | None, omit_hosted: bool = False) -> list[Tool]:
+    """The request's tools, each checked; a 400 names the first bad one's field. Server
+    tools are refused, or left out with `omit_hosted` (server.hosted_tools = "omit")."""
     tools: list[Tool] = []
     seen: dict[str, int] = {}
     for i, entry in enumerate(raw or []):
         where = f"tools[{i}]"
+        kind = entry.get("type") if isinstance(entry, dict) else None
+        if omit_hosted and isinstance(kind, str) and kind != "custom":
+            continue
         tool = _tool(entry, where)
         if tool.name in seen:
             raise invalid(

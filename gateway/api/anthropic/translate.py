@@ -10,9 +10,12 @@ import msgspec
 
 from gateway.api.anthropic.formatter import MessagesFormatter
 from gateway.api.anthropic.schemas import (
+    ClearThinking,
+    ContextManagement,
     ImageBlock,
     MessageParam,
     MessagesRequest,
+    OutputConfig,
     PromptFields,
     TextBlock,
     ThinkingAdaptive,
@@ -38,7 +41,9 @@ from shared.types import (
     CanonicalRequest,
     ImagePart,
     Message,
+    OutputFormat,
     Reasoning,
+    ResponseFormat,
     SamplingParams,
     TextPart,
     ToolCall,
@@ -48,6 +53,7 @@ from shared.types import ContentPart as Part
 T = TypeVar("T")
 
 MESSAGES_PATH = "/v1/messages"  # error bodies in Anthropic's shape
+BILLING = "x-anthropic-billing-header:"  # Claude Code's first system block
 # A tool_result with is_error: what the model reads before its content
 ERROR_PREFIX = "Error: "
 
@@ -174,50 +180,138 @@ def _messages(index: int, message: MessageParam, unserved: Unserved) -> list[Mes
     return turn.messages()
 
 
-def _system(system: str | list[TextBlock] | None) -> str:
+def _system(system: str | list[TextBlock] | None, more: list[str]) -> str:
+    """The system prompt: `system`'s blocks, then the conversation's system messages
+    (`more`), a blank line apart. Claude Code's billing block (a line for Anthropic's
+    servers whose checksum changes with every request) is left out: it would end the
+    prefix that every turn shares at its first line."""
     if system is None:
-        return ""
-    if isinstance(system, str):
-        return system
-    return "".join(block.text for block in system)
+        blocks = ""
+    elif isinstance(system, str):
+        blocks = system
+    else:
+        blocks = _joined([block.text for block in system if not block.text.startswith(BILLING)])
+    return "\n\n".join(text for text in [blocks, *more] if text)
+
+
+def _joined(texts: list[str]) -> str:
+    """Text blocks as one text: as written where a block ends or starts with a space, else a
+    line apart (blocks that are paragraphs of their own must not run together)."""
+    joined = ""
+    for text in texts:
+        apart = joined and text and not joined[-1].isspace() and not text[0].isspace()
+        joined += ("\n" if apart else "") + text
+    return joined
+
+
+def _system_message(index: int, message: MessageParam) -> str:
+    """A system message of the conversation: its text (text blocks only)."""
+    if isinstance(message.content, str):
+        return message.content
+    texts = []
+    for j, block in enumerate(message.content):
+        where = f"messages[{index}].content[{j}]"
+        if block.get("type") != "text":
+            raise invalid(f"`{where}`: a system message holds text blocks only", f"{where}.type")
+        texts.append(_convert(block, TextBlock, where).text)
+    return "\n\n".join(texts)
+
+
+def _kept_thinking(edits: ContextManagement | None) -> int | None:
+    """How many of the latest assistant turns keep their thinking (None: all)."""
+    keep: int | None = None
+    for i, raw in enumerate(edits.edits if edits is not None else []):
+        where = f"context_management.edits[{i}]"
+        if raw.get("type") != "clear_thinking_20251015":
+            raise invalid(
+                f"`{where}.type` {raw.get('type')!r} is not served: only clear_thinking_20251015 "
+                "(nothing else is cleared from the context here)",
+                f"{where}.type",
+            )
+        edit = _convert(raw, ClearThinking, where)
+        keep = None if edit.keep == "all" else edit.keep.value
+    return keep
+
+
+def _clear_thinking(messages: list[Message], keep: int | None) -> list[Message]:
+    """The thinking of all but the last `keep` assistant turns that thought, left out."""
+    if keep is None:
+        return messages
+    thought = [i for i, m in enumerate(messages) if m.role == "assistant" and m.reasoning]
+    cleared = set(thought[: max(0, len(thought) - keep)])
+    return [
+        msgspec.structs.replace(m, reasoning=None) if i in cleared else m
+        for i, m in enumerate(messages)
+    ]
+
+
+def _output_config(
+    config: OutputConfig | None, reasoning: Reasoning | None
+) -> tuple[Reasoning | None, ResponseFormat | None]:
+    """`effort` into the thinking's settings, `format` as the answer's JSON schema."""
+    if config is None:
+        return reasoning, None
+    if config.effort is not None:
+        effort = "high" if config.effort == "max" else config.effort
+        reasoning = msgspec.structs.replace(reasoning or Reasoning(), effort=effort)
+    fmt = config.format
+    if fmt is None:
+        return reasoning, None
+    param = "output_config.format"
+    if fmt.get("type") != "json_schema" or set(fmt) - {"type", "schema"}:
+        raise invalid(f'`{param}` must be {{"type": "json_schema", "schema": {{...}}}}', param)
+    schema = fmt.get("schema")
+    if not isinstance(schema, dict):
+        raise invalid(f"`{param}.schema` must be a JSON schema object", f"{param}.schema")
+    return reasoning, ResponseFormat(OutputFormat.JSON_SCHEMA, schema, None, True, param)
 
 
 def _reasoning(thinking: ThinkingParam | None) -> Reasoning | None:
-    """`enabled` (with its budget) and `adaptive` turn thinking on, `disabled` off; left
-    out, the model's template decides."""
+    """`enabled` (with its budget) turns thinking on, `disabled` off; `adaptive` leaves it
+    to the model: on where it thinks, none where it cannot (Claude Code sends it with every
+    request); left out, the model's template decides."""
     if thinking is None:
         return None
     if isinstance(thinking, ThinkingDisabled):
         return Reasoning(enabled=False)
     if isinstance(thinking, ThinkingEnabled):
         return Reasoning(enabled=True, budget_tokens=thinking.budget_tokens)
-    return Reasoning(enabled=True)
+    return Reasoning(enabled=True, adaptive=True)
 
 
-def prompt_request(req: PromptFields) -> CanonicalRequest:
+def prompt_request(req: PromptFields, omit_hosted: bool = False) -> CanonicalRequest:
     """The chat request the messages, system prompt, tools and thinking make. A last
     assistant message is a prefill: the model continues it (an empty one is no prefill: a
-    new assistant turn)."""
-    if not req.messages:
-        raise invalid("`messages` must not be empty", "messages")
+    new assistant turn). `omit_hosted`: server tools are left out, not refused."""
     unserved = Unserved()
-    messages = [msg for i, m in enumerate(req.messages) for msg in _messages(i, m, unserved)]
+    messages: list[Message] = []
+    instructions: list[str] = []  # the conversation's system messages
+    for i, message in enumerate(req.messages):
+        if message.role == "system":
+            instructions.append(_system_message(i, message))
+        else:
+            messages += _messages(i, message, unserved)
+    if not messages:
+        raise invalid("`messages` must hold a user or assistant message", "messages")
     unserved.refuse()
     last = messages[-1]
     if len(messages) > 1 and last.role == "assistant" and not last.content and not last.extras():
         messages.pop()
-    system = _system(req.system)
+    messages = _clear_thinking(messages, _kept_thinking(req.context_management))
+    system = _system(req.system, instructions)
     if system:
         messages.insert(0, Message(role="system", content=system))
     prefill = messages[-1].role == "assistant"
-    tools = tools_of(req.tools)
+    tools = tools_of(req.tools, omit_hosted)
+    reasoning, fmt = _output_config(req.output_config, _reasoning(req.thinking))
     return CanonicalRequest(
         messages=messages,
         add_generation_prompt=not prefill,
         chat_template_kwargs={"continue_final_message": True} if prefill else {},
         tools=tools,
         tool_choice=tool_choice_of(req.tool_choice, tools),
-        reasoning=_reasoning(req.thinking),
+        response_format=fmt,
+        reasoning=reasoning,
     )
 
 
@@ -238,9 +332,11 @@ def _check_budget(req: MessagesRequest) -> None:
         )
 
 
-def messages_request(req: MessagesRequest) -> tuple[CanonicalRequest, SamplingParams]:
+def messages_request(
+    req: MessagesRequest, omit_hosted: bool = False
+) -> tuple[CanonicalRequest, SamplingParams]:
     _check_budget(req)
-    canonical = prompt_request(req)
+    canonical = prompt_request(req, omit_hosted)
     params = sampling(
         req.max_tokens,
         req.temperature,
