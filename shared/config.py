@@ -212,10 +212,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     # ended dropped beyond responses_max_stored, each kept responses_ttl after it completed.
     responses_max_stored: int = 1000
     responses_ttl: Duration = 3600.0
-    # The Responses API's tools of kinds no model here runs (OpenAI's hosted web_search,
-    # file_search..., custom, MCP, local_shell): a 400 naming them, or left out of the
-    # prompt and of the response's `tools` ("omit": for agents that always declare some,
-    # as Codex its web_search).
+    # Tools of kinds no model here runs (the Responses API's hosted web_search, file_search,
+    # custom, MCP, local_shell...; Anthropic's server tools): a 400 naming them, or left out
+    # of the prompt ("omit": for agents that always declare some, as Codex its web_search).
     hosted_tools: Literal["refuse", "omit"] = "refuse"
     # Images in chat requests (vision models): each one's bytes (a data URL's or a fetched
     # URL's) and pixels at most, images per request at most, and the gateway's fetch of an
