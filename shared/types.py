@@ -186,18 +186,22 @@ class ResponseFormat(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 class Reasoning(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Thinking, for models whose template has it: on or off (None: the template's
     default), at most `budget_tokens` of it, and an effort level for templates that take
-    one (gpt-oss's `reasoning_effort`). `adaptive` (Anthropic's): the model decides, so a
-    model without thinking serves it without any (it asks for no capability)."""
+    one (gpt-oss's `reasoning_effort`). `advisory` (Anthropic's adaptive thinking and its
+    effort, which are guidance): what the model cannot do is left out, no thinking for a
+    model without, no effort level for a template that takes none; only a budget is asked
+    of it."""
 
     enabled: bool | None = None
     budget_tokens: int | None = None
     effort: str | None = None
-    adaptive: bool = False
+    advisory: bool = False
 
     @property
     def required(self) -> bool:
         """It asks for thinking a model must have."""
-        return self != Reasoning(enabled=False) and self != Reasoning(True, adaptive=True)
+        if self.advisory:
+            return self.budget_tokens is not None
+        return self != Reasoning(enabled=False)
 
 
 class CanonicalRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

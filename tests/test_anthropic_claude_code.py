@@ -78,7 +78,7 @@ def test_adaptive_thinking_is_the_model_s_to_decide() -> None:
     # answers (it asks for no capability)
     req = request(thinking={"type": "adaptive", "display": "omitted"})
     canonical = messages_request(req)[0]
-    assert canonical.reasoning == Reasoning(enabled=True, adaptive=True)
+    assert canonical.reasoning == Reasoning(advisory=True)  # the deployment's default
     assert "reasoning" not in canonical.needs()
     thinker = messages_formatter(req, canonical, model_thinks=True)
     assert (thinker.text_first, thinker.show_thinking) == (False, False)
@@ -112,6 +112,30 @@ def test_context_management_clears_the_older_turns_thinking(
     assert [m.reasoning for m in canonical.messages if m.role == "assistant"] == kept
 
 
+def test_a_tool_loop_is_one_turn_whose_thinking_is_kept_whole() -> None:
+    def step(i: int) -> list[dict[str, Any]]:
+        use = {"type": "tool_use", "id": f"c{i}", "name": "Read", "input": {}}
+        thought = {"type": "thinking", "thinking": f"step {i}", "signature": ""}
+        result = {"type": "tool_result", "tool_use_id": f"c{i}", "content": "ok"}
+        return [
+            {"role": "assistant", "content": [thought, use]},
+            {"role": "user", "content": [result]},
+        ]
+
+    messages = [*_thinking_turns()[:2], {"role": "user", "content": "go"}, *step(1), *step(2)]
+    edits = {"edits": [{"type": "clear_thinking_20251015"}]}  # keep the last turn's
+    canonical = create(messages=messages, context_management=edits)
+    thoughts = [m.reasoning for m in canonical.messages if m.role == "assistant"]
+    assert thoughts == [None, "step 1", "step 2"]  # the loop's steps are the last turn
+
+
+def test_a_system_message_last_asks_for_a_new_turn_not_a_continuation() -> None:
+    messages = [*USER, {"role": "assistant", "content": "Sure"}, {"role": "system", "content": "x"}]
+    canonical = create(messages=messages)
+    assert canonical.add_generation_prompt and canonical.chat_template_kwargs == {}
+    assert not create(messages=messages[:2]).add_generation_prompt  # a prefill
+
+
 def test_context_edits_not_served_are_named() -> None:
     edit = {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 1}}
     error = refused(context_management={"edits": [edit]})
@@ -121,9 +145,14 @@ def test_context_edits_not_served_are_named() -> None:
 
 
 def test_output_config_effort_and_format() -> None:
+    # effort is guidance: a template that takes none goes without (worker: Preprocessor)
     canonical = create(output_config={"effort": "max"}, thinking={"type": "adaptive"})
-    assert canonical.reasoning == Reasoning(enabled=True, effort="high", adaptive=True)
-    assert "reasoning" in canonical.needs()  # an effort level asks the template for one
+    assert canonical.reasoning == Reasoning(effort="high", advisory=True)
+    assert "reasoning" not in canonical.needs()
+    budget = {"type": "enabled", "budget_tokens": 1024}
+    thinking = create(output_config={"effort": "low"}, thinking=budget).reasoning
+    assert thinking == Reasoning(True, 1024, "low", advisory=True)
+    assert thinking is not None and thinking.required  # a budget asks for thinking
     schema = {"type": "object", "properties": {"title": {"type": "string"}}}
     fmt = create(output_config={"format": {"type": "json_schema", "schema": schema}})
     assert fmt.response_format is not None

@@ -160,7 +160,7 @@ def test_server_tools_are_refused_as_such() -> None:
             {"type": "enabled", "budget_tokens": 16, "display": "summarized"},
             Reasoning(enabled=True, budget_tokens=16),
         ),
-        ({"type": "adaptive"}, Reasoning(enabled=True, adaptive=True)),
+        ({"type": "adaptive"}, Reasoning(advisory=True)),
         ({"type": "disabled"}, Reasoning(enabled=False)),
     ],
 )

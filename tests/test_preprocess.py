@@ -385,3 +385,22 @@ def test_a_template_that_made_no_ids_is_a_400_naming_chat_template_kwargs(made: 
     with pytest.raises(PreprocessError) as info:
         _template_ids(made)
     assert info.value.error.param == "chat_template_kwargs"
+
+
+def test_advisory_thinking_settings_leave_out_what_the_model_cannot_do(
+    preprocess: Preprocessor, hermes: Loaded
+) -> None:
+    # Anthropic's adaptive thinking and effort are guidance (Claude Code sends them with
+    # every request): a model without thinking answers plainly, a thinking template that
+    # takes no effort level thinks without one; asked for as such, each is a 400
+    advisory = Reasoning(effort="high", advisory=True)
+    request = CanonicalRequest(messages=USER_HI, reasoning=advisory)
+    plain = preprocess(add_frame(RequestKind.CHAT, request))  # "chat": no thinking
+    assert plain.guide is None
+    thinker = Preprocessor(hermes.tokenizer, EngineOptions(), max_context=4096)
+    thinks = thinker(add_frame(RequestKind.CHAT, request))
+    assert thinks.parser is not None and thinks.parser.in_reasoning  # its default: on
+    asked = CanonicalRequest(messages=USER_HI, reasoning=Reasoning(effort="high"))
+    assert preprocess_error(thinker, add_frame(RequestKind.CHAT, asked)).error.param == (
+        "reasoning_effort"
+    )

@@ -137,12 +137,17 @@ class Preprocessor:
     # ---- tools, thinking, structured output ------------------------------------------
 
     def _served(self, request: CanonicalRequest) -> CanonicalRequest:
-        """The request as this model serves it: thinking left to the model (adaptive) is
-        none for a model that does not think."""
+        """The request as this model serves it: advisory thinking settings (Anthropic's)
+        without what it cannot do: none for a model that does not think, no effort level
+        for a template that takes none."""
         reasoning = request.reasoning
-        if reasoning is not None and reasoning.adaptive and not self.formats.thinking:
+        if reasoning is None or not reasoning.advisory:
+            return request
+        if not self.formats.thinking:
             return msgspec.structs.replace(request, reasoning=None)
-        return request
+        if reasoning.effort is not None and not self.formats.takes_effort:
+            reasoning = msgspec.structs.replace(reasoning, effort=None)
+        return msgspec.structs.replace(request, reasoning=reasoning)
 
     def _check_features(self, kind: RequestKind, request: CanonicalRequest) -> None:
         """A 400 naming what this model cannot do (the gateway checks first, from Ready)."""

@@ -162,10 +162,10 @@ class ContextManagement(_Body):
 
 
 class OutputConfig(_Body):
-    """`effort` (reaches templates that take an effort level; "max" is their highest,
-    "high") and `format` (a JSON schema the answer must follow)."""
+    """`effort` (guidance: reaches templates that take an effort level, as "high" for
+    "xhigh" and "max", their highest) and `format` (a JSON schema the answer follows)."""
 
-    effort: Literal["low", "medium", "high", "max"] | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
     format: dict[str, Any] | None = None
 
 

@@ -237,10 +237,16 @@ def _clear_thinking(messages: list[Message], keep: int | None) -> list[Message]:
     """The thinking of all but the last `keep` assistant turns that thought, left out."""
     if keep is None:
         return messages
-    thought = [i for i, m in enumerate(messages) if m.role == "assistant" and m.reasoning]
-    cleared = set(thought[: max(0, len(thought) - keep)])
+    # a turn: from a user's message to the next (a tool loop's steps, the results between
+    # them, are one turn)
+    turns, turn = [], 0
+    for message in messages:
+        turn += message.role == "user"
+        turns.append(turn)
+    thought = sorted({turns[i] for i, m in enumerate(messages) if m.reasoning})
+    kept = set(thought[max(0, len(thought) - keep) :])
     return [
-        msgspec.structs.replace(m, reasoning=None) if i in cleared else m
+        msgspec.structs.replace(m, reasoning=None) if m.reasoning and turns[i] not in kept else m
         for i, m in enumerate(messages)
     ]
 
@@ -251,9 +257,10 @@ def _output_config(
     """`effort` into the thinking's settings, `format` as the answer's JSON schema."""
     if config is None:
         return reasoning, None
-    if config.effort is not None:
-        effort = "high" if config.effort == "max" else config.effort
-        reasoning = msgspec.structs.replace(reasoning or Reasoning(), effort=effort)
+    if config.effort is not None:  # guidance: a template that takes none goes without
+        effort = "high" if config.effort in ("xhigh", "max") else config.effort
+        given = reasoning or Reasoning()
+        reasoning = msgspec.structs.replace(given, effort=effort, advisory=True)
     fmt = config.format
     if fmt is None:
         return reasoning, None
@@ -268,15 +275,15 @@ def _output_config(
 
 def _reasoning(thinking: ThinkingParam | None) -> Reasoning | None:
     """`enabled` (with its budget) turns thinking on, `disabled` off; `adaptive` leaves it
-    to the model: on where it thinks, none where it cannot (Claude Code sends it with every
-    request); left out, the model's template decides."""
+    to the model as deployed (its template's default, or its configured one; none where it
+    cannot think: Claude Code sends it with every request), as does leaving it out."""
     if thinking is None:
         return None
     if isinstance(thinking, ThinkingDisabled):
         return Reasoning(enabled=False)
     if isinstance(thinking, ThinkingEnabled):
         return Reasoning(enabled=True, budget_tokens=thinking.budget_tokens)
-    return Reasoning(enabled=True, adaptive=True)
+    return Reasoning(advisory=True)
 
 
 def prompt_request(req: PromptFields, omit_hosted: bool = False) -> CanonicalRequest:
@@ -301,7 +308,8 @@ def prompt_request(req: PromptFields, omit_hosted: bool = False) -> CanonicalReq
     system = _system(req.system, instructions)
     if system:
         messages.insert(0, Message(role="system", content=system))
-    prefill = messages[-1].role == "assistant"
+    # (a system message after it says the assistant's turn is a new one)
+    prefill = messages[-1].role == "assistant" and req.messages[-1].role == "assistant"
     tools = tools_of(req.tools, omit_hosted)
     reasoning, fmt = _output_config(req.output_config, _reasoning(req.thinking))
     return CanonicalRequest(
