@@ -292,9 +292,16 @@ class Processes:
             done |= more
         # a rank killed by a signal is the cause, not the peers that then lost it and exited
         # with an error (rank 0's own report of the lost peer may have come in first)
-        first = min(done, key=lambda task: (task.result() >= 0, waits[task]))
+        hosts = handle.config.hosts
+
+        def killed(rank: int, code: int) -> bool:
+            # over ssh: the remote shell's 128 + signal, or ssh's own 255 (the link lost)
+            remote = bool(hosts.ranks) and not runs_here(hosts, rank)
+            return code < 0 or (remote and code > 128)
+
+        first = min(done, key=lambda task: (not killed(waits[task], task.result()), waits[task]))
         rank, code = waits[first], first.result()
-        killed_by_signal = code < 0
+        killed_by_signal = killed(rank, code)
         if rank and code == 0:  # a clean stop: rank 0 leaves by itself once its frames are out
             leader = next(task for task, r in waits.items() if r == 0)
             with contextlib.suppress(TimeoutError):
@@ -304,9 +311,10 @@ class Processes:
                 process.kill()
         await asyncio.gather(*waits)
         if rank and not handle.retiring:
-            hosts, how, where = handle.config.hosts, describe_exit(code), ""
+            how, where = describe_exit(code), ""
             if hosts.ranks and not runs_here(hosts, rank):
-                how += ", ssh's 255: the machine was not reached" if code == 255 else ""
+                lost = ", ssh's 255: the machine was not reached, or the rank there was lost"
+                how += lost if code == 255 else ""
                 where = f" (on {hosts.ranks[rank]}, over ssh)"
             cause = (
                 f"rank {rank}{where} of its {len(ranks)}-process group exited "
