@@ -265,12 +265,15 @@ class Processes:
         # mpirun's ranks end with it, even killed with SIGKILL (they lose its PMIx server; a
         # stopped one is hung up by the kernel with its orphaned process group)
         mpi = handle.config.shards > 1 and handle.config.hosts.backend == "mpi"
-        if mpi and handle.exit_code and not handle.retiring:
-            handle.error = handle.error or (
+        if mpi and handle.exit_code and not handle.retiring and not handle.killed:
+            group = (
                 f"its {handle.config.shards}-rank MPI group exited "
                 f"({describe_exit(handle.exit_code)}: mpirun ends the group when a rank "
                 "dies; the worker log says which); the group is restarted as a unit"
             )
+            # what rank 0 said first may be a peer's loss, not the cause: both are told
+            said = handle.error
+            handle.error = f"{group}; rank 0 reported: {said}" if said else group
         self.by_id.pop(handle.worker_id, None)
         self._ring_ranges.pop(handle.worker_id, None)
         self._forget_agent(handle.worker_id)
