@@ -17,7 +17,7 @@ import msgspec
 
 from shared.types import CanonicalRequest, RequestKind, RequestOutput, SamplingParams
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 
 
 class WorkerState(enum.StrEnum):

@@ -137,16 +137,13 @@ WEATHER: dict[str, Any] = {
 
 def _strict(value: Any, key: str = "") -> Any:
     """A body as the SDK's strict validation wants it. Its client reads bodies leniently;
-    `model_validate` also wants `usage.input_tokens_details.cache_write_tokens` (absent here:
-    the golden bytes pin the usage as it is) and one of OpenAI's own error codes in a failed
-    response (the gateway's codes are its own)."""
+    `model_validate` also wants one of OpenAI's own error codes in a failed response (the
+    gateway's codes are its own)."""
     if isinstance(value, list):
         return [_strict(v) for v in value]
     if not isinstance(value, dict):
         return value
     value = {k: _strict(v, k) for k, v in value.items()}
-    if key == "input_tokens_details":
-        value.setdefault("cache_write_tokens", 0)
     if key == "response" and isinstance(value.get("error"), dict):
         value["error"] = {**value["error"], "code": "server_error"}
     return value

@@ -119,6 +119,24 @@ V8_ADD = (
     "000000cb0000000000000000cb00000000000000008105cbbff8000000000000c2c200c200"
 )
 
+# Protocol 12's bytes for an Add with tools, a response format and thinking (a Reasoning of
+# three fields), before Reasoning gained `advisory`.
+V12_ADD_TOOLS = (
+    "97a3616464a57265712d36a463686174dc00159197a475736572a8576561746865723fc09090c0c0c0c0"
+    "c3809194ab6765745f77656174686572aa4c6f6f6b20697420757081a474797065a66f626a656374c393"
+    "a87265717569726564ab6765745f77656174686572c295ab6a736f6e5f736368656d6181a474797065a6"
+    "6f626a656374a177c2af726573706f6e73655f666f726d617493c340c09090c090c0c0c090c0c0c090dc"
+    "0012c0cb3ff0000000000000cb3ff000000000000000cb0000000000000000c09090c200cb3ff0000000"
+    "000000cb0000000000000000cb000000000000000080c2c200c20000"
+)
+
+
+def test_protocol_12_reasoning_decodes_as_not_advisory() -> None:
+    add = Codec().to_worker.decode(bytes.fromhex(V12_ADD_TOOLS))
+    assert isinstance(add, Add) and add == ADD_TOOLS
+    assert add.request.reasoning is not None and add.request.reasoning.advisory is False
+
+
 # Protocol 11's bytes for a Heartbeat with a prefix cache, before it gained prompt_segments.
 V11_HEARTBEAT = (
     "9fa26862a27731a57265616479110100cd0400cd0800cd0200cd1000a0cbbff0000000000000"
@@ -161,7 +179,7 @@ def test_protocol_2_frames_decode_with_the_new_fields_defaulted() -> None:
 
 def test_protocol_version_is_an_int() -> None:
     assert type(PROTOCOL_VERSION) is int
-    assert PROTOCOL_VERSION == 12  # bumped with the heartbeat's prompt_segments
+    assert PROTOCOL_VERSION == 13  # bumped with Reasoning's advisory
     hello = Codec().from_worker.decode(Codec().encode(Hello("w", PROTOCOL_VERSION, 1, "m")))
     assert isinstance(hello, Hello)
     assert hello.protocol_version == PROTOCOL_VERSION

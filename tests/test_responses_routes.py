@@ -74,11 +74,14 @@ async def test_routes_report_cached_tokens(
     body = {"model": "m", "input": "a", "instructions": "I"}
     plain = (await client.post("/v1/responses", json=body)).json()
     assert plain["usage"]["input_tokens"] == 2
-    assert plain["usage"]["input_tokens_details"] == {"cached_tokens": 1}
+    assert plain["usage"]["input_tokens_details"] == {"cached_tokens": 1, "cache_write_tokens": 0}
     r = await client.post("/v1/responses", json={**body, "stream": True})
     events = _parse(r.content)
     assert events[-1][0] == "response.completed"
-    assert events[-1][1]["response"]["usage"]["input_tokens_details"] == {"cached_tokens": 1}
+    assert events[-1][1]["response"]["usage"]["input_tokens_details"] == {
+        "cached_tokens": 1,
+        "cache_write_tokens": 0,
+    }
 
 
 @pytest.mark.anyio

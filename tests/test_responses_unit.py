@@ -206,7 +206,7 @@ def test_formatter_stream_completed() -> None:
     ]
     assert final["usage"] == {
         "input_tokens": 9,  # OpenAI's: the whole prompt, the cached part included
-        "input_tokens_details": {"cached_tokens": 6},
+        "input_tokens_details": {"cached_tokens": 6, "cache_write_tokens": 0},
         "output_tokens": 3,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": 12,
@@ -231,7 +231,7 @@ def test_formatter_error_mid_stream() -> None:
     assert failed["output"][0]["status"] == "incomplete"
     assert failed["output"][0]["content"][0]["text"] == "Hi"
     assert failed["usage"]["output_tokens"] == 2 and failed["usage"]["input_tokens"] == 4
-    assert failed["usage"]["input_tokens_details"] == {"cached_tokens": 3}
+    assert failed["usage"]["input_tokens_details"] == {"cached_tokens": 3, "cache_write_tokens": 0}
     assert failed["completed_at"] is None
     assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
     assert len(done) == 1
@@ -257,7 +257,7 @@ def test_formatter_non_stream_and_cancel() -> None:
     assert body["status"] == "incomplete"
     assert body["incomplete_details"] == {"reason": "max_output_tokens"}
     assert body["output"][0]["content"][0]["text"] == "ab"
-    assert body["usage"]["input_tokens_details"] == {"cached_tokens": 1}
+    assert body["usage"]["input_tokens_details"] == {"cached_tokens": 1, "cache_write_tokens": 0}
     fmt.cancel()  # ended already: unchanged
     assert fmt.resp.status == "incomplete"
     running = ResponsesFormatter(new_response(_request(), status="queued"))

@@ -266,6 +266,8 @@ class IncompleteDetails(msgspec.Struct):
 
 class InputTokensDetails(msgspec.Struct):
     cached_tokens: int = 0
+    # OpenAI's SDK requires it; the prefix cache is filled by itself, never on request
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(msgspec.Struct):
