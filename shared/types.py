@@ -316,9 +316,15 @@ class RequestError(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     param: str | None = None
 
 
-def context_exceeded(max_context: int, prompt: int, requested: int) -> str:
-    """A CONTEXT_LENGTH_EXCEEDED error's message, in OpenAI's words (which clients parse);
+def context_exceeded(max_context: int, prompt: int, requested: int | None) -> str:
+    """A CONTEXT_LENGTH_EXCEEDED error's message, in OpenAI's words (which clients parse):
+    the prompt alone (`requested` None: no length was asked for), or with the completion;
     context_figures reads its numbers back, for protocols that say it their own way."""
+    if requested is None:
+        return (
+            f"This model's maximum context length is {max_context} tokens. However, your "
+            f"messages resulted in {prompt} tokens. Please reduce the length of the messages."
+        )
     return (
         f"This model's maximum context length is {max_context} tokens. However, you requested "
         f"{prompt + requested} tokens ({prompt} in the prompt, {requested} for the completion)."
@@ -327,18 +333,21 @@ def context_exceeded(max_context: int, prompt: int, requested: int) -> str:
 
 
 _CONTEXT = re.compile(
-    r"maximum context length is (\d+) tokens\. However, you requested \d+ tokens "
-    r"\((\d+) in the prompt, (\d+) for the completion\)"
+    r"maximum context length is (\d+) tokens\. However, (?:you requested \d+ tokens "
+    r"\((\d+) in the prompt, (\d+) for the completion\)|your messages resulted in (\d+))"
 )
 
 
 def context_figures(message: str) -> tuple[int, int, int] | None:
-    """(max_context, prompt, requested) of a context_exceeded message; None: not one."""
+    """(max_context, prompt, requested: 0 when none was) of a context_exceeded message;
+    None: not one."""
     found = _CONTEXT.search(message)
     if found is None:
         return None
-    limit, prompt, requested = (int(group) for group in found.groups())
-    return limit, prompt, requested
+    limit, prompt, requested, alone = found.groups()
+    if alone is not None:
+        return int(limit), int(alone), 0
+    return int(limit), int(prompt), int(requested)
 
 
 class TopLogprob(msgspec.Struct, array_like=True, gc=False):

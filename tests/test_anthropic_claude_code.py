@@ -190,5 +190,7 @@ def test_a_context_overflow_is_said_in_anthropic_s_words() -> None:
     )
     long = GatewayError(code, context_exceeded(32768, 40000, 32000))
     assert _error_message(long) == "prompt is too long: 40000 tokens > 32768 maximum"
+    alone = GatewayError(code, context_exceeded(32768, 40000, None))
+    assert _error_message(alone) == "prompt is too long: 40000 tokens > 32768 maximum"
     other = GatewayError(ErrorCode.INVALID_REQUEST, context_exceeded(1, 2, 3))
     assert _error_message(other) == other.message  # only a context overflow is reworded

@@ -259,7 +259,9 @@ def test_responses_stateless_turns_pass_their_sealed_reasoning_back(oai: openai.
     assert [tool.type for tool in first.tools] == ["function"]  # what the model was given
     call = {"type": "function_call", "call_id": "c1", "name": "get_weather"}
     call["arguments"] = '{"city": "Oslo", "days": 1}'
-    turn: list[Any] = [{"role": "user", "content": "What is the weather in Oslo?"}, call]
+    said = {"type": "message", "role": "assistant", "phase": "commentary", "end_turn": False}
+    said["content"] = [{"type": "output_text", "text": "Checking.", "annotations": []}]
+    turn: list[Any] = [{"role": "user", "content": "What is the weather in Oslo?"}, said, call]
     turn.append({"type": "function_call_output", "call_id": "c1", "output": "12C"})
     thought = {"type": "reasoning", "id": "rs_1", "summary": []}
     thought["encrypted_content"] = seal("The user wants Oslo's weather; I will look it up.")

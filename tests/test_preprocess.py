@@ -27,6 +27,7 @@ from shared.types import (
     ToolCall,
     ToolChoice,
     ToolChoiceMode,
+    context_figures,
 )
 from tests.engine_fixtures import Loaded, drive, load, token_ids
 from worker.modelgen import IM_START_ID, TinyModelSpec, build_tiny_model
@@ -92,10 +93,16 @@ def preprocess_error(preprocess: Preprocessor, frame: Add) -> PreprocessError:
 
 
 def test_prompt_too_long(preprocess: Preprocessor) -> None:
-    frame = add_frame(RequestKind.COMPLETION, CanonicalRequest(prompt_token_ids=[5] * 64))
+    # no length asked for (max_tokens None, as Codex sends): the prompt alone is told
+    frame = add_frame(RequestKind.COMPLETION, CanonicalRequest(prompt_token_ids=[5] * 70))
     error = preprocess_error(preprocess, frame).error
     assert error.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED
-    assert "64" in error.message
+    assert "However, your messages resulted in 70 tokens." in error.message
+    assert context_figures(error.message) == (64, 70, 0)
+    asked = preprocess_error(
+        preprocess, add_frame(RequestKind.COMPLETION, frame.request, max_tokens=2)
+    )
+    assert "(70 in the prompt, 2 for the completion)" in asked.error.message
 
 
 def test_max_tokens_beyond_room(preprocess: Preprocessor) -> None:

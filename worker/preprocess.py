@@ -392,10 +392,12 @@ class Preprocessor:
             default = self.options.default_max_tokens
             requested = min(room, default) if default else room
         if room <= 0 or requested > room:
+            # the prompt alone, when no length was asked for and it leaves no room
+            asked = None if sampling.max_tokens is None and room <= 0 else requested
             raise PreprocessError(
                 RequestError(
                     ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                    context_exceeded(self.max_context, prompt_len, requested),
+                    context_exceeded(self.max_context, prompt_len, asked),
                     param,
                 )
             )

@@ -127,6 +127,7 @@ class MessageItemIn(_Body):
     id: str | None = None
     status: str | None = None
     phase: str | None = None  # an assistant message's label: accepted, not used
+    end_turn: bool | None = None  # (Codex keeps it on messages it sends back): likewise
 
 
 class ImagePartIn(_Body):
