@@ -194,3 +194,23 @@ def test_a_context_overflow_is_said_in_anthropic_s_words() -> None:
     assert _error_message(alone) == "prompt is too long: 40000 tokens > 32768 maximum"
     other = GatewayError(ErrorCode.INVALID_REQUEST, context_exceeded(1, 2, 3))
     assert _error_message(other) == other.message  # only a context overflow is reworded
+
+
+def test_text_after_tool_results_goes_with_the_last_result() -> None:
+    # its reminders ride with tool results: a user message of their own would read as a new
+    # question, and a thinking template would drop the tool loop's thinking (and the prefix)
+    use = {"type": "tool_use", "id": "c1", "name": "Read", "input": {}}
+    thought = {"type": "thinking", "thinking": "Read it.", "signature": ""}
+    reminder = "<system-reminder>Todo list is empty.</system-reminder>"
+    results: list[Any] = [
+        {"type": "tool_result", "tool_use_id": "c1", "content": "line 1"},
+        {"type": "text", "text": reminder},
+    ]
+    messages = [*USER, {"role": "assistant", "content": [thought, use]}]
+    canonical = create(messages=[*messages, {"role": "user", "content": results}])
+    assert [m.role for m in canonical.messages] == ["user", "assistant", "tool"]
+    assert canonical.messages[-1].content == f"line 1\n\n{reminder}"
+    assert canonical.messages[1].reasoning == "Read it."
+    image = {"type": "image", "source": {"type": "url", "url": "https://e.com/a.png"}}
+    shown = create(messages=[*messages, {"role": "user", "content": [results[0], image]}])
+    assert [m.role for m in shown.messages] == ["user", "assistant", "tool", "user"]

@@ -166,8 +166,22 @@ class _Turn:
         )
 
     def messages(self) -> list[Message]:
+        texts = self.parts and all(isinstance(part, TextPart) for part in self.parts)
+        if self.results and texts and self.role == "user":
+            # text after a turn's tool results (Claude Code's reminders) goes with the last
+            # result: as a user message of its own it would read as a new question, and
+            # templates then drop the thinking of the tool loop it goes on with (and with it
+            # the prefix that the next turn would reuse)
+            return [*self.results[:-1], _with_text(self.results[-1], text_of(self.parts))]
         rest = self.parts or self.calls or self.reasoning or not self.results
         return self.results + ([self.message()] if rest else [])
+
+
+def _with_text(result: Message, text: str) -> Message:
+    """A tool message with `text` after its content, a blank line apart."""
+    added = f"\n\n{text}" if result.content else text
+    parts = [*result.parts, TextPart(added)] if result.parts else []
+    return msgspec.structs.replace(result, content=(result.content or "") + added, parts=parts)
 
 
 def _messages(index: int, message: MessageParam, unserved: Unserved) -> list[Message]:
