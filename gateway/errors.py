@@ -36,6 +36,7 @@ class GatewayError(Exception):
         param: str | None = None,
         retry_after: int | None = None,
         headers: list[tuple[bytes, bytes]] | None = None,
+        context: list[int] | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
@@ -43,6 +44,9 @@ class GatewayError(Exception):
         self.param = param
         self.retry_after = retry_after
         self.headers = headers or []  # extra response headers (RateLimit-*)
+        # a context overflow's figures (shared.types.context_error), for protocols that say
+        # it their own way
+        self.context = context or []
 
     @property
     def status(self) -> int:
@@ -51,7 +55,7 @@ class GatewayError(Exception):
     @classmethod
     def from_request_error(cls, error: RequestError) -> GatewayError:
         retry = 1 if STATUS.get(error.code) == 503 else None
-        return cls(error.code, error.message, error.param, retry)
+        return cls(error.code, error.message, error.param, retry, context=error.context)
 
 
 _AT_PATH = re.compile(r" - at `\$((?:\.[A-Za-z_]\w*|\[\d+\])*)`")

@@ -7,7 +7,6 @@ compatibility rule: fields are only ever appended, always with defaults.
 from __future__ import annotations
 
 import enum
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -314,40 +313,28 @@ class RequestError(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     code: ErrorCode
     message: str
     param: str | None = None
+    # a context overflow's figures (context_error): [max context, prompt tokens, tokens
+    # asked for (0: none)]
+    context: list[int] = []
 
 
-def context_exceeded(max_context: int, prompt: int, requested: int | None) -> str:
-    """A CONTEXT_LENGTH_EXCEEDED error's message, in OpenAI's words (which clients parse):
-    the prompt alone (`requested` None: no length was asked for), or with the completion;
-    context_figures reads its numbers back, for protocols that say it their own way."""
+def context_error(max_context: int, prompt: int, requested: int | None, param: str) -> RequestError:
+    """A CONTEXT_LENGTH_EXCEEDED error: OpenAI's words (which clients parse) for the prompt
+    alone (`requested` None: no length was asked for) or with the completion, and the
+    figures, for protocols that say it their own way."""
     if requested is None:
-        return (
+        message = (
             f"This model's maximum context length is {max_context} tokens. However, your "
             f"messages resulted in {prompt} tokens. Please reduce the length of the messages."
         )
-    return (
-        f"This model's maximum context length is {max_context} tokens. However, you requested "
-        f"{prompt + requested} tokens ({prompt} in the prompt, {requested} for the completion)."
-        " Please reduce the length of the prompt or of max_tokens."
-    )
-
-
-_CONTEXT = re.compile(
-    r"maximum context length is (\d+) tokens\. However, (?:you requested \d+ tokens "
-    r"\((\d+) in the prompt, (\d+) for the completion\)|your messages resulted in (\d+))"
-)
-
-
-def context_figures(message: str) -> tuple[int, int, int] | None:
-    """(max_context, prompt, requested: 0 when none was) of a context_exceeded message;
-    None: not one."""
-    found = _CONTEXT.search(message)
-    if found is None:
-        return None
-    limit, prompt, requested, alone = found.groups()
-    if alone is not None:
-        return int(limit), int(alone), 0
-    return int(limit), int(prompt), int(requested)
+    else:
+        message = (
+            f"This model's maximum context length is {max_context} tokens. However, you "
+            f"requested {prompt + requested} tokens ({prompt} in the prompt, {requested} for "
+            "the completion). Please reduce the length of the prompt or of max_tokens."
+        )
+    figures = [max_context, prompt, requested or 0]
+    return RequestError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, message, param, figures)
 
 
 class TopLogprob(msgspec.Struct, array_like=True, gc=False):

@@ -21,7 +21,7 @@ from shared.types import (
     Message,
     OutputFormat,
     Reasoning,
-    context_exceeded,
+    context_error,
 )
 
 USER = [{"role": "user", "content": "hi"}]
@@ -182,35 +182,15 @@ def _error_message(error: GatewayError) -> str:
 def test_a_context_overflow_is_said_in_anthropic_s_words() -> None:
     # Claude Code reads these: it retries with a smaller max_tokens on the first, and
     # compacts its conversation on the second
-    code = ErrorCode.CONTEXT_LENGTH_EXCEEDED
-    room = GatewayError(code, context_exceeded(32768, 1200, 32000))
-    assert _error_message(room) == (
+    def said(limit: int, prompt: int, asked: int | None) -> str:
+        error = GatewayError.from_request_error(context_error(limit, prompt, asked, "messages"))
+        return _error_message(error)
+
+    assert said(32768, 1200, 32000) == (
         "input length and `max_tokens` exceed context limit: 1200 + 32000 > 32768, decrease "
         "input length or `max_tokens` and try again"
     )
-    long = GatewayError(code, context_exceeded(32768, 40000, 32000))
-    assert _error_message(long) == "prompt is too long: 40000 tokens > 32768 maximum"
-    alone = GatewayError(code, context_exceeded(32768, 40000, None))
-    assert _error_message(alone) == "prompt is too long: 40000 tokens > 32768 maximum"
-    other = GatewayError(ErrorCode.INVALID_REQUEST, context_exceeded(1, 2, 3))
-    assert _error_message(other) == other.message  # only a context overflow is reworded
-
-
-def test_text_after_tool_results_goes_with_the_last_result() -> None:
-    # its reminders ride with tool results: a user message of their own would read as a new
-    # question, and a thinking template would drop the tool loop's thinking (and the prefix)
-    use = {"type": "tool_use", "id": "c1", "name": "Read", "input": {}}
-    thought = {"type": "thinking", "thinking": "Read it.", "signature": ""}
-    reminder = "<system-reminder>Todo list is empty.</system-reminder>"
-    results: list[Any] = [
-        {"type": "tool_result", "tool_use_id": "c1", "content": "line 1"},
-        {"type": "text", "text": reminder},
-    ]
-    messages = [*USER, {"role": "assistant", "content": [thought, use]}]
-    canonical = create(messages=[*messages, {"role": "user", "content": results}])
-    assert [m.role for m in canonical.messages] == ["user", "assistant", "tool"]
-    assert canonical.messages[-1].content == f"line 1\n\n{reminder}"
-    assert canonical.messages[1].reasoning == "Read it."
-    image = {"type": "image", "source": {"type": "url", "url": "https://e.com/a.png"}}
-    shown = create(messages=[*messages, {"role": "user", "content": [results[0], image]}])
-    assert [m.role for m in shown.messages] == ["user", "assistant", "tool", "user"]
+    assert said(32768, 40000, 32000) == "prompt is too long: 40000 tokens > 32768 maximum"
+    assert said(32768, 40000, None) == "prompt is too long: 40000 tokens > 32768 maximum"
+    other = GatewayError(ErrorCode.INVALID_REQUEST, "bad")
+    assert _error_message(other) == "bad"  # only a context overflow is reworded

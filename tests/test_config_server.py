@@ -63,6 +63,8 @@ priority = 2
     [
         ('[server]\ndefault_ttl = "later"', "server.default_ttl"),
         ('[server]\nmemory_policy = "pray"', "memory_policy"),
+        ('[server]\nhosted_tools = "ignore"', "hosted_tools"),
+        ("[server]\nhosted_tools = 1", "hosted_tools"),
         ('[[models]]\nname = "a"\nsource = "/m"\nttl = "x"', "'a': ttl"),
         ('[[models]]\nname = "a"\nsource = "/m"\non_demand = "maybe"', "on_demand"),
         ('[[models]]\nname = "a"\nsource = "/m"\nmemory_gb = 0', "memory_gb"),

@@ -27,7 +27,6 @@ from shared.types import (
     ToolCall,
     ToolChoice,
     ToolChoiceMode,
-    context_figures,
 )
 from tests.engine_fixtures import Loaded, drive, load, token_ids
 from worker.modelgen import IM_START_ID, TinyModelSpec, build_tiny_model
@@ -98,7 +97,7 @@ def test_prompt_too_long(preprocess: Preprocessor) -> None:
     error = preprocess_error(preprocess, frame).error
     assert error.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED
     assert "However, your messages resulted in 70 tokens." in error.message
-    assert context_figures(error.message) == (64, 70, 0)
+    assert error.context == [64, 70, 0]  # for protocols that say it their own way
     asked = preprocess_error(
         preprocess, add_frame(RequestKind.COMPLETION, frame.request, max_tokens=2)
     )

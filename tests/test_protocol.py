@@ -157,10 +157,10 @@ FROM_WORKER = {
         STEP,
         # as V2_STEP (test_protocol_compat.py), each RequestOutput a 16-array (dc0010; 9d in
         # v5, 9b in v4, 96 in v2, 9a before timings were appended) ending 90 90 c0 c0 c0 a0 90
-        # c4 00 00 90
+        # c4 00 00 90; its RequestError a 4-array (94, 93 in v12): context figures (90)
         "96a473746570a277311192dc0014a57265712d31a368c3a99268cce9c0c0c09090c0c0c0a090c4000090"
-        "90c0c400c0dc0014a57265712d32a090a56572726f72940501000093a8696e7465726e616ca4626f6f6d"
-        "a1789090c0c0c0a090c400009090c0c400c00000",
+        "90c0c400c0dc0014a57265712d32a090a56572726f72940501000094a8696e7465726e616ca4626f6f6d"
+        "a178909090c0c0c0a090c400009090c0c400c00000",
     ),
     "step_logprobs": (
         STEP_LOGPROBS,

@@ -47,6 +47,12 @@ def _processes(
     )
 
 
+async def _group(tmp_path: Path, script: str) -> tuple[Processes, WorkerHandle]:
+    """A two-rank group of `script` (MLX_RANK tells each which it is), spawned."""
+    procs = _processes(tmp_path, script, [])
+    return procs, await procs.spawn(ModelConfig(name="m", source="/x", shards=2), restart=False)
+
+
 async def test_a_spawned_worker_is_known_by_id_and_its_pid_saved(tmp_path: Path) -> None:
     exits: list[WorkerHandle] = []
     procs = _processes(tmp_path, "import time; time.sleep(60)", exits)
@@ -140,9 +146,7 @@ async def test_a_rank_that_stops_cleanly_leaves_rank_0_time_to_finish(tmp_path: 
         "if os.environ['MLX_RANK'] != '0': raise SystemExit(0)\n"
         "time.sleep(0.5); print('rank 0 finished', flush=True)\n"
     )
-    exits: list[WorkerHandle] = []
-    procs = _processes(tmp_path, script, exits)
-    handle = await procs.spawn(ModelConfig(name="m", source="/x", shards=2), restart=False)
+    procs, handle = await _group(tmp_path, script)
     handle.retiring = True  # an unload: the group was told to stop
     await asyncio.wait_for(handle.exited.wait(), 20)
     assert "rank 0 finished" in procs.run_dir.worker_log("m").read_text()
@@ -172,9 +176,7 @@ async def test_a_rank_killed_by_a_signal_is_named_over_the_peer_that_lost_it(
         "if os.environ['MLX_RANK'] == '0': time.sleep(0.3); raise SystemExit(1)\n"
         "time.sleep(0.6); os.kill(os.getpid(), signal.SIGKILL)\n"
     )
-    exits: list[WorkerHandle] = []
-    procs = _processes(tmp_path, script, exits)
-    handle = await procs.spawn(ModelConfig(name="m", source="/x", shards=2), restart=False)
+    _, handle = await _group(tmp_path, script)
     handle.error = "[ring] connection to a peer was lost"  # rank 0's WorkerDead
     await asyncio.wait_for(handle.exited.wait(), 20)
     assert handle.error == (

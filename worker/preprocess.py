@@ -20,7 +20,7 @@ from shared.types import (
     RequestKind,
     SamplingParams,
     ToolChoiceMode,
-    context_exceeded,
+    context_error,
     reserved_template_kwarg,
 )
 from worker.backends.formats import ModelFormats, arguments_object, model_formats, template_tools
@@ -238,7 +238,7 @@ class Preprocessor:
         if self.compile_async and waits and not future.done():
             return Guide(None, words=words, compiling=future, param=param, **thinking)
         try:
-            matcher = future.result().deep_copy()
+            matcher = self.grammars.matcher(grammar)  # (compiled, or failed, by now)
         except ValueError as exc:
             raise _invalid(f"the constraint cannot be compiled: {exc}", param) from None
         return Guide(matcher, words=words, param=param, **thinking)
@@ -394,13 +394,7 @@ class Preprocessor:
         if room <= 0 or requested > room:
             # the prompt alone, when no length was asked for and it leaves no room
             asked = None if sampling.max_tokens is None and room <= 0 else requested
-            raise PreprocessError(
-                RequestError(
-                    ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                    context_exceeded(self.max_context, prompt_len, asked),
-                    param,
-                )
-            )
+            raise PreprocessError(context_error(self.max_context, prompt_len, asked, param))
         if requested == 0 and sampling.echo:
             return 0  # score the prompt only
         if requested < 1:

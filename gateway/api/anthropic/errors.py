@@ -8,9 +8,7 @@ from litestar import Request, Response
 from gateway.api import http
 from gateway.api.anthropic.schemas import ErrorBody, ErrorDetail
 from gateway.errors import GatewayError
-from shared.types import ErrorCode, context_figures
-
-CONTEXT = ErrorCode.CONTEXT_LENGTH_EXCEEDED
+from shared.types import ErrorCode
 
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
 TYPES = {
@@ -38,10 +36,9 @@ def _message(error: GatewayError) -> str:
     """The message; a context overflow in Anthropic's own words, which clients read: Claude
     Code retries with a smaller max_tokens on the first, and compacts its conversation on
     the second."""
-    figures = context_figures(error.message) if error.code == CONTEXT else None
-    if figures is None:
+    if error.code != ErrorCode.CONTEXT_LENGTH_EXCEEDED or len(error.context) != 3:
         return error.message
-    limit, prompt, requested = figures
+    limit, prompt, requested = error.context
     if prompt >= limit:
         return f"prompt is too long: {prompt} tokens > {limit} maximum"
     return (

@@ -195,14 +195,16 @@ def item_of(raw: dict[str, Any], where: str, unserved: Unserved) -> Item:
         )
     if kind == "function_call_output":
         result = convert(raw, FunctionCallOutputIn, where)
-        output: str | list[InputText | InputImage] = result.output  # type: ignore[assignment]
-        if not isinstance(result.output, str):
+        output: str | list[InputText | InputImage]
+        if isinstance(result.output, str):
+            output = result.output
+        else:
             parts = [
                 _output_part(part, f"{where}.output[{j}]", unserved)
                 for j, part in enumerate(result.output)
             ]
-            images = any(isinstance(part, InputImage) for part in parts)
-            output = parts if images else "".join(p.text for p in parts)  # type: ignore[union-attr]
+            texts = [part.text for part in parts if isinstance(part, InputText)]
+            output = parts if len(texts) < len(parts) else "".join(texts)  # images: the parts
         return FunctionCallOutputItem(
             id=result.id or new_id("fco"), call_id=result.call_id, output=output
         )
