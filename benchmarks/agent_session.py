@@ -50,16 +50,31 @@ from benchmarks._agent_trace import ChatTokens, Trace, build_trace
 from benchmarks._stats import machine_header, machine_info
 
 SOURCES = ("gateway", "gateway-nocache", "mlx_lm", "vllm_mlx")  # launched by default
-KNOWN = (*SOURCES, "gateway-rows", "gateway-rows-nocache", "gateway-rows-whole")
+KNOWN = (
+    *SOURCES,
+    "gateway-rows",
+    "gateway-rows-nocache",
+    "gateway-rows-whole",
+    "gateway-rows-buckets",
+    "gateway-rows-nocache-buckets",
+)
 # "gateway" and "gateway-nocache" keep BatchGenerator (the tables measured so far), the rows
 # batch (the default now) is "gateway-rows" ("gateway-rows-nocache" without the prefix cache,
-# "gateway-rows-whole" with every prompt tokenized whole: engine.segment_tokens = false).
+# "gateway-rows-whole" with every prompt tokenized whole: engine.segment_tokens = false;
+# "gateway-rows-buckets" and "gateway-rows-nocache-buckets" with engine.prefill_shapes =
+# "buckets").
 GATEWAY_ENGINE: dict[str, dict[str, bool | int | float | str]] = {
     "gateway": {"prefix_cache": True, "batcher": "mlx_lm"},
     "gateway-nocache": {"prefix_cache": False, "batcher": "mlx_lm"},
     "gateway-rows": {"prefix_cache": True, "batcher": "rows"},
     "gateway-rows-nocache": {"prefix_cache": False, "batcher": "rows"},
     "gateway-rows-whole": {"prefix_cache": True, "batcher": "rows", "segment_tokens": False},
+    "gateway-rows-buckets": {"prefix_cache": True, "batcher": "rows", "prefill_shapes": "buckets"},
+    "gateway-rows-nocache-buckets": {
+        "prefix_cache": False,
+        "batcher": "rows",
+        "prefill_shapes": "buckets",
+    },
 }
 GATEWAY_MODEL_NAME = "bench"
 

@@ -75,6 +75,12 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # step (the model's layers read slices of them: no second copy). Opt-in until measured
     # served on a GPU (docs/benchmarks.md).
     decode_projections: Literal["separate", "stacked"] = "separate"
+    # Rows batch only: the shapes a prefill runs at. "exact": its prompts' own lengths, its
+    # attention over exactly the positions before. "buckets": tokens padded at the end and
+    # attention run over positions rounded up to a few sizes (worker/backends/
+    # prefill_buckets.py), the same KV: shapes a GPU has met before, where a new one costs a
+    # plan and a graph. Opt-in until measured served on a GPU (docs/benchmarks.md).
+    prefill_shapes: Literal["exact", "buckets"] = "exact"
     # The model's tool-call format: the name of one of mlx-lm's tool parsers
     # (mlx_lm/tool_parsers: json_tools, qwen3_coder, mistral, pythonic, glm47, ...).
     # Default: the one mlx-lm infers from the model's chat template, if any.
@@ -111,6 +117,8 @@ def engine_problem(opts: EngineOptions) -> str | None:
     for name, default in (("decode_attention", "auto"), ("decode_projections", "separate")):
         if getattr(opts, name) != default and not compiled:
             return f"engine.{name} applies to the compiled step only"
+    if opts.prefill_shapes != "exact" and opts.batcher == "mlx_lm":
+        return "engine.prefill_shapes applies to the rows batch only, not to batcher = 'mlx_lm'"
     if opts.join_settle_steps and opts.batcher == "mlx_lm":
         return "engine.join_settle_steps applies to the rows batch only, not to batcher = 'mlx_lm'"
     if opts.prefix_cache_gb < 0 or not math.isfinite(opts.prefix_cache_gb):

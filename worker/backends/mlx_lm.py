@@ -290,6 +290,7 @@ class MlxRowsBackend(MlxLmBackend):
             bucket_rows=mx.default_device() == mx.gpu and mx.cuda.is_available(),
             # a shelf the prefix cache keeps whole while any of its rows is kept
             shelf_bytes=max(1, int(options.prefix_cache_gb * (1 << 30)) // 8),
+            prefill_buckets=options.prefill_shapes == "buckets",
         )
 
     def insert(self, items: list[Insertion]) -> list[int]:
@@ -338,11 +339,16 @@ def make_backend(model: Any, tokenizer: Any, options: EngineOptions) -> MlxLmBac
     batcher = options.batcher
     if batcher == "auto":
         batcher = "rows" if cache_kinds(model) == {"KVCache"} else "mlx_lm"
-        if batcher == "mlx_lm" and options.join_settle_steps:
-            log.warning(
-                "engine.join_settle_steps has no effect: this model's caches need "
-                "BatchGenerator (batcher = 'mlx_lm')"
-            )
+        for name, value, default in (
+            ("join_settle_steps", options.join_settle_steps, 0),
+            ("prefill_shapes", options.prefill_shapes, "exact"),
+        ):
+            if batcher == "mlx_lm" and value != default:
+                log.warning(
+                    "engine.%s has no effect: this model's caches need BatchGenerator "
+                    "(batcher = 'mlx_lm')",
+                    name,
+                )
         if batcher == "mlx_lm" and options.decode_step == "compiled":
             log.warning(
                 "engine.decode_step = 'compiled' has no effect: this model's caches need "

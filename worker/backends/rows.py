@@ -10,23 +10,19 @@ bound by the host):
   their own;
 - a row that leaves is only marked: it decodes on, unseen, until enough rows have left (or
   rows join) to compact the batch in one filter;
-- into a large batch, rows join a few at a time: a join costs the batch two copies of its KV
-  (compaction, extension) and a prefill pass, whatever the number of rows joining, so one
-  arriving every step (a full batch under a closed loop) would pay them every step. Joiners
-  wait until there are `running // JOIN_DIVISOR` of them, or until the oldest has waited as
-  many steps; into a batch of under 2 * JOIN_DIVISOR rows they join at once. With
+- into a large batch, rows join a few at a time (a join costs the batch two copies of its KV
+  and a prefill pass, however many rows join): joiners wait until there are
+  `running // JOIN_DIVISOR` of them, or until the oldest has waited as many steps; with
   `settle_steps` (`engine.join_settle_steps`, default 0: off), a group big enough to start
-  waits until no row has arrived for that many steps, within the same bound: requests
-  returning in a wave would then start in one join instead of two or three;
-- while no running row is padded (every row's KV starts at the batch's first position: one
-  row, or rows that started together), a decode step passes the model no attention mask:
-  mlx-lm's batch cache always makes one, and with a mask MLX's CUDA backend leaves its fused
-  one-token attention kernel for separate matmul, softmax and matmul kernels in every layer;
+  waits until no row has arrived for that many steps, within the same bound;
+- while no running row is padded (one row, or rows that started together), a decode step
+  passes the model no attention mask: with one, MLX's CUDA backend leaves its fused
+  one-token attention kernel for separate matmul, softmax and matmul kernels;
 - the host builds step n+1 while the device runs step n, as BatchGenerator does, and splits
   a step's distribution into one array per row only while a request asks for logprobs
   (BatchGenerator always does: at 128 rows on an H200, up to a third of a step);
-- a large prefill's hand-over waits for most of it to run (at most ten command buffers in
-  flight), so a step with one due and a first token pending only reads the tokens (`_flush`).
+- a step with a prefill due and a first token pending only reads the tokens (`_flush`);
+- with `prefill_buckets`, a group prefills at a few shapes (prefill_buckets.py).
 
 Greedy output is the same token for token as mlx-lm's `generate_step` (tests). Stop rules
 and max_tokens are the engine's: a row runs until the engine removes it.
@@ -43,6 +39,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
 from worker.backends.buckets import ROW_BUCKET, bucketed
+from worker.backends.prefill_buckets import padded_width, views
 from worker.backends.sampling import LogitsProcessor, Sampler, process_rows
 from worker.backends.shelves import take_out
 from worker.backends.unpadded import Unpadded
@@ -51,8 +48,8 @@ from worker.structured.guide import Guide, Masks, pack
 
 # Compact the batch once this share of its rows has left (and whenever rows join).
 COMPACT_SHARE = 0.25
-# Groups prefilling at once, a chunk of each per step: prompts that arrive while a long one
-# is being prefilled start beside it instead of waiting for all of it.
+# Groups prefilling at once, a chunk of each per step (a prompt arriving during a long one's
+# prefill starts beside it).
 MAX_GROUPS = 2
 # Into a batch of n running rows, joiners start in groups of n // JOIN_DIVISOR (or after
 # waiting that many steps): at 128 rows a pair (docs/lab/2026-12-gpu-runs.md measured 4, 16 and 64).
@@ -91,6 +88,8 @@ class Group:
     caches: list[Any]  # one BatchKVCache per layer
     tokens: mx.array | None  # (rows, positions) still to prefill, right-padded
     padded: bool  # right padding to move left once the prompts are in
+    view: list[Any] | None = None  # what its prefill passes the model (prefill_buckets.py)
+    extra: int = 0  # positions padded at the end of every row, dropped once the prompts are in
 
 
 class RowBatch:
@@ -103,25 +102,20 @@ class RowBatch:
         decode: Any = None,
         bucket_rows: bool = False,
         shelf_bytes: int = 1 << 28,
+        prefill_buckets: bool = False,
     ) -> None:
         self.model = model
+        self.prefill_buckets = prefill_buckets  # prefills at a few shapes (prefill_buckets.py)
         self.shelf_bytes = shelf_bytes  # the most that rows leaving together share (shelves.py)
-        # Whether the batch's row count is kept to multiples of ROW_BUCKET (buckets.py)
-        self.bucket = ROW_BUCKET if bucket_rows else 1
-        # the one-token step (worker/backends/decode_step.py), or None: the model's forward
-        self.decode = decode
+        self.bucket = ROW_BUCKET if bucket_rows else 1  # row counts kept (buckets.py)
+        self.decode = decode  # the one-token step (decode_step.py), or None: the model's
         self.prefill_step_size = max(1, prefill_step_size)
         self.max_group = max(1, max_group)  # rows prefilled side by side
-        # Into a large batch, a group big enough to join waits until no row has arrived for
-        # this many steps (the rest of a returning wave), at most as long as a small one
-        # waits; 0 (the default, engine.join_settle_steps): it joins at once
-        # (benchmarks/arrivals.py --settle measures it).
+        # engine.join_settle_steps (module docstring; benchmarks/arrivals.py --settle)
         self.settle_steps = max(0, settle_steps)
         self.rows: list[Row] = []  # the running batch, in cache order
         self.caches: list[Any] = []
-        # what a decode step passes the model: the caches, or views of them without a mask
-        # while no row is padded (see unpadded.py)
-        self.step_caches: list[Any] = []
+        self.step_caches: list[Any] = []  # what a decode step passes the model (unpadded.py)
         self.inputs: mx.array | None = None  # each row's next input token (lazy)
         # the distribution each pending input came from (None: a prompt token, or not asked)
         self.logprobs: list[mx.array | None] = []
@@ -298,19 +292,23 @@ class RowBatch:
         if padded:
             for c in caches:
                 c.prepare(lengths=[len(r) for r in rests], right_padding=padding)
-        tokens = mx.array([r + [0] * p for r, p in zip(rests, padding, strict=True)])
-        return Group(rows, caches, tokens, padded)
+        view = views(caches) if self.prefill_buckets else None
+        extra = padded_width(longest, self.prefill_step_size) - longest if view else 0
+        tokens = mx.array([r + [0] * (p + extra) for r, p in zip(rests, padding, strict=True)])
+        return Group(rows, caches, tokens, padded, view, extra)
 
     def _prefill_chunk(self, group: Group) -> None:
         if group.tokens is None:
             return
         n = min(self.prefill_step_size, group.tokens.shape[1])
-        self.model(group.tokens[:, :n], cache=group.caches)
+        self.model(group.tokens[:, :n], cache=group.view or group.caches)
         self.prefilled += n * group.tokens.shape[0]
         rest = group.tokens[:, n:]
         group.tokens = rest if rest.shape[1] > 0 else None
-        if group.tokens is None and group.padded:
-            for c in group.caches:
+        for c in group.caches if group.tokens is None else ():
+            if group.extra:
+                c.trim(group.extra)  # the end's padding (prefill_buckets.py)
+            if group.padded:
                 c.finalize()
         mx.async_eval([c.state for c in group.caches])
 
