@@ -192,3 +192,12 @@ def test_the_setting_reaches_the_rows_batch_and_only_it(chat: Loaded) -> None:
     assert on.batch.prefill_buckets and not off.batch.prefill_buckets  # type: ignore[attr-defined]
     problem = engine_problem(EngineOptions(batcher="mlx_lm", prefill_shapes="buckets"))
     assert problem is not None and "engine.prefill_shapes" in problem
+
+
+def test_what_a_model_reads_or_writes_on_the_view_is_the_caches() -> None:
+    cache = _filled(1, 10, [0])
+    view = BucketedCache(cache)
+    assert view.offset is cache.offset and view.keys is cache.keys
+    keys = mx.zeros_like(cache.keys)
+    view.keys = keys  # as mlx-lm's pipeline does to the last layer's cache
+    assert cache.keys is keys

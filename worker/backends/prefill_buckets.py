@@ -82,9 +82,16 @@ class BucketedCache:
         mask = mx.arange(end, end + N)[:, None] >= cols
         return mask & (left[:, None, None, None] <= cols)
 
-    @property
-    def offset(self) -> Any:
-        return self.cache.offset
+    def __getattr__(self, name: str) -> Any:  # offset, keys, ...: the cache's own
+        return getattr(self.cache, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # a model may write the cache's arrays (mlx-lm's pipeline makes its last layer's
+        # keys depend on the activations it sends on): they are the cache's
+        if name == "cache":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.cache, name, value)
 
 
 def views(caches: list[Any]) -> list[BucketedCache] | None:
