@@ -11,7 +11,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from shared.config import EngineOptions
 from shared.engine_options import engine_problem
-from tests.engine_fixtures import Loaded, reference_greedy
+from tests.engine_fixtures import Loaded, reference_greedy, token_ids
 from worker.backends.mlx_lm import make_backend
 from worker.backends.prefill_buckets import (
     KEY_BUCKET,
@@ -201,3 +201,18 @@ def test_what_a_model_reads_or_writes_on_the_view_is_the_caches() -> None:
     keys = mx.zeros_like(cache.keys)
     view.keys = keys  # as mlx-lm's pipeline does to the last layer's cache
     assert cache.keys is keys
+
+
+def test_an_engines_conversation_over_its_prefix_cache_gives_the_exact_shapes_tokens(
+    chat: Loaded,
+) -> None:
+    """The engine, its prefix cache on: each turn prefills its new tokens after the cached
+    ones, at buckets; the same greedy tokens as at exact shapes, and the same reuse."""
+    from tests.test_engine_prefix import converse, final_usage
+
+    exact = converse(chat, chat.engine(batcher="rows"))
+    buckets = converse(chat, chat.engine(batcher="rows", prefill_shapes="buckets"))
+    for turn, (a, b) in enumerate(zip(exact, buckets, strict=True)):
+        assert token_ids(b) == token_ids(a), f"turn {turn}"
+        assert final_usage(b).cached_tokens == final_usage(a).cached_tokens
+        assert turn == 0 or final_usage(b).cached_tokens > 0
