@@ -253,6 +253,22 @@ def test_tokens_per_minute_and_concurrency(secured: GatewayProc) -> None:
     wait_for(lambda: _chat(gw, one).status_code == 200, what="the slot to be released")
 
 
+def test_a_streams_tokens_count_against_its_key_while_it_runs(secured: GatewayProc) -> None:
+    """A stream's prompt is charged with its first token, its completion as it goes: a key
+    whose minute a running stream has used up is refused before that stream ends."""
+    gw = secured
+    key = _create(gw, "tpm-stream", "--tpm", "40")
+    stream = _client(gw, key).chat.completions.create(model="chat", messages=MESSAGES, **ENDLESS)
+    chunks = iter(stream)
+    next(chunks)  # the first token: the prompt (over 12 tokens) is charged
+    for _ in range(40):  # and a few dozen completion tokens
+        next(chunks)
+    refused = _chat(gw, key, model="other")
+    assert refused.status_code == 429, refused.text
+    assert "tokens per minute" in refused.json()["error"]["message"]
+    stream.close()
+
+
 @pytest.fixture(scope="module")
 def own(chat_model: Path) -> Iterator[dict[str, GatewayProc]]:
     """The gateways of the three tests below, each set up its own way, started together (a

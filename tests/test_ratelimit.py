@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from gateway.edge.context import RequestContext
+from gateway.edge.context import METER_TOKENS, RequestContext
 from gateway.edge.keys import ApiKey
 from gateway.edge.ratelimit import KeyLimiter
 
@@ -21,3 +21,30 @@ def test_track_holds_a_slot_and_charges_tokens_at_the_end() -> None:
     job.finish()
     assert limiter.in_flight("k1") == 0
     assert limiter._window("tpm", 100, "k1").remaining == 50
+
+
+def test_a_requests_tokens_are_charged_as_they_arrive() -> None:
+    key = ApiKey(id="k2", name="live", hash="x", created_at=time.time(), tpm=100)
+    limiter = KeyLimiter()
+    ctx = RequestContext("r2", "POST", "/v1/chat/completions", key=key)
+    limiter.track(ctx, key)
+    ctx.prompt(30)  # with the first token
+    assert limiter._window("tpm", 100, "k2").remaining == 70
+    ctx.token(METER_TOKENS - 1)  # not yet: a few dozen at a time
+    assert limiter._window("tpm", 100, "k2").remaining == 70
+    ctx.token(1)
+    assert limiter._window("tpm", 100, "k2").remaining == 70 - METER_TOKENS
+    ctx.completion_tokens = METER_TOKENS + 5  # the final usage
+    ctx.finish()
+    assert limiter._window("tpm", 100, "k2").remaining == 70 - METER_TOKENS - 5
+    assert ctx.charged == 30 + METER_TOKENS + 5
+
+
+def test_a_key_without_a_token_limit_is_not_metered() -> None:
+    key = ApiKey(id="k3", name="free", hash="x", created_at=time.time(), rpm=10)
+    ctx = RequestContext("r3", "POST", "/v1/chat/completions", key=key)
+    KeyLimiter().track(ctx, key)
+    assert ctx.meter is None
+    ctx.prompt(30)
+    ctx.finish()
+    assert ctx.charged == 0

@@ -214,6 +214,8 @@ class Relay:
             ctx.token(len(output.token_ids))
         if ctx is not None and output.timings is not None and ctx.worker_timings is None:
             ctx.worker_timings = output.timings
+        if ctx is not None and output.usage is not None and output.finish_reason is None:
+            ctx.prompt(output.usage.prompt_tokens)  # the first token's: the prompt's size
         if output.finish_reason is not None:
             self.done.add(index)
             self.usages[index] = output.usage

@@ -27,6 +27,10 @@ log = logging.getLogger("gateway")
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 
+# Completion tokens a stream collects before they are charged to its key (ratelimit.py).
+METER_TOKENS = 32
+
+
 def new_request_id() -> str:
     return uuid.uuid4().hex
 
@@ -58,6 +62,10 @@ class RequestContext:
     last_token_at: float | None = None
     finished_at: float | None = None
     on_finish: list[Callable[[RequestContext], None]] = field(default_factory=list)
+    # Charges the tokens counted since the last charge (a key's tokens per minute, charged
+    # as they arrive: ratelimit.py); `charged`: how many it has charged.
+    meter: Callable[[RequestContext], None] | None = None
+    charged: int = 0
 
     @property
     def key_name(self) -> str:
@@ -70,6 +78,18 @@ class RequestContext:
             self.first_token_at = now
         self.last_token_at = now
         self.completion_tokens += count
+        if self.meter is not None and self.uncharged >= METER_TOKENS:
+            self.meter(self)
+
+    def prompt(self, tokens: int) -> None:
+        """The prompt's size, known with the first token."""
+        self.prompt_tokens = max(self.prompt_tokens, tokens)
+        if self.meter is not None:
+            self.meter(self)
+
+    @property
+    def uncharged(self) -> int:
+        return self.prompt_tokens + self.completion_tokens - self.charged
 
     @property
     def ttft_s(self) -> float | None:

@@ -2,9 +2,11 @@
 
 Counted in the gateway process, which every request of every model passes through, so the
 limits hold across models and workers. Requests and tokens use the `limits` library's moving
-window. A request is admitted while its key's token window has room; its prompt and
-completion tokens are charged when it ends (they are not known before), so a key may overrun
-its `tpm` by one request's tokens, never more, and then waits for the window to move.
+window. A request is admitted while its key's token window has room; its tokens are charged
+as they become known: the prompt's with the first token, the completion's as they stream (a
+few dozen at a time), the rest when it ends. Requests in flight when the window fills still
+finish, so a key overruns its `tpm` by what those go on to use (its `concurrency` bounds how
+many), and a long stream's tokens count in the minutes they arrive, not all in its last.
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ class KeyLimiter:
         """Count `ctx` in flight for `key` until it finishes, then charge its tokens (also
         for work that outlives its HTTP request: a background response)."""
         self._in_flight[key.id] = self.in_flight(key.id) + 1
+        if key.tpm is not None:
+            ctx.meter = lambda c: self._charge(c, key)
         ctx.on_finish.append(lambda c: self._done(c, key))
 
     def _done(self, ctx: RequestContext, key: ApiKey) -> None:
@@ -98,12 +102,20 @@ class KeyLimiter:
             self._in_flight[key.id] = left
         else:
             self._in_flight.pop(key.id, None)
-        tokens = ctx.prompt_tokens + ctx.completion_tokens
-        if key.tpm is not None and tokens > 0:
-            window = self._window("tpm", key.tpm, key.id)
-            charge = min(tokens, window.remaining)
-            if charge > 0:
-                self._limiter.hit(self._item("tpm", key.tpm), key.id, cost=charge)
+        ctx.meter = None
+        self._charge(ctx, key)
+
+    def _charge(self, ctx: RequestContext, key: ApiKey) -> None:
+        """Charge what `ctx` counted since its last charge (the window takes no more than
+        it has room for: past that the key is refused until it moves)."""
+        due = ctx.uncharged
+        if key.tpm is None or due <= 0:
+            return
+        ctx.charged += due
+        window = self._window("tpm", key.tpm, key.id)
+        charge = min(due, window.remaining)
+        if charge > 0:
+            self._limiter.hit(self._item("tpm", key.tpm), key.id, cost=charge)
 
 
 def _openai_headers(kind: str, window: _Window) -> list[tuple[bytes, bytes]]:
