@@ -344,3 +344,16 @@ def test_the_grammar_thread_outlives_any_failure_of_a_compile(
     with pytest.raises(ValueError, match="llguidance failed"):
         grammars.compile('start: "panic"\n').result(timeout=60)
     assert grammars.compile('start: "fine"\n').result(timeout=60) is not None
+
+
+def test_a_small_schema_compiles_while_a_large_one_still_does(
+    tokenizer: TokenizerWrapper,
+) -> None:
+    grammars = Grammars(tokenizer)
+    large = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(5000)}}
+    slow = grammars.compile(json_grammar(large, "f", True))
+    small = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    fast = grammars.compile(json_grammar(small, "f", True))
+    fast.result(timeout=60)
+    assert not slow.done()  # (one compile thread: it would wait for all of the large one)
+    slow.result(timeout=120)

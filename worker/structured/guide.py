@@ -30,6 +30,9 @@ import numpy as np
 
 log = logging.getLogger("worker")
 
+# Grammar compiles running at once (Grammars): a small schema is not held behind a large one.
+COMPILE_THREADS = 2
+
 # llguidance's first line when a parse reaches one of its limits (a row's Earley items, the
 # grammar's symbols, the lexer's states or fuel): the schema asks too much of it. (Its
 # message goes on with the parser's state and the whole grammar: not for the match.)
@@ -53,10 +56,11 @@ class Grammars:
     """The model's llguidance tokenizer and compiled grammars, one prototype matcher per
     grammar text (least recently used out): a request gets a copy, not a new compile.
 
-    Compiles run on a thread of their own (llguidance drops the GIL while it builds a
+    Compiles run on threads of their own (llguidance drops the GIL while it builds a
     matcher): a large schema takes seconds (10,000 optional properties: ~10 s), and the
-    thread that prepares requests must not wait on it. A compile's outcome is kept like a
-    success, since the same text fails the same way."""
+    thread that prepares requests must not wait on it; two of them, so that a small schema
+    is not held behind a large one. A compile's outcome is kept like a success, since the
+    same text fails the same way."""
 
     def __init__(
         self,
@@ -73,7 +77,7 @@ class Grammars:
         self.on_compiled = on_compiled  # called on the compiling thread after each compile
         self._compiled: OrderedDict[str, Future[Any]] = OrderedDict()
         self._jobs: queue.SimpleQueue[tuple[str, Future[Any]]] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     def literal(self, text: str) -> str:
         """Fixed text (a tool-call marker) as a lark expression. llguidance treats every
@@ -94,10 +98,10 @@ class Grammars:
         return " ".join(parts) if parts else '""'
 
     def compile(self, grammar: str) -> Future[Any]:
-        """`grammar`'s prototype matcher, compiled on the grammar thread (one thread, in
-        order; a text asked for again shares the first compile). Its exception is a
-        ValueError with llguidance's message if the grammar cannot be compiled. One thread
-        calls this (the one preparing requests)."""
+        """`grammar`'s prototype matcher, compiled on a grammar thread (in the order asked,
+        COMPILE_THREADS at a time; a text asked for again shares the first compile). Its
+        exception is a ValueError with llguidance's message if the grammar cannot be
+        compiled. One thread calls this (the one preparing requests)."""
         future = self._compiled.get(grammar)
         if future is not None:
             self._compiled.move_to_end(grammar)
@@ -105,9 +109,10 @@ class Grammars:
         future = self._compiled[grammar] = Future()
         if len(self._compiled) > self.capacity:
             self._compiled.popitem(last=False)  # (a request waiting on it keeps its future)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._compiling, name="grammar", daemon=True)
-            self._thread.start()
+        if len(self._threads) < COMPILE_THREADS:
+            thread = threading.Thread(target=self._compiling, name="grammar", daemon=True)
+            self._threads.append(thread)
+            thread.start()
         self._jobs.put((grammar, future))
         return future
 
