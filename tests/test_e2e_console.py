@@ -269,6 +269,42 @@ def test_an_inference_key_sees_no_controls_and_gets_403_calling_them(
     assert gw.ps()["demo"]["state"] == "ready"
 
 
+# What a tab in the background looks like to its page (headless tabs are all visible).
+HIDE = """(hidden) => {
+  const values = [["hidden", hidden], ["visibilityState", hidden ? "hidden" : "visible"]];
+  for (const [name, value] of values)
+    Object.defineProperty(document, name, {value, configurable: true});
+  document.dispatchEvent(new Event("visibilitychange"));
+}"""
+
+
+def test_tabs_in_the_background_free_their_connections_for_a_seventh(
+    browser: Any, gw: GatewayProc, keys: dict[str, str]
+) -> None:
+    """A browser keeps six connections to a host: six tabs' live streams would hold them
+    all and leave a seventh tab's page waiting. Hidden tabs close theirs, and open it again
+    when shown."""
+    context = browser.new_context(viewport=DESKTOP)
+    context.set_default_timeout(TIMEOUT_MS)
+    try:
+        tabs = []
+        for _ in range(6):
+            tab = context.new_page()
+            sign_in(tab, gw, keys["inference"])
+            tab.evaluate(HIDE, True)
+            tabs.append(tab)
+        seventh = context.new_page()
+        sign_in(seventh, gw, keys["inference"])  # loads and gets its live state
+        samples = "() => window.mlxConsole.history.length"
+        first = tabs[0]
+        first.evaluate(HIDE, False)  # shown again: its stream opens and samples arrive
+        count = first.evaluate(samples)
+        first.wait_for_function(f"() => window.mlxConsole.history.length > {count}")
+        assert first.evaluate("() => window.mlxConsole.streamAbort !== null")
+    finally:
+        context.close()
+
+
 # WCAG 2 contrast of each visible element's text against the first opaque background behind
 # it: the lowest found, and where.
 CONTRAST = """(selectors) => {

@@ -23,6 +23,7 @@
     chat: [],
     chatAbort: null,
     retryTimer: null,
+    paused: false, // a hidden tab's live stream is closed (see "background tabs")
     rows: new Map(), // model -> {tr, cells, buttons}: the table is updated in place
   };
   window.mlxConsole = state; // for people poking at it in the browser's devtools
@@ -76,6 +77,7 @@
   async function connect() {
     clearTimeout(state.retryTimer);
     state.retryTimer = null;
+    if (state.paused) return; // opened again when the tab is shown
     if (state.streamAbort) state.streamAbort.abort();
     const abort = new AbortController();
     state.streamAbort = abort;
@@ -109,6 +111,32 @@
       if (!abort.signal.aborted) reconnect("The live connection broke");
     }
   }
+
+  // ---- background tabs ------------------------------------------------------------------
+  // A browser keeps at most six connections to one host, across all its tabs: live streams
+  // held open by tabs in the background would leave a seventh tab's page waiting. A tab
+  // hidden for a few seconds closes its stream; shown again, it opens it (the state event
+  // brings the charts' history back).
+  const HIDDEN_GRACE_MS = 3000;
+  let hiding = null;
+
+  function pause() {
+    state.paused = true;
+    clearTimeout(state.retryTimer);
+    if (state.streamAbort) state.streamAbort.abort();
+    state.streamAbort = null;
+  }
+
+  function visibility() {
+    clearTimeout(hiding);
+    if (document.hidden) hiding = setTimeout(pause, HIDDEN_GRACE_MS);
+    else if (state.paused) {
+      state.paused = false;
+      state.retry = 0;
+      connect();
+    }
+  }
+  document.addEventListener("visibilitychange", visibility);
 
   function reconnect(why) {
     const delay = Math.min(10, 1 + state.retry++) * 1000;
@@ -585,4 +613,5 @@
   });
 
   connect();
+  visibility(); // a page opened in the background closes its stream after the grace too
 })();
