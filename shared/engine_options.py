@@ -79,8 +79,10 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # attention over exactly the positions before. "buckets": tokens padded at the end and
     # attention run over positions rounded up to a few sizes (worker/backends/
     # prefill_buckets.py), the same KV: shapes a GPU has met before, where a new one costs a
-    # plan and a graph. Opt-in until measured served on a GPU (docs/benchmarks.md).
-    prefill_shapes: Literal["exact", "buckets"] = "exact"
+    # plan and a graph. "auto": buckets on MLX's CUDA backend (measured: first tokens of
+    # cached agent turns 1.1-1.5x sooner; docs/benchmarks.md), exact elsewhere (slower on a
+    # CPU, not measured on Metal).
+    prefill_shapes: Literal["auto", "exact", "buckets"] = "auto"
     # The model's tool-call format: the name of one of mlx-lm's tool parsers
     # (mlx_lm/tool_parsers: json_tools, qwen3_coder, mistral, pythonic, glm47, ...).
     # Default: the one mlx-lm infers from the model's chat template, if any.
@@ -117,7 +119,7 @@ def engine_problem(opts: EngineOptions) -> str | None:
     for name, default in (("decode_attention", "auto"), ("decode_projections", "separate")):
         if getattr(opts, name) != default and not compiled:
             return f"engine.{name} applies to the compiled step only"
-    if opts.prefill_shapes != "exact" and opts.batcher == "mlx_lm":
+    if opts.prefill_shapes == "buckets" and opts.batcher == "mlx_lm":
         return "engine.prefill_shapes applies to the rows batch only, not to batcher = 'mlx_lm'"
     if opts.join_settle_steps and opts.batcher == "mlx_lm":
         return "engine.join_settle_steps applies to the rows batch only, not to batcher = 'mlx_lm'"

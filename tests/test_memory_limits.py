@@ -53,6 +53,19 @@ def test_a_small_mac_keeps_an_eighth_and_a_setting_wins(monkeypatch: pytest.Monk
     assert memory.own_memory(EngineOptions(buffer_cache_gb=0.5)).cache_bytes == GiB // 2
 
 
+def test_under_cuda_the_buffer_cache_keeps_a_quarter_of_the_gpu_and_a_setting_wins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = FakeMLX(metal=False, working_set=None)
+    fake.install(monkeypatch)
+    fake.info = {"total_memory": 80 * GiB}
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    assert memory.own_memory(EngineOptions()) == memory.MemoryLimits(0, 20 * GiB)
+    assert memory.own_memory(EngineOptions(buffer_cache_gb=2.0)).cache_bytes == 2 * GiB
+    assert fake.calls == [("set_cache_limit", 20 * GiB), ("set_cache_limit", 2 * GiB)]
+
+
 def test_elsewhere_only_a_setting_changes_anything(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeMLX(metal=False, working_set=None)
     fake.install(monkeypatch)

@@ -20,6 +20,7 @@ from worker.backends.prefill_buckets import (
     bucket,
     padded_width,
     views,
+    wanted,
 )
 from worker.backends.rows import RowBatch
 from worker.backends.sampling import greedy
@@ -192,6 +193,17 @@ def test_the_setting_reaches_the_rows_batch_and_only_it(chat: Loaded) -> None:
     assert on.batch.prefill_buckets and not off.batch.prefill_buckets  # type: ignore[attr-defined]
     problem = engine_problem(EngineOptions(batcher="mlx_lm", prefill_shapes="buckets"))
     assert problem is not None and "engine.prefill_shapes" in problem
+    assert engine_problem(EngineOptions(batcher="mlx_lm")) is None  # "auto": no complaint
+
+
+def test_auto_means_buckets_on_mlxs_cuda_backend_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not wanted("auto")  # this machine: MLX's CPU
+    assert wanted("buckets") and not wanted("exact")
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    assert wanted("auto") and not wanted("exact")
+    monkeypatch.setattr(mx, "default_device", lambda: mx.cpu)  # a CUDA build on its CPU
+    assert not wanted("auto")
 
 
 def test_what_a_model_reads_or_writes_on_the_view_is_the_caches() -> None:

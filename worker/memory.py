@@ -15,6 +15,11 @@ from shared.protocol import Heartbeat, PromptSegmentStats, WorkerState
 GiB = 1 << 30
 KV_HEADROOM = 0.9  # of what is left: activations, the buffer cache, fragmentation
 MAC_BUFFER_CACHE = 4 * GiB  # at most, and at most an eighth of the working set
+# Under CUDA, the share of the GPU's memory the buffer cache may keep: the rest of what MLX
+# does not hold stays the driver's (CUDA graphs, cuBLAS's workspaces). Unbounded, a worker
+# serving prefills at ever new shapes filled an H100 with cached buffers and died in
+# cudaGraphInstantiate ("out of memory"; docs/benchmarks.md).
+CUDA_BUFFER_CACHE_SHARE = 4
 # The buffer cache goes back to the system once the engine has had no work this long: not
 # between one request and the next (the next would allocate every buffer again), only when
 # the model sits idle.
@@ -32,10 +37,13 @@ def own_memory(options: EngineOptions) -> MemoryLimits:
     working set, so that a large model's weights are not paged out between requests (as
     mlx-lm's server does), and bound the buffer cache (`buffer_cache_gb`, default the smaller
     of 4 GiB and an eighth of the working set); the worker empties it once the model is
-    idle (IdleRelease). Elsewhere only an explicit `buffer_cache_gb` is applied: no other
-    default was measured there."""
+    idle (IdleRelease). Under CUDA the buffer cache keeps at most a quarter of the GPU's
+    memory (CUDA_BUFFER_CACHE_SHARE) unless `buffer_cache_gb` says otherwise; on MLX's CPU
+    device only an explicit `buffer_cache_gb` is applied."""
     cache = int(options.buffer_cache_gb * GiB) if options.buffer_cache_gb else 0
     if not mx.metal.is_available():
+        if not cache and mx.cuda.is_available() and mx.default_device() == mx.gpu:
+            cache = device_memory() // CUDA_BUFFER_CACHE_SHARE
         if cache:
             mx.set_cache_limit(cache)
         return MemoryLimits(0, cache)

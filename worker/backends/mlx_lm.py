@@ -22,7 +22,7 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokeni
 from mlx_lm.utils import sharded_load
 
 from shared.config import EngineOptions
-from worker.backends import decode_step, shelves
+from worker.backends import decode_step, prefill_buckets, shelves
 from worker.backends.rows import RowBatch
 from worker.backends.sampling import guide_processors, make_processors, make_sampler
 from worker.backends.shelves import Shelved
@@ -290,7 +290,7 @@ class MlxRowsBackend(MlxLmBackend):
             bucket_rows=mx.default_device() == mx.gpu and mx.cuda.is_available(),
             # a shelf the prefix cache keeps whole while any of its rows is kept
             shelf_bytes=max(1, int(options.prefix_cache_gb * (1 << 30)) // 8),
-            prefill_buckets=options.prefill_shapes == "buckets",
+            prefill_buckets=prefill_buckets.wanted(options.prefill_shapes),
         )
 
     def insert(self, items: list[Insertion]) -> list[int]:
@@ -339,11 +339,11 @@ def make_backend(model: Any, tokenizer: Any, options: EngineOptions) -> MlxLmBac
     batcher = options.batcher
     if batcher == "auto":
         batcher = "rows" if cache_kinds(model) == {"KVCache"} else "mlx_lm"
-        for name, value, default in (
-            ("join_settle_steps", options.join_settle_steps, 0),
-            ("prefill_shapes", options.prefill_shapes, "exact"),
+        for name, asked in (
+            ("join_settle_steps", options.join_settle_steps != 0),
+            ("prefill_shapes", options.prefill_shapes == "buckets"),
         ):
-            if batcher == "mlx_lm" and value != default:
+            if batcher == "mlx_lm" and asked:
                 log.warning(
                     "engine.%s has no effect: this model's caches need BatchGenerator "
                     "(batcher = 'mlx_lm')",

@@ -1,4 +1,5 @@
-"""Prefills at a few shapes (`engine.prefill_shapes = "buckets"`; the rows batch, rows.py).
+"""Prefills at a few shapes (`engine.prefill_shapes`, "buckets" or "auto" under CUDA; the rows
+batch, rows.py).
 
 On MLX's CUDA backend an operation at a shape met for the first time costs far more than at a
 known one (cuBLASLt's plans, CUDA graphs: docs/benchmarks.md measured a cached agent turn's
@@ -92,6 +93,15 @@ class BucketedCache:
             object.__setattr__(self, name, value)
         else:
             setattr(self.cache, name, value)
+
+
+def wanted(setting: str) -> bool:
+    """Whether `engine.prefill_shapes` puts prefills at buckets here: "auto" does on MLX's
+    CUDA backend, where it was measured (docs/benchmarks.md), not on a CPU (more to compute,
+    no cost of a new shape to save) nor on Metal (not measured)."""
+    if setting == "auto":
+        return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    return setting == "buckets"
 
 
 def views(caches: list[Any]) -> list[BucketedCache] | None:
