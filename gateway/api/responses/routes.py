@@ -215,7 +215,7 @@ def _background_context(state: State, ctx: RequestContext | None) -> RequestCont
     )
     limiter: KeyLimiter | None = state.get("limiter")
     if limiter is not None and ctx.key is not None:
-        limiter.track(job, ctx.key)  # in flight until done, its tokens charged then
+        limiter.track(job, ctx.key)  # in flight until done, its tokens charged as they come
     job.on_finish.extend(state.get("finish_hooks", []))
     return job
 
