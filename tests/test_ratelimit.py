@@ -1,5 +1,6 @@
-"""KeyLimiter.track: work that outlives its HTTP request (a background response) is counted
-in flight and charged to the key's tokens per minute when it ends."""
+"""KeyLimiter.track: a request (or work that outlives its HTTP request: a background response)
+is counted in flight, and its tokens are charged to the key's tokens per minute as they
+arrive and when it ends."""
 
 from __future__ import annotations
 
