@@ -228,3 +228,11 @@ def test_an_engines_conversation_over_its_prefix_cache_gives_the_exact_shapes_to
         assert token_ids(b) == token_ids(a), f"turn {turn}"
         assert final_usage(b).cached_tokens == final_usage(a).cached_tokens
         assert turn == 0 or final_usage(b).cached_tokens > 0
+
+
+def test_a_window_the_model_asks_for_is_kept() -> None:
+    cache = _filled(1, 300, [0])
+    mask = BucketedCache(cache).make_mask(4, window_size=8)
+    for i in range(4):  # query 300 + i sees 293 + i .. 300 + i
+        seen = [j for j in range(mask.shape[-1]) if mask[0, 0, i, j].item()]
+        assert seen == list(range(293 + i, 301 + i)), i

@@ -75,12 +75,18 @@ class BucketedCache:
         self.cache.state = (k, v, offset + n, left, written)
         return k[..., :width, :], v[..., :width, :]
 
-    def make_mask(self, N: int, *args: Any, **kwargs: Any) -> mx.array:
+    def make_mask(
+        self, N: int, return_array: bool = True, window_size: int | None = None, **_: Any
+    ) -> mx.array:
         """(rows, 1, N, bucket) booleans: a query sees the keys at or before its position
-        and at or after its row's left padding."""
+        (within `window_size` of it, when the model asks for a window) and at or after its
+        row's left padding."""
         _, _, _, left, end = self.cache.state
         cols = mx.arange(bucket(end + N, KEY_BUCKET))[None]
-        mask = mx.arange(end, end + N)[:, None] >= cols
+        rows = mx.arange(end, end + N)[:, None]
+        mask = rows >= cols
+        if window_size is not None:
+            mask = mask & (rows < cols + window_size)
         return mask & (left[:, None, None, None] <= cols)
 
     def __getattr__(self, name: str) -> Any:  # offset, keys, ...: the cache's own
