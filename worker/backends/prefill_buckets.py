@@ -27,6 +27,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from worker.backends.unpadded import CacheView
+
 TOKEN_BUCKET = 64  # a prefill chunk's positions
 KEY_BUCKET = 256  # the positions attention runs over (mlx-lm's batch cache grows by 256)
 
@@ -47,15 +49,12 @@ def padded_width(width: int, chunk: int) -> int:
     return full + min(chunk, bucket(width - full, TOKEN_BUCKET))
 
 
-class BucketedCache:
+class BucketedCache(CacheView):
     """A batch cache as a prefill's forward pass sees it: keys and values written as the
     cache writes them, handed to attention up to a bucket of positions, with the mask that
     hides what lies past each query (and each row's left padding)."""
 
-    __slots__ = ("cache",)
-
-    def __init__(self, cache: Any) -> None:
-        self.cache = cache
+    __slots__ = ()
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         k, v, offset, left, end = self.cache.state
@@ -88,17 +87,6 @@ class BucketedCache:
         if window_size is not None:
             mask = mask & (rows < cols + window_size)
         return mask & (left[:, None, None, None] <= cols)
-
-    def __getattr__(self, name: str) -> Any:  # offset, keys, ...: the cache's own
-        return getattr(self.cache, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # a model may write the cache's arrays (mlx-lm's pipeline makes its last layer's
-        # keys depend on the activations it sends on): they are the cache's
-        if name == "cache":
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.cache, name, value)
 
 
 def wanted(setting: str) -> bool:

@@ -1,22 +1,19 @@
-"""The rows batch's view of its caches without an attention mask (worker/backends/rows.py)."""
+"""Views of the rows batch's caches as the model sees them in a step (worker/backends/rows.py):
+each changes one thing a cache does and is the cache for everything else."""
 
 from __future__ import annotations
 
 from typing import Any
 
 
-class Unpadded:
-    """A batch cache as the model sees it in a one-token step while none of the batch's rows
-    is padded: no mask, so that MLX can take its fused attention kernel (a mask would only
-    hide padding). Everything else is the cache's own."""
+class CacheView:
+    """A cache, but for what a subclass changes: what a model reads or writes on the view
+    (offset, keys, ...) is the cache's own."""
 
     __slots__ = ("cache",)
 
     def __init__(self, cache: Any) -> None:
         self.cache = cache
-
-    def make_mask(self, N: int, *args: Any, **kwargs: Any) -> Any:
-        return None if N == 1 else self.cache.make_mask(N, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.cache, name)
@@ -28,3 +25,14 @@ class Unpadded:
             object.__setattr__(self, name, value)
         else:
             setattr(self.cache, name, value)
+
+
+class Unpadded(CacheView):
+    """A batch cache as the model sees it in a one-token step while none of the batch's rows
+    is padded: no mask, so that MLX can take its fused attention kernel (a mask would only
+    hide padding)."""
+
+    __slots__ = ()
+
+    def make_mask(self, N: int, *args: Any, **kwargs: Any) -> Any:
+        return None if N == 1 else self.cache.make_mask(N, *args, **kwargs)
