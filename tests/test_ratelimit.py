@@ -25,19 +25,19 @@ def test_track_holds_a_slot_and_charges_tokens_at_the_end() -> None:
 
 
 def test_a_requests_tokens_are_charged_as_they_arrive() -> None:
-    key = ApiKey(id="k2", name="live", hash="x", created_at=time.time(), tpm=100)
+    key = ApiKey(id="k2", name="live", hash="x", created_at=time.time(), tpm=1000)
     limiter = KeyLimiter()
     ctx = RequestContext("r2", "POST", "/v1/chat/completions", key=key)
     limiter.track(ctx, key)
     ctx.prompt(30)  # with the first token
-    assert limiter._window("tpm", 100, "k2").remaining == 70
-    ctx.token(METER_TOKENS - 1)  # not yet: a few dozen at a time
-    assert limiter._window("tpm", 100, "k2").remaining == 70
+    assert limiter._window("tpm", 1000, "k2").remaining == 970
+    ctx.token(METER_TOKENS - 1)  # not yet: every METER_TOKENS
+    assert limiter._window("tpm", 1000, "k2").remaining == 970
     ctx.token(1)
-    assert limiter._window("tpm", 100, "k2").remaining == 70 - METER_TOKENS
+    assert limiter._window("tpm", 1000, "k2").remaining == 970 - METER_TOKENS
     ctx.completion_tokens = METER_TOKENS + 5  # the final usage
     ctx.finish()
-    assert limiter._window("tpm", 100, "k2").remaining == 70 - METER_TOKENS - 5
+    assert limiter._window("tpm", 1000, "k2").remaining == 970 - METER_TOKENS - 5
     assert ctx.charged == 30 + METER_TOKENS + 5
 
 

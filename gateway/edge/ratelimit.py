@@ -3,8 +3,8 @@
 Counted in the gateway process, which every request of every model passes through, so the
 limits hold across models and workers. Requests and tokens use the `limits` library's moving
 window. A request is admitted while its key's token window has room; its tokens are charged
-as they become known: the prompt's with the first token, the completion's as they stream (a
-few dozen at a time), the rest when it ends. Requests in flight when the window fills still
+as they become known: the prompt's with the first token, the completion's as they stream (every
+METER_TOKENS), the rest when it ends. Requests in flight when the window fills still
 finish, so a key overruns its `tpm` by what those go on to use (its `concurrency` bounds how
 many), and a long stream's tokens count in the minutes they arrive, not all in its last.
 """
