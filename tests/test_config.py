@@ -421,3 +421,20 @@ def test_models_over_several_machines_keep_their_ring_ports_apart(tmp_path: Path
     )
     with pytest.raises(ConfigError, match="'pipeline' runs on the rows batch"):
         load_config(write(tmp_path, piped))
+
+
+def test_prefill_shapes_is_auto_by_default_and_buckets_need_the_rows_batch(
+    tmp_path: Path,
+) -> None:
+    head = '[[models]]\nname = "a"\nsource = "x"\n[models.engine]\n'
+    assert load_config(write(tmp_path, head)).models[0].engine.prefill_shapes == "auto"
+    for name in ("exact", "buckets"):
+        chosen = load_config(write(tmp_path, head + f'prefill_shapes = "{name}"\n'))
+        assert chosen.models[0].engine.prefill_shapes == name
+    for bad in ('"padded"', "1", "true"):
+        with pytest.raises(ConfigError, match="prefill_shapes"):
+            load_config(write(tmp_path, head + f"prefill_shapes = {bad}\n"))
+    with pytest.raises(ConfigError, match="prefill_shapes applies to the rows batch"):
+        load_config(write(tmp_path, head + 'batcher = "mlx_lm"\nprefill_shapes = "buckets"\n'))
+    auto = load_config(write(tmp_path, head + 'batcher = "mlx_lm"\n'))
+    assert auto.models[0].engine.prefill_shapes == "auto"  # follows whichever batch it gets
