@@ -33,6 +33,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--baseline", default="gateway", help="the source ratios are taken to")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument(
+        "--warm-trace",
+        action="store_true",
+        help="before the measured trace, run one of other text and the same lengths (a server "
+        "that has met this trace's shapes, as an always-on one has); its turns are reported "
+        "as the fresh server's",
+    )
     p.add_argument("--blas", default="auto", help="auto | off | path of a BLAS to LD_PRELOAD")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--ready-timeout", type=float, default=300.0)
@@ -208,8 +216,16 @@ def build_sources(args: argparse.Namespace) -> list[Source]:
 # --- one source, one repeat ----------------------------------------------------------------
 
 
-async def measure(args: argparse.Namespace, source: Source, url: str, trace: Trace) -> dict:
-    """Warm up (a short unrelated request), then every session of ``trace``."""
+async def measure(
+    args: argparse.Namespace,
+    source: Source,
+    url: str,
+    trace: Trace,
+    warm_trace: Trace | None,
+    on_start: Callable[[], object] = lambda: None,
+) -> dict:
+    """Warm up (a short unrelated request, then ``warm_trace`` if given), then every session
+    of ``trace`` (``on_start`` called just before it)."""
     client = _client.make_client(trace.sessions, args.request_timeout)
     async with client:
         model_id = await _client.served_model(client, url, source.model_id)
@@ -219,6 +235,13 @@ async def measure(args: argparse.Namespace, source: Source, url: str, trace: Tra
         if warm.error and not warm.error.startswith("empty"):  # an EOS at once is fine
             return {"model_id": model_id, "error": f"warm-up failed: {warm.error}"}
         target = Target(url, model_id, args.max_tokens, source.ignore_eos)
+        fresh: dict[str, Any] = {}
+        if warm_trace is not None:
+            records = await run_sessions(client, target, warm_trace, args.lockstep)
+            fresh["fresh_turns"] = summarize_turns(records, warm_trace.turns)
+            if any(r.error for session in records for r in session):
+                return {"model_id": model_id, "error": "warm trace failed", **fresh}
+        on_start()
         sys0, t0, cpu0 = _cpu.snapshot(), time.perf_counter(), time.process_time()
         records = await run_sessions(client, target, trace, args.lockstep)
         sys1, wall = _cpu.snapshot(), time.perf_counter() - t0
@@ -231,6 +254,7 @@ async def measure(args: argparse.Namespace, source: Source, url: str, trace: Tra
         "client_cpu_pct": client_cpu,
         "steal_pct": _cpu.steal_pct(sys0, sys1),
         "turns": summarize_turns(records, trace.turns),
+        **fresh,
         "records": [r.to_dict() for session in records for r in session],
     }
 
@@ -245,11 +269,16 @@ def _run(coro: Any) -> Any:
 
 
 def run_source(
-    args: argparse.Namespace, source: Source, trace: Trace, env: dict[str, str], log_dir: Path
+    args: argparse.Namespace,
+    source: Source,
+    traces: tuple[Trace, Trace | None],
+    env: dict[str, str],
+    log_dir: Path,
 ) -> dict[str, Any]:
-    """One repeat of one source: launch it if needed, measure, stop it."""
+    """One repeat of one source: launch it if needed, measure (``traces``: the measured one
+    and the one to warm the server with, if any), stop it."""
     if source.url:
-        return dict(_run(measure(args, source, source.url, trace)), url=source.url)
+        return dict(_run(measure(args, source, source.url, *traces)), url=source.url)
     assert source.command is not None
     fields = {
         "model": str(Path(args.model).resolve()),
@@ -280,9 +309,11 @@ def run_source(
         server.wait_ready(args.ready_timeout)
         if source.name in GATEWAY_ENGINE:
             _launch.wait_models_ready(server.url, args.ready_timeout)
-        cpu0 = server.cpu_seconds()
-        result = _run(measure(args, source, server.url, trace))
-        cpu1 = server.cpu_seconds()
+        started: list[float | None] = []  # the server's CPU time as the measured trace starts
+        result = _run(
+            measure(args, source, server.url, *traces, lambda: started.append(server.cpu_seconds()))
+        )
+        cpu0, cpu1 = (started or [None])[0], server.cpu_seconds()
         if cpu0 is not None and cpu1 is not None and result.get("wall_s"):
             server_cpu = round(100 * (cpu1 - cpu0) / result["wall_s"], 1)
             result["server_cpu_pct"] = server_cpu
@@ -321,16 +352,20 @@ def run_variant(
     runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in sources}
     for r in range(args.repeats):
         tag = f"{nonce}s{sessions}r{r}"
-        trace = build_trace(tag, sessions, args.turns, args.system_tokens, args.user_range, tokens)
+        shape = (sessions, args.turns, args.system_tokens, args.user_range, tokens)
+        trace = build_trace(tag, *shape)
+        warm = build_trace(f"{tag}w", *shape) if args.warm_trace else None
         for source in sources if r % 2 == 0 else sources[::-1]:
             idle = _cpu.wait_idle(args.wait_idle, args.idle_threshold, source.name)
-            res = {**run_source(args, source, trace, env, log_dir), **idle, "repeat": r}
+            res = {**run_source(args, source, (trace, warm), env, log_dir), **idle, "repeat": r}
             runs[source.name].append(res)
             turns = res.get("turns") or []
             ttfts = " ".join(f"{t['ttft_ms']}" for t in turns)
+            fresh = " ".join(f"{t['ttft_ms']}" for t in res.get("fresh_turns") or [])
             print(
                 f"[{source.name}] sessions={sessions} rep={r} TTFT ms per turn: {ttfts} "
-                f"{res.get('error') or ''}",
+                + (f"(fresh server: {fresh}) " if fresh else "")
+                + f"{res.get('error') or ''}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -341,9 +376,16 @@ def run_variant(
         for name, rs in runs.items()
     }
     by_source = ratios(per_turn, args.baseline)
+    fresh = {
+        name: merge_runs([res["fresh_turns"] for res in rs])
+        for name, rs in runs.items()
+        if rs and all(res.get("fresh_turns") for res in rs)
+    }
     return {
         "sessions": sessions,
         "turns": per_turn,
+        "fresh_turns": fresh,
+        "fresh_ratios": ratios(fresh, args.baseline) if fresh else {},
         "ratios": by_source,
         "target": target_check(by_source, args.baseline),
         "runs": runs,
@@ -361,6 +403,10 @@ def report(args: argparse.Namespace, variant: dict[str, Any], info: dict[str, An
         f"- TTFT: median over sessions, then over repeats; [cached tokens] where reported; "
         f"NAME/base: TTFT over {args.baseline}'s\n"
     )
+    if variant.get("fresh_turns"):
+        print("A fresh server (the warm trace):\n")
+        print(markdown_table(variant["fresh_turns"], variant["fresh_ratios"]))
+        print("\nThe same server after it (the measured trace):\n")
     print(markdown_table(variant["turns"], variant["ratios"]))
     if variant["target"]:
         print("\nTarget:\n" + "\n".join(variant["target"]))

@@ -230,7 +230,7 @@ for step in $STEPS; do
       if [ "$step" = agent ]; then dir=$(model 1b $SHAPE_1B); else dir=$(model 8b $SHAPE_8B); fi
       $PY -m benchmarks.agent_session --model "$dir" \
         --sources gateway-rows,gateway-rows-nocache,mlx_lm --sessions 1,4 --turns "$AGENT_TURNS" \
-        --system-tokens "$AGENT_SYSTEM" --wait-idle 0 ${AGENT_ARGS:-} --out "$OUT/$step.json" 2>&1 |
+        --system-tokens "$AGENT_SYSTEM" --wait-idle 0 --baseline gateway-rows ${AGENT_ARGS:-} --out "$OUT/$step.json" 2>&1 |
         tee "$OUT/$step.log"
       ;;
     arrivals)

@@ -152,13 +152,18 @@ def test_cli_against_a_running_url(gateway: GatewayProc, chat_model: Path, tmp_p
     out = tmp_path / "agent.json"
     argv = ["--url", f"gateway={gateway.base_url}", "--model", "chat"]
     argv += ["--tokenizer", str(chat_model), "--turns", "2", "--system-tokens", "128"]
-    argv += ["--max-tokens", "4", "--wait-idle", "0", "--out", str(out)]
+    argv += ["--max-tokens", "4", "--wait-idle", "0", "--warm-trace", "--out", str(out)]
     assert agent_session.main(argv) == 0
     variant = json.loads(out.read_text())["variants"][0]
-    turns = variant["turns"]["gateway"]
-    assert [t["turn"] for t in turns] == [1, 2]
-    assert all(t["failures"] == 0 and t["ttft_ms"] > 0 for t in turns)
-    assert turns[1]["prompt_tokens"] > turns[0]["prompt_tokens"] + 100
+    turns, fresh = variant["turns"]["gateway"], variant["fresh_turns"]["gateway"]
+    for trace in (turns, fresh):
+        assert [t["turn"] for t in trace] == [1, 2]
+        assert all(t["failures"] == 0 and t["ttft_ms"] > 0 for t in trace)
+        assert trace[1]["prompt_tokens"] > trace[0]["prompt_tokens"] + 100
+    # The warm trace is other text of the same lengths: its system prompt is not a prefix
+    # the measured trace's first turn finds cached.
+    assert abs(fresh[0]["prompt_tokens"] - turns[0]["prompt_tokens"]) <= 8
+    assert (turns[0]["cached_tokens"] or 0) < 32
     assert len(variant["runs"]["gateway"][0]["records"]) == 2
 
 
