@@ -11,6 +11,7 @@ import psutil
 
 from shared.config import EngineOptions
 from shared.protocol import Heartbeat, PromptSegmentStats, WorkerState
+from worker.device import on_cuda
 
 GiB = 1 << 30
 KV_HEADROOM = 0.9  # of what is left: activations, the buffer cache, fragmentation
@@ -42,7 +43,7 @@ def own_memory(options: EngineOptions) -> MemoryLimits:
     device only an explicit `buffer_cache_gb` is applied."""
     cache = int(options.buffer_cache_gb * GiB) if options.buffer_cache_gb else 0
     if not mx.metal.is_available():
-        if not cache and mx.cuda.is_available() and mx.default_device() == mx.gpu:
+        if not cache and on_cuda():
             cache = device_memory() // CUDA_BUFFER_CACHE_SHARE
         if cache:
             mx.set_cache_limit(cache)

@@ -45,6 +45,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from worker.backends import ragged_attention
 from worker.backends.cpu_ops import compile_lock
 from worker.backends.projections import Projection, agree, apply, fuse_into, projection, split
+from worker.device import on_cuda
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +226,7 @@ def wanted(setting: str) -> bool:
     "auto" where it was measured faster than mlx-lm's forward pass (MLX's CUDA backend and
     its CPU, docs/benchmarks.md), not on Metal, where it has not been measured."""
     if setting == "auto":
-        return mx.default_device() == mx.cpu or mx.cuda.is_available()
+        return mx.default_device() == mx.cpu or on_cuda()
     return setting == "compiled"
 
 

@@ -26,6 +26,7 @@ from worker.backends import decode_step, prefill_buckets, shelves
 from worker.backends.rows import RowBatch
 from worker.backends.sampling import guide_processors, make_processors, make_sampler
 from worker.backends.shelves import Shelved
+from worker.device import on_cuda
 from worker.engine.backend import Insertion, Sampled
 from worker.structured.guide import Masks
 
@@ -287,7 +288,7 @@ class MlxRowsBackend(MlxLmBackend):
                 else None
             ),
             # what it saves was measured on MLX's CUDA backend only (buckets.py)
-            bucket_rows=mx.default_device() == mx.gpu and mx.cuda.is_available(),
+            bucket_rows=on_cuda(),
             # a shelf the prefix cache keeps whole while any of its rows is kept
             shelf_bytes=max(1, int(options.prefix_cache_gb * (1 << 30)) // 8),
             prefill_buckets=prefill_buckets.wanted(options.prefill_shapes),

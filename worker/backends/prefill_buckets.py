@@ -28,6 +28,7 @@ from typing import Any
 import mlx.core as mx
 
 from worker.backends.unpadded import CacheView
+from worker.device import on_cuda
 
 TOKEN_BUCKET = 64  # a prefill chunk's positions
 KEY_BUCKET = 256  # the positions attention runs over (mlx-lm's batch cache grows by 256)
@@ -94,7 +95,7 @@ def wanted(setting: str) -> bool:
     CUDA backend, where it was measured (docs/benchmarks.md), not on a CPU (more to compute,
     no cost of a new shape to save) nor on Metal (not measured)."""
     if setting == "auto":
-        return mx.default_device() == mx.gpu and mx.cuda.is_available()
+        return on_cuda()
     return setting == "buckets"
 
 

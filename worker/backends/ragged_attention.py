@@ -24,6 +24,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from worker.device import on_cuda
+
 log = logging.getLogger(__name__)
 
 WARPS = 8  # warps a block: 256 threads
@@ -180,7 +182,7 @@ def make(
     """The kernel for this layout on MLX's CUDA backend, checked in `dtype` (the model's),
     else None (another backend, a layout it does not take, a kernel that fails its check:
     the caller keeps MLX's attention with a mask)."""
-    if not (mx.cuda.is_available() and mx.default_device() == mx.gpu):
+    if not on_cuda():
         return None
     if not fits(heads, kv_heads, head_dim):
         layout = f"{heads} heads, {kv_heads} KV heads of {head_dim}"
