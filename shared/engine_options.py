@@ -29,9 +29,10 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     kv_memory_gb: float | None = None
     # Reuse of earlier requests' KV: a prompt that shares a prefix with one seen before
     # prefills only the rest. Bounded in bytes (least recently used out first) and counted
-    # in the gateway's memory budget.
+    # in the gateway's memory budget. Default bound: an eighth of the device's memory, at
+    # least 2 GiB (prefix_cache_bytes).
     prefix_cache: bool = True
-    prefix_cache_gb: float = 2.0
+    prefix_cache_gb: float | None = None
     # Chat prompts tokenized by segments (the text between special tokens), each segment's
     # tokens kept for the next turn, so a turn encodes only its new messages
     # (worker/prompt_segments.py; checked equal to the whole encoding at load, and off where
@@ -89,6 +90,25 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     tool_parser: str | None = None
 
 
+GiB = 1 << 30
+# The prefix cache's default bound: a share of the device's memory (what its KV may take
+# beside the weights and running requests' KV), and a floor that holds a long agent prompt of
+# a small model. On an 8B model (128 KiB of KV a token) a 30k-token prompt takes 3.75 GiB:
+# with a 64 GB Mac's 48 GiB working set the default holds 48k tokens, on an 80 GB GPU 80k.
+PREFIX_CACHE_DEVICE_SHARE = 8
+PREFIX_CACHE_MIN_BYTES = 2 * GiB
+
+
+def prefix_cache_bytes(opts: EngineOptions, device_bytes: int) -> int:
+    """The prefix cache's bound in bytes on a device of ``device_bytes``: 0 when it is off,
+    `prefix_cache_gb` when set, else an eighth of the device, at least 2 GiB."""
+    if not opts.prefix_cache:
+        return 0
+    if opts.prefix_cache_gb is not None:
+        return int(opts.prefix_cache_gb * GiB)
+    return max(PREFIX_CACHE_MIN_BYTES, device_bytes // PREFIX_CACHE_DEVICE_SHARE)
+
+
 def engine_problem(opts: EngineOptions) -> str | None:
     """What is wrong with these settings (naming the setting), or None."""
     positive = {
@@ -123,7 +143,8 @@ def engine_problem(opts: EngineOptions) -> str | None:
         return "engine.prefill_shapes applies to the rows batch only, not to batcher = 'mlx_lm'"
     if opts.join_settle_steps and opts.batcher == "mlx_lm":
         return "engine.join_settle_steps applies to the rows batch only, not to batcher = 'mlx_lm'"
-    if opts.prefix_cache_gb < 0 or not math.isfinite(opts.prefix_cache_gb):
+    gb = opts.prefix_cache_gb
+    if gb is not None and (gb < 0 or not math.isfinite(gb)):
         return "engine.prefix_cache_gb must be a finite number >= 0"
     for key in ("kv_memory_gb", "buffer_cache_gb"):
         value = getattr(opts, key)

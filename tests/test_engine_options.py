@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from shared.engine_options import EngineOptions, engine_problem
+from shared.engine_options import EngineOptions, GiB, engine_problem, prefix_cache_bytes
 
 
 def test_the_defaults_are_a_valid_set() -> None:
@@ -31,3 +31,22 @@ def test_the_defaults_are_a_valid_set() -> None:
 def test_a_wrong_setting_is_named(fields: dict[str, object], named: str) -> None:
     problem = engine_problem(EngineOptions(**fields))  # type: ignore[arg-type]
     assert problem is not None and named in problem
+
+
+@pytest.mark.parametrize(
+    ("fields", "device_gib", "bound_gib"),
+    [
+        ({}, 16, 2),  # an eighth is less than the floor
+        ({}, 48, 6),  # a 64 GB Mac's working set
+        ({}, 80, 10),  # an H100
+        ({"prefix_cache_gb": 0.5}, 80, 0.5),  # set: whatever the device
+        ({"prefix_cache_gb": 0.0}, 80, 0),
+        ({"prefix_cache": False}, 80, 0),
+        ({"prefix_cache": False, "prefix_cache_gb": 4.0}, 80, 0),
+    ],
+)
+def test_the_prefix_cache_bound(
+    fields: dict[str, object], device_gib: int, bound_gib: float
+) -> None:
+    options = EngineOptions(**fields)  # type: ignore[arg-type]
+    assert prefix_cache_bytes(options, device_gib * GiB) == int(bound_gib * GiB)

@@ -13,6 +13,7 @@ from gateway.workers.memory import MemoryBudget
 from gateway.workers.slots import estimate_bytes
 from shared.config import EngineOptions, ModelConfig, ServerConfig
 from shared.protocol import Capacity, Ready
+from tests.slot_fakes import ready_slot
 
 GiB = 2**30
 H200 = Device("gpu", "cuda", 140 * GiB, "nvidia-smi")
@@ -70,16 +71,28 @@ def model(source: str, memory_gb: float | None = None, **engine: object) -> Mode
 
 
 def test_estimate_counts_the_prefix_cache_bound(weights: Path) -> None:
-    assert estimate_bytes(model(str(weights))) == 5000 + 2 * GiB  # the default bound
-    assert estimate_bytes(model(str(weights), prefix_cache_gb=0.5)) == 5000 + GiB // 2
-    assert estimate_bytes(model(str(weights), prefix_cache=False)) == 5000
+    assert estimate_bytes(model(str(weights)), 16 * GiB) == 5000 + 2 * GiB  # the floor
+    assert estimate_bytes(model(str(weights)), 80 * GiB) == 5000 + 10 * GiB  # an eighth
+    assert estimate_bytes(model(str(weights), prefix_cache_gb=0.5), 80 * GiB) == 5000 + GiB // 2
+    assert estimate_bytes(model(str(weights), prefix_cache=False), 80 * GiB) == 5000
 
 
 def test_estimate_before_the_weights_are_known() -> None:
-    assert estimate_bytes(model("org/not-downloaded")) == 2 * GiB
-    assert estimate_bytes(model("org/not-downloaded", prefix_cache=False)) == 0
+    assert estimate_bytes(model("org/not-downloaded"), 140 * GiB) == 140 * GiB // 8
+    assert estimate_bytes(model("org/not-downloaded", prefix_cache=False), 140 * GiB) == 0
+
+
+def test_the_budget_counts_the_default_bound_on_its_device(weights: Path) -> None:
+    """A worker's Ready that corrects the device's memory also corrects the estimate of the
+    models on it (their prefix caches' default bound follows the device)."""
+    loaded = ready_slot("m")  # a worker with no heartbeat yet: its model's estimate counts
+    loaded.config = model(str(weights))
+    budget = MemoryBudget(ServerConfig(), HOST)
+    assert budget.used([loaded]) == 5000 + 2 * GiB
+    budget.observe(ready("gpu", 80 * GiB))
+    assert budget.used([loaded]) == 5000 + 10 * GiB
 
 
 def test_memory_gb_is_the_whole_estimate(weights: Path) -> None:
-    assert estimate_bytes(model(str(weights), memory_gb=1.0)) == GiB
-    assert estimate_bytes(model(str(weights), memory_gb=1.0, prefix_cache_gb=8.0)) == GiB
+    assert estimate_bytes(model(str(weights), memory_gb=1.0), 80 * GiB) == GiB
+    assert estimate_bytes(model(str(weights), memory_gb=1.0, prefix_cache_gb=8.0), 80 * GiB) == GiB

@@ -75,6 +75,20 @@ def test_elsewhere_only_a_setting_changes_anything(monkeypatch: pytest.MonkeyPat
     assert fake.calls == [("set_cache_limit", GiB)]
 
 
+def test_the_prefix_cache_default_follows_the_device_and_leaves_the_kv_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = FakeMLX(metal=True, working_set=48 * GiB)  # a 64 GB Mac
+    fake.install(monkeypatch)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    monkeypatch.setattr(mx, "get_active_memory", lambda: 16 * GiB)  # an 8B model's weights
+    assert memory.prefix_cache_bound(EngineOptions()) == 6 * GiB
+    assert memory.prefix_cache_bound(EngineOptions(prefix_cache_gb=1.0)) == GiB
+    assert memory.kv_budget(EngineOptions()) == int((48 - 16 - 6) * GiB * memory.KV_HEADROOM)
+    off = EngineOptions(prefix_cache=False)
+    assert memory.kv_budget(off) == int((48 - 16) * GiB * memory.KV_HEADROOM)
+
+
 def test_on_this_machine_it_runs_against_real_mlx() -> None:
     limits = memory.own_memory(EngineOptions())
     assert limits == memory.MemoryLimits(0, 0)  # Linux: MLX's CPU or CUDA device

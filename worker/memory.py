@@ -10,6 +10,7 @@ import mlx.core as mx
 import psutil
 
 from shared.config import EngineOptions
+from shared.engine_options import prefix_cache_bytes
 from shared.protocol import Heartbeat, PromptSegmentStats, WorkerState
 from worker.device import on_cuda
 
@@ -69,12 +70,18 @@ def device_memory() -> int:
     return int(psutil.virtual_memory().total)
 
 
+def prefix_cache_bound(options: EngineOptions) -> int:
+    """The prefix cache's bound in bytes on this worker's device (`prefix_cache_gb`, or by
+    default a share of the device's memory: shared/engine_options.py)."""
+    return prefix_cache_bytes(options, device_memory())
+
+
 def kv_budget(options: EngineOptions) -> int:
     """Bytes for running requests' KV: `kv_memory_gb`, or what the device has left after
     what MLX holds now (the weights) and the prefix cache's bound, less a tenth."""
     if options.kv_memory_gb is not None:
         return int(options.kv_memory_gb * GiB)
-    prefix = int(options.prefix_cache_gb * GiB) if options.prefix_cache else 0
+    prefix = prefix_cache_bound(options)
     left = device_memory() - mx.get_active_memory() - prefix
     return max(GiB // 4, int(left * KV_HEADROOM))
 

@@ -66,14 +66,13 @@ class MemoryBudget:
         self.source = f"worker ({ready.device or 'device'})"
         self.budget = self._budget()
 
-    @staticmethod
-    def used(slots: Iterable[Slot], exclude: Slot | None = None) -> int:
+    def used(self, slots: Iterable[Slot], exclude: Slot | None = None) -> int:
         used = 0
         for slot in slots:
             if slot is exclude:
                 continue
             for handle in ([slot.handle] if slot.handle else []) + slot.retiring:
-                used += max(handle.memory_bytes(), estimate_bytes(slot.config))
+                used += max(handle.memory_bytes(), estimate_bytes(slot.config, self.total))
         return used
 
     async def make_room(
@@ -81,7 +80,7 @@ class MemoryBudget:
     ) -> None:
         """Evict idle models (least recently used first) until `slot` fits the budget;
         then apply server.memory_policy."""
-        need = estimate_bytes(slot.config) + extra
+        need = estimate_bytes(slot.config, self.total) + extra
         deadline = time.monotonic() + self.server.memory_wait_s
         while self.used(slots.values(), exclude=slot) + need > self.budget:
             others = [s for s in slots.values() if s is not slot and s.handle is not None]

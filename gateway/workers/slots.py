@@ -20,6 +20,7 @@ from gateway.workers.client import ModelState, ModelView
 from gateway.workers.stream import RequestStream
 from gateway.workers.transport import Transport
 from shared.config import ModelConfig
+from shared.engine_options import prefix_cache_bytes
 from shared.modelinfo import kind_served
 from shared.paths import RunDir
 from shared.protocol import Capacity, Heartbeat, Ready
@@ -210,13 +211,13 @@ def lease(transport: Transport, handle: WorkerHandle, stream: RequestStream) -> 
     return False
 
 
-def estimate_bytes(model: ModelConfig) -> int:
-    """Bytes a model needs once loaded: its memory_gb, which counts everything; or its
-    weights plus a quarter, plus the bound of its prefix cache (which fills over time)."""
+def estimate_bytes(model: ModelConfig, device_bytes: int) -> int:
+    """Bytes a model needs once loaded on a device of ``device_bytes``: its memory_gb, which
+    counts everything; or its weights plus a quarter, plus the bound of its prefix cache
+    (which fills over time)."""
     if model.memory_gb:
         return int(model.memory_gb * GiB)
-    engine = model.engine
-    cache = int(engine.prefix_cache_gb * GiB) if engine.prefix_cache else 0
+    cache = prefix_cache_bytes(model.engine, device_bytes)
     path = Path(model.source).expanduser()
     if not path.is_dir():
         return cache  # a hub id not downloaded yet, or the demo: weights measured once loaded

@@ -28,6 +28,7 @@ from worker.backends.sampling import guide_processors, make_processors, make_sam
 from worker.backends.shelves import Shelved
 from worker.device import on_cuda
 from worker.engine.backend import Insertion, Sampled
+from worker.memory import prefix_cache_bound
 from worker.structured.guide import Masks
 
 log = logging.getLogger(__name__)
@@ -290,7 +291,7 @@ class MlxRowsBackend(MlxLmBackend):
             # what it saves was measured on MLX's CUDA backend only (buckets.py)
             bucket_rows=on_cuda(),
             # a shelf the prefix cache keeps whole while any of its rows is kept
-            shelf_bytes=max(1, int(options.prefix_cache_gb * (1 << 30)) // 8),
+            shelf_bytes=max(1, prefix_cache_bound(options) // 8),
             prefill_buckets=prefill_buckets.wanted(options.prefill_shapes),
         )
 

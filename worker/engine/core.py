@@ -32,9 +32,9 @@ from worker.engine.prefix_plan import PrefixPlan
 from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler import Scheduler, SchedulerConfig
 from worker.engine.stop import StopStringMatcher
+from worker.memory import prefix_cache_bound
 from worker.preprocess import PreparedRequest
 
-GiB = 1 << 30
 # A request whose prompt had at least this many tokens to prefill leaves a copy of its
 # prompt's KV in the prefix cache as soon as it has its first token, not only when it ends:
 # other clients with the same long system prompt, arriving while it runs, reuse it.
@@ -61,7 +61,7 @@ class EngineCore:
                 kv_bytes_per_token=backend.kv_bytes_per_token() if kv_budget_bytes else 0,
             )
         )
-        capacity = int(options.prefix_cache_gb * GiB) if options.prefix_cache else 0
+        capacity = prefix_cache_bound(options)
         self.prefix_cache = PrefixCache(capacity, backend) if capacity > 0 else None
         cache = self.prefix_cache
         self.plan = PrefixPlan(cache, SNAPSHOT_TOKENS) if cache is not None else None
