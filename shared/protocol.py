@@ -17,7 +17,7 @@ import msgspec
 
 from shared.types import CanonicalRequest, RequestKind, RequestOutput, SamplingParams
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 
 
 class WorkerState(enum.StrEnum):
@@ -143,6 +143,7 @@ class PrefixCacheStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     hits: int = 0  # of those, requests that reused one
     hit_tokens: int = 0  # prompt tokens not prefilled thanks to the cache
     evictions: int = 0
+    oversize: int = 0  # caches not kept: each larger than the whole bound
 
 
 class PromptSegmentStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -54,6 +54,7 @@ STATS = PrefixCacheStats(
     hits=25,
     hit_tokens=9000,
     evictions=3,
+    oversize=2,
 )
 SEGMENTS = PromptSegmentStats(
     entries=30,

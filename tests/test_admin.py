@@ -46,6 +46,7 @@ def test_ps_rows_carry_theprefix_cache() -> None:
         "hits": 25,
         "hit_tokens": 9000,
         "evictions": 3,
+        "oversize": 2,
     }
     assert off["prefix_cache"] is None  # the worker reports none (prefix_cache = false)
     assert gone["prefix_cache"] is None and gone["state"] == "unloaded"
@@ -87,10 +88,14 @@ def test_prompt_memo_cell() -> None:
 
 def test_table_has_prefix_cache_and_prompt_memo_columns() -> None:
     rows = ps_rows(ready_slot("chat", heartbeat(STATS, SEGMENTS)), ready_slot("off", heartbeat()))
-    header, chat, off = plain(rows).splitlines()
+    header, chat, off, note = plain(rows).splitlines()
     assert header.split()[-4:] == ["PREFIX", "CACHE", "PROMPT", "MEMO"]
     assert chat.endswith("1.2/2.0 GiB 62% hit  3.1/32.0 MiB 92% hit")
     assert off.split()[-2:] == ["-", "-"]
+    assert note == (  # STATS: two requests' KV larger than the bound
+        "chat: 2 request(s) had more KV than its prefix cache's bound and were not kept "
+        "(engine.prefix_cache_gb)"
+    )
     # rows from a gateway that predates the columns
     old = {k: v for k, v in rows[0].items() if k not in ("prefix_cache", "prompt_segments")}
     assert plain([old]).splitlines()[1].split()[-2:] == ["-", "-"]

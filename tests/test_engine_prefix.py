@@ -198,7 +198,24 @@ def test_a_cache_that_does_not_fit_is_evicted_not_grown(chat: Loaded) -> None:
         drive(engine, [greedy(f"r{i}", p, 8, ignore_eos=True)])
         stats = engine.prefix_stats()
         assert stats is not None and stats.nbytes <= stats.capacity_bytes
-    assert stats.entries == 2 and stats.evictions == 2
+    assert stats.entries == 2 and stats.evictions == 2 and stats.oversize == 0
+
+
+def test_a_kv_larger_than_the_bound_is_counted_and_logged_once(
+    chat: Loaded, caplog: pytest.LogCaptureFixture
+) -> None:
+    probe = chat.engine()
+    prompt = chat_prompt(chat, [{"role": "user", "content": QUESTIONS[0]}])
+    drive(probe, [greedy("p", prompt, 8, ignore_eos=True)])
+    stats = probe.prefix_stats()
+    assert stats is not None
+    engine = chat.engine(prefix_cache_gb=0.5 * stats.nbytes / 2**30)  # room for none
+    for i in range(2):
+        drive(engine, [greedy(f"r{i}", prompt, 8, ignore_eos=True)])
+    stats = engine.prefix_stats()
+    assert stats is not None and (stats.entries, stats.oversize) == (0, 2)
+    warned = [r for r in caplog.records if "larger than the cache's bound" in r.getMessage()]
+    assert len(warned) == 1 and "engine.prefix_cache_gb" in warned[0].getMessage()
 
 
 def test_finished_early_and_aborted_requests_leave_their_kv(chat: Loaded) -> None:

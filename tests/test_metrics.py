@@ -191,6 +191,7 @@ def test_prefix_cache_figures_come_from_the_last_heartbeat() -> None:
     assert value(samples, "mlxgw_prefix_cache_hits_total", model="chat") == 25
     assert value(samples, "mlxgw_prefix_cache_hit_tokens_total", model="chat") == 9000
     assert value(samples, "mlxgw_prefix_cache_evictions_total", model="chat") == 3
+    assert value(samples, "mlxgw_prefix_cache_oversize_total", model="chat") == 2
     # A worker that reports no prefix cache (turned off) has no samples.
     plain = [k for k in samples if k[0].startswith("mlxgw_prefix_cache")]
     assert plain and all(("model", "chat") in labels for _, labels in plain)

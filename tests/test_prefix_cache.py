@@ -126,6 +126,9 @@ def test_an_entry_larger_than_the_bound_is_not_kept() -> None:
     small = store(cache, seq(1))
     assert not cache.insert(seq(1, 2, 3, 4), FakeCache(KEY_TOKENS + 4))
     assert cache.nbytes == small.length and len(cache) == 1
+    assert cache.oversize == 1 and cache.stats().oversize == 1
+    assert not cache.insert(HEAD[:5], FakeCache(5))  # too short to be found: not oversize
+    assert cache.oversize == 1
 
 
 def test_a_longer_entry_replaces_the_prefixes_it_covers() -> None:

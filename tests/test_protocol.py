@@ -196,9 +196,10 @@ FROM_WORKER = {
         "dc0010a26862a27731a57265616479110100cd0400cd0800cd0200cd1000a0cbbff0000000000000c00000c0",
     ),
     "heartbeat_prefix_cache": (
+        # protocol 14 appended oversize (the last 00 of the inner array, 98 long: 97 before)
         heartbeat(prefix_cache=PrefixCacheStats(2, 4096, 8192, 5, 3, 300, 1)),
         "dc0010a26862a27731a57265616479110100cd0400cd0800cd0200cd1000a0cbbff0000000000000"
-        "9702cd1000cd20000503cd012c010000c0",
+        "9802cd1000cd20000503cd012c01000000c0",
     ),
     "heartbeat_limits": (
         heartbeat(wired_limit_bytes=1 << 34, cache_limit_bytes=1 << 32),

@@ -180,7 +180,7 @@ def test_protocol_2_frames_decode_with_the_new_fields_defaulted() -> None:
 
 def test_protocol_version_is_an_int() -> None:
     assert type(PROTOCOL_VERSION) is int
-    assert PROTOCOL_VERSION == 13  # bumped with Reasoning's advisory, RequestError's context
+    assert PROTOCOL_VERSION == 14  # bumped with the prefix cache's oversize count
     hello = Codec().from_worker.decode(Codec().encode(Hello("w", PROTOCOL_VERSION, 1, "m")))
     assert isinstance(hello, Hello)
     assert hello.protocol_version == PROTOCOL_VERSION
@@ -298,6 +298,26 @@ def test_protocol_8_frames_decode_with_nothing_resumed() -> None:
     assert isinstance(back, Add) and back.request.resumed == [5, 6]
 
 
+# Protocol 13's bytes for a Heartbeat with a prefix cache, before its stats gained oversize.
+V13_HEARTBEAT = (
+    "dc0010a26862a27731a57265616479110100cd0400cd0800cd0200cd1000a0cbbff0000000000000"
+    "9702cd1000cd20000503cd012c010000c0"
+)
+
+
+def test_protocol_13_heartbeats_decode_with_nothing_oversize() -> None:
+    codec = Codec()
+    hb = codec.from_worker.decode(bytes.fromhex(V13_HEARTBEAT))
+    assert isinstance(hb, Heartbeat) and hb.prefix_cache is not None
+    assert hb.prefix_cache == PrefixCacheStats(2, 4096, 8192, 5, 3, 300, 1, oversize=0)
+    # ... and the new bytes only append to the old stats' array
+    new = msgspec.msgpack.decode(codec.encode(hb))
+    before = msgspec.msgpack.decode(bytes.fromhex(V13_HEARTBEAT))
+    at = before.index([2, 4096, 8192, 5, 3, 300, 1])
+    assert new[:at] == before[:at] and new[at] == [*before[at], 0]
+    assert new[at + 1 :] == before[at + 1 :]
+
+
 def test_protocol_11_heartbeats_decode_with_no_prompt_segments() -> None:
     codec = Codec()
     hb = codec.from_worker.decode(bytes.fromhex(V11_HEARTBEAT))
@@ -308,4 +328,6 @@ def test_protocol_11_heartbeats_decode_with_no_prompt_segments() -> None:
     memo = PromptSegmentStats(3, 600, 4_000_000, 2, 5, 4, 1)
     new = msgspec.msgpack.decode(codec.encode(msgspec.structs.replace(old, prompt_segments=memo)))
     before = msgspec.msgpack.decode(bytes.fromhex(V11_HEARTBEAT))
+    # (protocol 14 appended oversize to the prefix cache's stats: a 0 at their end)
+    before = [[*x, 0] if x == [2, 4096, 8192, 5, 3, 300, 1] else x for x in before]
     assert new[: len(before)] == before and new[len(before) :] == [[3, 600, 4_000_000, 2, 5, 4, 1]]

@@ -93,7 +93,8 @@ def replicas(rows: list[dict[str, Any]]) -> Table:
 
 
 def notes(rows: list[dict[str, Any]]) -> list[str]:
-    """Lines under the table: why a model failed, or when a backing-off one tries again."""
+    """Lines under the table: why a model failed, when a backing-off one tries again, a
+    replica lost, a prefix cache too small for the prompts it was given."""
     out = []
     for r in rows:
         if r.get("error"):
@@ -111,6 +112,12 @@ def notes(rows: list[dict[str, Any]]) -> list[str]:
         for rep in r.get("replicas") or []:
             if rep.get("state") == "lost":
                 out.append(f"{r['model']}: worker {rep['worker_id']} lost: {rep.get('error')}")
+    for r in rows:
+        if oversize := (r.get("prefix_cache") or {}).get("oversize"):
+            out.append(
+                f"{r['model']}: {oversize} request(s) had more KV than its prefix cache's bound "
+                "and were not kept (engine.prefix_cache_gb)"
+            )
     return out
 
 

@@ -45,6 +45,7 @@ PREFIX_CACHE: tuple[StatsFamily, ...] = (
     (COUNTER, "hits", "Requests that reused a cached prefix", "hits"),
     (COUNTER, "hit_tokens", "Prompt tokens served from the cache", "hit_tokens"),
     (COUNTER, "evictions", "Cached prefixes evicted", "evictions"),
+    (COUNTER, "oversize", "KV caches not kept: each larger than the whole bound", "oversize"),
 )
 PROMPT_SEGMENTS: tuple[StatsFamily, ...] = (
     (GAUGE, "entries", "Chat prompt segments the memo holds", "entries"),

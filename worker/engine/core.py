@@ -9,6 +9,7 @@ the sampled tokens into deltas. Finished rows leave their KV to the prefix cache
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,8 @@ from worker.engine.scheduler import Scheduler, SchedulerConfig
 from worker.engine.stop import StopStringMatcher
 from worker.memory import prefix_cache_bound
 from worker.preprocess import PreparedRequest
+
+log = logging.getLogger(__name__)
 
 # A request whose prompt had at least this many tokens to prefill leaves a copy of its
 # prompt's KV in the prefix cache as soon as it has its first token, not only when it ends:
@@ -65,6 +68,7 @@ class EngineCore:
         self.prefix_cache = PrefixCache(capacity, backend) if capacity > 0 else None
         cache = self.prefix_cache
         self.plan = PrefixPlan(cache, SNAPSHOT_TOKENS) if cache is not None else None
+        self._told_oversize = False  # a KV too large for the prefix cache was logged
         self.requests: dict[str, Request] = {}  # every request the engine holds
         self.by_uid: dict[int, Request] = {}  # those in the backend's batch
         self.scoring: dict[str, Scoring] = {}  # echo + logprobs: prompts being scored
@@ -337,7 +341,18 @@ class EngineCore:
         if pairs:
             self.backend.compact([cache for cache, _ in pairs])
         for cache, tokens in pairs:
+            oversize = self.prefix_cache.oversize
             self.prefix_cache.insert(list(tokens), cache)
+            if self.prefix_cache.oversize > oversize and not self._told_oversize:
+                self._told_oversize = True  # once: the metric counts them all
+                log.warning(
+                    "prefix cache: the KV of a %d-token request (%.2f GiB) is larger than the "
+                    "cache's bound (%.2f GiB) and is not kept; its next turn prefills it all "
+                    "again (engine.prefix_cache_gb)",
+                    len(tokens),
+                    self.backend.nbytes(cache) / 2**30,
+                    self.prefix_cache.capacity / 2**30,
+                )
 
     def _forget(self, request: Request) -> None:
         self.requests.pop(request.request_id, None)

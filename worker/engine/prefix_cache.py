@@ -104,7 +104,7 @@ class PrefixCache:
         self.owners: dict[Any, set[int]] = {}  # shared storage -> the entries on it
         self.nbytes = 0  # entries' own bytes, and each shared storage once
         self._next_key = 0
-        self.lookups = self.hits = self.hit_tokens = self.evictions = 0
+        self.lookups = self.hits = self.hit_tokens = self.evictions = self.oversize = 0
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -118,6 +118,7 @@ class PrefixCache:
             self.hits,
             self.hit_tokens,
             self.evictions,
+            self.oversize,
         )
 
     def match(self, prompt: list[int]) -> tuple[int, int]:
@@ -165,9 +166,13 @@ class PrefixCache:
     def insert(self, tokens: list[int], cache: Any) -> bool:
         """Keep `cache`, which holds the KV of `tokens`. Entries it makes useless go: those
         whose tokens are a prefix of these (when it can be trimmed to serve them) and an
-        identical one. False when it is larger than the whole bound (not kept)."""
+        identical one. False when it is not kept: too short to be found, or larger than the
+        whole bound (counted in `oversize`)."""
         nbytes = self.ops.nbytes(cache)
-        if nbytes > self.capacity or len(tokens) <= BLOCK:
+        if len(tokens) <= BLOCK:
+            return False
+        if nbytes > self.capacity:
+            self.oversize += 1
             return False
         shared = self.ops.storage(cache)
         if shared is not None and shared[1] > self.capacity:  # could never be counted
@@ -247,7 +252,7 @@ class PrefixCache:
         self.blocks.clear()
         self.ends.clear()
         self.nbytes = 0
-        self.lookups = self.hits = self.hit_tokens = self.evictions = 0
+        self.lookups = self.hits = self.hit_tokens = self.evictions = self.oversize = 0
 
     def _add(self, entry: Entry) -> int:
         key = self._next_key
