@@ -11,6 +11,7 @@ from typing import Any
 import anthropic
 import httpx
 import openai
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -48,6 +49,12 @@ def gw(chat_model: Path, entry_bytes: int) -> Iterator[GatewayProc]:
             "name": "small",
             "source": str(chat_model),
             "engine": {"prefix_cache_gb": 3.5 * entry_bytes / 2**30},
+        },
+        # room for none: every request's KV is larger than the whole bound
+        {
+            "name": "tiny",
+            "source": str(chat_model),
+            "engine": {"prefix_cache_gb": 0.5 * entry_bytes / 2**30},
         },
     ]
     with running_gateway(models, request_timeout_s=60.0) as gateway:
@@ -174,3 +181,32 @@ def test_a_cache_that_does_not_fit_is_evicted_not_grown(gw: GatewayProc) -> None
     assert stats["nbytes"] <= stats["capacity_bytes"]
     assert 1 <= stats["entries"] <= 3
     assert gw.ps()["uncached"]["prefix_cache"] is None
+
+
+def test_the_default_bound_follows_the_device(gw: GatewayProc) -> None:
+    """No prefix_cache_gb: an eighth of the device's memory (this CPU worker's: host RAM), at
+    least 2 GiB, as the worker reports it."""
+
+    def reported() -> bool:
+        return gw.ps()["cached"]["prefix_cache"] is not None
+
+    wait_for(reported, what="the cached model's first heartbeat")
+    expected = max(2 * 2**30, psutil.virtual_memory().total // 8)
+    assert gw.ps()["cached"]["prefix_cache"]["capacity_bytes"] == expected
+
+
+def test_a_kv_larger_than_the_bound_is_counted_not_kept(gw: GatewayProc) -> None:
+    client = openai_client(gw)
+    for i in range(2):
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TURNS[i]}]
+        ask(client, "tiny", messages, n=8)
+
+    def counted() -> bool:
+        stats = gw.ps()["tiny"]["prefix_cache"]
+        return stats is not None and stats.get("oversize", 0) >= 2
+
+    wait_for(counted, what="two oversize requests in a heartbeat")
+    stats = gw.ps()["tiny"]["prefix_cache"]
+    assert stats["entries"] == 0 and stats["nbytes"] == 0 and stats["hits"] == 0
+    metrics = httpx.get(f"{gw.base_url}/metrics", timeout=10).text
+    assert 'mlxgw_prefix_cache_oversize_total{model="tiny"} 2.0' in metrics
