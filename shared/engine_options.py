@@ -84,6 +84,12 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # cached agent turns 1.1-1.5x sooner; docs/benchmarks.md), exact elsewhere (slower on a
     # CPU, not measured on Metal).
     prefill_shapes: Literal["auto", "exact", "buckets"] = "auto"
+    # Rows batch only: where a request's first token comes from. "prefill": the output head
+    # over its prompt's last position in its own prefill (Llama-family models, as the
+    # compiled step: worker/backends/groups.py); the request joins the batch with it, a step
+    # sooner. "step": its prompt's last token fed to the batch's next decode step, as mlx-lm
+    # does. "auto": prefill.
+    first_token: Literal["auto", "prefill", "step"] = "auto"
     # The model's tool-call format: the name of one of mlx-lm's tool parsers
     # (mlx_lm/tool_parsers: json_tools, qwen3_coder, mistral, pythonic, glm47, ...).
     # Default: the one mlx-lm infers from the model's chat template, if any.
@@ -139,6 +145,11 @@ def engine_problem(opts: EngineOptions) -> str | None:
     for name, default in (("decode_attention", "auto"), ("decode_projections", "separate")):
         if getattr(opts, name) != default and not compiled:
             return f"engine.{name} applies to the compiled step only"
+    if opts.first_token == "prefill" and opts.batcher == "mlx_lm":
+        return (
+            "engine.first_token = 'prefill' applies to the rows batch only, "
+            "not to batcher = 'mlx_lm'"
+        )
     if opts.prefill_shapes == "buckets" and opts.batcher == "mlx_lm":
         return "engine.prefill_shapes applies to the rows batch only, not to batcher = 'mlx_lm'"
     if opts.join_settle_steps and opts.batcher == "mlx_lm":

@@ -125,15 +125,19 @@ __all__ = ["GatewayProc"]
 @pytest.fixture(params=["mlx_lm", "rows", "compiled"])
 def batcher(request: pytest.FixtureRequest) -> Iterator[str]:
     """Engines built in the test use this continuous batch (engine.batcher; "compiled": the
-    rows batch with the compiled decode step, engine.decode_step), unless the test names
+    rows batch as MLX's CUDA backend runs it by default: the compiled decode step,
+    engine.decode_step, and first tokens from the prefill, engine.first_token; "rows": with
+    mlx-lm's forward pass and first tokens from the next step), unless the test names
     another; modules opt in with `pytestmark = pytest.mark.usefixtures("batcher")`."""
     from tests import engine_fixtures
 
     compiled = request.param == "compiled"
     engine_fixtures.ENGINE_DEFAULTS["batcher"] = "rows" if compiled else request.param
     engine_fixtures.ENGINE_DEFAULTS["decode_step"] = "compiled" if compiled else "model"
+    if request.param != "mlx_lm":
+        engine_fixtures.ENGINE_DEFAULTS["first_token"] = "prefill" if compiled else "step"
     try:
         yield request.param
     finally:
-        engine_fixtures.ENGINE_DEFAULTS.pop("batcher", None)
-        engine_fixtures.ENGINE_DEFAULTS.pop("decode_step", None)
+        for key in ("batcher", "decode_step", "first_token"):
+            engine_fixtures.ENGINE_DEFAULTS.pop(key, None)

@@ -20,9 +20,25 @@ from mlx_lm.models.cache import (
 from shared.config import EngineOptions
 from tests.engine_fixtures import Loaded, drive, prepared, reference_greedy, token_ids
 from worker.backends import rows as rows_module
+from worker.backends.groups import first_token
 from worker.backends.mlx_lm import make_backend
 from worker.backends.rows import COMPACT_SHARE, MAX_GROUPS, RowBatch
 from worker.backends.sampling import greedy
+
+FIRST = {"prefill": True}
+
+
+@pytest.fixture(autouse=True, params=["prefill", "step"])
+def first_tokens(request: pytest.FixtureRequest) -> str:
+    """Every batch here twice: rows' first tokens from their prefill (groups.py), and from
+    the batch's next step after it (mlx-lm's way; the tests of the read-ahead are that
+    way's alone)."""
+    FIRST["prefill"] = request.param == "prefill"
+    return str(request.param)
+
+
+def _batch(model: Any, **kwargs: Any) -> RowBatch:
+    return RowBatch(model, first=first_token(model) if FIRST["prefill"] else None, **kwargs)
 
 
 def _insert(batch: RowBatch, chat: Loaded, prompts: list[list[int]]) -> list[int]:
@@ -53,7 +69,7 @@ def test_the_public_pieces_it_stands_on() -> None:
 def test_rows_joining_at_different_steps_decode_as_alone(
     chat: Loaded, prompts: list[list[int]]
 ) -> None:
-    batch = RowBatch(chat.model, prefill_step_size=4)  # several prefill chunks a prompt
+    batch = _batch(chat.model, prefill_step_size=4)  # several prefill chunks a prompt
     out: dict[int, list[int]] = {}
     first = _insert(batch, chat, prompts[:3])
     _run(batch, 5, out)
@@ -78,7 +94,7 @@ def test_the_next_inputs_keep_the_sampled_dtype_when_rows_join_a_running_batch(
         return decode(self, want_logprobs)
 
     monkeypatch.setattr(RowBatch, "_decode", noted)
-    batch = RowBatch(chat.model, prefill_step_size=64)
+    batch = _batch(chat.model, prefill_step_size=64)
     out: dict[int, list[int]] = {}
     _insert(batch, chat, prompts[:2])
     _run(batch, 3, out)
@@ -89,16 +105,17 @@ def test_the_next_inputs_keep_the_sampled_dtype_when_rows_join_a_running_batch(
 
 
 def test_a_row_that_leaves_is_dropped_lazily_and_never_seen_again(
-    chat: Loaded, prompts: list[list[int]]
+    chat: Loaded, prompts: list[list[int]], first_tokens: str
 ) -> None:
-    batch = RowBatch(chat.model)
+    batch = _batch(chat.model)
     out: dict[int, list[int]] = {}
     uids = _insert(batch, chat, prompts[:8])
     _run(batch, 4, out)
     assert len(batch.rows) == 8
     batch.remove([uids[0]])  # 1 of 8 left: under the share, it decodes on unseen
     _run(batch, 2, out)
-    assert len(batch.rows) == 8 and len(out[uids[0]]) == 3  # tokens of steps 2-4 only
+    # tokens of steps 1-4 (the first from the prefill), or of steps 2-4
+    assert len(batch.rows) == 8 and len(out[uids[0]]) == (4 if first_tokens == "prefill" else 3)
     assert not batch.holds(uids[0]) and batch.holds(uids[1])
     batch.remove(uids[1:3])  # 3 of 8 now: compacted at the next step
     assert COMPACT_SHARE <= 3 / 8
@@ -118,7 +135,7 @@ def test_with_bucket_rows_rows_that_left_round_the_count_up_and_decode_unseen(
     """A real batch: 33 running and 1 joining round up to 40 with 6 of the 7 rows that left
     (worker/backends/buckets.py says which may stay); the running rows decode as alone."""
     short = min(prompts, key=len)
-    batch = RowBatch(chat.model, bucket_rows=True)
+    batch = _batch(chat.model, bucket_rows=True)
     out: dict[int, list[int]] = {}
     uids = _insert(batch, chat, [short] * 40)
     _run(batch, 2, out)
@@ -132,7 +149,7 @@ def test_with_bucket_rows_rows_that_left_round_the_count_up_and_decode_unseen(
         assert out[uid][:12] == reference_greedy(chat.model, short, 12), uid
     assert all(len(out[u]) <= 2 for u in uids[:7])  # never seen after they left
     # off (the default but on MLX's CUDA backend): the same sequence drops every row that left
-    plain = RowBatch(chat.model)
+    plain = _batch(chat.model)
     firsts = _insert(plain, chat, [short] * 40)
     _run(plain, 2, {})
     plain.remove(firsts[:7])
@@ -157,7 +174,7 @@ def test_row_buckets_are_on_for_mlx_cuda_only(
 def test_at_most_max_group_rows_prefill_side_by_side(
     chat: Loaded, prompts: list[list[int]]
 ) -> None:
-    batch = RowBatch(chat.model, max_group=2)
+    batch = _batch(chat.model, max_group=2)
     out: dict[int, list[int]] = {}
     uids = _insert(batch, chat, prompts[:5])
     _run(batch, 1, out)  # two rows a group, MAX_GROUPS groups a step
@@ -175,7 +192,7 @@ def test_a_short_prompt_is_not_held_behind_a_long_one(
     """Inserted together, a long prompt (several chunks) and a short one (one chunk) are
     prefilled apart: the short one joins after one step, the long one after its chunks."""
     long, short = prompts[2] * 3, prompts[1]
-    batch = RowBatch(chat.model, prefill_step_size=8)
+    batch = _batch(chat.model, prefill_step_size=8)
     assert len(long) > 3 * 8 and len(short) <= 8
     out: dict[int, list[int]] = {}
     slow, fast = _insert(batch, chat, [long, short])
@@ -188,8 +205,9 @@ def test_a_short_prompt_is_not_held_behind_a_long_one(
     assert out[fast][:8] == reference_greedy(chat.model, short, 8)
 
 
+@pytest.mark.parametrize("first_tokens", ["step"])
 def test_a_rows_first_token_comes_out_before_the_next_groups_prefill(
-    chat: Loaded, prompts: list[list[int]]
+    chat: Loaded, prompts: list[list[int]], first_tokens: str
 ) -> None:
     """A step reads its tokens at the next one; when that one has a prefill to hand over
     and a row's first token is pending, it reads them first and the prefill waits a call."""
@@ -212,8 +230,9 @@ def test_a_rows_first_token_comes_out_before_the_next_groups_prefill(
     assert tokens[third][:4] == reference_greedy(chat.model, prompts[2], 4)
 
 
+@pytest.mark.parametrize("first_tokens", ["step"])
 def test_after_a_read_ahead_held_tokens_are_those_whose_kv_is_written(
-    chat: Loaded, prompts: list[list[int]]
+    chat: Loaded, prompts: list[list[int]], first_tokens: str
 ) -> None:
     """Between a call that only read the pending tokens and the next, a row's KV taken out
     (for the prefix cache) matches its tokens, and a row joining one token longer than a
@@ -250,7 +269,7 @@ def test_after_a_read_ahead_held_tokens_are_those_whose_kv_is_written(
 
 
 def test_a_row_removed_while_prefilling_never_joins(chat: Loaded, prompts: list[list[int]]) -> None:
-    batch = RowBatch(chat.model, prefill_step_size=2)
+    batch = _batch(chat.model, prefill_step_size=2)
     out: dict[int, list[int]] = {}
     victim, other = _insert(batch, chat, [prompts[2], prompts[1]])
     _run(batch, 1, out)
@@ -271,7 +290,7 @@ def test_cached_prefixes_of_different_lengths_prefill_together(
     prompt_a, prompt_b = prompts[2], prompts[3]
     cache_a = make_prompt_cache(chat.model)
     chat.model(mx.array(prompt_a[:5])[None], cache=cache_a)
-    batch = RowBatch(chat.model)
+    batch = _batch(chat.model)
     uids = batch.insert(
         [prompt_a[5:], prompt_b],
         [cache_a, make_prompt_cache(chat.model)],
@@ -290,7 +309,7 @@ def test_cached_prefixes_of_different_lengths_prefill_together(
 def test_steps_without_logprobs_give_the_same_tokens_and_no_rows(
     chat: Loaded, prompts: list[list[int]]
 ) -> None:
-    with_rows, without = RowBatch(chat.model), RowBatch(chat.model)
+    with_rows, without = _batch(chat.model), _batch(chat.model)
     a, b = _insert(with_rows, chat, prompts[:3]), _insert(without, chat, prompts[:3])
     got: dict[int, list[int]] = {}
     want: dict[int, list[int]] = {}
@@ -362,7 +381,7 @@ def test_both_batches_give_the_same_tokens_under_every_sampling_option(
 def test_a_group_whose_rows_all_left_is_dropped_at_once(
     chat: Loaded, prompts: list[list[int]]
 ) -> None:
-    batch = RowBatch(chat.model, prefill_step_size=2)
+    batch = _batch(chat.model, prefill_step_size=2)
     [victim] = _insert(batch, chat, [prompts[2]])
     batch.step()
     assert batch.groups and batch.active
@@ -376,7 +395,7 @@ def test_into_a_large_batch_rows_join_a_few_at_a_time(
     """A batch of n rows takes joiners n // JOIN_DIVISOR at a time, or once the oldest has
     waited that many steps; an empty batch takes them at once. They decode as alone."""
     monkeypatch.setattr(rows_module, "JOIN_DIVISOR", 4)  # 8 running rows: groups of 2
-    batch = RowBatch(chat.model)
+    batch = _batch(chat.model)
     out: dict[int, list[int]] = {}
     first = _insert(batch, chat, [prompts[i % len(prompts)] for i in range(8)])
     _run(batch, 1, out)  # nothing was running: all start at once
@@ -403,7 +422,7 @@ def test_with_settle_steps_a_group_waits_for_the_rest_of_a_wave(
     until a step passes without one, or until the oldest has waited as long as a small
     group would; they decode as alone."""
     monkeypatch.setattr(rows_module, "JOIN_DIVISOR", 2)  # 8 running rows: groups of 4
-    batch = RowBatch(chat.model, settle_steps=1)
+    batch = _batch(chat.model, settle_steps=1)
     out: dict[int, list[int]] = {}
     _insert(batch, chat, [prompts[i % len(prompts)] for i in range(8)])
     _run(batch, 1, out)
@@ -451,7 +470,7 @@ def test_a_step_masks_attention_only_while_a_row_is_padded(
     chat: Loaded, prompts: list[list[int]]
 ) -> None:
     spy = _MaskSpy(chat.model)
-    batch = RowBatch(spy)
+    batch = _batch(spy)
     out: dict[int, list[int]] = {}
     n = min(len(p) for p in prompts if len(p) > 3)
     same = [p[:n] for p in prompts if len(p) > 3][:2]  # equal lengths: no padding

@@ -290,7 +290,7 @@ def test_a_snapshot_taken_when_tokens_are_read_ahead_of_a_prefill_is_whole(
     request with the same prompt gives the tokens it gives with no cache."""
     long = chat_prompt(chat, [{"role": "system", "content": " ".join([SYSTEM] * 8)}])
     assert len(long) >= 300
-    engine = chat.engine(batcher="rows")
+    engine = chat.engine(batcher="rows", first_token="step")  # the read-ahead's way
     batch = engine.backend.batch  # type: ignore[attr-defined]
     engine.add(greedy("long", long, 30, ignore_eos=True))
     while not batch.unsent:  # until it has joined: its first token pending
@@ -357,7 +357,9 @@ def test_a_kv_budget_and_a_prefill_budget_on_a_real_model(chat: Loaded) -> None:
     for i, p in enumerate(prompts[:2]):
         engine.add(greedy(f"r{i}", p, 6, ignore_eos=True))
     engine.step()
-    assert [r.status.value for r in engine.requests.values()] == ["prefilling", "waiting"]
+    first, second = (r.status.value for r in engine.requests.values())
+    # its first token from its prefill (the rows batch's first_token = "prefill") or not yet
+    assert first in {"prefilling", "running"} and second == "waiting"
     out = drive(engine, [])
     assert {k for k, v in out.items() if v} == {"r0", "r1"}  # both served, one after the other
 

@@ -22,7 +22,7 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokeni
 from mlx_lm.utils import sharded_load
 
 from shared.config import EngineOptions
-from worker.backends import decode_step, prefill_buckets, shelves
+from worker.backends import decode_step, groups, prefill_buckets, shelves
 from worker.backends.rows import RowBatch
 from worker.backends.sampling import guide_processors, make_processors, make_sampler
 from worker.backends.shelves import Shelved
@@ -293,6 +293,7 @@ class MlxRowsBackend(MlxLmBackend):
             # a shelf the prefix cache keeps whole while any of its rows is kept
             shelf_bytes=max(1, prefix_cache_bound(options) // 8),
             prefill_buckets=prefill_buckets.wanted(options.prefill_shapes),
+            first=groups.first_token(model) if groups.wanted(options.first_token) else None,
         )
 
     def insert(self, items: list[Insertion]) -> list[int]:

@@ -31,16 +31,15 @@ and max_tokens are the engine's: a row runs until the engine removes it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache, TokenBuffer
+from mlx_lm.models.cache import TokenBuffer
 
 from worker.backends.buckets import ROW_BUCKET, bucketed
-from worker.backends.prefill_buckets import padded_width, views
-from worker.backends.sampling import LogitsProcessor, Sampler, process_rows
+from worker.backends.groups import FirstToken, Group, Row, Waiting, prefill_chunk, start_group
+from worker.backends.sampling import LogitsProcessor, Sampler, sample_rows
 from worker.backends.shelves import take_out
 from worker.backends.unpadded import Unpadded
 from worker.structured.ahead import Ahead, GuideThread, Masked
@@ -56,42 +55,6 @@ MAX_GROUPS = 2
 JOIN_DIVISOR = 64
 
 
-@dataclass(slots=True, eq=False)
-class Row:
-    uid: int
-    sampler: Sampler
-    processors: list[LogitsProcessor]
-    held: list[int]  # the tokens whose KV the row's cache holds
-    last: int  # the prompt's last token: the row's first input
-    history: TokenBuffer | None = None  # the processors' view: every token so far
-    dead: bool = False
-    pending: int = -1  # a token read ahead of its step (`_flush`), not yet in `held`
-    guide: Guide | None = None  # masks its next tokens (a grammar, a thinking budget)
-    # added to the row's positions (mRoPE models: an image's tokens take fewer positions than
-    # tokens; the model takes `shifts`, one per row, when any row has one)
-    shift: int = 0
-
-
-@dataclass(slots=True, eq=False)
-class Waiting:
-    row: Row
-    rest: list[int]  # the prompt tokens to prefill, all but its last
-    cache: list[Any]  # one KVCache per layer, holding the row's prefix
-    since: int  # the batch's step count when it arrived
-
-
-@dataclass(slots=True, eq=False)
-class Group:
-    """Rows being prefilled together: one chunk of their prompts per step."""
-
-    rows: list[Row]
-    caches: list[Any]  # one BatchKVCache per layer
-    tokens: mx.array | None  # (rows, positions) still to prefill, right-padded
-    padded: bool  # right padding to move left once the prompts are in
-    view: list[Any] | None = None  # what its prefill passes the model (prefill_buckets.py)
-    extra: int = 0  # positions padded at the end of every row, dropped once the prompts are in
-
-
 class RowBatch:
     def __init__(
         self,
@@ -103,8 +66,10 @@ class RowBatch:
         bucket_rows: bool = False,
         shelf_bytes: int = 1 << 28,
         prefill_buckets: bool = False,
+        first: FirstToken | None = None,
     ) -> None:
         self.model = model
+        self.first = first  # rows' first tokens from their prefill (groups.py), or None
         self.prefill_buckets = prefill_buckets  # prefills at a few shapes (prefill_buckets.py)
         self.shelf_bytes = shelf_bytes  # the most that rows leaving together share (shelves.py)
         self.bucket = ROW_BUCKET if bucket_rows else 1  # row counts kept (buckets.py)
@@ -162,7 +127,8 @@ class RowBatch:
             held = list(prefix) + list(prompt[:-1])
             row = Row(uid, sampler, procs, held, prompt[-1], TokenBuffer(held) if procs else None)
             row.guide, row.shift = guide, shift
-            self.waiting.append(Waiting(row, list(prompt[:-1]), cache, self.steps))
+            rest = list(prompt) if self.first else list(prompt[:-1])
+            self.waiting.append(Waiting(row, rest, cache, self.steps))
             uids.append(uid)
         return uids
 
@@ -214,15 +180,19 @@ class RowBatch:
         while self.waiting and len(self.groups) < MAX_GROUPS and self._join_due():
             self.groups.append(self._start_group())
         for group in self.groups:
-            self._prefill_chunk(group)
+            self.prefilled += prefill_chunk(self.model, group, self.prefill_step_size, self.first)
         joined = [g for g in self.groups if g.tokens is None]
         if joined or self._dead_share() >= COMPACT_SHARE:
             self._compact(sum(not r.dead for g in joined for r in g.rows))
         for group in joined:
-            self._join(group)
+            self._join(group, logprobs)
         self.groups = [g for g in self.groups if g.tokens is not None]
         if not self.rows or self.inputs is None:
             return []
+        if joined and self.first is not None:
+            # the joiners' first tokens as an evaluation of their own: read by this call,
+            # before the step built next is done
+            mx.async_eval(self.inputs)
         return self._decode(logprobs)
 
     def _flush_due(self) -> bool:
@@ -266,51 +236,11 @@ class RowBatch:
         quiet = self.steps - self.waiting[-1].since - 1  # steps since the last arrival
         return len(self.waiting) >= need and quiet >= self.settle_steps
 
-    def _chunks(self, tokens: list[int]) -> int:
-        return max(1, -(-len(tokens) // self.prefill_step_size))
-
     def _start_group(self) -> Group:
-        """The oldest waiting row and those behind it whose prompts take as many chunks: a
-        group is padded to its longest prompt, and a short prompt grouped with a long one
-        would be computed at the long one's length and wait for all of it."""
-        chunks = self._chunks(self.waiting[0].rest)
-        waiting: list[Waiting] = []
-        later: list[Waiting] = []
-        for item in self.waiting:
-            fits = len(waiting) < self.max_group and self._chunks(item.rest) == chunks
-            (waiting if fits else later).append(item)
-        self.waiting = later
-        rows = [w.row for w in waiting]
-        rests = [w.rest for w in waiting]
-        layers = len(waiting[0].cache)
-        caches = [BatchKVCache.merge([w.cache[layer] for w in waiting]) for layer in range(layers)]
-        longest = max(len(r) for r in rests)
-        if longest == 0:
-            return Group(rows, caches, None, False)
-        padding = [longest - len(r) for r in rests]
-        padded = max(padding) > 0
-        if padded:
-            for c in caches:
-                c.prepare(lengths=[len(r) for r in rests], right_padding=padding)
-        view = views(caches) if self.prefill_buckets else None
-        extra = padded_width(longest, self.prefill_step_size) - longest if view else 0
-        tokens = mx.array([r + [0] * (p + extra) for r, p in zip(rests, padding, strict=True)])
-        return Group(rows, caches, tokens, padded, view, extra)
-
-    def _prefill_chunk(self, group: Group) -> None:
-        if group.tokens is None:
-            return
-        n = min(self.prefill_step_size, group.tokens.shape[1])
-        self.model(group.tokens[:, :n], cache=group.view or group.caches)
-        self.prefilled += n * group.tokens.shape[0]
-        rest = group.tokens[:, n:]
-        group.tokens = rest if rest.shape[1] > 0 else None
-        for c in group.caches if group.tokens is None else ():
-            if group.extra:
-                c.trim(group.extra)  # the end's padding (prefill_buckets.py)
-            if group.padded:
-                c.finalize()
-        mx.async_eval([c.state for c in group.caches])
+        group, self.waiting = start_group(
+            self.waiting, self.prefill_step_size, self.max_group, self.prefill_buckets
+        )
+        return group
 
     def _dead_share(self) -> float:
         return sum(r.dead for r in self.rows) / len(self.rows) if self.rows else 0.0
@@ -344,7 +274,7 @@ class RowBatch:
         self.unsent.intersection_update(r.uid for r in self.rows)
         self._note_padding()
 
-    def _join(self, group: Group) -> None:
+    def _join(self, group: Group, want_logprobs: bool) -> None:
         live = [i for i, r in enumerate(group.rows) if not r.dead]
         if not live:
             return
@@ -352,7 +282,19 @@ class RowBatch:
             for c in group.caches:
                 c.filter(live)
         rows = [group.rows[i] for i in live]
-        first = mx.array([r.last for r in rows], dtype=mx.uint32)  # as sampled: no int64 mix
+        last = mx.array([r.last for r in rows], dtype=mx.uint32)  # as sampled: no int64 mix
+        logprobs: list[mx.array | None] = [None] * len(rows)  # a prompt token has none
+        if self.first is not None:  # their first tokens, from the prefill (groups.py)
+            logits = self.first.logits(group)
+            if len(live) < len(group.rows):
+                logits = logits[mx.array(live)]
+            first, lines = sample_rows(rows, last, self._masked_first(rows, logits))
+            if want_logprobs:
+                logprobs = list(lines)
+            for r in rows:
+                r.held.append(r.last)
+        else:
+            first = last
         if self.rows:
             for mine, theirs in zip(self.caches, group.caches, strict=True):
                 mine.extend(theirs)
@@ -362,9 +304,23 @@ class RowBatch:
             self.caches, self.inputs = group.caches, first
         self.rows += rows
         self.joined += len(rows)
-        self.logprobs += [None] * len(rows)  # a prompt token has none
-        self.fresh.update(r.uid for r in rows)
+        self.logprobs += logprobs
+        if self.first is None:
+            self.fresh.update(r.uid for r in rows)
         self._note_padding()
+
+    def _masked_first(self, rows: list[Row], logits: mx.array) -> mx.array:
+        """The joining rows' first logits masked by their guides (at their start: the guide
+        thread sees them at the next step, which takes the token sampled here)."""
+        guided = [i for i, r in enumerate(rows) if r.guide is not None]
+        if not guided:
+            return logits
+        bitmask, filled = self.masks.fill([rows[i].guide for i in guided])  # type: ignore[misc]
+        at = [i for i, f in zip(guided, filled, strict=True) if f]
+        if not at:
+            return logits
+        lines = bitmask[[j for j, f in enumerate(filled) if f]]
+        return self.masks.apply(logits, lines, None if len(at) == len(rows) else at)
 
     def _note_padding(self) -> None:
         """After the batch's rows changed: whether any is padded (and any guided). A row
@@ -397,16 +353,7 @@ class RowBatch:
         ahead, self._ahead = self._ahead, None
         if ahead is not None or self.guided:
             logits, tokens = self._guide(logits, inputs, ahead)
-        if any(r.processors for r in self.rows):
-            logits = process_rows(self.rows, inputs, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        samplers = [r.sampler for r in self.rows]
-        if all(s is samplers[0] for s in samplers):
-            sampled = samplers[0](logprobs)
-        else:
-            sampled = mx.concatenate(
-                [s(logprobs[i : i + 1]) for i, s in enumerate(samplers)], axis=0
-            )
+        sampled, logprobs = sample_rows(self.rows, inputs, logits)
         # the guide thread's own handle on this step's tokens (an array only it waits on)
         probe = mx.contiguous(sampled) if self.guided else None
         rows_logprobs: list[mx.array | None]
@@ -475,7 +422,7 @@ class RowBatch:
                 tokens = inputs.tolist()  # type: ignore[assignment]
             position = {r.uid: i for i, r in enumerate(self.rows)}
             for r in late:
-                if r.uid not in self.fresh:  # a token to take (not expected: joined rows are)
+                if r.uid not in self.fresh:  # its first token, sampled from its prefill
                     assert r.guide is not None and tokens is not None
                     r.guide.consume(tokens[position[r.uid]])
             bitmask, filled = self.masks.fill([r.guide for r in late])  # type: ignore[misc]

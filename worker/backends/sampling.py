@@ -129,3 +129,19 @@ def process_rows(rows: Sequence[Any], inputs: mx.array, logits: mx.array) -> mx.
                 line = processor(history, line)
         lines.append(line)
     return mx.concatenate(lines, axis=0)
+
+
+def sample_rows(
+    rows: Sequence[Any], inputs: mx.array, logits: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Each row's next token and the distribution it was drawn from (log-probabilities),
+    given its logits and this step's input tokens (the processors' history): rows sharing
+    one sampler object (greedy ones) in one call."""
+    if any(r.processors for r in rows):
+        logits = process_rows(rows, inputs, logits)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    samplers = [r.sampler for r in rows]
+    if all(s is samplers[0] for s in samplers):
+        return samplers[0](logprobs), logprobs
+    sampled = mx.concatenate([s(logprobs[i : i + 1]) for i, s in enumerate(samplers)], axis=0)
+    return sampled, logprobs

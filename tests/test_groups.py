@@ -1,0 +1,120 @@
+"""worker/backends/groups.py: rows prefilled together, and their first tokens taken from their
+own prefill (engine.first_token = "prefill") on a real tiny model: the same tokens and
+distributions as mlx-lm's, a step sooner."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from tests.engine_fixtures import Loaded, reference_greedy
+from worker.backends import groups
+from worker.backends.groups import first_token
+from worker.backends.rows import RowBatch
+from worker.backends.sampling import greedy
+
+
+def _insert(batch: RowBatch, chat: Loaded, prompts: list[list[int]]) -> list[int]:
+    return batch.insert(
+        prompts,
+        [make_prompt_cache(chat.model) for _ in prompts],
+        [[] for _ in prompts],
+        [greedy] * len(prompts),
+        [[] for _ in prompts],
+    )
+
+
+class Doubled:
+    """A model whose forward pass is more than its head over its hidden states."""
+
+    def __init__(self, model: Any) -> None:
+        self.wrapped, self.model, self.model_type = model, model.model, model.model_type
+
+    def __call__(self, tokens: mx.array, cache: Any = None) -> mx.array:
+        return 2 * self.wrapped(tokens, cache=cache)
+
+
+def test_known_models_only_and_only_where_the_probe_agrees(
+    chat: Loaded, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert first_token(chat.model) is not None
+    other = type("Other", (), {"model_type": "gemma3", "model": chat.model.model})()
+    assert first_token(other) is None
+    assert first_token(Doubled(chat.model)) is None
+    assert "computes more than its head" in caplog.text
+
+
+def test_auto_takes_them_from_the_prefill_on_mlx_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert groups.wanted("prefill") and not groups.wanted("step")
+    monkeypatch.setattr(groups, "on_cuda", lambda: False)
+    assert not groups.wanted("auto")
+    monkeypatch.setattr(groups, "on_cuda", lambda: True)
+    assert groups.wanted("auto") and not groups.wanted("step")
+
+
+def test_a_rows_first_token_comes_out_of_the_step_that_prefilled_it(
+    chat: Loaded, prompts: list[list[int]]
+) -> None:
+    batch = RowBatch(chat.model, first=first_token(chat.model))
+    (lone,) = _insert(batch, chat, [prompts[0]])
+    out = batch.step()
+    assert [uid for uid, _, _ in out] == [lone]
+    tokens = {lone: [out[0][1]]}
+    for _ in range(3):
+        for uid, token, _ in batch.step():
+            tokens.setdefault(uid, []).append(token)
+    (joiner,) = _insert(batch, chat, [prompts[1]])
+    out = batch.step()  # the running row's next token and the joiner's first, together
+    assert sorted(uid for uid, _, _ in out) == sorted([lone, joiner])
+    for uid, token, _ in out:
+        tokens.setdefault(uid, []).append(token)
+    for _ in range(6):
+        for uid, token, _ in batch.step():
+            tokens.setdefault(uid, []).append(token)
+    assert tokens[lone][:10] == reference_greedy(chat.model, prompts[0], 10)
+    assert tokens[joiner][:6] == reference_greedy(chat.model, prompts[1], 6)
+    # what a row holds is what its KV holds: its prompt and every token fed back since
+    kept = batch.extract([joiner])[joiner]
+    cache, held = kept
+    assert held[: len(prompts[1])] == prompts[1]
+    assert [c.size() for c in cache.caches()] == [len(held)] * len(batch.caches)
+
+
+@pytest.mark.parametrize("buckets", [False, True], ids=["exact", "buckets"])
+def test_rows_of_different_lengths_over_several_chunks_give_mlx_lms_tokens(
+    chat: Loaded, prompts: list[list[int]], buckets: bool
+) -> None:
+    """Right-padded rows (and with prefill buckets, padding after the longest): each row's
+    first token comes from its own last position, not the group's."""
+    batch = RowBatch(
+        chat.model, prefill_step_size=8, prefill_buckets=buckets, first=first_token(chat.model)
+    )
+    chosen = sorted(prompts, key=len)[-4:]  # several chunks each, of different lengths
+    assert len({len(p) for p in chosen}) > 1 and min(len(p) for p in chosen) > 8
+    uids = _insert(batch, chat, chosen)
+    tokens: dict[int, list[int]] = {}
+    for _ in range(40):
+        for uid, token, _ in batch.step():
+            tokens.setdefault(uid, []).append(token)
+    for uid, prompt in zip(uids, chosen, strict=True):
+        assert tokens[uid][:5] == reference_greedy(chat.model, prompt, 5), len(prompt)
+
+
+def test_the_first_tokens_distribution_is_the_models_at_the_prompts_end(
+    chat: Loaded, prompts: list[list[int]]
+) -> None:
+    batch = RowBatch(chat.model, first=first_token(chat.model))
+    uids = _insert(batch, chat, prompts[:3])
+    firsts: dict[int, mx.array] = {}
+    for _ in range(3):
+        for uid, _token, lp in batch.step():
+            if uid not in firsts:
+                assert lp is not None
+                firsts[uid] = lp
+    for uid, prompt in zip(uids, prompts[:3], strict=True):
+        logits = chat.model(mx.array(prompt)[None])[0, -1]
+        want = logits - mx.logsumexp(logits, keepdims=True)
+        assert float(mx.abs(firsts[uid] - want).max()) < 1e-3

@@ -1,0 +1,193 @@
+"""Rows being prefilled together in the rows batch (rows.py), and each row's first token
+taken from its own prefill.
+
+mlx-lm (`generate_step`, BatchGenerator) prefills a prompt but for its last token and feeds
+that token to a decode step of its own: a row's first token costs its prefill and then a
+step. Where `FirstToken` knows the model's forward pass (the architectures of
+decode_step.py: the output head over the inner model's hidden states), the group prefills
+the whole prompt instead and runs the head over each row's last position only (the rest of
+a chunk's positions never reach the head): the first token comes with the prefill, a step
+of the batch sooner, and the row joins the batch with its first token as its input, as any
+running row. Elsewhere the prompt's last token is the row's first input, as in mlx-lm.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache, TokenBuffer
+
+from worker.backends.decode_step import ARCHITECTURES
+from worker.backends.prefill_buckets import padded_width, views
+from worker.backends.sampling import LogitsProcessor, Sampler
+from worker.device import on_cuda
+from worker.structured.guide import Guide
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class Row:
+    uid: int
+    sampler: Sampler
+    processors: list[LogitsProcessor]
+    held: list[int]  # the tokens whose KV the row's cache holds
+    last: int  # the prompt's last token
+    history: TokenBuffer | None = None  # the processors' view: every token so far
+    dead: bool = False
+    pending: int = -1  # a token read ahead of its step (rows.py's `_flush`), not yet in `held`
+    guide: Guide | None = None  # masks its next tokens (a grammar, a thinking budget)
+    # added to the row's positions (mRoPE models: an image's tokens take fewer positions than
+    # tokens; the model takes `shifts`, one per row, when any row has one)
+    shift: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class Waiting:
+    row: Row
+    rest: list[int]  # the prompt tokens to prefill (all but the last, unless FirstToken)
+    cache: list[Any]  # one KVCache per layer, holding the row's prefix
+    since: int  # the batch's step count when it arrived
+
+
+@dataclass(slots=True, eq=False)
+class Group:
+    """Rows being prefilled together: one chunk of their prompts per step."""
+
+    rows: list[Row]
+    caches: list[Any]  # one BatchKVCache per layer
+    tokens: mx.array | None  # (rows, positions) still to prefill, right-padded
+    padded: bool  # right padding to move left once the prompts are in
+    view: list[Any] | None = None  # what its prefill passes the model (prefill_buckets.py)
+    extra: int = 0  # positions padded at the end of every row, dropped once the prompts are in
+    ends: list[int] = field(default_factory=list)  # each row's prompt positions to prefill
+    done: int = 0  # positions prefilled so far
+    # FirstToken: each row's last prompt position's hidden state (rows, hidden), once run
+    last: mx.array | None = None
+
+
+class FirstToken:
+    """The logits of each row's last prompt position, from the group's own prefill: the
+    model's inner transformer over the chunk, the output head over the rows' last positions
+    only (a chunk's full logits would be its positions times the vocabulary)."""
+
+    def __init__(self, model: Any) -> None:
+        self.inner = model.model
+        self.head: Callable[[mx.array], mx.array] = (
+            model.lm_head if hasattr(model, "lm_head") else model.model.embed_tokens.as_linear
+        )
+
+    def hidden(self, tokens: mx.array, cache: list[Any]) -> mx.array:
+        return self.inner(tokens, cache=cache)
+
+    def logits(self, group: Group) -> mx.array:
+        """(rows, vocabulary): the head over the rows' last prompt positions."""
+        assert group.last is not None
+        return self.head(group.last)
+
+
+def wanted(setting: str) -> bool:
+    """Whether `engine.first_token` takes first tokens from the prefill here: "auto" does on
+    MLX's CUDA backend, where a step is the host's and costs more than the model's last
+    layer over a prompt's last chunk (the part of a prefill whose output mlx-lm leaves
+    uncomputed), not on a CPU, where the prefill's arithmetic is the cost (measured slower:
+    docs/benchmarks.md), nor on Metal (not measured)."""
+    if setting == "auto":
+        return on_cuda()
+    return setting == "prefill"
+
+
+def first_token(model: Any) -> FirstToken | None:
+    """FirstToken for a model whose forward pass is known to be the head over its inner
+    transformer's output (checked on a probe), else None: the batch keeps mlx-lm's way."""
+    model_type = getattr(model, "model_type", None)
+    inner = getattr(model, "model", None)
+    if inner is None or model_type not in ARCHITECTURES or getattr(inner, "pipeline_size", 1) > 1:
+        log.info("first tokens: a decode step after the prefill (model type %r)", model_type)
+        return None
+    if not hasattr(model, "lm_head") and not hasattr(
+        getattr(inner, "embed_tokens", None), "as_linear"
+    ):
+        return None
+    first = FirstToken(model)
+    layers = len(inner.layers)
+    tokens = mx.array([[1, 2, 3, 4]])
+    theirs, mine = [KVCache() for _ in range(layers)], [KVCache() for _ in range(layers)]
+    want = model(tokens, cache=theirs)[:, -1, :].astype(mx.float32)
+    got = first.head(first.hidden(tokens, mine)[:, -1, :]).astype(mx.float32)
+    # the head over one position against over four: other kernels, other rounding (bfloat16
+    # on a GPU), the tolerance of decode_step.py's probe
+    if want.shape != got.shape or not mx.allclose(got, want, rtol=2e-2, atol=2e-2).item():
+        log.warning(
+            "first tokens: a decode step after the prefill (this mlx-lm's model computes "
+            "more than its head over its hidden states)"
+        )
+        return None
+    return first
+
+
+def start_group(
+    waiting: list[Waiting], chunk: int, max_group: int, buckets: bool
+) -> tuple[Group, list[Waiting]]:
+    """The oldest waiting row and those behind it whose prompts take as many chunks (a
+    group is padded to its longest prompt, and a short prompt grouped with a long one would
+    be computed at the long one's length and wait for all of it); and the rows left waiting."""
+
+    def chunks(tokens: list[int]) -> int:
+        return max(1, -(-len(tokens) // chunk))
+
+    need = chunks(waiting[0].rest)
+    taken: list[Waiting] = []
+    later: list[Waiting] = []
+    for item in waiting:
+        fits = len(taken) < max_group and chunks(item.rest) == need
+        (taken if fits else later).append(item)
+    rows = [w.row for w in taken]
+    rests = [w.rest for w in taken]
+    layers = len(taken[0].cache)
+    caches = [BatchKVCache.merge([w.cache[layer] for w in taken]) for layer in range(layers)]
+    longest = max(len(r) for r in rests)
+    if longest == 0:
+        return Group(rows, caches, None, False), later
+    padding = [longest - len(r) for r in rests]
+    padded = max(padding) > 0
+    if padded:
+        for c in caches:
+            c.prepare(lengths=[len(r) for r in rests], right_padding=padding)
+    view = views(caches) if buckets else None
+    extra = padded_width(longest, chunk) - longest if view else 0
+    tokens = mx.array([r + [0] * (p + extra) for r, p in zip(rests, padding, strict=True)])
+    ends = [len(r) for r in rests]
+    return Group(rows, caches, tokens, padded, view, extra, ends), later
+
+
+def prefill_chunk(model: Any, group: Group, chunk: int, first: FirstToken | None) -> int:
+    """Runs the group's next chunk (with `first`, keeping the hidden states of the rows
+    whose last prompt position it holds); the positions run, padding included."""
+    if group.tokens is None:
+        return 0
+    n = min(chunk, group.tokens.shape[1])
+    tokens, cache = group.tokens[:, :n], group.view or group.caches
+    rest = group.tokens[:, n:]
+    if first is None:
+        model(tokens, cache=cache)
+    else:
+        hidden = first.hidden(tokens, cache)
+        if rest.shape[1] == 0:
+            # the rows' prompts take as many chunks each (start_group) and the end's padding
+            # stays inside the last one: every row's last position is in this chunk
+            at = [e - 1 - group.done for e in group.ends]
+            group.last = hidden[mx.arange(len(at)), mx.array(at)]
+    group.done += n
+    group.tokens = rest if rest.shape[1] > 0 else None
+    for c in group.caches if group.tokens is None else ():
+        if group.extra:
+            c.trim(group.extra)  # the end's padding (prefill_buckets.py)
+        if group.padded:
+            c.finalize()
+    mx.async_eval([c.state for c in group.caches], [] if group.last is None else group.last)
+    return n * tokens.shape[0]
