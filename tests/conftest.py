@@ -125,9 +125,9 @@ __all__ = ["GatewayProc"]
 @pytest.fixture(params=["mlx_lm", "rows", "compiled"])
 def batcher(request: pytest.FixtureRequest) -> Iterator[str]:
     """Engines built in the test use this continuous batch (engine.batcher; "compiled": the
-    rows batch as MLX's CUDA backend runs it by default: the compiled decode step,
-    engine.decode_step, and first tokens from the prefill, engine.first_token; "rows": with
-    mlx-lm's forward pass and first tokens from the next step), unless the test names
+    rows batch with the compiled decode step, engine.decode_step, and first tokens from the
+    prefill, engine.first_token; "rows": with mlx-lm's forward pass and first tokens from
+    the next step), unless the test names
     another; modules opt in with `pytestmark = pytest.mark.usefixtures("batcher")`."""
     from tests import engine_fixtures
 

@@ -438,3 +438,17 @@ def test_prefill_shapes_is_auto_by_default_and_buckets_need_the_rows_batch(
         load_config(write(tmp_path, head + 'batcher = "mlx_lm"\nprefill_shapes = "buckets"\n'))
     auto = load_config(write(tmp_path, head + 'batcher = "mlx_lm"\n'))
     assert auto.models[0].engine.prefill_shapes == "auto"  # follows whichever batch it gets
+
+
+def test_first_token_is_auto_by_default_and_prefill_needs_the_rows_batch(tmp_path: Path) -> None:
+    head = '[[models]]\nname = "a"\nsource = "x"\n[models.engine]\n'
+    assert load_config(write(tmp_path, head)).models[0].engine.first_token == "auto"
+    for name in ("prefill", "step"):
+        chosen = load_config(write(tmp_path, head + f'first_token = "{name}"\n'))
+        assert chosen.models[0].engine.first_token == name
+    with pytest.raises(ConfigError, match="first_token"):
+        load_config(write(tmp_path, head + 'first_token = "decode"\n'))
+    with pytest.raises(ConfigError, match="first_token = 'prefill' applies to the rows batch"):
+        load_config(write(tmp_path, head + 'batcher = "mlx_lm"\nfirst_token = "prefill"\n'))
+    step = load_config(write(tmp_path, head + 'batcher = "mlx_lm"\nfirst_token = "step"\n'))
+    assert step.models[0].engine.first_token == "step"  # mlx-lm's way: BatchGenerator's own

@@ -47,12 +47,9 @@ def test_known_models_only_and_only_where_the_probe_agrees(
     assert "computes more than its head" in caplog.text
 
 
-def test_auto_takes_them_from_the_prefill_on_mlx_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert groups.wanted("prefill") and not groups.wanted("step")
-    monkeypatch.setattr(groups, "on_cuda", lambda: False)
-    assert not groups.wanted("auto")
-    monkeypatch.setattr(groups, "on_cuda", lambda: True)
-    assert groups.wanted("auto") and not groups.wanted("step")
+def test_only_a_configuration_that_names_it_takes_them_from_the_prefill() -> None:
+    assert groups.wanted("prefill")
+    assert not groups.wanted("step") and not groups.wanted("auto")  # until measured served
 
 
 def test_a_rows_first_token_comes_out_of_the_step_that_prefilled_it(

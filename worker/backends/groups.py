@@ -24,7 +24,6 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, TokenBuffer
 from worker.backends.decode_step import ARCHITECTURES
 from worker.backends.prefill_buckets import padded_width, views
 from worker.backends.sampling import LogitsProcessor, Sampler
-from worker.device import on_cuda
 from worker.structured.guide import Guide
 
 log = logging.getLogger(__name__)
@@ -91,13 +90,11 @@ class FirstToken:
 
 
 def wanted(setting: str) -> bool:
-    """Whether `engine.first_token` takes first tokens from the prefill here: "auto" does on
-    MLX's CUDA backend, where a step is the host's and costs more than the model's last
-    layer over a prompt's last chunk (the part of a prefill whose output mlx-lm leaves
-    uncomputed), not on a CPU, where the prefill's arithmetic is the cost (measured slower:
-    docs/benchmarks.md), nor on Metal (not measured)."""
-    if setting == "auto":
-        return on_cuda()
+    """Whether `engine.first_token` takes first tokens from the prefill here. "auto" does
+    not, yet: on a CPU it was measured slower (the model's last layer over a prompt's last
+    chunk, whose output mlx-lm leaves uncomputed, costs more than the step it saves:
+    docs/benchmarks.md), and on MLX's CUDA backend, where a step is the host's and should
+    cost more than that layer, it has not been measured served."""
     return setting == "prefill"
 
 
