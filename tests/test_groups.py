@@ -44,7 +44,7 @@ def test_known_models_only_and_only_where_the_probe_agrees(
     other = type("Other", (), {"model_type": "gemma3", "model": chat.model.model})()
     assert first_token(other) is None
     assert first_token(Doubled(chat.model)) is None
-    assert "computes more than its head" in caplog.text
+    assert "other logits" in caplog.text
 
 
 def test_only_a_configuration_that_names_it_takes_them_from_the_prefill() -> None:
@@ -115,3 +115,26 @@ def test_the_first_tokens_distribution_is_the_models_at_the_prompts_end(
         logits = chat.model(mx.array(prompt)[None])[0, -1]
         want = logits - mx.logsumexp(logits, keepdims=True)
         assert float(mx.abs(firsts[uid] - want).max()) < 1e-3
+
+
+@pytest.mark.parametrize("buckets", [False, True], ids=["exact", "buckets"])
+def test_rows_ending_together_split_the_last_layer_and_give_mlx_lms_tokens(
+    chat: Loaded, prompts: list[list[int]], buckets: bool
+) -> None:
+    """One row, then two rows of one length: the last layer runs before, at and (with
+    buckets' padding) after the last position, and its keys and values are all written."""
+    long = max(prompts, key=len)
+    twins = [long, [(t + 1) % 400 + 5 for t in long]]
+    for chosen in ([long], twins):
+        batch = RowBatch(
+            chat.model, prefill_step_size=8, prefill_buckets=buckets, first=first_token(chat.model)
+        )
+        uids = _insert(batch, chat, chosen)
+        tokens: dict[int, list[int]] = {}
+        for _ in range(12):
+            for uid, token, _ in batch.step():
+                tokens.setdefault(uid, []).append(token)
+        for uid, prompt in zip(uids, chosen, strict=True):
+            assert tokens[uid][:8] == reference_greedy(chat.model, prompt, 8)
+        kv, held = batch.extract(uids[:1])[uids[0]]
+        assert [c.size() for c in kv.caches()] == [len(held)] * len(batch.caches)

@@ -246,7 +246,7 @@ def build(
     of different lengths attend through ragged_attention.py's kernel instead of MLX's
     attention with a mask (`ragged_asked`: the configuration named the kernel; where it
     cannot run, a warning)."""
-    reason = _unsupported(model)
+    reason = unsupported(model)
     if reason is None:
         found = [_layer(block) for block in model.model.layers]
         if any(f is None for f in found):
@@ -386,7 +386,8 @@ def _stacked(model: Any, inputs: Inputs, want: list[mx.array]) -> DecodeStep:
     return DecodeStep(model, layers[0][0], [f[1] for f in layers])
 
 
-def _unsupported(model: Any) -> str | None:
+def unsupported(model: Any) -> str | None:
+    """Why the model is not one whose layers this module knows, or None."""
     model_type = getattr(model, "model_type", None)
     if model_type not in ARCHITECTURES:
         return f"model type {model_type!r}"

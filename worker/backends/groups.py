@@ -4,11 +4,11 @@ taken from its own prefill.
 mlx-lm (`generate_step`, BatchGenerator) prefills a prompt but for its last token and feeds
 that token to a decode step of its own: a row's first token costs its prefill and then a
 step. Where `FirstToken` knows the model's forward pass (the architectures of
-decode_step.py: the output head over the inner model's hidden states), the group prefills
-the whole prompt instead and runs the head over each row's last position only (the rest of
-a chunk's positions never reach the head): the first token comes with the prefill, a step
-of the batch sooner, and the row joins the batch with its first token as its input, as any
-running row. Elsewhere the prompt's last token is the row's first input, as in mlx-lm.
+decode_step.py: their layers, final norm and output head), the group prefills the whole
+prompt instead and computes the last layer's output and the head at each row's last
+position only (`FirstToken`): the first token comes with the prefill, a step of the batch
+sooner, and the row joins the batch with its first token as its input, as any running row.
+Elsewhere the prompt's last token is the row's first input, as in mlx-lm.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache, TokenBuffer
 
-from worker.backends.decode_step import ARCHITECTURES
+from worker.backends.decode_step import unsupported
 from worker.backends.prefill_buckets import padded_width, views
 from worker.backends.sampling import LogitsProcessor, Sampler
 from worker.structured.guide import Guide
@@ -70,18 +71,44 @@ class Group:
 
 
 class FirstToken:
-    """The logits of each row's last prompt position, from the group's own prefill: the
-    model's inner transformer over the chunk, the output head over the rows' last positions
-    only (a chunk's full logits would be its positions times the vocabulary)."""
+    """Each row's first-token logits from the group's own prefill: the model's layers over
+    the last chunk as its inner transformer runs them, but the last layer's output (and the
+    output head) only at the rows' last prompt positions. mlx-lm's prefill never computes
+    that output at all (only the last layer's keys and values reach the cache); computing
+    it over the whole chunk would cost a layer's arithmetic over every position. Where the
+    rows' prompts end together (one row, or rows of one length), the last layer runs in up
+    to three calls (before the last position, the position, the padding after it) of which
+    only the middle one's output is used; rows ending at different positions take the last
+    layer over the chunk."""
 
     def __init__(self, model: Any) -> None:
-        self.inner = model.model
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.layers = inner.layers
+        self.norm = inner.norm
         self.head: Callable[[mx.array], mx.array] = (
-            model.lm_head if hasattr(model, "lm_head") else model.model.embed_tokens.as_linear
+            model.lm_head if hasattr(model, "lm_head") else inner.embed_tokens.as_linear
         )
 
-    def hidden(self, tokens: mx.array, cache: list[Any]) -> mx.array:
-        return self.inner(tokens, cache=cache)
+    def hidden(self, tokens: mx.array, cache: list[Any], at: list[int]) -> mx.array:
+        """(rows, hidden): the final norm's output at position at[i] of row i of the chunk,
+        every layer's keys and values for the whole chunk written to `cache`."""
+        h = self.embed(tokens)
+        mask = create_attention_mask(h, cache[0])
+        for layer, c in zip(self.layers[:-1], cache[:-1], strict=True):
+            h = layer(h, mask, c)
+        last, c = self.layers[-1], cache[-1]
+        p = at[0]
+        if any(a != p for a in at):
+            return self.norm(last(h, mask, c)[mx.arange(len(at)), mx.array(at)])
+        out = h
+        for start, end in ((0, p), (p, p + 1), (p + 1, h.shape[1])):
+            if end > start:
+                part = h[:, start:end]
+                y = last(part, create_attention_mask(part, c), c)
+                if start == p:
+                    out = y
+        return self.norm(out[:, 0])
 
     def logits(self, group: Group) -> mx.array:
         """(rows, vocabulary): the head over the rows' last prompt positions."""
@@ -101,30 +128,40 @@ def wanted(setting: str) -> bool:
 def first_token(model: Any) -> FirstToken | None:
     """FirstToken for a model whose forward pass is known to be the head over its inner
     transformer's output (checked on a probe), else None: the batch keeps mlx-lm's way."""
-    model_type = getattr(model, "model_type", None)
-    inner = getattr(model, "model", None)
-    if inner is None or model_type not in ARCHITECTURES or getattr(inner, "pipeline_size", 1) > 1:
-        log.info("first tokens: a decode step after the prefill (model type %r)", model_type)
-        return None
-    if not hasattr(model, "lm_head") and not hasattr(
-        getattr(inner, "embed_tokens", None), "as_linear"
-    ):
+    reason = unsupported(model)
+    if reason is not None:
+        log.info("first tokens: a decode step after the prefill (%s)", reason)
         return None
     first = FirstToken(model)
-    layers = len(inner.layers)
-    tokens = mx.array([[1, 2, 3, 4]])
-    theirs, mine = [KVCache() for _ in range(layers)], [KVCache() for _ in range(layers)]
-    want = model(tokens, cache=theirs)[:, -1, :].astype(mx.float32)
-    got = first.head(first.hidden(tokens, mine)[:, -1, :]).astype(mx.float32)
-    # the head over one position against over four: other kernels, other rounding (bfloat16
-    # on a GPU), the tolerance of decode_step.py's probe
-    if want.shape != got.shape or not mx.allclose(got, want, rtol=2e-2, atol=2e-2).item():
+    if not probe(model, first):
         log.warning(
             "first tokens: a decode step after the prefill (this mlx-lm's model computes "
-            "more than its head over its hidden states)"
+            "other logits than its layers and head do on a probe)"
         )
         return None
     return first
+
+
+def probe(model: Any, first: FirstToken) -> bool:
+    """Whether the first tokens' logits match the model's forward pass over each prompt
+    alone: one row (the last layer split around its last position), and two rows of
+    different lengths prefilled side by side (right-padded: the last layer over the
+    chunk). The tolerance is decode_step.py's probe's (bfloat16 on a GPU rounds a product
+    over a few positions otherwise than over one)."""
+    layers = len(model.model.layers)
+    for prompts in ([[1, 2, 3, 4]], [[1, 2, 3, 4, 5], [6, 7, 8]]):
+        waiting = [
+            Waiting(Row(i, lambda x: x, [], [], p[-1]), p, [KVCache() for _ in range(layers)], 0)
+            for i, p in enumerate(prompts)
+        ]
+        group, _ = start_group(waiting, 64, len(prompts), False)
+        prefill_chunk(model, group, 64, first)
+        got = first.logits(group).astype(mx.float32)
+        for i, p in enumerate(prompts):
+            want = model(mx.array([p]))[0, -1].astype(mx.float32)
+            if not mx.allclose(got[i], want, rtol=2e-2, atol=2e-2).item():
+                return False
+    return True
 
 
 def start_group(
@@ -170,15 +207,12 @@ def prefill_chunk(model: Any, group: Group, chunk: int, first: FirstToken | None
     n = min(chunk, group.tokens.shape[1])
     tokens, cache = group.tokens[:, :n], group.view or group.caches
     rest = group.tokens[:, n:]
-    if first is None:
+    if first is None or rest.shape[1] > 0:
         model(tokens, cache=cache)
     else:
-        hidden = first.hidden(tokens, cache)
-        if rest.shape[1] == 0:
-            # the rows' prompts take as many chunks each (start_group) and the end's padding
-            # stays inside the last one: every row's last position is in this chunk
-            at = [e - 1 - group.done for e in group.ends]
-            group.last = hidden[mx.arange(len(at)), mx.array(at)]
+        # the rows' prompts take as many chunks each (start_group) and the end's padding
+        # stays inside the last one: every row's last position is in this chunk
+        group.last = first.hidden(tokens, cache, [e - 1 - group.done for e in group.ends])
     group.done += n
     group.tokens = rest if rest.shape[1] > 0 else None
     for c in group.caches if group.tokens is None else ():
