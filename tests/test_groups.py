@@ -121,8 +121,9 @@ def test_the_first_tokens_distribution_is_the_models_at_the_prompts_end(
 def test_rows_ending_together_split_the_last_layer_and_give_mlx_lms_tokens(
     chat: Loaded, prompts: list[list[int]], buckets: bool
 ) -> None:
-    """One row, then two rows of one length: the last layer runs before, at and (with
-    buckets' padding) after the last position, and its keys and values are all written."""
+    """One row, then two rows of one length: the last layer runs over the positions before
+    the last one and from it on (with buckets, the padding after it too), and its keys and
+    values are all written."""
     long = max(prompts, key=len)
     twins = [long, [(t + 1) % 400 + 5 for t in long]]
     for chosen in ([long], twins):

@@ -73,13 +73,12 @@ class Group:
 class FirstToken:
     """Each row's first-token logits from the group's own prefill: the model's layers over
     the last chunk as its inner transformer runs them, but the last layer's output (and the
-    output head) only at the rows' last prompt positions. mlx-lm's prefill never computes
-    that output at all (only the last layer's keys and values reach the cache); computing
-    it over the whole chunk would cost a layer's arithmetic over every position. Where the
-    rows' prompts end together (one row, or rows of one length), the last layer runs in up
-    to three calls (before the last position, the position, the padding after it) of which
-    only the middle one's output is used; rows ending at different positions take the last
-    layer over the chunk."""
+    output head) only from the rows' earliest last prompt position on. mlx-lm's prefill
+    never computes that output at all (only the last layer's keys and values reach the
+    cache), and computing it over the whole chunk costs a layer's arithmetic over every
+    position: the last layer runs in two calls, the positions before the earliest row's end
+    (their keys and values only) and the rest (one position where the rows end together, as
+    one row's does)."""
 
     def __init__(self, model: Any) -> None:
         inner = model.model
@@ -98,17 +97,14 @@ class FirstToken:
         for layer, c in zip(self.layers[:-1], cache[:-1], strict=True):
             h = layer(h, mask, c)
         last, c = self.layers[-1], cache[-1]
-        p = at[0]
-        if any(a != p for a in at):
-            return self.norm(last(h, mask, c)[mx.arange(len(at)), mx.array(at)])
-        out = h
-        for start, end in ((0, p), (p, p + 1), (p + 1, h.shape[1])):
-            if end > start:
-                part = h[:, start:end]
-                y = last(part, create_attention_mask(part, c), c)
-                if start == p:
-                    out = y
-        return self.norm(out[:, 0])
+        start = min(at)
+        if start > 0:
+            before = h[:, :start]
+            last(before, create_attention_mask(before, c), c)  # its output is never computed
+            h = h[:, start:]
+            mask = create_attention_mask(h, c)
+        out = last(h, mask, c)
+        return self.norm(out[mx.arange(len(at)), mx.array([a - start for a in at])])
 
     def logits(self, group: Group) -> mx.array:
         """(rows, vocabulary): the head over the rows' last prompt positions."""
