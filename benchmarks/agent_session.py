@@ -58,13 +58,13 @@ KNOWN = (
     "gateway-rows-whole",
     "gateway-rows-buckets",
     "gateway-rows-nocache-buckets",
-    "gateway-rows-prefillfirst",
+    "gateway-rows-stepfirst",
 )
 # "gateway" and "gateway-nocache" keep BatchGenerator (the tables measured so far), the rows
 # batch (the default now) is "gateway-rows" ("gateway-rows-nocache" without the prefix cache,
 # "gateway-rows-whole" with every prompt tokenized whole: engine.segment_tokens = false;
 # "gateway-rows-buckets" and "gateway-rows-nocache-buckets" with engine.prefill_shapes =
-# "buckets"; "gateway-rows-prefillfirst" with engine.first_token = "prefill").
+# "buckets"; "gateway-rows-stepfirst" with engine.first_token = "step", mlx-lm's way).
 GATEWAY_ENGINE: dict[str, dict[str, bool | int | float | str]] = {
     "gateway": {"prefix_cache": True, "batcher": "mlx_lm"},
     "gateway-nocache": {"prefix_cache": False, "batcher": "mlx_lm"},
@@ -77,11 +77,7 @@ GATEWAY_ENGINE: dict[str, dict[str, bool | int | float | str]] = {
         "batcher": "rows",
         "prefill_shapes": "buckets",
     },
-    "gateway-rows-prefillfirst": {
-        "prefix_cache": True,
-        "batcher": "rows",
-        "first_token": "prefill",
-    },
+    "gateway-rows-stepfirst": {"prefix_cache": True, "batcher": "rows", "first_token": "step"},
 }
 GATEWAY_MODEL_NAME = "bench"
 

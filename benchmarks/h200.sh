@@ -17,9 +17,9 @@
 # instead of the ragged-attention kernel (engine.decode_attention = "mlx"), gateway-compiled-stacked
 # the compiled step with stacked projections (engine.decode_projections = "stacked"),
 # gateway-compiled-buckets the compiled step with prefills at a few shapes
-# (engine.prefill_shapes = "buckets"), gateway-compiled-prefillfirst the compiled step with each
-# request's first token from its own prefill (engine.first_token = "prefill"; the default
-# takes it from the batch's next step, mlx-lm's way),
+# (engine.prefill_shapes = "buckets"), gateway-compiled-stepfirst the compiled step with each
+# request's first token from the batch's next step after its prefill (engine.first_token =
+# "step", mlx-lm's way; the default takes it from the prefill),
 # gateway-compiled-env the same with $GATEWAY_ENV in its environment
 # (e.g. GATEWAY_ENV="MLX_MAX_OPS_PER_BUFFER=250": MLX settings under test; gateway-compiled-env2
 # reads $GATEWAY_ENV2, and so on, to compare several in one run), gateway-rows-settle
@@ -137,7 +137,7 @@ throughput() {  # NAME SHAPE LEVELS: the ceiling, then each of $SOURCES
   max=${3##*,}
   for src in ${SOURCES//,/ }; do
     case $src in
-      gateway | gateway-rows | gateway-rows-settle | gateway-compiled | gateway-compiled-mask | gateway-compiled-stacked | gateway-compiled-buckets | gateway-compiled-prefillfirst | gateway-compiled-env*)
+      gateway | gateway-rows | gateway-rows-settle | gateway-compiled | gateway-compiled-mask | gateway-compiled-stacked | gateway-compiled-buckets | gateway-compiled-stepfirst | gateway-compiled-env*)
         local env=""
         case $src in
           gateway) cfg=$(gateway_config "$dir" "$max" mlx_lm) ;;
@@ -146,7 +146,7 @@ throughput() {  # NAME SHAPE LEVELS: the ceiling, then each of $SOURCES
           gateway-compiled-mask) cfg=$(gateway_config "$dir" "$max" rows 0 compiled mlx) ;;
           gateway-compiled-stacked) cfg=$(gateway_config "$dir" "$max" rows 0 compiled auto stacked) ;;
           gateway-compiled-buckets) cfg=$(gateway_config "$dir" "$max" rows 0 compiled auto separate buckets) ;;
-          gateway-compiled-prefillfirst) cfg=$(gateway_config "$dir" "$max" rows 0 compiled auto separate exact prefill) ;;
+          gateway-compiled-stepfirst) cfg=$(gateway_config "$dir" "$max" rows 0 compiled auto separate exact step) ;;
           gateway-compiled-env*)  # gateway-compiled-envX reads GATEWAY_ENVX
             local var=GATEWAY_ENV${src#gateway-compiled-env}
             cfg=$(gateway_config "$dir" "$max" rows 0 compiled)

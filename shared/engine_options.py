@@ -88,7 +88,8 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # over its prompt's last position in its own prefill (Llama-family models, as the
     # compiled step: worker/backends/groups.py); the request joins the batch with it, a step
     # sooner. "step": its prompt's last token fed to the batch's next decode step, as mlx-lm
-    # does. "auto": step (prefill measured slower on a CPU, not measured on a GPU yet).
+    # does. "auto": prefill where it was measured sooner (MLX's CUDA backend and its CPU;
+    # docs/benchmarks.md), step on Metal, where it has not been measured yet.
     first_token: Literal["auto", "prefill", "step"] = "auto"
     # The model's tool-call format: the name of one of mlx-lm's tool parsers
     # (mlx_lm/tool_parsers: json_tools, qwen3_coder, mistral, pythonic, glm47, ...).

@@ -47,9 +47,16 @@ def test_known_models_only_and_only_where_the_probe_agrees(
     assert "other logits" in caplog.text
 
 
-def test_only_a_configuration_that_names_it_takes_them_from_the_prefill() -> None:
-    assert groups.wanted("prefill")
-    assert not groups.wanted("step") and not groups.wanted("auto")  # until measured served
+def test_auto_takes_them_from_the_prefill_on_mlx_cuda_and_cpu_not_metal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert groups.wanted("prefill") and not groups.wanted("step")
+    assert groups.wanted("auto")  # this machine: MLX's CPU
+    monkeypatch.setattr(groups.mx, "default_device", lambda: mx.gpu)
+    monkeypatch.setattr(groups, "on_cuda", lambda: False)  # Metal: not measured
+    assert not groups.wanted("auto") and groups.wanted("prefill")
+    monkeypatch.setattr(groups, "on_cuda", lambda: True)
+    assert groups.wanted("auto") and not groups.wanted("step")
 
 
 def test_a_rows_first_token_comes_out_of_the_step_that_prefilled_it(

@@ -25,6 +25,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, TokenBuffer
 from worker.backends.decode_step import unsupported
 from worker.backends.prefill_buckets import padded_width, views
 from worker.backends.sampling import LogitsProcessor, Sampler
+from worker.device import on_cuda
 from worker.structured.guide import Guide
 
 log = logging.getLogger(__name__)
@@ -113,11 +114,11 @@ class FirstToken:
 
 
 def wanted(setting: str) -> bool:
-    """Whether `engine.first_token` takes first tokens from the prefill here. "auto" does
-    not, yet: on a CPU it was measured slower (the model's last layer over a prompt's last
-    chunk, whose output mlx-lm leaves uncomputed, costs more than the step it saves:
-    docs/benchmarks.md), and on MLX's CUDA backend, where a step is the host's and should
-    cost more than that layer, it has not been measured served."""
+    """Whether `engine.first_token` takes first tokens from the prefill here: "auto" does
+    where it was measured sooner (MLX's CUDA backend and its CPU, docs/benchmarks.md), not
+    on Metal, where it has not been measured yet."""
+    if setting == "auto":
+        return mx.default_device() == mx.cpu or on_cuda()
     return setting == "prefill"
 
 

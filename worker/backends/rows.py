@@ -5,9 +5,10 @@ What it changes against mlx-lm's BatchGenerator is what a row joining or leaving
 batch (docs/benchmarks.md measured a join at four to five decode steps on a GPU whose step is
 bound by the host):
 - joining rows are prefilled together (grouped by how many chunks their prompts take; two
-  groups at a time, a chunk of each per step), without waiting on the device, and their first
-  decode step is the running batch's next step (one forward pass for all rows), not a pass of
-  their own;
+  groups at a time, a chunk of each per step; groups.py), without waiting on the device, and
+  each takes its first token from its own prefill (`first`, groups.py: it joins the batch
+  with that token as its input) or, where that is off, from the running batch's next step
+  (one forward pass for all rows): never a pass of its own;
 - a row that leaves is only marked: it decodes on, unseen, until enough rows have left (or
   rows join) to compact the batch in one filter;
 - into a large batch, rows join a few at a time (a join costs the batch two copies of its KV
