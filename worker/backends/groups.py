@@ -123,8 +123,8 @@ def wanted(setting: str) -> bool:
 
 
 def first_token(model: Any) -> FirstToken | None:
-    """FirstToken for a model whose forward pass is known to be the head over its inner
-    transformer's output (checked on a probe), else None: the batch keeps mlx-lm's way."""
+    """FirstToken for a model whose layers, final norm and head decode_step.py knows, and
+    whose forward pass they match on a probe; else None: the batch keeps mlx-lm's way."""
     reason = unsupported(model)
     if reason is not None:
         log.info("first tokens: a decode step after the prefill (%s)", reason)
@@ -141,10 +141,10 @@ def first_token(model: Any) -> FirstToken | None:
 
 def probe(model: Any, first: FirstToken) -> bool:
     """Whether the first tokens' logits match the model's forward pass over each prompt
-    alone: one row (the last layer split around its last position), and two rows of
-    different lengths prefilled side by side (right-padded: the last layer over the
-    chunk). The tolerance is decode_step.py's probe's (bfloat16 on a GPU rounds a product
-    over a few positions otherwise than over one)."""
+    alone: one row (the last layer's output at its last position only), and two rows of
+    different lengths prefilled side by side (right-padded: its output from the shorter
+    row's end on). The tolerance is decode_step.py's probe's (bfloat16 on a GPU rounds a
+    product over a few positions otherwise than over one)."""
     layers = len(model.model.layers)
     for prompts in ([[1, 2, 3, 4]], [[1, 2, 3, 4, 5], [6, 7, 8]]):
         waiting = [
