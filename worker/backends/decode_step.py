@@ -45,7 +45,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from worker.backends import ragged_attention
 from worker.backends.cpu_ops import compile_lock
 from worker.backends.projections import Projection, agree, apply, fuse_into, projection, split
-from worker.device import on_cuda
+from worker.device import on_cpu, on_cuda
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ def wanted(setting: str) -> bool:
     "auto" where it was measured faster than mlx-lm's forward pass (MLX's CUDA backend and
     its CPU, docs/benchmarks.md), not on Metal, where it has not been measured."""
     if setting == "auto":
-        return mx.default_device() == mx.cpu or on_cuda()
+        return on_cpu() or on_cuda()
     return setting == "compiled"
 
 
@@ -322,7 +322,7 @@ def build(
 
 def _lock() -> contextlib.AbstractContextManager[Any]:
     """On MLX's CPU, kernels compile once a machine, cached on disk: one process at a time."""
-    return compile_lock() if mx.default_device() == mx.cpu else contextlib.nullcontext()
+    return compile_lock() if on_cpu() else contextlib.nullcontext()
 
 
 Inputs = list[tuple[mx.array, mx.array, mx.array]]

@@ -25,7 +25,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, TokenBuffer
 from worker.backends.decode_step import unsupported
 from worker.backends.prefill_buckets import padded_width, views
 from worker.backends.sampling import LogitsProcessor, Sampler
-from worker.device import on_cuda
+from worker.device import on_cpu, on_cuda
 from worker.structured.guide import Guide
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def wanted(setting: str) -> bool:
     where it was measured sooner (MLX's CUDA backend and its CPU, docs/benchmarks.md), not
     on Metal, where it has not been measured yet."""
     if setting == "auto":
-        return mx.default_device() == mx.cpu or on_cuda()
+        return on_cpu() or on_cuda()
     return setting == "prefill"
 
 
