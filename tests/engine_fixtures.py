@@ -10,6 +10,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
 
 from shared.config import EngineOptions
 from shared.types import FinishReason, RequestOutput, SamplingParams
@@ -104,3 +105,23 @@ def reference_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int
     """mlx-lm's own single-sequence greedy decode (no EOS handling)."""
     steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens)
     return [int(token) for token, _ in steps]
+
+
+def insert_greedy(batch: Any, chat: Loaded, prompts: list[list[int]]) -> list[int]:
+    """Greedy rows of these prompts into a rows batch (worker/backends/rows.py), no prefix."""
+    from worker.backends.sampling import greedy
+
+    return batch.insert(
+        prompts,
+        [make_prompt_cache(chat.model) for _ in prompts],
+        [[] for _ in prompts],
+        [greedy] * len(prompts),
+        [[] for _ in prompts],
+    )
+
+
+def run_steps(batch: Any, steps: int, out: dict[int, list[int]]) -> None:
+    """`steps` steps of a rows batch, each row's tokens appended to out[uid]."""
+    for _ in range(steps):
+        for uid, token, _ in batch.step():
+            out.setdefault(uid, []).append(token)

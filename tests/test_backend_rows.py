@@ -18,7 +18,15 @@ from mlx_lm.models.cache import (
 )
 
 from shared.config import EngineOptions
-from tests.engine_fixtures import Loaded, drive, prepared, reference_greedy, token_ids
+from tests.engine_fixtures import (
+    Loaded,
+    drive,
+    insert_greedy,
+    prepared,
+    reference_greedy,
+    run_steps,
+    token_ids,
+)
 from worker.backends import rows as rows_module
 from worker.backends.groups import first_token
 from worker.backends.mlx_lm import make_backend
@@ -41,22 +49,6 @@ def _batch(model: Any, **kwargs: Any) -> RowBatch:
     return RowBatch(model, first=first_token(model) if FIRST["prefill"] else None, **kwargs)
 
 
-def _insert(batch: RowBatch, chat: Loaded, prompts: list[list[int]]) -> list[int]:
-    return batch.insert(
-        prompts,
-        [make_prompt_cache(chat.model) for _ in prompts],
-        [[] for _ in prompts],
-        [greedy] * len(prompts),
-        [[] for _ in prompts],
-    )
-
-
-def _run(batch: RowBatch, steps: int, out: dict[int, list[int]]) -> None:
-    for _ in range(steps):
-        for uid, token, _ in batch.step():
-            out.setdefault(uid, []).append(token)
-
-
 def test_the_public_pieces_it_stands_on() -> None:
     for name in ("merge", "prepare", "finalize", "extend", "filter", "extract", "size"):
         assert callable(getattr(BatchKVCache, name)), name
@@ -71,10 +63,10 @@ def test_rows_joining_at_different_steps_decode_as_alone(
 ) -> None:
     batch = _batch(chat.model, prefill_step_size=4)  # several prefill chunks a prompt
     out: dict[int, list[int]] = {}
-    first = _insert(batch, chat, prompts[:3])
-    _run(batch, 5, out)
-    late = _insert(batch, chat, prompts[3:5])
-    _run(batch, 30, out)
+    first = insert_greedy(batch, chat, prompts[:3])
+    run_steps(batch, 5, out)
+    late = insert_greedy(batch, chat, prompts[3:5])
+    run_steps(batch, 30, out)
     for uid, prompt in zip(first + late, prompts[:5], strict=True):
         assert out[uid][:16] == reference_greedy(chat.model, prompt, 16), uid
 
@@ -96,10 +88,10 @@ def test_the_next_inputs_keep_the_sampled_dtype_when_rows_join_a_running_batch(
     monkeypatch.setattr(RowBatch, "_decode", noted)
     batch = _batch(chat.model, prefill_step_size=64)
     out: dict[int, list[int]] = {}
-    _insert(batch, chat, prompts[:2])
-    _run(batch, 3, out)
-    _insert(batch, chat, prompts[2:4])
-    _run(batch, 6, out)
+    insert_greedy(batch, chat, prompts[:2])
+    run_steps(batch, 3, out)
+    insert_greedy(batch, chat, prompts[2:4])
+    run_steps(batch, 6, out)
     assert len(batch.rows) == 4
     assert dtypes == {mx.uint32}
 
@@ -109,19 +101,19 @@ def test_a_row_that_leaves_is_dropped_lazily_and_never_seen_again(
 ) -> None:
     batch = _batch(chat.model)
     out: dict[int, list[int]] = {}
-    uids = _insert(batch, chat, prompts[:8])
-    _run(batch, 4, out)
+    uids = insert_greedy(batch, chat, prompts[:8])
+    run_steps(batch, 4, out)
     assert len(batch.rows) == 8
     batch.remove([uids[0]])  # 1 of 8 left: under the share, it decodes on unseen
-    _run(batch, 2, out)
+    run_steps(batch, 2, out)
     # tokens of steps 1-4 (the first from the prefill), or of steps 2-4
     assert len(batch.rows) == 8 and len(out[uids[0]]) == (4 if first_tokens == "prefill" else 3)
     assert not batch.holds(uids[0]) and batch.holds(uids[1])
     batch.remove(uids[1:3])  # 3 of 8 now: compacted at the next step
     assert COMPACT_SHARE <= 3 / 8
-    _run(batch, 1, out)
+    run_steps(batch, 1, out)
     assert [r.uid for r in batch.rows] == uids[3:]
-    _run(batch, 20, out)
+    run_steps(batch, 20, out)
     for uid, prompt in zip(uids[3:], prompts[3:8], strict=True):
         assert out[uid][:20] == reference_greedy(chat.model, prompt, 20), uid
     batch.remove(uids[3:])  # the last rows: the batch lets its KV go at once
@@ -137,24 +129,24 @@ def test_with_bucket_rows_rows_that_left_round_the_count_up_and_decode_unseen(
     short = min(prompts, key=len)
     batch = _batch(chat.model, bucket_rows=True)
     out: dict[int, list[int]] = {}
-    uids = _insert(batch, chat, [short] * 40)
-    _run(batch, 2, out)
+    uids = insert_greedy(batch, chat, [short] * 40)
+    run_steps(batch, 2, out)
     batch.remove(uids[:7])  # 7 of 40 left: under the share, nothing compacts yet
-    late = _insert(batch, chat, [short])
-    _run(batch, 2, out)
+    late = insert_greedy(batch, chat, [short])
+    run_steps(batch, 2, out)
     assert len(batch.rows) == 40 and sum(r.dead for r in batch.rows) == 6
     assert {r.uid for r in batch.rows if r.dead} <= set(uids[:7])
-    _run(batch, 12, out)
+    run_steps(batch, 12, out)
     for uid in [*uids[7:10], *late]:
         assert out[uid][:12] == reference_greedy(chat.model, short, 12), uid
     assert all(len(out[u]) <= 2 for u in uids[:7])  # never seen after they left
     # off (the default but on MLX's CUDA backend): the same sequence drops every row that left
     plain = _batch(chat.model)
-    firsts = _insert(plain, chat, [short] * 40)
-    _run(plain, 2, {})
+    firsts = insert_greedy(plain, chat, [short] * 40)
+    run_steps(plain, 2, {})
     plain.remove(firsts[:7])
-    _insert(plain, chat, [short])
-    _run(plain, 2, {})
+    insert_greedy(plain, chat, [short])
+    run_steps(plain, 2, {})
     assert len(plain.rows) == 34 and not any(r.dead for r in plain.rows)
 
 
@@ -176,11 +168,11 @@ def test_at_most_max_group_rows_prefill_side_by_side(
 ) -> None:
     batch = _batch(chat.model, max_group=2)
     out: dict[int, list[int]] = {}
-    uids = _insert(batch, chat, prompts[:5])
-    _run(batch, 1, out)  # two rows a group, MAX_GROUPS groups a step
+    uids = insert_greedy(batch, chat, prompts[:5])
+    run_steps(batch, 1, out)  # two rows a group, MAX_GROUPS groups a step
     assert [r.uid for r in batch.rows] == uids[: 2 * MAX_GROUPS]
     assert len(batch.waiting) == 5 - 2 * MAX_GROUPS
-    _run(batch, 12, out)
+    run_steps(batch, 12, out)
     assert [r.uid for r in batch.rows] == uids
     for uid, prompt in zip(uids, prompts[:5], strict=True):
         assert out[uid][:8] == reference_greedy(chat.model, prompt, 8), uid
@@ -195,12 +187,12 @@ def test_a_short_prompt_is_not_held_behind_a_long_one(
     batch = _batch(chat.model, prefill_step_size=8)
     assert len(long) > 3 * 8 and len(short) <= 8
     out: dict[int, list[int]] = {}
-    slow, fast = _insert(batch, chat, [long, short])
-    _run(batch, 1, out)  # the short one's group is in after its one chunk; the long one's not
+    slow, fast = insert_greedy(batch, chat, [long, short])
+    run_steps(batch, 1, out)  # the short one's group is in after its one chunk; the long one's not
     assert [r.uid for r in batch.rows] == [fast] and len(batch.groups) == 1
-    _run(batch, 3, out)
+    run_steps(batch, 3, out)
     assert len(out[fast]) >= 2 and slow not in out
-    _run(batch, 20, out)
+    run_steps(batch, 20, out)
     assert out[slow][:8] == reference_greedy(chat.model, long, 8)
     assert out[fast][:8] == reference_greedy(chat.model, short, 8)
 
@@ -212,21 +204,21 @@ def test_a_rows_first_token_comes_out_before_the_next_groups_prefill(
     """A step reads its tokens at the next one; when that one has a prefill to hand over
     and a row's first token is pending, it reads them first and the prefill waits a call."""
     batch = RowBatch(chat.model)
-    (first,) = _insert(batch, chat, [prompts[0]])
+    (first,) = insert_greedy(batch, chat, [prompts[0]])
     assert batch.step() == []  # prefilled, joined, decoded: its first token is pending
-    (second,) = _insert(batch, chat, [prompts[1]])
+    (second,) = insert_greedy(batch, chat, [prompts[1]])
     out = batch.step()
     assert [uid for uid, _, _ in out] == [first]
     assert [w.row.uid for w in batch.waiting] == [second] and not batch.groups
     tokens = {first: [out[0][1]]}
-    _run(batch, 8, tokens)
+    run_steps(batch, 8, tokens)
     assert tokens[first][:8] == reference_greedy(chat.model, prompts[0], 8)
     assert tokens[second][:6] == reference_greedy(chat.model, prompts[1], 6)
     # a running row's later tokens do not hold a prefill back
-    (third,) = _insert(batch, chat, [prompts[2]])
-    _run(batch, 1, tokens)
+    (third,) = insert_greedy(batch, chat, [prompts[2]])
+    run_steps(batch, 1, tokens)
     assert not batch.waiting and third in {r.uid for r in batch.rows}
-    _run(batch, 6, tokens)
+    run_steps(batch, 6, tokens)
     assert tokens[third][:4] == reference_greedy(chat.model, prompts[2], 4)
 
 
@@ -238,11 +230,11 @@ def test_after_a_read_ahead_held_tokens_are_those_whose_kv_is_written(
     (for the prefix cache) matches its tokens, and a row joining one token longer than a
     running row leaves the running row masked (its KV starts one position later)."""
     batch = RowBatch(chat.model)
-    (running,) = _insert(batch, chat, [prompts[0]])
+    (running,) = insert_greedy(batch, chat, [prompts[0]])
     assert batch.step() == []
     n = len(prompts[0])
     longer = [(11 * i + 1) % 500 + 5 for i in range(n + 2)]  # held n + 1, as running's
-    (joiner,) = _insert(batch, chat, [longer])
+    (joiner,) = insert_greedy(batch, chat, [longer])
     out = batch.step()  # read ahead: running's first token
     kv, held = batch.extract([running])[running]
     assert (
@@ -271,13 +263,13 @@ def test_after_a_read_ahead_held_tokens_are_those_whose_kv_is_written(
 def test_a_row_removed_while_prefilling_never_joins(chat: Loaded, prompts: list[list[int]]) -> None:
     batch = _batch(chat.model, prefill_step_size=2)
     out: dict[int, list[int]] = {}
-    victim, other = _insert(batch, chat, [prompts[2], prompts[1]])
-    _run(batch, 1, out)
+    victim, other = insert_greedy(batch, chat, [prompts[2], prompts[1]])
+    run_steps(batch, 1, out)
     assert batch.groups and batch.holds(victim)
     kept = batch.remove([victim], keep_caches=True)
     assert kept == {}  # nothing of it is in the batch's KV yet
     assert batch.groups  # "other" still prefills in its group
-    _run(batch, len(prompts[2]) // 2 + 12, out)  # the group's prefill, then 10+ steps
+    run_steps(batch, len(prompts[2]) // 2 + 12, out)  # the group's prefill, then 10+ steps
     assert victim not in out and [r.uid for r in batch.rows] == [other]
     assert out[other][:10] == reference_greedy(chat.model, prompts[1], 10)
 
@@ -299,7 +291,7 @@ def test_cached_prefixes_of_different_lengths_prefill_together(
         [[], []],
     )
     out: dict[int, list[int]] = {}
-    _run(batch, 14, out)
+    run_steps(batch, 14, out)
     assert out[uids[0]][:12] == reference_greedy(chat.model, prompt_a, 12)
     assert out[uids[1]][:12] == reference_greedy(chat.model, prompt_b, 12)
     kv, held = batch.extract([uids[0]])[uids[0]]
@@ -310,7 +302,7 @@ def test_steps_without_logprobs_give_the_same_tokens_and_no_rows(
     chat: Loaded, prompts: list[list[int]]
 ) -> None:
     with_rows, without = _batch(chat.model), _batch(chat.model)
-    a, b = _insert(with_rows, chat, prompts[:3]), _insert(without, chat, prompts[:3])
+    a, b = insert_greedy(with_rows, chat, prompts[:3]), insert_greedy(without, chat, prompts[:3])
     got: dict[int, list[int]] = {}
     want: dict[int, list[int]] = {}
     for _ in range(8):
@@ -382,7 +374,7 @@ def test_a_group_whose_rows_all_left_is_dropped_at_once(
     chat: Loaded, prompts: list[list[int]]
 ) -> None:
     batch = _batch(chat.model, prefill_step_size=2)
-    [victim] = _insert(batch, chat, [prompts[2]])
+    [victim] = insert_greedy(batch, chat, [prompts[2]])
     batch.step()
     assert batch.groups and batch.active
     batch.remove([victim])
@@ -397,18 +389,18 @@ def test_into_a_large_batch_rows_join_a_few_at_a_time(
     monkeypatch.setattr(rows_module, "JOIN_DIVISOR", 4)  # 8 running rows: groups of 2
     batch = _batch(chat.model)
     out: dict[int, list[int]] = {}
-    first = _insert(batch, chat, [prompts[i % len(prompts)] for i in range(8)])
-    _run(batch, 1, out)  # nothing was running: all start at once
+    first = insert_greedy(batch, chat, [prompts[i % len(prompts)] for i in range(8)])
+    run_steps(batch, 1, out)  # nothing was running: all start at once
     assert len(batch.rows) == 8 and not batch.waiting
-    [lone] = _insert(batch, chat, [prompts[1]])
-    _run(batch, 1, out)
+    [lone] = insert_greedy(batch, chat, [prompts[1]])
+    run_steps(batch, 1, out)
     assert batch.waiting and lone not in {r.uid for r in batch.rows}  # waits for company
-    _run(batch, 1, out)  # or for two steps, whichever comes first
+    run_steps(batch, 1, out)  # or for two steps, whichever comes first
     assert not batch.waiting and lone in {r.uid for r in batch.rows}
-    pair = _insert(batch, chat, [prompts[2], prompts[3]])
-    _run(batch, 1, out)  # two of them: they start at once
+    pair = insert_greedy(batch, chat, [prompts[2], prompts[3]])
+    run_steps(batch, 1, out)  # two of them: they start at once
     assert {r.uid for r in batch.rows} >= set(pair)
-    _run(batch, 16, out)
+    run_steps(batch, 16, out)
     for uid, prompt in [(lone, prompts[1]), *zip(pair, prompts[2:4], strict=True)]:
         assert out[uid][:12] == reference_greedy(chat.model, prompt, 12), uid
     for uid, i in zip(first, range(8), strict=True):
@@ -424,30 +416,30 @@ def test_with_settle_steps_a_group_waits_for_the_rest_of_a_wave(
     monkeypatch.setattr(rows_module, "JOIN_DIVISOR", 2)  # 8 running rows: groups of 4
     batch = _batch(chat.model, settle_steps=1)
     out: dict[int, list[int]] = {}
-    _insert(batch, chat, [prompts[i % len(prompts)] for i in range(8)])
-    _run(batch, 1, out)
+    insert_greedy(batch, chat, [prompts[i % len(prompts)] for i in range(8)])
+    run_steps(batch, 1, out)
 
     def running(uids: list[int]) -> bool:
         return set(uids) <= {r.uid for r in batch.rows}
 
-    wave = _insert(batch, chat, [prompts[i % len(prompts)] for i in range(4)])
-    _run(batch, 1, out)  # enough to join, but they arrived in the last step
+    wave = insert_greedy(batch, chat, [prompts[i % len(prompts)] for i in range(4)])
+    run_steps(batch, 1, out)  # enough to join, but they arrived in the last step
     assert not running(wave) and len(batch.waiting) == 4
-    late = _insert(batch, chat, [prompts[5]])
-    _run(batch, 1, out)  # another arrived: still waiting
+    late = insert_greedy(batch, chat, [prompts[5]])
+    run_steps(batch, 1, out)  # another arrived: still waiting
     assert not running(wave + late)
-    _run(batch, 1, out)  # a step without arrivals: all five start together
+    run_steps(batch, 1, out)  # a step without arrivals: all five start together
     assert running(wave + late) and not batch.waiting
     # a steady trickle: the oldest starts once it has waited JOIN_DIVISOR's share of steps
     need = len(batch.rows) // 2  # 13 rows
     trickle: list[int] = []
     for i in range(2 * need):
-        trickle += _insert(batch, chat, [prompts[(i + 2) % len(prompts)]])
-        _run(batch, 1, out)
+        trickle += insert_greedy(batch, chat, [prompts[(i + 2) % len(prompts)]])
+        run_steps(batch, 1, out)
         if running(trickle[:1]):
             break
     assert running(trickle) and len(trickle) == need
-    _run(batch, 16, out)
+    run_steps(batch, 16, out)
     for uid, i in zip(wave, range(4), strict=True):
         assert out[uid][:12] == reference_greedy(chat.model, prompts[i % len(prompts)], 12)
     assert out[late[0]][:12] == reference_greedy(chat.model, prompts[5], 12)
@@ -474,14 +466,14 @@ def test_a_step_masks_attention_only_while_a_row_is_padded(
     out: dict[int, list[int]] = {}
     n = min(len(p) for p in prompts if len(p) > 3)
     same = [p[:n] for p in prompts if len(p) > 3][:2]  # equal lengths: no padding
-    first = _insert(batch, chat, same)
-    _run(batch, 4, out)
+    first = insert_greedy(batch, chat, same)
+    run_steps(batch, 4, out)
     assert not batch.padded and spy.masked == [False] * 4
-    late = _insert(batch, chat, [prompts[2]])  # starts later: the first rows are padded now
-    _run(batch, 3, out)
+    late = insert_greedy(batch, chat, [prompts[2]])  # starts later: the first rows are padded now
+    run_steps(batch, 3, out)
     assert batch.padded and spy.masked[-1]
     batch.remove(late)  # compacted at the next step: the rows left started together
-    _run(batch, 3, out)
+    run_steps(batch, 3, out)
     assert not batch.padded and spy.masked[-2:] == [False, False]
     for uid, prompt in zip(first, same, strict=True):
         assert out[uid] == reference_greedy(chat.model, prompt, len(out[uid])), uid

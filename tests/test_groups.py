@@ -8,23 +8,11 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 
-from tests.engine_fixtures import Loaded, reference_greedy
+from tests.engine_fixtures import Loaded, insert_greedy, reference_greedy, run_steps
 from worker.backends import groups
 from worker.backends.groups import first_token
 from worker.backends.rows import RowBatch
-from worker.backends.sampling import greedy
-
-
-def _insert(batch: RowBatch, chat: Loaded, prompts: list[list[int]]) -> list[int]:
-    return batch.insert(
-        prompts,
-        [make_prompt_cache(chat.model) for _ in prompts],
-        [[] for _ in prompts],
-        [greedy] * len(prompts),
-        [[] for _ in prompts],
-    )
 
 
 class Doubled:
@@ -52,7 +40,7 @@ def test_auto_takes_them_from_the_prefill_on_mlx_cuda_and_cpu_not_metal(
 ) -> None:
     assert groups.wanted("prefill") and not groups.wanted("step")
     assert groups.wanted("auto")  # this machine: MLX's CPU
-    monkeypatch.setattr(groups.mx, "default_device", lambda: mx.gpu)
+    monkeypatch.setattr(groups, "on_cpu", lambda: False)
     monkeypatch.setattr(groups, "on_cuda", lambda: False)  # Metal: not measured
     assert not groups.wanted("auto") and groups.wanted("prefill")
     monkeypatch.setattr(groups, "on_cuda", lambda: True)
@@ -63,21 +51,17 @@ def test_a_rows_first_token_comes_out_of_the_step_that_prefilled_it(
     chat: Loaded, prompts: list[list[int]]
 ) -> None:
     batch = RowBatch(chat.model, first=first_token(chat.model))
-    (lone,) = _insert(batch, chat, [prompts[0]])
+    (lone,) = insert_greedy(batch, chat, [prompts[0]])
     out = batch.step()
     assert [uid for uid, _, _ in out] == [lone]
     tokens = {lone: [out[0][1]]}
-    for _ in range(3):
-        for uid, token, _ in batch.step():
-            tokens.setdefault(uid, []).append(token)
-    (joiner,) = _insert(batch, chat, [prompts[1]])
+    run_steps(batch, 3, tokens)
+    (joiner,) = insert_greedy(batch, chat, [prompts[1]])
     out = batch.step()  # the running row's next token and the joiner's first, together
     assert sorted(uid for uid, _, _ in out) == sorted([lone, joiner])
     for uid, token, _ in out:
         tokens.setdefault(uid, []).append(token)
-    for _ in range(6):
-        for uid, token, _ in batch.step():
-            tokens.setdefault(uid, []).append(token)
+    run_steps(batch, 6, tokens)
     assert tokens[lone][:10] == reference_greedy(chat.model, prompts[0], 10)
     assert tokens[joiner][:6] == reference_greedy(chat.model, prompts[1], 6)
     # what a row holds is what its KV holds: its prompt and every token fed back since
@@ -98,11 +82,9 @@ def test_rows_of_different_lengths_over_several_chunks_give_mlx_lms_tokens(
     )
     chosen = sorted(prompts, key=len)[-4:]  # several chunks each, of different lengths
     assert len({len(p) for p in chosen}) > 1 and min(len(p) for p in chosen) > 8
-    uids = _insert(batch, chat, chosen)
+    uids = insert_greedy(batch, chat, chosen)
     tokens: dict[int, list[int]] = {}
-    for _ in range(40):
-        for uid, token, _ in batch.step():
-            tokens.setdefault(uid, []).append(token)
+    run_steps(batch, 40, tokens)
     for uid, prompt in zip(uids, chosen, strict=True):
         assert tokens[uid][:5] == reference_greedy(chat.model, prompt, 5), len(prompt)
 
@@ -111,7 +93,7 @@ def test_the_first_tokens_distribution_is_the_models_at_the_prompts_end(
     chat: Loaded, prompts: list[list[int]]
 ) -> None:
     batch = RowBatch(chat.model, first=first_token(chat.model))
-    uids = _insert(batch, chat, prompts[:3])
+    uids = insert_greedy(batch, chat, prompts[:3])
     firsts: dict[int, mx.array] = {}
     for _ in range(3):
         for uid, _token, lp in batch.step():
@@ -137,11 +119,9 @@ def test_rows_ending_together_split_the_last_layer_and_give_mlx_lms_tokens(
         batch = RowBatch(
             chat.model, prefill_step_size=8, prefill_buckets=buckets, first=first_token(chat.model)
         )
-        uids = _insert(batch, chat, chosen)
+        uids = insert_greedy(batch, chat, chosen)
         tokens: dict[int, list[int]] = {}
-        for _ in range(12):
-            for uid, token, _ in batch.step():
-                tokens.setdefault(uid, []).append(token)
+        run_steps(batch, 12, tokens)
         for uid, prompt in zip(uids, chosen, strict=True):
             assert tokens[uid][:8] == reference_greedy(chat.model, prompt, 8)
         kv, held = batch.extract(uids[:1])[uids[0]]
