@@ -388,3 +388,65 @@ def test_capabilities_and_refusals(oai: openai.OpenAI, gateway_refusal: None = N
             tool_choice={"type": "function", "function": {"name": "nope"}},
         )
     assert unknown.value.body["param"] == "tool_choice"  # type: ignore[index]
+
+
+# ---- under tool_choice auto: the model decides; what must hold holds ---------------------------
+
+
+def marker_bias(agents: GatewayProc, model: str) -> dict[str, int]:
+    """The call marker made the likeliest token: random weights never choose to call."""
+    tok = httpx.post(f"{agents.base_url}/tokenize", json={"model": model, "prompt": "<tool_call>"})
+    (marker,) = tok.json()["tokens"]
+    return {str(marker): 100}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_strict_tools_call_under_auto_matches_its_schema(
+    agents: GatewayProc, oai: openai.OpenAI, model: str
+) -> None:
+    """Without the grammar the bias would write nothing but markers; with it, each token
+    after the marker is the likeliest one the schema allows, and the call is valid."""
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in OPENAI_TOOLS]
+    r = oai.chat.completions.create(
+        model=model,
+        messages=ASK,
+        tools=strict,  # type: ignore[arg-type]
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=150,
+        logit_bias=marker_bias(agents, model),
+        extra_body=NO_THINKING,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message.content
+    (call,) = choice.message.tool_calls or []
+    assert call.type == "function"
+    schema = {"get_weather": WEATHER_SCHEMA, "add": ADD_SCHEMA}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_a_response_format_beside_tools_is_its_json_or_a_call(
+    agents: GatewayProc, oai: openai.OpenAI
+) -> None:
+    """The model decides (here: the marker's bias, one way or the other): the answer is
+    the format's JSON, or the output is calls."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}
+    args: dict[str, Any] = {
+        "model": "hermes",
+        "messages": ASK,
+        "tools": OPENAI_TOOLS,
+        "parallel_tool_calls": False,
+        "response_format": fmt,
+        "temperature": 0,
+        "max_tokens": 200,
+        "extra_body": NO_THINKING,
+    }
+    bias = marker_bias(agents, "hermes")
+    answer = oai.chat.completions.create(**args, logit_bias={k: -100 for k in bias})
+    assert answer.choices[0].finish_reason == "stop", answer.choices[0].message
+    jsonschema.validate(json.loads(answer.choices[0].message.content or ""), ANSWER_SCHEMA)
+    called = oai.chat.completions.create(**args, logit_bias=bias)
+    assert called.choices[0].finish_reason == "tool_calls", called.choices[0].message
+    assert not called.choices[0].message.content
+    (call,) = called.choices[0].message.tool_calls or []
+    assert call.type == "function" and call.function.name in ("get_weather", "add")

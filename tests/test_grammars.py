@@ -414,10 +414,13 @@ def test_qwen3_coder_string_and_integer_parameters(coder: Model) -> None:
 # ---- choices that are not forced ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", [ToolChoiceMode.AUTO, ToolChoiceMode.NONE])
-def test_auto_and_none_are_not_forced(mode: ToolChoiceMode) -> None:
-    assert tool_grammar(TOOLS, ToolChoice(mode), tool_format("json_tools")) is None
-    assert tool_grammar(TOOLS, ToolChoice(mode), None) is None
+def test_none_is_not_constrained_nor_auto_without_a_strict_tool() -> None:
+    none = ToolChoice(ToolChoiceMode.NONE)
+    assert tool_grammar(TOOLS, none, tool_format("json_tools"), answer=SCHEMA_FORMAT) is None
+    assert tool_grammar(TOOLS, none, None) is None
+    auto = ToolChoice(ToolChoiceMode.AUTO)
+    assert tool_grammar([TIME], auto, tool_format("json_tools")) is None
+    assert tool_grammar([TIME], auto, None) is None  # nothing to hold: no format needed
 
 
 def test_a_named_tool_that_is_not_in_tools_is_an_error() -> None:

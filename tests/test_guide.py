@@ -147,14 +147,45 @@ def test_start_tokens_open_a_think_block_later(tokenizer: TokenizerWrapper) -> N
     assert step(guide) is None
 
 
-def test_start_tokens_are_ignored_under_a_grammar(
+def test_under_a_grammar_a_think_block_may_open_the_output_only(
     tokenizer: TokenizerWrapper, grammars: Grammars, grammar: str
 ) -> None:
-    start = tuple(encode(tokenizer, "<think>"))
-    end = tuple(encode(tokenizer, "</think>"))
-    guide = Guide(grammars.matcher(grammar), False, end, 2, start, grammars.words)
-    assert guide.start_tokens == ()
-    assert step(guide) is not None  # the grammar applies from the first token
+    """A model that opens its think block itself (Qwen3's template leaves it to the model)
+    may do so as its first token; the budget counts from there and the grammar waits."""
+    (start,) = encode(tokenizer, "<think>")
+    (end,) = encode(tokenizer, "</think>")
+    guide = Guide(grammars.matcher(grammar), False, (end,), 2, (start,), grammars.words)
+    assert guide.start_tokens == () and guide.opening == start
+    first = step(guide)
+    assert first is not None and start in first and len(first) > 1  # or the grammar's
+    guide.consume(start)
+    assert guide.thinking and guide.opening is None
+    for token in encode(tokenizer, "hm ok")[:2]:
+        assert step(guide) is None
+        guide.consume(token)
+    assert step(guide) == {end}  # the budget
+    guide.consume(end)
+    for token in encode(tokenizer, json.dumps({"answer": 4})):
+        allowed_now = step(guide)
+        assert allowed_now is not None and token in allowed_now and start not in allowed_now
+        guide.consume(token)
+    assert guide.error is None and guide.stopped
+
+
+def test_under_a_grammar_a_think_block_cannot_open_after_the_first_token(
+    tokenizer: TokenizerWrapper, grammars: Grammars, grammar: str
+) -> None:
+    (start,) = encode(tokenizer, "<think>")
+    (end,) = encode(tokenizer, "</think>")
+    guide = Guide(grammars.matcher(grammar), False, (end,), None, (start,), grammars.words)
+    guide.consume(encode(tokenizer, "{")[0])
+    assert guide.opening is None and not guide.thinking
+    later = step(guide)
+    assert later is not None and start not in later
+    closed = Guide(grammars.matcher(grammar), False, (end,), None, (), grammars.words)
+    assert closed.opening is None  # no marker given: the prompt settled it (preprocess)
+    inside = Guide(grammars.matcher(grammar), True, (end,), None, (start,), grammars.words)
+    assert inside.opening is None  # already inside: nothing to open
 
 
 def test_no_end_marker_means_no_thinking() -> None:

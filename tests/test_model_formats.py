@@ -32,6 +32,24 @@ def test_model_formats_from_a_generated_model(hermes_model_dir: Path) -> None:
         model_formats(tokenizer, "no_such_parser")
 
 
+def test_the_output_may_open_a_think_block_unless_the_prompt_settled_it(
+    hermes_model_dir: Path,
+) -> None:
+    tokenizer = load_tokenizer(hermes_model_dir)
+    found = model_formats(tokenizer)
+
+    def ids(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    turn = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert found.opens_thinking(ids(turn), tokenizer)  # left to the model (Qwen3)
+    assert not found.opens_thinking(ids(turn + "<think>\n"), tokenizer)  # inside already
+    off = ids(turn + "<think>\n\n</think>\n\n")  # enable_thinking=False
+    assert not found.opens_thinking(off, tokenizer)
+    history = "<|im_start|>assistant\n<think>\nx</think>\nold answer<|im_end|>\n"
+    assert found.opens_thinking(ids(history + turn), tokenizer)  # an earlier turn's block
+
+
 def test_template_tools_and_arguments_object() -> None:
     tools = [Tool("f", "does f", {"type": "object", "properties": {"a": {"type": "string"}}})]
     assert template_tools([*tools, Tool("g")]) == [

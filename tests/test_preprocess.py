@@ -30,7 +30,13 @@ from shared.types import (
 )
 from tests.engine_fixtures import Loaded, drive, load, token_ids
 from worker.modelgen import IM_START_ID, TinyModelSpec, build_tiny_model
-from worker.preprocess import PreprocessError, Preprocessor, _template_ids, capabilities
+from worker.preprocess import (
+    PreparedRequest,
+    PreprocessError,
+    Preprocessor,
+    _template_ids,
+    capabilities,
+)
 from worker.structured.guide import Guide
 
 
@@ -357,19 +363,33 @@ def test_a_tool_schema_of_the_wrong_shape_is_a_400_not_a_500(coder_model_dir: Pa
     assert error.code is ErrorCode.INVALID_REQUEST, error.message
 
 
-def test_a_response_format_beside_callable_tools_is_refused(hermes: Loaded) -> None:
-    """The answer's grammar would forbid every call from the first token: a 400, not a
-    tool set silently ignored."""
+def test_a_response_format_beside_callable_tools_is_that_json_or_calls(hermes: Loaded) -> None:
+    """Under auto the output is the format's JSON or the model's calls: one grammar over
+    both (tests/test_grammars_auto.py), its compile errors naming the format; a strict
+    tool's name them `tools`. Under none the format alone."""
     preprocess = Preprocessor(hermes.tokenizer, EngineOptions(), max_context=4096)
     fmt = ResponseFormat(OutputFormat.JSON_OBJECT, param="response_format")
     request = CanonicalRequest(messages=USER_HI, tools=[WEATHER], response_format=fmt)
-    error = preprocess_error(preprocess, add_frame(RequestKind.CHAT, request)).error
-    assert error.param == "response_format" and "tool_choice" in error.message
+    guide = preprocess(add_frame(RequestKind.CHAT, request)).guide
+    assert guide is not None and guide.param == "response_format"
+    strict = msgspec.structs.replace(WEATHER, strict=True)
+    both = msgspec.structs.replace(request, tools=[strict])
+    guide = preprocess(add_frame(RequestKind.CHAT, both)).guide
+    assert guide is not None and guide.param == "tools"
     none = ToolChoice(ToolChoiceMode.NONE)
-    constrained = CanonicalRequest(
-        messages=USER_HI, tools=[WEATHER], tool_choice=none, response_format=fmt
-    )
-    assert preprocess(add_frame(RequestKind.CHAT, constrained)).guide is not None
+    constrained = msgspec.structs.replace(request, tool_choice=none)
+    guide = preprocess(add_frame(RequestKind.CHAT, constrained)).guide
+    assert guide is not None and guide.param == "response_format"
+
+
+def test_a_strict_tool_under_auto_gets_a_guide_and_a_lenient_one_none(hermes: Loaded) -> None:
+    preprocess = Preprocessor(hermes.tokenizer, EngineOptions(), max_context=4096)
+    lenient = CanonicalRequest(messages=USER_HI, tools=[WEATHER])
+    assert preprocess(add_frame(RequestKind.CHAT, lenient)).guide is None
+    strict = msgspec.structs.replace(WEATHER, strict=True)
+    request = msgspec.structs.replace(lenient, tools=[strict, WEATHER])
+    guide = preprocess(add_frame(RequestKind.CHAT, request)).guide
+    assert guide is not None and guide.param == "tools"
 
 
 def test_a_model_with_nothing_to_parse_gets_no_parser(preprocess: Preprocessor) -> None:
@@ -410,3 +430,25 @@ def test_advisory_thinking_settings_leave_out_what_the_model_cannot_do(
     assert preprocess_error(thinker, add_frame(RequestKind.CHAT, asked)).error.param == (
         "reasoning_effort"
     )
+
+
+def test_a_guided_output_opens_a_think_block_only_where_the_prompt_leaves_it(
+    hermes: Loaded,
+) -> None:
+    """A prompt that leaves thinking to the model (Qwen3's template with thinking on; here
+    the rendered turn without its opened block): the first token may open the block. A turn
+    whose template closed an empty block (thinking off) may not; raw completions never."""
+    preprocess = Preprocessor(hermes.tokenizer, EngineOptions(), max_context=4096)
+    fmt = ResponseFormat(OutputFormat.JSON_OBJECT, param="response_format")
+    (think,) = hermes.tokenizer.encode("<think>", add_special_tokens=False)
+    turn = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    prepared = PreparedRequest("r1", hermes.tokenizer.encode(turn), 16, SamplingParams())
+    preprocess._shape_output(prepared, CanonicalRequest(messages=USER_HI, response_format=fmt))
+    assert prepared.guide is not None and prepared.guide.opening == think
+    off = {"enable_thinking": False}
+    chat = CanonicalRequest(messages=USER_HI, response_format=fmt, chat_template_kwargs=off)
+    guide = preprocess(add_frame(RequestKind.CHAT, chat)).guide
+    assert guide is not None and guide.opening is None
+    raw = CanonicalRequest(prompt="Answer:", response_format=fmt)
+    guide = preprocess(add_frame(RequestKind.COMPLETION, raw)).guide
+    assert guide is not None and guide.opening is None

@@ -19,6 +19,7 @@ from shared.types import (
     RequestError,
     RequestKind,
     SamplingParams,
+    ToolChoice,
     ToolChoiceMode,
     context_error,
     reserved_template_kwarg,
@@ -174,7 +175,8 @@ class Preprocessor:
 
     def _shape_output(self, prepared: PreparedRequest, request: CanonicalRequest) -> None:
         """The parser of its output, and the guide over its tokens when something is
-        forced: a tool call (required or named), a response format, a thinking budget."""
+        forced: a tool call (required or named), a strict tool's arguments, a response
+        format (under auto: that JSON or calls), a thinking budget."""
         formats = self.formats
         choice = request.tool_choice
         calls = bool(request.tools) and (choice is None or choice.mode is not ToolChoiceMode.NONE)
@@ -185,24 +187,22 @@ class Preprocessor:
         if tools is not None or formats.marked:  # else its text is all answer: no parser
             prepared.parser = ResponseParser(formats, initial, tools, single)
         grammar, param = None, "tools"
-        if calls and choice is not None:
-            literal = self.grammars.literal
-            grammar = self._grammar(
-                lambda: tool_grammar(request.tools, choice, formats.tools, literal)
-            )
         fmt = request.response_format
-        if grammar is None and calls and fmt is not None and fmt.type is not OutputFormat.TEXT:
-            # "a call or else this JSON" is not one grammar yet: never drop either silently
-            raise _invalid(
-                "a response format with tools the model may call (tool_choice auto) is not "
-                "served: constrain the answer (tool_choice none) or the call (required)",
-                fmt.param,
+        if fmt is not None and fmt.type is OutputFormat.TEXT:
+            fmt = None
+        if calls:  # forced, or under auto a strict tool or the answer's format beside them
+            literal, mode = self.grammars.literal, choice or ToolChoice()
+            grammar = self._grammar(
+                lambda: tool_grammar(request.tools, mode, formats.tools, literal, fmt)
             )
+            if fmt is not None and mode.mode is ToolChoiceMode.AUTO:
+                param = "tools" if any(t.strict for t in request.tools) else fmt.param
         if grammar is None and fmt is not None:
             grammar, param = self._grammar(lambda: response_grammar(fmt)), fmt.param
         budget = request.reasoning.budget_tokens if request.reasoning is not None else None
         if grammar is None and budget is None:
             return
+        opens, prompt = formats.think_start_tokens or (), (prepared.prompt, self.tokenizer)
         prepared.guide = self._guide(
             prepared,
             grammar,
@@ -210,7 +210,8 @@ class Preprocessor:
             thinking=initial == "reasoning",
             end_tokens=formats.think_end_tokens or (),
             budget=budget,
-            start_tokens=formats.think_start_tokens or (),
+            # a grammar's output opens with a think block only where the model may think
+            start_tokens=opens if grammar is None or formats.opens_thinking(*prompt) else (),
         )
 
     def _grammar(self, build: Any) -> str | None:

@@ -21,6 +21,9 @@ JSON_CALL_FORMATS = frozenset({"json_tools"})
 XML_CALL_FORMATS = frozenset({"qwen3_coder"})
 
 
+# a think block closed within the prompt's last tokens was closed by the template (the
+# end marker and the blank lines after it): thinking is off for this answer
+CLOSED_TAIL = 4
 # the state of a call's markup inside the think block (its end returns to the thinking)
 THINKING_CALL = "reasoning_tool"
 CALL_STATES = frozenset({"tool", THINKING_CALL})
@@ -70,6 +73,15 @@ class ModelFormats:
             if start >= 0 and start > tokenizer.rfind_think_end(prompt):
                 return "reasoning"
         return "normal"
+
+    def opens_thinking(self, prompt: list[int], tokenizer: Any) -> bool:
+        """The output may open a think block itself: a thinking model whose prompt neither
+        opened one (the output starts inside it) nor closed an empty one at its end (a
+        template's way of turning thinking off, as Qwen3's `enable_thinking=False`)."""
+        if not self.thinking or self.initial(prompt, tokenizer) != "normal":
+            return False
+        end = tokenizer.rfind_think_end(prompt)
+        return end < 0 or end < len(prompt) - CLOSED_TAIL
 
     def machine(self, with_tools: bool) -> TextStateMachine:
         """mlx-lm's text state machine over this model's markers; with_tools False leaves

@@ -1,6 +1,7 @@
 """The grammar a request's output must follow, as llguidance grammars: a JSON schema
 (response_format), any JSON object (json mode), or the model's own tool-call markup around
-arguments that match each tool's schema (a required or named tool choice).
+arguments that match each tool's schema (a required or named tool choice; under auto, after
+any text where a tool is strict, or in place of a response format's JSON).
 
 docs/benchmarks.md ("Structured output: choosing the constraint library") says why
 llguidance: it works wherever the worker runs (the mask is computed on the host and applied
@@ -74,41 +75,86 @@ def tool_grammar(
     choice: ToolChoice,
     fmt: ToolFormat | None,
     literal: Callable[[str], str] = json.dumps,
+    answer: ResponseFormat | None = None,
 ) -> str | None:
-    """A required or named tool choice -> the model's call markup, forced (None: the
-    model decides, AUTO / NONE). `literal` writes the markers as lark (Grammars.literal:
-    a marker that is one added token is that token)."""
-    if choice.mode is not ToolChoiceMode.REQUIRED:
+    """The grammar of an output that may or must call `tools` (None: nothing to hold).
+
+    A required or named choice: the model's call markup, forced. Under auto, the model
+    decides, and a grammar is made only where something must hold all the same: a strict
+    tool's arguments (any text, then calls whose arguments match the tools' schemas) or a
+    response format (`answer`: the answer is that JSON, or the output is calls). `literal`
+    writes the markers as lark (Grammars.literal: a marker that is one added token is that
+    token)."""
+    if choice.mode is ToolChoiceMode.NONE:
         return None
+    forced = choice.mode is ToolChoiceMode.REQUIRED
+    strict = any(t.strict for t in tools)
+    if not forced and answer is None and not strict:
+        return None  # auto: the calls are parsed as the model writes them
+    param = "tool_choice" if forced else "tools" if strict or answer is None else answer.param
     if fmt is None:
-        raise GrammarError("this model has no known tool-call format", "tool_choice")
+        raise GrammarError("this model has no known tool-call format", param)
+    if fmt.parser not in FORCEABLE:
+        what = "a required or named tool_choice" if forced else "a strict tool's arguments"
+        if not forced and not strict:
+            what = "a response format beside tools the model may call"
+        hint = "use tool_choice auto" if forced else "send strict false or tool_choice none"
+        raise GrammarError(
+            f"{what} cannot be constrained in this model's tool-call format "
+            f"({fmt.parser or 'unnamed'}): {hint}",
+            param,
+        )
     chosen = [t for t in tools if choice.name is None or t.name == choice.name]
-    repeat = choice.parallel and choice.name is None  # a named choice is one call
     if not chosen:
         raise GrammarError(
             f"tool_choice names {choice.name!r}, which is not in tools", "tool_choice"
         )
-    defs = _definitions(chosen)
+    repeat = choice.parallel and choice.name is None  # a named choice is one call
+    rules = _call_rules(chosen, fmt, literal, repeat)
+    calls = "call" if not repeat or not fmt.end else f"call ({_lit(NL)}? call)*"
+    if forced:
+        return _lark(f"start: {calls}", rules)
+    if answer is not None:  # that JSON, or calls
+        if answer.type is OutputFormat.JSON_OBJECT:
+            schema, exact = ANY_OBJECT, True
+        elif isinstance(answer.schema, dict):
+            schema, exact = answer.schema, answer.strict
+        else:
+            raise GrammarError("a json_schema response format needs a `schema` object", param)
+        rules.append(f"answer: %json {json.dumps(_styled(schema, exact))}")
+        return _lark(f"start: answer | {calls}", rules)
+    marker = literal(fmt.start)
+    if marker.startswith("<["):  # an added token: text never writes it
+        return _lark(f"start: TEXT? ({calls})?", [*rules, r"TEXT: /(.|\n)+/"])
+    # a marker of plain text: text that does not hold it, or text up to it and the calls
+    text = fmt.start
+    more = f"({_lit(NL)}? call)*" if repeat and fmt.end else ""
+    rules += [
+        f"lead[stop={_lit(text)}]: " + r"/(.|\n)*/",
+        r"TEXT: /(.|\n)*/ & ~/(.|\n)*" + _regex_text(text) + r"(.|\n)*/",
+    ]
+    return _lark(f"start: TEXT | lead body {more}", rules)
+
+
+def _call_rules(
+    tools: list[Tool], fmt: ToolFormat, literal: Callable[[str], str], repeat: bool
+) -> list[str]:
+    """Lark rules of one call: `call`, its marker and `body`, the rest (what a call must be
+    once its marker is written). `repeat`: more than one call may follow (in mistral's
+    format they are items of one list)."""
+    defs = _definitions(tools)
+    rules = [f"call: {literal(fmt.start)} body"]
     if fmt.parser in JSON_CALL_FORMATS:
-        body = json.dumps(_styled({**_json_call(chosen), **defs}, _strict(chosen)))
-        call = f"{literal(fmt.start)} {_lit(NL)} %json {body} {_lit(NL)} {literal(fmt.end)}"
-        return _lark(call, repeat, "\n")
+        body = json.dumps(_styled({**_json_call(tools), **defs}, _strict(tools)))
+        return [*rules, f"body: {_lit(NL)} %json {body} {_lit(NL)} {literal(fmt.end)}"]
     if fmt.parser in XML_CALL_FORMATS:
-        rules = [f"call: {' | '.join(f'call{i}' for i in range(len(chosen)))}"]
-        rules += [_xml_call(i, tool, fmt, literal, defs) for i, tool in enumerate(chosen)]
-        return _lark("call", repeat, "\n", rules)
-    if fmt.parser == "mistral":  # [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
-        items: dict[str, Any] = {"type": "array", "items": _json_call(chosen), "minItems": 1}
-        items |= defs
-        if not repeat:
-            items["maxItems"] = 1
-        body = json.dumps(_styled(items, _strict(chosen)))
-        return _lark(f"{literal(fmt.start)} %json {body}", False, "")
-    raise GrammarError(
-        f"a required or named tool_choice is not served for this model's tool-call format "
-        f"({fmt.parser or 'unnamed'}); its calls cannot be constrained: use tool_choice auto",
-        "tool_choice",
-    )
+        rules.append(f"body: {' | '.join(f'body{i}' for i in range(len(tools)))}")
+        return rules + [_xml_call(i, t, fmt, literal, defs) for i, t in enumerate(tools)]
+    # mistral: [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...], every call in one list
+    items: dict[str, Any] = {"type": "array", "items": _json_call(tools), "minItems": 1}
+    if not repeat:
+        items["maxItems"] = 1
+    return [*rules, f"body: %json {json.dumps(_styled(items | defs, _strict(tools)))}"]
 
 
 def _definitions(tools: list[Tool]) -> dict[str, Any]:
@@ -160,7 +206,7 @@ def _xml_call(
     literal: Callable[[str], str],
     defs: dict[str, Any] | None = None,
 ) -> str:
-    """One tool's call in Qwen3-Coder's XML: each parameter in the schema's order,
+    """One tool's call in Qwen3-Coder's XML after its marker: each parameter in the schema's order,
     required ones always, optional ones optionally; strings raw, the rest as JSON (each
     its own schema, with the tools' root definitions beside it)."""
     schema = tool.parameters or {}
@@ -170,13 +216,13 @@ def _xml_call(
         raise GrammarError(
             f"tool {tool.name!r}: `properties` must be an object and `required` a list", "tools"
         )
-    parts = [literal(fmt.start), _lit(f"\n<function={tool.name}>\n")]
+    parts = [_lit(f"\n<function={tool.name}>\n")]
     for key, sub in properties.items():
         value = _xml_value({**sub, **(defs or {})} if isinstance(sub, dict) else {}, tool.strict)
         param = f"({_lit(f'<parameter={key}>' + NL)} {value})"
         parts.append(param if key in set(required) else param + "?")
     parts += [_lit("</function>\n"), literal(fmt.end)]
-    return f"call{index}: " + " ".join(parts)
+    return f"body{index}: " + " ".join(parts)
 
 
 def _xml_value(schema: dict[str, Any], strict: bool) -> str:
@@ -193,12 +239,17 @@ def _xml_value(schema: dict[str, Any], strict: bool) -> str:
     return f"%json {json.dumps(_styled(schema, strict))} {closing}"
 
 
-def _lark(call: str, repeat: bool, separator: str, rules: list[str] | None = None) -> str:
-    start = f"start: {call}" if not repeat else f"start: {call} ({_lit(separator)}? {call})*"
-    if rules:
-        start = "start: call" if not repeat else f"start: call ({_lit(separator)}? call)*"
-    text = "\n".join([start, *(rules or [])]) + "\n"
-    return llguidance.grammar_from("lark", text)
+def _lark(start: str, rules: list[str]) -> str:
+    return llguidance.grammar_from("lark", "\n".join([start, *rules]) + "\n")
+
+
+# the characters a regex of llguidance (Rust's regex syntax) reads as more than themselves
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~/")
+
+
+def _regex_text(text: str) -> str:
+    """`text` as a regex that matches it alone."""
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
 
 
 def _lit(text: str) -> str:

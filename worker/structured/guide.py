@@ -9,7 +9,8 @@ have taken the next token.
 
 Thinking comes first: while the row is inside its think block the grammar waits (the
 budget, if any, counts those tokens and then forces the block's end marker); from the
-token after the marker on, the grammar decides.
+token after the marker on, the grammar decides. A model that opens its think block itself
+may do so as the first token of its output, grammar or not.
 """
 
 from __future__ import annotations
@@ -167,6 +168,7 @@ class Guide:
         "error",
         "failure",
         "matcher",
+        "opening",
         "param",
         "spent",
         "start_tokens",
@@ -193,10 +195,16 @@ class Guide:
         self.words = words  # of a bitmask row (Grammars.words)
         self.thinking = thinking and bool(end_tokens)  # inside the think block now
         self.end_tokens = end_tokens
-        # without a grammar, a model may open its think block itself: the budget counts
-        # from there
+        # a model may open its think block itself (a template that leaves it to the model,
+        # as Qwen3's): the budget counts from there. Without a grammar, anywhere; with
+        # one, as its first token only (the marker must be one token), before the grammar
         grammar = matcher is not None or compiling is not None
         self.start_tokens = start_tokens if not grammar and end_tokens else ()
+        self.opening = (
+            start_tokens[0]
+            if grammar and end_tokens and len(start_tokens) == 1 and not self.thinking
+            else None
+        )
         self.budget = budget  # thinking tokens allowed (None: no limit)
         self.spent = 0
         self.error: str | None = None
@@ -252,6 +260,11 @@ class Guide:
             if tuple(self._tail) == self.start_tokens:
                 self.thinking, self._tail = True, []
             return
+        if self.opening is not None:
+            opened, self.opening = token == self.opening, None
+            if opened:
+                self.thinking = True
+                return
         matcher = self.matcher
         if matcher is not None and self.error is None and not matcher.consume_token(token):
             self.error = matcher.get_error() or f"token {token} was not allowed"
@@ -270,6 +283,9 @@ class Guide:
         if self.matcher is None or self.error is not None:
             return False
         llg_numpy.fill_next_token_bitmask(self.matcher, bitmask, row)
+        if self.opening is not None:  # or the think block the model may open first
+            token = self.opening
+            bitmask.view(np.uint32)[row, token >> 5] |= np.uint32(1 << (token & 31))
         return True
 
 
