@@ -160,14 +160,27 @@ class Session:
 
 
 async def run_sessions(
-    client: aiohttp.ClientSession, target: Target, trace: Trace, lockstep: bool = True
+    client: aiohttp.ClientSession,
+    target: Target,
+    trace: Trace,
+    lockstep: bool = True,
+    shares: list[dict[str, float]] | None = None,
 ) -> list[list[TurnRecord]]:
-    """Every session of ``trace`` through all its turns; records per session."""
+    """Every session of ``trace`` through all its turns; records per session. In lockstep,
+    ``shares`` (a list given) gets each turn's account of the gateway's (its /metrics
+    around the turn: where the first tokens waited in the worker, ``_client.GATEWAY_MEANS``;
+    an empty dict from a server without them)."""
     sessions = [Session(trace, s) for s in range(trace.sessions)]
     if lockstep:
         for _ in range(trace.turns):
             live = [s for s in sessions if not s.failed]
+            before = (
+                await _client.gateway_account(client, target.url) if shares is not None else None
+            )
             await asyncio.gather(*(s.turn(client, target) for s in live))
+            if shares is not None:
+                after = await _client.gateway_account(client, target.url)
+                shares.append(_client.gateway_means(before, after))
     else:
         await asyncio.gather(*(s.run(client, target) for s in sessions))
     return [s.records for s in sessions]

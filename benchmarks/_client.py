@@ -267,8 +267,8 @@ GATEWAY_MEANS = {
 
 
 async def gateway_account(client: aiohttp.ClientSession, url: str) -> dict[str, float] | None:
-    """{metric_sum: ..., metric_count: ...} for GATEWAY_MEANS, summed over models; None when
-    the server does not expose them."""
+    """{metric_sum: ..., metric_count: ...} for GATEWAY_MEANS, summed over models (empty
+    before a model's first request); None when the server has no /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -288,12 +288,12 @@ async def gateway_account(client: aiohttp.ClientSession, url: str) -> dict[str, 
                     totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     except ValueError:
         return None
-    return totals or None
+    return totals
 
 
 def gateway_means(before: dict[str, float] | None, after: dict[str, float] | None) -> dict:
     """GATEWAY_MEANS' milliseconds over the requests between two scrapes."""
-    if not before or not after:
+    if before is None or not after:
         return {}
     means = {}
     for metric, key in GATEWAY_MEANS.items():

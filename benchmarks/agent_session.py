@@ -244,8 +244,9 @@ async def measure(
             if any(r.error for session in records for r in session):
                 return {"model_id": model_id, "error": "warm trace failed", **fresh}
         on_start()
+        shares: list[dict[str, float]] = []
         sys0, t0, cpu0 = _cpu.snapshot(), time.perf_counter(), time.process_time()
-        records = await run_sessions(client, target, trace, args.lockstep)
+        records = await run_sessions(client, target, trace, args.lockstep, shares)
         sys1, wall = _cpu.snapshot(), time.perf_counter() - t0
         client_cpu = round(100 * (time.process_time() - cpu0) / wall, 1)
     return {
@@ -256,9 +257,19 @@ async def measure(
         "client_cpu_pct": client_cpu,
         "steal_pct": _cpu.steal_pct(sys0, sys1),
         "turns": summarize_turns(records, trace.turns),
+        "worker_share": shares if any(shares) else [],  # per turn, the gateway's own account
         **fresh,
         "records": [r.to_dict() for session in records for r in session],
     }
+
+
+def worker_share_line(shares: list[dict[str, float]]) -> str:
+    """Per turn, where its first tokens waited in the worker (means over its sessions, ms):
+    preparing the prompt / queued / prefilling to the first token, and the gateway's first
+    token (the rest of the client's is the way out to it)."""
+    keys = ("preprocess_mean_ms", "queue_mean_ms", "prefill_mean_ms", "gateway_ttft_mean_ms")
+    turns = ["/".join(f"{share[k]:.1f}" if k in share else "-" for k in keys) for share in shares]
+    return "worker preprocess/queue/prefill, gateway TTFT ms per turn: " + " ".join(turns)
 
 
 def _run(coro: Any) -> Any:
@@ -371,6 +382,8 @@ def run_variant(
                 file=sys.stderr,
                 flush=True,
             )
+            if res.get("worker_share"):
+                print(f"[{source.name}] {worker_share_line(res['worker_share'])}", file=sys.stderr)
     per_turn = {
         name: merge_runs([res["turns"] for res in rs if res.get("turns")])
         if all(res.get("turns") for res in rs)

@@ -2,7 +2,7 @@
 # The GPU figures of docs/benchmarks.md: one NVIDIA GPU, MLX's CUDA backend, random-weight
 # models of Llama-3.2-1B's and Llama-3.1-8B's shapes in bf16 (vocab 128,256).
 #
-#   benchmarks/h200.sh OUT [1b] [8b] [agent] [agent8b] [arrivals] [steps] [steps8b] [shapes] [leaving]
+#   benchmarks/h200.sh OUT [1b] [8b] [agent] [agent8b] [turns] [arrivals] [steps] [steps8b] [shapes] [leaving]
 #                      [prefills] [prefill-profile] [profile] [first-use]
 #   (default: 1b 8b agent)
 #
@@ -33,8 +33,12 @@
 #   OUT/8b-logs/.
 # - agent / agent8b: benchmarks.agent_session on the 1b / 8b shape: 8 turns over a 4k-token
 #   system prompt, 1 and 4 concurrent sessions, the gateway (its defaults) with its prefix
-#   cache on and off, mlx_lm server (OUT/agent.json, OUT/agent8b.json; AGENT_ARGS="--sources
+#   cache on and off, mlx_lm server (OUT/agent.json, OUT/agent8b.json, the servers' logs in
+#   OUT/agent-logs/ and OUT/agent8b-logs/; AGENT_ARGS="--sources
 #   ..." picks others, e.g. gateway-rows-whole: prompts tokenized whole).
+# - turns: benchmarks.cached_turns on the 1b shape: the agent trace's lengths in one process,
+#   the engine alone with its prefix cache and without, first-token ms per turn (what
+#   serving adds to agent's turns: OUT/turns.jsonl).
 # - arrivals: benchmarks.arrivals on the 1b shape in one process: mlx-lm's BatchGenerator and
 #   the project's rows batch (joins at once and settled) with sequences starting together
 #   and spread, and what one join costs each.
@@ -234,8 +238,13 @@ for step in $STEPS; do
       if [ "$step" = agent ]; then dir=$(model 1b $SHAPE_1B); else dir=$(model 8b $SHAPE_8B); fi
       $PY -m benchmarks.agent_session --model "$dir" \
         --sources gateway-rows,gateway-rows-nocache,mlx_lm --sessions 1,4 --turns "$AGENT_TURNS" \
-        --system-tokens "$AGENT_SYSTEM" --wait-idle 0 --baseline gateway-rows ${AGENT_ARGS:-} --out "$OUT/$step.json" 2>&1 |
+        --system-tokens "$AGENT_SYSTEM" --wait-idle 0 --baseline gateway-rows --log-dir "$OUT/$step-logs" \
+        ${AGENT_ARGS:-} --out "$OUT/$step.json" 2>&1 |
         tee "$OUT/$step.log"
+      ;;
+    turns)
+      $PY -m benchmarks.cached_turns "$(model 1b $SHAPE_1B)" --system "$AGENT_SYSTEM" \
+        --turns "$AGENT_TURNS" 2>&1 | tee "$OUT/turns.jsonl"
       ;;
     arrivals)
       $PY -m benchmarks.arrivals "$(model 1b $SHAPE_1B)" --concurrency "$LEVELS_ARRIVALS" \

@@ -132,11 +132,19 @@ def test_two_sessions_of_two_turns_against_a_real_gateway(
     trace = build_trace("e2e", sessions=2, turns=2, system_tokens=128, tokens=tokens)
     target = Target(gateway.base_url, "chat", max_tokens=8, ignore_eos=True)
 
+    shares: list[dict[str, float]] = []
+
     async def go() -> list[list[TurnRecord]]:
         async with make_client(2, 60.0) as client:
-            return await run_sessions(client, target, trace)
+            return await run_sessions(client, target, trace, shares=shares)
 
     records = asyncio.run(go())
+    # each turn's account of the gateway's (the first from no request before it): its two
+    # first tokens, where they waited
+    assert len(shares) == 2, shares
+    for share in shares:
+        assert share["prefill_mean_ms"] > 0 and share["preprocess_mean_ms"] > 0
+        assert share["gateway_ttft_mean_ms"] >= share["prefill_mean_ms"]
     for s, session in enumerate(records):
         assert [r.turn for r in session] == [1, 2]
         assert all(r.ok and r.ttft is not None and r.reply for r in session), session
@@ -165,6 +173,7 @@ def test_cli_against_a_running_url(gateway: GatewayProc, chat_model: Path, tmp_p
     assert abs(fresh[0]["prompt_tokens"] - turns[0]["prompt_tokens"]) <= 8
     assert (turns[0]["cached_tokens"] or 0) < 32
     assert len(variant["runs"]["gateway"][0]["records"]) == 2
+    assert len(variant["runs"]["gateway"][0]["worker_share"]) == 2
 
 
 def test_url_sources_take_names_model_ids_and_ignore_eos() -> None:

@@ -86,3 +86,5 @@ def test_gateway_means_are_of_the_requests_between_two_scrapes() -> None:
     }
     assert _client.gateway_means(None, after) == {}  # a server without the metrics
     assert _client.gateway_means(before, before) == {}  # no request in between
+    first = {k: v - before[k] for k, v in after.items()}  # the first requests of a model
+    assert _client.gateway_means({}, first) == _client.gateway_means(before, after)

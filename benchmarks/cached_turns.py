@@ -1,0 +1,92 @@
+"""An agent session's turns in one process: the engine alone, with its prefix cache and
+without, the time from `add` to each turn's first token. What the engine itself takes for
+a cached turn, against which `benchmarks/agent_session.py`'s served turns (and their
+per-turn worker share) say what serving adds.
+
+    python -m benchmarks.cached_turns MODEL --system 4096 --turns 8
+
+Each trace is one conversation: a first prompt of SYSTEM tokens, then each turn the whole
+history (the prompt, the reply it got, greedy, REPLY tokens) and a new message of 150 tokens
+and 7 more each turn (an agent's tool results), as token ids (no template, no tokenizer
+cost). Every setting runs TRACES traces of other ids and the same lengths, one after the
+other: the first meets the shapes for the first time (as a fresh server), the later ones
+meet them again (as an always-on one). Prints one JSON line per setting and trace: the
+first-token ms of each turn and the cached tokens each turn found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+SETTINGS = {"cache": True, "nocache": False}
+VOCAB = 400  # ids drawn below this (and above the first few, often special)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cached_turns", description=__doc__)
+    p.add_argument("model", help="an mlx-lm model directory")
+    p.add_argument("--system", type=int, default=4096, help="the first prompt's tokens")
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--reply", type=int, default=64, help="tokens of each reply")
+    p.add_argument("--traces", type=int, default=2, help="traces a setting, one after another")
+    args = p.parse_args(argv)
+    if min(args.system, args.turns, args.reply, args.traces) < 1:
+        p.error("--system, --turns, --reply and --traces must be at least 1")
+    return args
+
+
+def _ids(seed: int, length: int) -> list[int]:
+    return [(seed * 7919 + 13 * i) % (VOCAB - 5) + 5 for i in range(length)]
+
+
+def _turn(
+    engine: Any, request_id: str, prompt: list[int], tokens: int
+) -> tuple[float, list[int], int]:
+    """One greedy turn of `tokens`: (ms to its first token, the reply's ids, cached tokens)."""
+    from shared.types import SamplingParams
+    from worker.preprocess import PreparedRequest
+
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+    started, first, reply = time.perf_counter(), 0.0, []
+    engine.add(PreparedRequest(request_id, prompt, tokens, greedy))
+    for _ in range(100 * tokens):  # bounded: a reply takes about `tokens` steps
+        for out in engine.step():
+            if out.request_id != request_id:
+                continue
+            if out.token_ids and not first:
+                first = 1000 * (time.perf_counter() - started)
+            reply += out.token_ids
+            if out.finish_reason is not None:
+                return first, reply, out.usage.cached_tokens if out.usage else 0
+    raise RuntimeError(f"{request_id}: no reply in {100 * tokens} steps")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from shared.config import EngineOptions
+    from worker.backends.mlx_lm import load, make_backend
+    from worker.engine.core import EngineCore
+
+    model, tokenizer = load(args.model)
+    for name, cached in SETTINGS.items():
+        options = EngineOptions(max_running=8, prefill_batch_size=8, prefix_cache=cached)
+        engine = EngineCore(make_backend(model, tokenizer, options), options)
+        for trace in range(args.traces):
+            history = _ids(1000 * trace + 1, args.system)
+            line: dict[str, Any] = {"setting": name, "trace": trace, "prompt": [], "ms": []}
+            line["cached"] = []
+            for t in range(args.turns):
+                ms, reply, hit = _turn(engine, f"{name}-{trace}-{t}", history, args.reply)
+                line["prompt"].append(len(history))
+                line["ms"].append(round(ms, 2))
+                line["cached"].append(hit)
+                history = history + reply + _ids(1000 * trace + t + 2, 150 + 7 * t)
+            print(json.dumps(line), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

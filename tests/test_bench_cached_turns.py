@@ -1,0 +1,41 @@
+"""benchmarks/cached_turns.py on the tiny chat model: a line per setting and trace, the
+cache's turns finding the history before them, the uncached ones nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import cached_turns
+
+
+def test_turns_with_and_without_the_prefix_cache(
+    chat_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [str(chat_model), "--system", "96", "--turns", "3", "--reply", "4", "--traces", "2"]
+    assert cached_turns.main(argv) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(line["setting"], line["trace"]) for line in lines] == [
+        ("cache", 0),
+        ("cache", 1),
+        ("nocache", 0),
+        ("nocache", 1),
+    ]
+    for line in lines:
+        prompts = line["prompt"]
+        assert prompts[0] == 96 and prompts[1] == 96 + 4 + 150 and prompts[2] > prompts[1]
+        assert all(ms > 0 for ms in line["ms"])
+        if line["setting"] == "nocache":
+            assert line["cached"] == [0, 0, 0]
+        else:  # each later turn finds the turn before it, its reply included
+            assert line["cached"][0] < 16
+            for t in (1, 2):
+                assert prompts[t - 1] <= line["cached"][t] < prompts[t]
+
+
+def test_bad_arguments_are_refused_before_loading() -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cached_turns.main(["/nonexistent-model", "--turns", "0"])
+    assert exit_info.value.code == 2
