@@ -450,3 +450,24 @@ def test_a_response_format_beside_tools_is_its_json_or_a_call(
     assert not called.choices[0].message.content
     (call,) = called.choices[0].message.tool_calls or []
     assert call.type == "function" and call.function.name in ("get_weather", "add")
+
+
+def test_no_call_starts_inside_the_think_block_of_a_strict_tools_output(
+    agents: GatewayProc, oai: openai.OpenAI
+) -> None:
+    """A call written while thinking would escape the schema: under the grammar its marker
+    is not written there, however likely (the bias) the model makes it."""
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in OPENAI_TOOLS]
+    r = oai.chat.completions.create(
+        model="hermes",
+        messages=ASK,
+        tools=strict,  # type: ignore[arg-type]
+        temperature=0,
+        max_tokens=24,
+        logit_bias=marker_bias(agents, "hermes"),
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+    )
+    message = r.choices[0].message
+    reasoning = (message.model_extra or {}).get("reasoning_content") or ""
+    assert reasoning and "<tool_call>" not in reasoning
+    assert not message.tool_calls and r.choices[0].finish_reason == "length"

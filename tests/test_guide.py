@@ -188,6 +188,24 @@ def test_under_a_grammar_a_think_block_cannot_open_after_the_first_token(
     assert inside.opening is None  # already inside: nothing to open
 
 
+def test_under_a_tools_grammar_no_call_starts_inside_the_think_block(
+    tokenizer: TokenizerWrapper, grammars: Grammars, grammar: str
+) -> None:
+    """There a call would escape the grammar: its marker is forbidden while thinking (and
+    only it), allowed again after the block, where the grammar holds it."""
+    (end,) = encode(tokenizer, "</think>")
+    (marker,) = encode(tokenizer, "<tool_call>")
+    words = grammars.words
+    guide = Guide(grammars.matcher(grammar), True, (end,), None, words=words, call_marker=marker)
+    inside = step(guide)
+    assert inside is not None and marker not in inside and end in inside
+    assert len(inside) == 32 * words - 1  # every other token of the row
+    guide.consume(end)
+    assert not guide.thinking
+    plain = Guide(None, True, (end,), None, words=words, call_marker=marker)
+    assert plain.call_marker is None and step(plain) is None  # no grammar: nothing to hold
+
+
 def test_no_end_marker_means_no_thinking() -> None:
     guide = Guide(None, thinking=True, end_tokens=(), budget=5, words=4)
     assert not guide.thinking

@@ -365,8 +365,8 @@ def test_a_tool_schema_of_the_wrong_shape_is_a_400_not_a_500(coder_model_dir: Pa
 
 def test_a_response_format_beside_callable_tools_is_that_json_or_calls(hermes: Loaded) -> None:
     """Under auto the output is the format's JSON or the model's calls: one grammar over
-    both (tests/test_grammars_auto.py), its compile errors naming the format; a strict
-    tool's name them `tools`. Under none the format alone."""
+    both (tests/test_grammars_auto.py), its compile errors naming the format. Under none
+    the format alone."""
     preprocess = Preprocessor(hermes.tokenizer, EngineOptions(), max_context=4096)
     fmt = ResponseFormat(OutputFormat.JSON_OBJECT, param="response_format")
     request = CanonicalRequest(messages=USER_HI, tools=[WEATHER], response_format=fmt)
@@ -375,11 +375,14 @@ def test_a_response_format_beside_callable_tools_is_that_json_or_calls(hermes: L
     strict = msgspec.structs.replace(WEATHER, strict=True)
     both = msgspec.structs.replace(request, tools=[strict])
     guide = preprocess(add_frame(RequestKind.CHAT, both)).guide
-    assert guide is not None and guide.param == "tools"
+    assert guide is not None and guide.param == "response_format"  # (a strict tool's too)
+    (marker,) = hermes.tokenizer.encode("<tool_call>", add_special_tokens=False)
+    assert guide.call_marker == marker  # no call starts inside a think block
     none = ToolChoice(ToolChoiceMode.NONE)
     constrained = msgspec.structs.replace(request, tool_choice=none)
     guide = preprocess(add_frame(RequestKind.CHAT, constrained)).guide
     assert guide is not None and guide.param == "response_format"
+    assert guide.call_marker is None  # no calls in this grammar
 
 
 def test_a_strict_tool_under_auto_gets_a_guide_and_a_lenient_one_none(hermes: Loaded) -> None:
@@ -452,3 +455,22 @@ def test_a_guided_output_opens_a_think_block_only_where_the_prompt_leaves_it(
     raw = CanonicalRequest(prompt="Answer:", response_format=fmt)
     guide = preprocess(add_frame(RequestKind.COMPLETION, raw)).guide
     assert guide is not None and guide.opening is None
+
+
+def test_a_continuation_starts_where_the_prompt_left_its_output(hermes: Loaded) -> None:
+    """Its resumed tokens are replayed through the guide as output: where the output starts
+    (inside the think block the template opened) is read from the prompt before them."""
+    preprocess = Preprocessor(hermes.tokenizer, EngineOptions(), max_context=4096)
+    strict = msgspec.structs.replace(WEATHER, strict=True)
+    thinking = {"enable_thinking": True}
+    resumed = hermes.tokenizer.encode("hm</think>", add_special_tokens=False)
+    request = CanonicalRequest(
+        messages=USER_HI, tools=[strict], chat_template_kwargs=thinking, resumed=resumed
+    )
+    prepared = preprocess(add_frame(RequestKind.CHAT, request, max_tokens=32))
+    assert prepared.resumed == len(resumed)
+    guide = prepared.guide
+    assert guide is not None and guide.thinking  # not the state after the resumed </think>
+    for token in resumed:
+        guide.consume(token)
+    assert not guide.thinking and guide.error is None

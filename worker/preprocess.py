@@ -181,12 +181,15 @@ class Preprocessor:
         choice = request.tool_choice
         calls = bool(request.tools) and (choice is None or choice.mode is not ToolChoiceMode.NONE)
         tools = template_tools(request.tools) if calls else None
-        initial = formats.initial(prepared.prompt, self.tokenizer)
+        # where the output starts: in the prompt before a continuation's resumed tokens
+        # (they are replayed through the parser and the guide as output)
+        prompt = prepared.prompt[: len(prepared.prompt) - prepared.resumed]
+        initial = formats.initial(prompt, self.tokenizer)
         # one call: parallel_tool_calls false, or a named choice (that tool, once)
         single = choice is not None and (not choice.parallel or choice.name is not None)
         if tools is not None or formats.marked:  # else its text is all answer: no parser
             prepared.parser = ResponseParser(formats, initial, tools, single)
-        grammar, param = None, "tools"
+        grammar, param, marker = None, "tools", None
         fmt = request.response_format
         if fmt is not None and fmt.type is OutputFormat.TEXT:
             fmt = None
@@ -195,14 +198,16 @@ class Preprocessor:
             grammar = self._grammar(
                 lambda: tool_grammar(request.tools, mode, formats.tools, literal, fmt)
             )
+            if grammar is not None and formats.tools is not None:
+                marker = self._one_token(formats.tools.start)
             if fmt is not None and mode.mode is ToolChoiceMode.AUTO:
-                param = "tools" if any(t.strict for t in request.tools) else fmt.param
+                param = fmt.param  # its errors name the format (its message the grammar's)
         if grammar is None and fmt is not None:
             grammar, param = self._grammar(lambda: response_grammar(fmt)), fmt.param
         budget = request.reasoning.budget_tokens if request.reasoning is not None else None
         if grammar is None and budget is None:
             return
-        opens, prompt = formats.think_start_tokens or (), (prepared.prompt, self.tokenizer)
+        opens = formats.think_start_tokens or ()
         prepared.guide = self._guide(
             prepared,
             grammar,
@@ -211,8 +216,16 @@ class Preprocessor:
             end_tokens=formats.think_end_tokens or (),
             budget=budget,
             # a grammar's output opens with a think block only where the model may think
-            start_tokens=opens if grammar is None or formats.opens_thinking(*prompt) else (),
+            start_tokens=opens
+            if grammar is None or formats.opens_thinking(prompt, self.tokenizer)
+            else (),
+            call_marker=marker,
         )
+
+    def _one_token(self, text: str) -> int | None:
+        """The id of `text` where it is one token of the vocabulary, else None."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
 
     def _grammar(self, build: Any) -> str | None:
         try:

@@ -95,10 +95,13 @@ def tool_grammar(
     if fmt is None:
         raise GrammarError("this model has no known tool-call format", param)
     if fmt.parser not in FORCEABLE:
-        what = "a required or named tool_choice" if forced else "a strict tool's arguments"
-        if not forced and not strict:
+        if forced:
+            what, hint = "a required or named tool_choice", "use tool_choice auto"
+        elif strict:
+            what, hint = "a strict tool's arguments", "send strict false"
+        else:
             what = "a response format beside tools the model may call"
-        hint = "use tool_choice auto" if forced else "send strict false or tool_choice none"
+            hint = "constrain the answer (tool_choice none) or leave the format out"
         raise GrammarError(
             f"{what} cannot be constrained in this model's tool-call format "
             f"({fmt.parser or 'unnamed'}): {hint}",
@@ -120,7 +123,9 @@ def tool_grammar(
         elif isinstance(answer.schema, dict):
             schema, exact = answer.schema, answer.strict
         else:
-            raise GrammarError("a json_schema response format needs a `schema` object", param)
+            raise GrammarError(
+                "a json_schema response format needs a `schema` object", answer.param
+            )
         rules.append(f"answer: %json {json.dumps(_styled(schema, exact))}")
         return _lark(f"start: answer | {calls}", rules)
     marker = literal(fmt.start)
@@ -130,7 +135,7 @@ def tool_grammar(
     text = fmt.start
     more = f"({_lit(NL)}? call)*" if repeat and fmt.end else ""
     rules += [
-        f"lead[stop={_lit(text)}]: " + r"/(.|\n)*/",
+        f"lead[suffix={_lit(text)}]: " + r"/(.|\n)*/",
         r"TEXT: /(.|\n)*/ & ~/(.|\n)*" + _regex_text(text) + r"(.|\n)*/",
     ]
     return _lark(f"start: TEXT | lead body {more}", rules)
@@ -171,8 +176,8 @@ def _definitions(tools: list[Tool]) -> dict[str, Any]:
             for name, sub in defined.items():
                 if name in have and have[name] != sub:
                     raise GrammarError(
-                        f"the tools' parameters define {key}/{name} in two ways, and a forced "
-                        "call's grammar holds them as one schema",
+                        f"the tools' parameters define {key}/{name} in two ways, and the "
+                        "calls' grammar holds them as one schema",
                         "tools",
                     )
                 have[name] = sub

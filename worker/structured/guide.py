@@ -10,7 +10,8 @@ have taken the next token.
 Thinking comes first: while the row is inside its think block the grammar waits (the
 budget, if any, counts those tokens and then forces the block's end marker); from the
 token after the marker on, the grammar decides. A model that opens its think block itself
-may do so as the first token of its output, grammar or not.
+may do so as the first token of its output, grammar or not. Under a grammar that holds
+tool calls, none starts inside the think block: the grammar could not hold it there.
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ class Guide:
         "_forcing",
         "_tail",
         "budget",
+        "call_marker",
         "compile_error",
         "compiling",
         "done",
@@ -186,6 +188,7 @@ class Guide:
         words: int = 0,
         compiling: Future[Any] | None = None,
         param: str = "",
+        call_marker: int | None = None,
     ) -> None:
         self.matcher = matcher  # llguidance.LLMatcher, or None: no grammar
         # its grammar's prototype while it compiles (Grammars.compile): see ready()
@@ -205,6 +208,9 @@ class Guide:
             if grammar and end_tokens and len(start_tokens) == 1 and not self.thinking
             else None
         )
+        # a grammar that holds tool calls: the marker that starts one (one token) is not
+        # written inside the think block, where a call would escape the grammar
+        self.call_marker = call_marker if grammar and end_tokens else None
         self.budget = budget  # thinking tokens allowed (None: no limit)
         self.spent = 0
         self.error: str | None = None
@@ -273,7 +279,12 @@ class Guide:
         """This step's allowed tokens into bitmask[row]; False: none forbidden."""
         if self.thinking:
             if self.budget is None or self.spent < self.budget:
-                return False
+                if self.call_marker is None:
+                    return False
+                token = self.call_marker
+                bitmask[row] = -1
+                bitmask.view(np.uint32)[row, token >> 5] &= ~np.uint32(1 << (token & 31))
+                return True
             if not self._forcing:  # continue a marker the model began, if it did
                 self._forcing = 1 + _begun(self._tail, self.end_tokens)
             token = self.end_tokens[min(self._forcing - 1, len(self.end_tokens) - 1)]
