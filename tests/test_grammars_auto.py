@@ -169,3 +169,26 @@ def test_a_format_that_cannot_be_constrained_under_auto_is_an_error(parser: str)
     with pytest.raises(GrammarError) as no_format:
         tool_grammar([WEATHER], AUTO, None)
     assert no_format.value.param == "tools"
+
+
+# ---- mistral's two call forms: a list, or NAME[ARGS]{...} (its v11 templates) -------------
+
+
+def headed(name: str, arguments: dict[str, object]) -> str:
+    return f"[TOOL_CALLS]{name}[ARGS]{json.dumps(arguments)}"
+
+
+@pytest.mark.parametrize("mode", [ToolChoiceMode.REQUIRED, ToolChoiceMode.AUTO])
+def test_mistral_calls_in_the_header_form(hermes: Model, mode: ToolChoiceMode) -> None:
+    grammar = auto(hermes, tool_format("mistral"), choice=ToolChoice(mode))
+    weather = headed("get_weather", {"city": "Paris", "days": 3})
+    time_call = headed("get_time", {"tz": "UTC"})
+    lead = "" if mode is ToolChoiceMode.REQUIRED else "Checking. "
+    assert hermes.accepts(grammar, lead + weather)
+    assert hermes.accepts(grammar, lead + weather + time_call)  # the marker before each
+    assert hermes.refuses(grammar, lead + headed("get_weather", {"city": "Paris"}))
+    assert hermes.refuses(grammar, lead + headed("get_news", {}))
+    one = auto(hermes, tool_format("mistral"), choice=ToolChoice(mode, parallel=False))
+    matcher = hermes.feed(one, lead + weather)
+    assert matcher.is_accepting() and matcher.is_stopped()
+    assert hermes.refuses(one, lead + weather + time_call)

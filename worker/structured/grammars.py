@@ -146,7 +146,7 @@ def _call_rules(
 ) -> list[str]:
     """Lark rules of one call: `call`, its marker and `body`, the rest (what a call must be
     once its marker is written). `repeat`: more than one call may follow (in mistral's
-    format they are items of one list)."""
+    list form they are items of one list)."""
     defs = _definitions(tools)
     rules = [f"call: {literal(fmt.start)} body"]
     if fmt.parser in JSON_CALL_FORMATS:
@@ -155,11 +155,27 @@ def _call_rules(
     if fmt.parser in XML_CALL_FORMATS:
         rules.append(f"body: {' | '.join(f'body{i}' for i in range(len(tools)))}")
         return rules + [_xml_call(i, t, fmt, literal, defs) for i, t in enumerate(tools)]
-    # mistral: [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...], every call in one list
+    # mistral: [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...], every call in one list,
+    # or (its v11 templates) [TOOL_CALLS]NAME[ARGS]{...}, the marker again before each next
+    strict = _strict(tools)
     items: dict[str, Any] = {"type": "array", "items": _json_call(tools), "minItems": 1}
     if not repeat:
         items["maxItems"] = 1
-    return [*rules, f"body: %json {json.dumps(_styled(items | defs, _strict(tools)))}"]
+    args = literal("[ARGS]")
+    headed = [
+        f"{_lit(t.name)} {args} %json {json.dumps(_styled(_arguments(t) | defs, strict))}"
+        for t in tools
+    ]
+    more = f"({literal(fmt.start)}? header)*" if repeat else ""
+    return [
+        *rules,
+        f"body: %json {json.dumps(_styled(items | defs, strict))} | header {more}",
+        f"header: {' | '.join(headed)}",
+    ]
+
+
+def _arguments(tool: Tool) -> dict[str, Any]:
+    return tool.parameters or ANY_OBJECT
 
 
 def _definitions(tools: list[Tool]) -> dict[str, Any]:
@@ -194,7 +210,7 @@ def _json_call(tools: list[Tool]) -> dict[str, Any]:
             "type": "object",
             "properties": {
                 "name": {"const": t.name},
-                "arguments": t.parameters or ANY_OBJECT,
+                "arguments": _arguments(t),
             },
             "required": ["name", "arguments"],
             "additionalProperties": False,
