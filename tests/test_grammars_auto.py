@@ -118,6 +118,10 @@ def test_a_plain_text_marker_under_auto(hermes: Model) -> None:
     assert hermes.accepts(grammar, good + "\n" + plain_call("get_time", {"tz": "UTC"}))
     assert hermes.refuses(grammar, "Checking.\n" + plain_call("get_weather", {"city": "P"}))
     assert hermes.refuses(grammar, "Checking [call-1] by hand")
+    one = auto(hermes, PLAIN, choice=ONE)
+    matcher = hermes.feed(one, "Checking.\n" + good)
+    assert matcher.is_accepting() and matcher.is_stopped()
+    assert hermes.refuses(one, good + "\n" + good)
 
 
 def test_mistral_calls_under_auto(hermes: Model) -> None:
