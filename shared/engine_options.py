@@ -95,6 +95,12 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # (mlx_lm/tool_parsers: json_tools, qwen3_coder, mistral, pythonic, glm47, ...).
     # Default: the one mlx-lm infers from the model's chat template, if any.
     tool_parser: str | None = None
+    # A strict tool (strict: true) under tool_choice auto, on a model whose call format
+    # cannot be constrained (pythonic, glm47, gemma4, ...): "enforce" refuses the request
+    # with a 400 naming `tools`; "best_effort" serves it with its calls parsed as the model
+    # writes them, unchecked (for clients that send strict by default, as the OpenAI
+    # Agents SDK does). Formats that can be constrained always are.
+    strict_tools: Literal["enforce", "best_effort"] = "enforce"
 
 
 GiB = 1 << 30

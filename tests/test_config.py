@@ -452,3 +452,12 @@ def test_first_token_is_auto_by_default_and_prefill_needs_the_rows_batch(tmp_pat
         load_config(write(tmp_path, head + 'batcher = "mlx_lm"\nfirst_token = "prefill"\n'))
     step = load_config(write(tmp_path, head + 'batcher = "mlx_lm"\nfirst_token = "step"\n'))
     assert step.models[0].engine.first_token == "step"  # mlx-lm's way: BatchGenerator's own
+
+
+def test_strict_tools_are_enforced_by_default_or_best_effort(tmp_path: Path) -> None:
+    head = '[[models]]\nname = "a"\nsource = "x"\n[models.engine]\n'
+    assert load_config(write(tmp_path, head)).models[0].engine.strict_tools == "enforce"
+    lenient = load_config(write(tmp_path, head + 'strict_tools = "best_effort"\n'))
+    assert lenient.models[0].engine.strict_tools == "best_effort"
+    with pytest.raises(ConfigError, match="strict_tools"):
+        load_config(write(tmp_path, head + 'strict_tools = "ignore"\n'))

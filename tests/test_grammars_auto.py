@@ -196,3 +196,17 @@ def test_mistral_calls_in_the_header_form(hermes: Model, mode: ToolChoiceMode) -
     matcher = hermes.feed(one, lead + weather)
     assert matcher.is_accepting() and matcher.is_stopped()
     assert hermes.refuses(one, lead + weather + time_call)
+
+
+def test_best_effort_serves_a_strict_tool_unconstrained_where_none_can_be() -> None:
+    """engine.strict_tools = "best_effort": the operator's choice, for strict tools under
+    auto only; a forced choice and a format beside tools are still refused."""
+    fmt = tool_format("pythonic")
+    assert tool_grammar([WEATHER], AUTO, fmt, best_effort=True) is None
+    with pytest.raises(GrammarError, match="best_effort"):
+        tool_grammar([WEATHER], AUTO, fmt)
+    with pytest.raises(GrammarError):
+        tool_grammar([WEATHER], ToolChoice(ToolChoiceMode.REQUIRED), fmt, best_effort=True)
+    with pytest.raises(GrammarError):
+        tool_grammar([WEATHER], AUTO, fmt, answer=SCHEMA_FORMAT, best_effort=True)
+    assert tool_grammar([WEATHER], AUTO, tool_format("json_tools"), best_effort=True)

@@ -474,3 +474,18 @@ def test_a_continuation_starts_where_the_prompt_left_its_output(hermes: Loaded) 
     for token in resumed:
         guide.consume(token)
     assert not guide.thinking and guide.error is None
+
+
+def test_a_strict_tool_on_a_format_that_cannot_hold_it(hermes: Loaded) -> None:
+    """A 400 naming `tools` by default; served with its calls parsed as written under
+    engine.strict_tools = "best_effort"."""
+    strict = msgspec.structs.replace(WEATHER, strict=True)
+    request = CanonicalRequest(messages=USER_HI, tools=[strict])
+    pythonic = EngineOptions(tool_parser="pythonic")
+    refused = Preprocessor(hermes.tokenizer, pythonic, max_context=4096)
+    error = preprocess_error(refused, add_frame(RequestKind.CHAT, request)).error
+    assert error.param == "tools" and "strict" in error.message
+    lenient = msgspec.structs.replace(pythonic, strict_tools="best_effort")
+    served = Preprocessor(hermes.tokenizer, lenient, max_context=4096)
+    prepared = served(add_frame(RequestKind.CHAT, request))
+    assert prepared.guide is None and prepared.parser is not None

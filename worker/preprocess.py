@@ -195,8 +195,9 @@ class Preprocessor:
             fmt = None
         if calls:  # forced, or under auto a strict tool or the answer's format beside them
             literal, mode = self.grammars.literal, choice or ToolChoice()
+            lenient = self.options.strict_tools == "best_effort"
             grammar = self._grammar(
-                lambda: tool_grammar(request.tools, mode, formats.tools, literal, fmt)
+                lambda: tool_grammar(request.tools, mode, formats.tools, literal, fmt, lenient)
             )
             if grammar is not None and formats.tools is not None:
                 marker = self._one_token(formats.tools.start)

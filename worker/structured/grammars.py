@@ -76,6 +76,7 @@ def tool_grammar(
     fmt: ToolFormat | None,
     literal: Callable[[str], str] = json.dumps,
     answer: ResponseFormat | None = None,
+    best_effort: bool = False,
 ) -> str | None:
     """The grammar of an output that may or must call `tools` (None: nothing to hold).
 
@@ -84,7 +85,8 @@ def tool_grammar(
     tool's arguments (any text, then calls whose arguments match the tools' schemas) or a
     response format (`answer`: the answer is that JSON, or the output is calls). `literal`
     writes the markers as lark (Grammars.literal: a marker that is one added token is that
-    token)."""
+    token). `best_effort` (engine.strict_tools): strict tools under auto on a format that
+    cannot be constrained are served unconstrained instead of refused."""
     if choice.mode is ToolChoiceMode.NONE:
         return None
     forced = choice.mode is ToolChoiceMode.REQUIRED
@@ -95,10 +97,13 @@ def tool_grammar(
     if fmt is None:
         raise GrammarError("this model has no known tool-call format", param)
     if fmt.parser not in FORCEABLE:
+        if best_effort and not forced and answer is None:
+            return None  # the operator's choice: calls parsed as written, unchecked
         if forced:
             what, hint = "a required or named tool_choice", "use tool_choice auto"
         elif strict:
-            what, hint = "a strict tool's arguments", "send strict false"
+            what = "a strict tool's arguments"
+            hint = "send strict false (or set engine.strict_tools = 'best_effort')"
         else:
             what = "a response format beside tools the model may call"
             hint = "constrain the answer (tool_choice none) or leave the format out"
