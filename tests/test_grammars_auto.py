@@ -6,12 +6,11 @@ llguidance matchers over generated models' real tokenizers."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from shared.types import OutputFormat, ResponseFormat, Tool, ToolChoice, ToolChoiceMode
+from tests import test_grammars
 from tests.test_grammars import (
     SCHEMA_FORMAT,
     TIME,
@@ -26,23 +25,15 @@ from tests.test_grammars import (
 )
 from worker.backends.formats import ToolFormat
 from worker.structured.grammars import GrammarError, tool_grammar
-from worker.structured.guide import Grammars
 
 AUTO = ToolChoice(ToolChoiceMode.AUTO)
 ONE = ToolChoice(ToolChoiceMode.AUTO, parallel=False)
 BAD_CALL = hermes_call("get_weather", {"city": "Paris", "days": "three"})
 
 
-@pytest.fixture(scope="module")
-def hermes(hermes_model_dir: Path) -> Model:
-    tokenizer = load_tokenizer(hermes_model_dir)
-    return Model(tokenizer, Grammars(tokenizer))
-
-
-@pytest.fixture(scope="module")
-def coder(coder_model_dir: Path) -> Model:
-    tokenizer = load_tokenizer(coder_model_dir)
-    return Model(tokenizer, Grammars(tokenizer))
+# test_grammars' fixtures, by name: the generated models' tokenizers and their grammars
+hermes = test_grammars.hermes
+coder = test_grammars.coder
 
 
 def auto(
