@@ -66,6 +66,11 @@ def agents(hermes_model_dir: Path, coder_model_dir: Path) -> Iterator[GatewayPro
         {"name": "hermes", "source": str(hermes_model_dir), "chat_template_kwargs": off},
         {"name": "coder", "source": str(coder_model_dir), "chat_template_kwargs": off},
     ]
+    # a call format that cannot be constrained (the Hermes model read as pythonic), with
+    # strict tools refused (the default) and served unchecked
+    for name, strict in (("pythonic", "enforce"), ("pythonic-lenient", "best_effort")):
+        engine = {"tool_parser": "pythonic", "strict_tools": strict}
+        models.append({"name": name, "source": str(hermes_model_dir), "engine": engine})
     with running_gateway(models, request_timeout_s=60.0, hosted_tools="omit") as gw:
         yield gw
 
@@ -471,3 +476,17 @@ def test_no_call_starts_inside_the_think_block_of_a_strict_tools_output(
     reasoning = (message.model_extra or {}).get("reasoning_content") or ""
     assert reasoning and "<tool_call>" not in reasoning
     assert not message.tool_calls and r.choices[0].finish_reason == "length"
+
+
+def test_a_strict_tool_on_a_format_that_cannot_hold_it(oai: openai.OpenAI) -> None:
+    """Refused with a 400 naming `tools` by default (never silently unchecked); served, its
+    calls unchecked, where the operator set engine.strict_tools = "best_effort"."""
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in OPENAI_TOOLS]
+    args: dict[str, Any] = {"messages": ASK, "tools": strict, "max_tokens": 4}
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai.chat.completions.create(model="pythonic", **args)
+    assert refused.value.body is not None
+    error = refused.value.body if isinstance(refused.value.body, dict) else {}
+    assert error.get("param") == "tools" and "best_effort" in str(error.get("message"))
+    served = oai.chat.completions.create(model="pythonic-lenient", **args)
+    assert served.choices[0].finish_reason in ("length", "stop", "tool_calls")
