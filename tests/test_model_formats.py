@@ -19,6 +19,8 @@ def test_model_formats_from_a_generated_model(hermes_model_dir: Path) -> None:
     found = model_formats(tokenizer)
     assert found.tools is not None and found.tools.parser == "json_tools"
     assert found.tools.json_body
+    (marker,) = tokenizer.encode("<tool_call>", add_special_tokens=False)
+    assert found.tools.start_token == marker  # one token: masked inside thinking
     assert (found.think_start, found.think_end) == ("<think>", "</think>")
     assert found.thinking
     opened = tokenizer.encode("<|im_start|>assistant\n<think>\n", add_special_tokens=False)
@@ -28,6 +30,7 @@ def test_model_formats_from_a_generated_model(hermes_model_dir: Path) -> None:
     assert found.initial([], tokenizer) == "normal"
     named = model_formats(tokenizer, "pythonic")
     assert named.tools is not None and named.tools.start == "<|tool_call_start|>"
+    assert named.tools.start_token is None  # several tokens in this vocabulary
     with pytest.raises(ValueError, match=r"engine\.tool_parser"):
         model_formats(tokenizer, "no_such_parser")
 

@@ -200,7 +200,7 @@ class Preprocessor:
                 lambda: tool_grammar(request.tools, mode, formats.tools, literal, fmt, lenient)
             )
             if grammar is not None and formats.tools is not None:
-                marker = self._one_token(formats.tools.start)
+                marker = formats.tools.start_token
             if fmt is not None and mode.mode is ToolChoiceMode.AUTO:
                 param = fmt.param  # its errors name the format (its message the grammar's)
         if grammar is None and fmt is not None:
@@ -222,11 +222,6 @@ class Preprocessor:
             else (),
             call_marker=marker,
         )
-
-    def _one_token(self, text: str) -> int | None:
-        """The id of `text` where it is one token of the vocabulary, else None."""
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return ids[0] if len(ids) == 1 else None
 
     def _grammar(self, build: Any) -> str | None:
         try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mlx_lm.generate import TextStateMachine
@@ -35,6 +35,7 @@ class ToolFormat:
     start: str
     end: str  # "" when calls run to the end of the output (mistral)
     parse: Callable[..., Any]
+    start_token: int | None = None  # the start marker's id where it is one token
 
     @property
     def json_body(self) -> bool:
@@ -128,6 +129,14 @@ def model_formats(tokenizer: Any, tool_parser: str | None = None) -> ModelFormat
 
 
 def _tool_format(tokenizer: Any, name: str | None) -> ToolFormat | None:
+    found = _named_format(tokenizer, name)
+    if found is None:
+        return None
+    ids = tokenizer.encode(found.start, add_special_tokens=False)
+    return replace(found, start_token=ids[0]) if len(ids) == 1 else found
+
+
+def _named_format(tokenizer: Any, name: str | None) -> ToolFormat | None:
     if name is not None:
         try:
             module = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
