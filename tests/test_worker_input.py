@@ -22,8 +22,10 @@ from shared.types import (
     ResponseFormat,
     SamplingParams,
 )
+from tests.test_prompt_segments import encoder
 from worker.preprocess import Preprocessor
 from worker.proc import WAKE, WorkerArgs, WorkerProc
+from worker.prompt_segments import PromptSegments
 
 # a Control whose args hold a list nested 100,000 deep: msgspec raises RecursionError
 TOO_DEEP = b"\x94\xa3ctl\x01\xa5stats\x81\xa1a" + b"\x91" * 100_000 + b"\xc0"
@@ -87,3 +89,66 @@ def test_a_grammar_compiled_off_the_input_thread_wakes_the_engine(
         assert prepared.guide.ready() and prepared.guide.matcher is not None
     finally:
         proc.channels.close()
+
+
+def test_the_input_thread_checks_a_prompts_segments_after_queueing_it(
+    tmp_path: Path, hermes_model_dir: Path
+) -> None:
+    """A fresh worker's first prompts reach the engine with their segments' ids; the input
+    thread encodes them whole after (here a fault makes the two differ: segments go off)."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    router.bind(f"ipc://{tmp_path}/in.sock")
+    args = WorkerArgs(
+        "w1", f"ipc://{tmp_path}/in.sock", f"ipc://{tmp_path}/out.sock", ModelConfig("m", "m")
+    )
+    proc = WorkerProc(args)
+    tokenizer = load_tokenizer(hermes_model_dir)
+    preprocess = Preprocessor(tokenizer, EngineOptions(), 4096)
+    assert preprocess.segments is not None
+    encode = encoder(tokenizer)
+    queued = threading.Event()
+
+    def erring(texts: list[str]) -> list[list[int]]:  # a user turn gains a token
+        return [
+            [*ids, 7] if t.startswith("<|im_start|>user") else ids
+            for t, ids in zip(texts, encode(texts), strict=True)
+        ]
+
+    def whole_after_queueing(*args: object, **kwargs: object) -> object:
+        assert queued.wait(10), "the prompt was encoded whole before it was queued"
+        return render(*args, **kwargs)
+
+    preprocess.segments = PromptSegments(preprocess.segments.tokens, erring)
+    preprocess.check_later = True
+    render = preprocess._render
+    preprocess._render = whole_after_queueing  # type: ignore[method-assign]
+    thread = threading.Thread(target=proc._input_loop, args=(preprocess,), daemon=True)
+    thread.start()
+    try:
+        request = CanonicalRequest(messages=[Message("user", "Hi")])
+        frame = Codec().encode(Add("r1", RequestKind.CHAT, request, SamplingParams()))
+        deadline = time.monotonic() + 10
+        while True:  # until the worker's DEALER is connected (ROUTER_MANDATORY)
+            try:
+                router.send_multipart([b"w1", frame])
+                break
+            except zmq.ZMQError:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        prepared = proc.inputs.get(timeout=30)
+        queued.set()
+        assert 7 in prepared.prompt  # its segments' ids
+        deadline = time.monotonic() + 10
+        while preprocess.segments.on:
+            assert time.monotonic() < deadline, "the input thread did not check the prompt"
+            time.sleep(0.01)
+        assert "r1" in (preprocess.segments.off_reason or "")
+    finally:
+        proc.stopping.set()
+        thread.join(timeout=5)
+        proc.channels.close()
+        router.close()
+        context.term()

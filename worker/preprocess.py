@@ -77,6 +77,9 @@ class Preprocessor:
     # False: here, before the request goes on (a sharded group's ranks, which must decide
     # alike, prepare requests on their engine threads)
     compile_async: bool = True
+    # a prompt's segments checked against its whole encoding after it went on (run_checks,
+    # called by the worker's input thread); False: before, here (a sharded group's ranks)
+    check_later: bool = False
     on_compiled: Callable[[], None] | None = None  # after each such compile (wakes the engine)
 
     def __init__(
@@ -351,7 +354,12 @@ class Preprocessor:
         text = self._template(messages, request, kwargs, tokenize=False)
         if not isinstance(text, str):
             return whole()
-        return segments.encode(text, whole, request_id)
+        return segments.encode(text, whole, request_id, self.check_later)
+
+    def run_checks(self) -> None:
+        """The segment checks left for after their requests went on (`check_later`)."""
+        if self.segments is not None:
+            self.segments.run_checks()
 
     def _resumed(self, tokens: list[int], max_tokens: int) -> list[int]:
         """A continuation's tokens (the gateway's: a 400 here is a bug there, never silent)."""

@@ -400,6 +400,8 @@ class WorkerProc:
                 item = None
             if item is not None:
                 self.inputs.put(item)
+                if isinstance(preprocess, Preprocessor):  # segment checks, off their path
+                    preprocess.run_checks()
 
     def _accept(self, frame: Add, preprocess: Any) -> Any:
         """The request, prepared for the engine; None when it was refused (the error went

@@ -14,7 +14,13 @@ nor a space, and only where no other added token could match across it. Equivale
 checked, never assumed: at load a small conversation through the model's own template and a
 text of special tokens and words are encoded both ways (`prompt_segments`), and the first
 SHADOW_CHECKS prompts of two segments or more are encoded whole too. Any difference turns
-segments off for the model, logged, and the prompt keeps its whole encoding.
+segments off for the model, logged. A worker checks those prompts once the request is on its
+way to the engine (`run_checks`, on its input thread): encoding a 5k-token conversation whole
+again took 5-10 ms of a fresh worker's first cached agent turns, a third of their first
+token's time on an H100 host. The request a difference is found in ran on its segments' ids
+(its own text, cut where the whole encoding merged across a special token's edge); in a
+sharded group, whose ranks prepare requests alike on their engine threads, the check comes
+first and the prompt keeps its whole encoding.
 
 Cost: the memo holds at most MEMO_BYTES (32 MiB) of segment text and token ids, counted as
 Python holds them (`entry_bytes`: about 10 bytes a character of English text, more where a
@@ -30,7 +36,7 @@ import logging
 import re
 import sys
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -137,6 +143,8 @@ class PromptSegments:
         self._encode_batch = encode_batch
         self._memo = SegmentMemo(memo_bytes)
         self._lock = threading.Lock()
+        # prompts served on their segments' ids, to be encoded whole too (run_checks)
+        self._pending: deque[tuple[list[int], Callable[[], list[int]], str]] = deque()
         self.shadow_checks = shadow_checks
         self.stats = SegmentStats()
         self.off_reason: str | None = None
@@ -153,9 +161,17 @@ class PromptSegments:
         starts.append(len(text))
         return [text[a:b] for a, b in itertools.pairwise(starts) if b > a]
 
-    def encode(self, text: str, whole: Callable[[], list[int]], request_id: str = "") -> list[int]:
+    def encode(
+        self,
+        text: str,
+        whole: Callable[[], list[int]],
+        request_id: str = "",
+        check_later: bool = False,
+    ) -> list[int]:
         """`text`'s token ids by segments; `whole()` (the text encoded whole) where segments
-        are off, for the first prompts checked, and where they differ (then off for good)."""
+        are off, for the first prompts checked, and where they differ (then off for good).
+        `check_later`: a prompt due for its check gets its segments' ids now and is checked
+        by `run_checks`, once the request is on its way (off its first token's path)."""
         if not self.on:
             return whole()
         segments = self.split(text)
@@ -169,19 +185,46 @@ class PromptSegments:
             self.stats.prompts += 1
         if len(segments) < 2 or not self._shadow_due():
             return ids
+        if check_later:
+            with self._lock:
+                self._pending.append((ids, whole, request_id))
+            return ids
+        return self._check(ids, whole, request_id)
+
+    def run_checks(self) -> None:
+        """The checks `encode(check_later=True)` left, in order (at most `shadow_checks`
+        ever). A difference turns segments off for later prompts; the request it was found
+        in ran on its segments' ids (its text, cut differently)."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+                ids, whole, request_id = self._pending.popleft()
+            if not self.on:
+                continue
+            try:
+                self._check(ids, whole, request_id, ran=True)
+            except Exception as exc:  # the request is served already; later ones go whole
+                log.exception("checking a prompt's segments failed; prompts are tokenized whole")
+                self.turn_off(f"checking request {request_id or '?'}'s segments failed: {exc}")
+
+    def _check(
+        self, ids: list[int], whole: Callable[[], list[int]], request_id: str, ran: bool = False
+    ) -> list[int]:
+        """The whole encoding, and segments off for good where `ids` differ from it."""
         expected = whole()
         if ids != expected:
             where = _first_difference(ids, expected)
             self.turn_off(f"request {request_id or '?'}'s prompt differed at token {where}")
             log.warning(
                 "request %s: its prompt tokenized by segments differs from its whole encoding "
-                "at token %d; this model's prompts are tokenized whole from now",
+                "at token %d; this model's prompts are tokenized whole from now%s",
                 request_id or "?",
                 where,
+                " (this one ran on its segments' ids)" if ran else "",
                 extra={"request_id": request_id},
             )
-            return expected
-        return ids
+        return expected
 
     def lookup(self, segments: Sequence[str]) -> list[int]:
         """The segments' ids end to end: the memo's, the rest encoded in one batch."""
@@ -208,6 +251,7 @@ class PromptSegments:
         """An empty memo and counts (after the probe, and for benchmarks)."""
         with self._lock:
             self._memo.clear()
+            self._pending.clear()
             self.stats = SegmentStats()
 
     def memo_bytes(self) -> int:

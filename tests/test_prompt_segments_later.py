@@ -1,0 +1,103 @@
+"""A prompt's segment check left for after its request went on (`check_later`): the first
+prompts of a fresh worker get their segments' ids at once and are encoded whole too only by
+`run_checks`, which turns segments off for later prompts where the two differ."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import pytest
+
+from shared.types import CanonicalRequest, Message
+from tests.engine_fixtures import Loaded
+from tests.test_prompt_segments import (
+    MESSAGES,
+    chat_frame,
+    encoder,
+    preprocessor,
+    whole_ids,
+)
+from worker.prompt_segments import PromptSegments
+
+CUTS = ["<|im_start|>", "<|im_end|>"]
+
+
+def counted(chat: Loaded, wholes: list[str]) -> Callable[[str], Callable[[], list[int]]]:
+    def whole(text: str) -> Callable[[], list[int]]:
+        def encode() -> list[int]:
+            wholes.append(text)
+            return list(chat.tokenizer.encode(text, add_special_tokens=False))
+
+        return encode
+
+    return whole
+
+
+def turn(i: int) -> str:
+    return f"<|im_start|>user\nturn {i}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_check_left_for_later_encodes_whole_only_when_run(chat: Loaded) -> None:
+    segments = PromptSegments(CUTS, encoder(chat.tokenizer), shadow_checks=3)
+    wholes: list[str] = []
+    whole = counted(chat, wholes)
+    for i in range(2):
+        expected = list(chat.tokenizer.encode(turn(i), add_special_tokens=False))
+        assert segments.encode(turn(i), whole(turn(i)), f"r{i}", check_later=True) == expected
+    assert wholes == [] and segments.stats.shadow_checked == 2
+    segments.run_checks()
+    assert wholes == [turn(0), turn(1)] and segments.on
+    segments.run_checks()  # each once
+    assert len(wholes) == 2
+
+
+def test_checks_left_for_later_are_the_first_prompts_only(chat: Loaded) -> None:
+    segments = PromptSegments(CUTS, encoder(chat.tokenizer), shadow_checks=3)
+    wholes: list[str] = []
+    whole = counted(chat, wholes)
+    for i in range(6):
+        segments.encode(turn(i), whole(turn(i)), check_later=True)
+    segments.run_checks()
+    assert wholes == [turn(0), turn(1), turn(2)]
+
+
+def test_a_difference_found_later_turns_segments_off_for_later_prompts(
+    chat: Loaded, caplog: pytest.LogCaptureFixture
+) -> None:
+    pre = preprocessor(chat.tokenizer)
+    assert pre.segments is not None
+    encode = encoder(chat.tokenizer)
+
+    def erring(texts: list[str]) -> list[list[int]]:  # fault injection: a user turn gains a token
+        return [
+            [*ids, 7] if t.startswith("<|im_start|>user") else ids
+            for t, ids in zip(texts, encode(texts), strict=True)
+        ]
+
+    pre.segments = PromptSegments(pre.segments.tokens, erring)
+    pre.check_later = True
+    history = [Message(m["role"], m["content"]) for m in MESSAGES]
+    expected = whole_ids(chat.tokenizer, MESSAGES)
+    first = pre(chat_frame(CanonicalRequest(messages=history), "r-odd")).prompt
+    assert first != expected and pre.segments.on  # on its way with its segments' ids
+    with caplog.at_level(logging.WARNING, logger="worker.prompt_segments"):
+        pre.run_checks()
+    assert not pre.segments.on and "r-odd" in (pre.segments.off_reason or "")
+    assert "this one ran on its segments' ids" in caplog.text
+    assert pre(chat_frame(CanonicalRequest(messages=history), "r-next")).prompt == expected
+
+
+def test_a_check_that_fails_later_turns_segments_off_and_raises_nothing(
+    chat: Loaded, caplog: pytest.LogCaptureFixture
+) -> None:
+    segments = PromptSegments(CUTS, encoder(chat.tokenizer))
+
+    def broken() -> list[int]:
+        raise RuntimeError("template gone")
+
+    segments.encode(turn(0), broken, "r1", check_later=True)
+    with caplog.at_level(logging.ERROR, logger="worker.prompt_segments"):
+        segments.run_checks()
+    assert not segments.on and "template gone" in (segments.off_reason or "")
+    assert "checking a prompt's segments failed" in caplog.text
