@@ -49,6 +49,7 @@ from benchmarks._agent_report import (
 )
 from benchmarks._agent_trace import ChatTokens, Trace, build_trace
 from benchmarks._stats import machine_header, machine_info
+from shared.blas import CUDNN_SDPA
 
 SOURCES = ("gateway", "gateway-nocache", "mlx_lm", "vllm_mlx")  # launched by default
 KNOWN = (
@@ -59,12 +60,16 @@ KNOWN = (
     "gateway-rows-buckets",
     "gateway-rows-nocache-buckets",
     "gateway-rows-stepfirst",
+    "gateway-rows-cudnn",
+    "gateway-rows-nocache-cudnn",
 )
 # "gateway" and "gateway-nocache" keep BatchGenerator (the tables measured so far), the rows
 # batch (the default now) is "gateway-rows" ("gateway-rows-nocache" without the prefix cache,
 # "gateway-rows-whole" with every prompt tokenized whole: engine.segment_tokens = false;
 # "gateway-rows-buckets" and "gateway-rows-nocache-buckets" with engine.prefill_shapes =
-# "buckets"; "gateway-rows-stepfirst" with engine.first_token = "step", mlx-lm's way).
+# "buckets"; "gateway-rows-stepfirst" with engine.first_token = "step", mlx-lm's way;
+# "gateway-rows-cudnn" and "gateway-rows-nocache-cudnn" with MLX's CUDA backend on cuDNN's
+# attention, which workers leave off by default: GATEWAY_ENV).
 GATEWAY_ENGINE: dict[str, dict[str, bool | int | float | str]] = {
     "gateway": {"prefix_cache": True, "batcher": "mlx_lm"},
     "gateway-nocache": {"prefix_cache": False, "batcher": "mlx_lm"},
@@ -78,6 +83,13 @@ GATEWAY_ENGINE: dict[str, dict[str, bool | int | float | str]] = {
         "prefill_shapes": "buckets",
     },
     "gateway-rows-stepfirst": {"prefix_cache": True, "batcher": "rows", "first_token": "step"},
+    "gateway-rows-cudnn": {"prefix_cache": True, "batcher": "rows"},
+    "gateway-rows-nocache-cudnn": {"prefix_cache": False, "batcher": "rows"},
+}
+# the environment a source's gateway (and so its workers) gets beside the run's
+GATEWAY_ENV: dict[str, dict[str, str]] = {
+    "gateway-rows-cudnn": {CUDNN_SDPA: "1"},
+    "gateway-rows-nocache-cudnn": {CUDNN_SDPA: "1"},
 }
 GATEWAY_MODEL_NAME = "bench"
 
@@ -92,6 +104,7 @@ class Source:
     model_id: str | None = None
     engine: dict[str, bool | int | float | str] = field(default_factory=dict)
     ignore_eos: bool = False
+    env: dict[str, str] = field(default_factory=dict)  # beside the run's environment
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -211,7 +224,8 @@ def build_sources(args: argparse.Namespace) -> list[Source]:
             )
             continue
         engine = GATEWAY_ENGINE.get(name, {})
-        sources.append(Source(name, None, command, model_id, engine, name in eos))
+        extra = GATEWAY_ENV.get(name, {})
+        sources.append(Source(name, None, command, model_id, engine, name in eos, extra))
     return sources
 
 
@@ -300,6 +314,7 @@ def run_source(
         "vllm_mlx_cmd": args.vllm_mlx_cmd,
     }
     scratch: list[Path] = []
+    env = {**env, **source.env}
     if source.name in GATEWAY_ENGINE:
         run_dir = _launch.gateway_run_dir()
         scratch.append(run_dir)

@@ -12,14 +12,21 @@ cost). Every setting runs TRACES traces of other ids and the same lengths, one a
 other: the first meets the shapes for the first time (as a fresh server), the later ones
 meet them again (as an always-on one). Prints one JSON line per setting and trace: the
 first-token ms of each turn and the cached tokens each turn found.
+
+MLX runs as a worker runs it (`shared.blas.mlx_worker_defaults`: under CUDA, off cuDNN's
+attention) unless the environment says otherwise: `MLX_CUDA_USE_CUDNN_SDPA=1` measures
+cuDNN's (each line says which, `cudnn_sdpa`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from typing import Any
+
+from shared.blas import CUDNN_SDPA, mlx_worker_defaults
 
 SETTINGS = {"cache": True, "nocache": False}
 VOCAB = 400  # ids drawn below this (and above the first few, often special)
@@ -66,6 +73,7 @@ def _turn(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    mlx_env = mlx_worker_defaults(os.environ)  # before MLX: the engine as a worker runs it
     from shared.config import EngineOptions
     from worker.backends.mlx_lm import load, make_backend
     from worker.engine.core import EngineCore
@@ -77,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         for trace in range(args.traces):
             history = _ids(1000 * trace + 1, args.system)
             line: dict[str, Any] = {"setting": name, "trace": trace, "prompt": [], "ms": []}
+            line["cudnn_sdpa"] = mlx_env[CUDNN_SDPA]
             line["cached"] = []
             for t in range(args.turns):
                 ms, reply, hit = _turn(engine, f"{name}-{trace}-{t}", history, args.reply)

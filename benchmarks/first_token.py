@@ -10,16 +10,21 @@ Each case is RUNNINGxPROMPT[xJOINERS]: both engines decode RUNNING rows of 128-t
 requests (default 1) of PROMPT, PROMPT - 1, ... tokens are added together and the time from
 `add` to each one's first token taken (their mean is the trial's). Prints one JSON line per
 case: each setting's quartiles in ms over the trials after WARM_TRIALS, and the median time
-of a step of the running batch between trials (`<setting>_step_ms`).
+of a step of the running batch between trials (`<setting>_step_ms`). MLX runs as a worker
+runs it (under CUDA, off cuDNN's attention) unless the environment says otherwise
+(`MLX_CUDA_USE_CUDNN_SDPA=1`; each line says which, `cudnn_sdpa`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from typing import Any
+
+from shared.blas import CUDNN_SDPA, mlx_worker_defaults
 
 WARM_TRIALS = 3
 SETTINGS = ("prefill", "step")
@@ -57,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    mlx_env = mlx_worker_defaults(os.environ)  # before MLX: the engine as a worker runs it
     from shared.config import EngineOptions
     from shared.types import SamplingParams
     from worker.backends.mlx_lm import load, make_backend
@@ -117,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         for engine in engines.values():
             engine.abort(engine.request_ids())
         line: dict[str, Any] = {"running": running, "prompt": length, "joiners": joiners}
+        line["cudnn_sdpa"] = mlx_env[CUDNN_SDPA]
         for setting in SETTINGS:
             line[setting] = [round(q, 2) for q in statistics.quantiles(times[setting], n=4)]
             line[f"{setting}_step_ms"] = round(statistics.median(steps[setting]), 2)

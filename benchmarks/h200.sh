@@ -38,7 +38,9 @@
 #   ..." picks others, e.g. gateway-rows-whole: prompts tokenized whole).
 # - turns: benchmarks.cached_turns on the 1b shape: the agent trace's lengths in one process,
 #   the engine alone with its prefix cache and without, first-token ms per turn (what
-#   serving adds to agent's turns: OUT/turns.jsonl).
+#   serving adds to agent's turns: OUT/turns.jsonl), with MLX as workers run it (off
+#   cuDNN's attention), then on cuDNN's (AGENT_ARGS="--sources gateway-rows-cudnn,..." is
+#   the same served).
 # - arrivals: benchmarks.arrivals on the 1b shape in one process: mlx-lm's BatchGenerator and
 #   the project's rows batch (joins at once and settled) with sequences starting together
 #   and spread, and what one join costs each.
@@ -242,9 +244,11 @@ for step in $STEPS; do
         ${AGENT_ARGS:-} --out "$OUT/$step.json" 2>&1 |
         tee "$OUT/$step.log"
       ;;
-    turns)
-      $PY -m benchmarks.cached_turns "$(model 1b $SHAPE_1B)" --system "$AGENT_SYSTEM" \
-        --turns "$AGENT_TURNS" 2>&1 | tee "$OUT/turns.jsonl"
+    turns)  # as workers run MLX (off cuDNN's attention), then on it
+      for cudnn in 0 1; do
+        MLX_CUDA_USE_CUDNN_SDPA=$cudnn $PY -m benchmarks.cached_turns "$(model 1b $SHAPE_1B)" \
+          --system "$AGENT_SYSTEM" --turns "$AGENT_TURNS" 2>&1 | tee -a "$OUT/turns.jsonl"
+      done
       ;;
     arrivals)
       $PY -m benchmarks.arrivals "$(model 1b $SHAPE_1B)" --concurrency "$LEVELS_ARRIVALS" \

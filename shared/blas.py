@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -92,6 +92,17 @@ def ptx_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
     return cache_dir(environ) / "mlx-ptx" / mlx
 
 
+def mlx_worker_defaults(env: MutableMapping[str, str]) -> dict[str, str]:
+    """MLX's settings as a worker runs it, put into `env` where it has none of its own (off
+    cuDNN's attention, off the cache-miss check, kernels in the user cache): for a worker,
+    and for a benchmark that times the engine alone as a worker runs it (set before MLX is
+    imported). Returns the three as `env` has them now."""
+    env.setdefault(CUDNN_SDPA, "0")
+    env.setdefault(CACHE_THRASHING_CHECK, "0")
+    env.setdefault(PTX_CACHE, str(ptx_cache_dir(env)))
+    return {key: env[key] for key in (CUDNN_SDPA, CACHE_THRASHING_CHECK, PTX_CACHE)}
+
+
 def worker_env(
     setting: str, threads: int = 0, base: dict[str, str] | None = None, device: str = "cpu"
 ) -> dict[str, str]:
@@ -101,9 +112,7 @@ def worker_env(
     user cache (PTX_CACHE). An OPENBLAS_NUM_THREADS, MLX_CUDA_USE_CUDNN_SDPA,
     MLX_ENABLE_CACHE_THRASHING_CHECK or MLX_PTX_CACHE_DIR already in the environment wins."""
     env = dict(os.environ if base is None else base)
-    env.setdefault(CUDNN_SDPA, "0")
-    env.setdefault(CACHE_THRASHING_CHECK, "0")
-    env.setdefault(PTX_CACHE, str(ptx_cache_dir(env)))
+    mlx_worker_defaults(env)
     lib = resolve_blas(setting, device=device)
     if lib:
         existing = env.get("LD_PRELOAD", "")

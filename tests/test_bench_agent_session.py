@@ -15,6 +15,7 @@ from benchmarks._agent_client import Target, TurnRecord, run_sessions, usage_tok
 from benchmarks._agent_report import merge_runs, ratios, summarize_turns, target_check
 from benchmarks._agent_trace import ChatTokens, build_trace, user_length
 from benchmarks._client import make_client
+from shared.blas import CUDNN_SDPA
 from shared.config import load_config
 from tests.gateway_proc import GatewayProc
 
@@ -190,3 +191,24 @@ def test_url_sources_take_names_model_ids_and_ignore_eos() -> None:
     assert (only.name, only.url, only.model_id) == ("url", "http://127.0.0.1:9000", "m")
     with pytest.raises(ValueError, match="non-loopback"):
         agent_session.build_sources(agent_session.parse_args(["--url", "http://10.0.0.1:80"]))
+
+
+def test_a_cudnn_source_launches_its_gateway_with_cudnns_attention(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workers leave cuDNN's attention off unless their environment says otherwise."""
+    argv = ["--model", str(tmp_path), "--sources", "gateway-rows-cudnn,gateway-rows"]
+    args = agent_session.parse_args(argv)
+    cudnn, plain = agent_session.build_sources(args)
+    assert cudnn.engine == plain.engine and (cudnn.env, plain.env) == ({CUDNN_SDPA: "1"}, {})
+    launched: list[dict[str, str]] = []
+
+    def server(name: str, command: str, fields: object, env: dict[str, str], logs: Path) -> None:
+        launched.append(env)
+        raise OSError("not launched here")
+
+    monkeypatch.setattr(_launch, "Server", server)
+    for source in (cudnn, plain):
+        out = agent_session.run_source(args, source, (None, None), {"A": "1"}, tmp_path)  # type: ignore[arg-type]
+        assert "cannot launch" in out["error"]
+    assert launched == [{"A": "1", CUDNN_SDPA: "1"}, {"A": "1"}]

@@ -9,11 +9,15 @@ from pathlib import Path
 import pytest
 
 from benchmarks import cached_turns
+from shared.blas import CACHE_THRASHING_CHECK, CUDNN_SDPA, PTX_CACHE
 
 
 def test_turns_with_and_without_the_prefix_cache(
-    chat_model: Path, capsys: pytest.CaptureFixture[str]
+    chat_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    for name in (CUDNN_SDPA, CACHE_THRASHING_CHECK, PTX_CACHE):  # unset, restored after
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     argv = [str(chat_model), "--system", "96", "--turns", "3", "--reply", "4", "--traces", "2"]
     assert cached_turns.main(argv) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -24,6 +28,7 @@ def test_turns_with_and_without_the_prefix_cache(
         ("nocache", 1),
     ]
     for line in lines:
+        assert line["cudnn_sdpa"] == "0"  # MLX as a worker runs it
         prompts = line["prompt"]
         assert prompts[0] == 96 and prompts[1] == 96 + 4 + 150 and prompts[2] > prompts[1]
         assert all(ms > 0 for ms in line["ms"])

@@ -8,15 +8,21 @@ from pathlib import Path
 import pytest
 
 from benchmarks import first_token
+from shared.blas import CACHE_THRASHING_CHECK, CUDNN_SDPA, PTX_CACHE
 
 
 def test_each_case_times_both_settings(
-    chat_model: Path, capsys: pytest.CaptureFixture[str]
+    chat_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    for name in (CACHE_THRASHING_CHECK, PTX_CACHE):  # unset, restored after
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv(CUDNN_SDPA, "1")  # set: it wins over the worker's default
     argv = [str(chat_model), "--cases", "0x12,2x12x3", "--trials", "2"]
     assert first_token.main(argv) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(c["running"], c["prompt"], c["joiners"]) for c in lines] == [(0, 12, 1), (2, 12, 3)]
+    assert {c["cudnn_sdpa"] for c in lines} == {"1"}
     for case in lines:
         for setting in ("prefill", "step"):
             low, median, high = case[setting]

@@ -276,3 +276,13 @@ def test_a_cuda_worker_keeps_the_kernels_it_compiles_in_the_user_cache(tmp_path:
     assert done.returncode == 0, done.stderr[-2000:]
     kept = list((tmp_path / "mlx-ptx" / version("mlx")).glob("gather_axis_*.ptx"))
     assert kept, sorted(p.name for p in tmp_path.rglob("*"))
+
+
+def test_mlx_worker_defaults_fill_only_what_is_unset(tmp_path: Path) -> None:
+    from shared.blas import CACHE_THRASHING_CHECK, CUDNN_SDPA, PTX_CACHE, mlx_worker_defaults
+
+    env = {CUDNN_SDPA: "1", "MLX_GATEWAY_CACHE_DIR": str(tmp_path)}
+    said = mlx_worker_defaults(env)
+    assert said == {CUDNN_SDPA: "1", CACHE_THRASHING_CHECK: "0", PTX_CACHE: env[PTX_CACHE]}
+    assert env[PTX_CACHE].startswith(str(tmp_path))
+    assert mlx_worker_defaults({})[CUDNN_SDPA] == "0"
