@@ -224,8 +224,16 @@ def build_sources(args: argparse.Namespace) -> list[Source]:
             )
             continue
         engine = GATEWAY_ENGINE.get(name, {})
-        extra = GATEWAY_ENV.get(name, {})
-        sources.append(Source(name, None, command, model_id, engine, name in eos, extra))
+        sources.append(
+            Source(
+                name,
+                command=command,
+                model_id=model_id,
+                engine=engine,
+                ignore_eos=name in eos,
+                env=GATEWAY_ENV.get(name, {}),
+            )
+        )
     return sources
 
 
@@ -350,6 +358,8 @@ def run_source(
                 other = result["system_cpu_pct"] - result["client_cpu_pct"] - server_cpu
                 result["other_cpu_pct"] = round(other, 1)
         result.update(ready_s=round(server.ready_s or 0.0, 2), server_rss_mb=server.rss_mb())
+        if source.name in GATEWAY_ENGINE:  # its workers' attention under CUDA (0: the default)
+            result["cudnn_sdpa"] = env.get(CUDNN_SDPA, "0")
     except RuntimeError as e:
         result = {"error": str(e)}
     finally:

@@ -245,6 +245,7 @@ for step in $STEPS; do
         tee "$OUT/$step.log"
       ;;
     turns)  # as workers run MLX (off cuDNN's attention), then on it
+      : >"$OUT/turns.jsonl"
       for cudnn in 0 1; do
         MLX_CUDA_USE_CUDNN_SDPA=$cudnn $PY -m benchmarks.cached_turns "$(model 1b $SHAPE_1B)" \
           --system "$AGENT_SYSTEM" --turns "$AGENT_TURNS" 2>&1 | tee -a "$OUT/turns.jsonl"

@@ -4,6 +4,8 @@ cache's turns finding the history before them, the uncached ones nothing."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,3 +46,14 @@ def test_bad_arguments_are_refused_before_loading() -> None:
     with pytest.raises(SystemExit) as exit_info:
         cached_turns.main(["/nonexistent-model", "--turns", "0"])
     assert exit_info.value.code == 2
+
+
+def test_the_engine_alone_benchmarks_import_no_mlx_before_their_settings() -> None:
+    """MLX reads its settings once: the benchmarks set the workers' before they load it."""
+    code = (
+        "import sys, benchmarks.cached_turns, benchmarks.first_token; "
+        "assert 'mlx' not in sys.modules and 'mlx.core' not in sys.modules"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -335,7 +335,7 @@ def test_a_grammar_that_cannot_compile_is_a_400_here_or_once_compiled(hermes: Lo
     fresh = Preprocessor(hermes.tokenizer, EngineOptions(), max_context=4096)
     assert preprocess_error(fresh, zero).error.param == param  # answered when added: here
     here = Preprocessor(hermes.tokenizer, EngineOptions(), max_context=4096)
-    here.compile_async = False  # a sharded group's ranks
+    here.off_path = False  # a sharded group's ranks
     error = preprocess_error(here, frame).error
     assert error.param == param and "cannot be compiled" in error.message
 

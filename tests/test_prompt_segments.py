@@ -145,6 +145,7 @@ def test_segments_are_the_whole_encoding_over_random_conversations(
     for i in range(60):
         frame = chat_frame(conversation(rng, tools), f"r{i}")
         assert by_segments(frame).prompt == whole(frame).prompt, frame.request
+    by_segments.run_checks()  # the first 16, encoded whole too (a worker's input thread)
     assert by_segments.segments.on, by_segments.segments.off_reason
     stats = by_segments.segments.stats
     assert stats.shadow_checked == 16 and stats.hits > 0 and stats.misses > 0
@@ -365,6 +366,7 @@ def test_a_shadow_mismatch_turns_segments_off_for_good(
         ]
 
     pre.segments = PromptSegments(pre.segments.tokens, erring)
+    pre.off_path = False  # checked first (tests/test_prompt_segments_later.py: after)
     history = [Message(m["role"], m["content"]) for m in MESSAGES]
     expected = whole_ids(chat.tokenizer, MESSAGES)
     with caplog.at_level(logging.WARNING, logger="worker.prompt_segments"):

@@ -133,6 +133,7 @@ def test_segments_are_the_whole_encoding_over_random_conversations(
         request = conversation(rng, fam)
         got = by_segments(chat_frame(request, f"r{i}")).prompt
         assert got == whole_ids(tokenizer, request), request
+    by_segments.run_checks()  # the first 16, encoded whole too (a worker's input thread)
     segments = by_segments.segments
     assert segments.on, segments.off_reason
     assert segments.stats.shadow_checked == 16 and segments.stats.hits > 0

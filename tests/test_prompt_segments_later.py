@@ -1,4 +1,5 @@
-"""A prompt's segment check left for after its request went on (`check_later`): the first
+"""A prompt's segment check left for after its request went on (`Preprocessor.off_path`, a
+worker's default; `PromptSegments.encode(check_later=True)`): the first
 prompts of a fresh worker get their segments' ids at once and are encoded whole too only by
 `run_checks`, which turns segments off for later prompts where the two differ."""
 
@@ -76,7 +77,7 @@ def test_a_difference_found_later_turns_segments_off_for_later_prompts(
         ]
 
     pre.segments = PromptSegments(pre.segments.tokens, erring)
-    pre.check_later = True
+    assert pre.off_path  # the default: prepared on a worker's input thread
     history = [Message(m["role"], m["content"]) for m in MESSAGES]
     expected = whole_ids(chat.tokenizer, MESSAGES)
     first = pre(chat_frame(CanonicalRequest(messages=history), "r-odd")).prompt
@@ -88,9 +89,10 @@ def test_a_difference_found_later_turns_segments_off_for_later_prompts(
     assert pre(chat_frame(CanonicalRequest(messages=history), "r-next")).prompt == expected
 
 
-def test_a_check_that_fails_later_turns_segments_off_and_raises_nothing(
+def test_a_whole_encoding_that_fails_later_is_logged_and_leaves_segments_on(
     chat: Loaded, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """The request was served; without segments later prompts would meet the same failure."""
     segments = PromptSegments(CUTS, encoder(chat.tokenizer))
 
     def broken() -> list[int]:
@@ -99,5 +101,26 @@ def test_a_check_that_fails_later_turns_segments_off_and_raises_nothing(
     segments.encode(turn(0), broken, "r1", check_later=True)
     with caplog.at_level(logging.ERROR, logger="worker.prompt_segments"):
         segments.run_checks()
-    assert not segments.on and "template gone" in (segments.off_reason or "")
-    assert "checking a prompt's segments failed" in caplog.text
+    assert segments.on and "request r1: its prompt's whole encoding failed" in caplog.text
+    assert "template gone" in caplog.text
+
+
+def test_a_sharded_groups_preprocessor_checks_first(chat: Loaded) -> None:
+    """off_path False (a group's ranks, which must decide alike): nothing is left for later."""
+    pre = preprocessor(chat.tokenizer)
+    assert pre.segments is not None
+    pre.off_path = False
+    wholes: list[str] = []
+    pre.segments = PromptSegments(pre.segments.tokens, encoder(chat.tokenizer))
+    history = [Message(m["role"], m["content"]) for m in MESSAGES]
+    render = pre._render
+
+    def counted_render(*args: object, **kwargs: object) -> object:
+        wholes.append("whole")
+        return render(*args, **kwargs)
+
+    pre._render = counted_render  # type: ignore[method-assign]
+    pre(chat_frame(CanonicalRequest(messages=history)))
+    assert wholes == ["whole"]  # checked before it went on
+    pre.run_checks()
+    assert wholes == ["whole"]

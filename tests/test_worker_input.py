@@ -122,7 +122,6 @@ def test_the_input_thread_checks_a_prompts_segments_after_queueing_it(
         return render(*args, **kwargs)
 
     preprocess.segments = PromptSegments(preprocess.segments.tokens, erring)
-    preprocess.check_later = True
     render = preprocess._render
     preprocess._render = whole_after_queueing  # type: ignore[method-assign]
     thread = threading.Thread(target=proc._input_loop, args=(preprocess,), daemon=True)

@@ -100,8 +100,7 @@ def _text(
     opts = config.engine
     formats = model_formats(loaded.tokenizer, opts.tool_parser)
     preprocess = Preprocessor(loaded.tokenizer, opts, loaded.max_context, formats)
-    preprocess.compile_async = group is None  # a group's ranks prepare on their engine threads
-    preprocess.check_later = group is None  # (and must decide alike, request by request)
+    preprocess.off_path = group is None  # a group's ranks prepare on their engine threads
     served = capabilities(loaded.tokenizer, formats)
     return Opened(engine, preprocess, text_ready(config, loaded, engine, worker_id, served))
 

@@ -73,13 +73,12 @@ class PreparedRequest:
 class Preprocessor:
     # chat prompts tokenized by segments where engine.segment_tokens and the probe allow
     by_segments: ClassVar[bool] = True
-    # grammars compile on their own thread, the request waiting for its place meanwhile;
-    # False: here, before the request goes on (a sharded group's ranks, which must decide
-    # alike, prepare requests on their engine threads)
-    compile_async: bool = True
-    # a prompt's segments checked against its whole encoding after it went on (run_checks,
-    # called by the worker's input thread); False: before, here (a sharded group's ranks)
-    check_later: bool = False
+    # Work a request need not wait for, off its path: a grammar compiles on its own thread
+    # (the request waiting for its place meanwhile), and a prompt's segments are checked
+    # against its whole encoding once the request went on (`run_checks`, called by the
+    # worker's input thread). False: both here, before the request goes on (a sharded
+    # group's ranks, which prepare requests on their engine threads and must decide alike).
+    off_path: bool = True
     on_compiled: Callable[[], None] | None = None  # after each such compile (wakes the engine)
 
     def __init__(
@@ -248,7 +247,7 @@ class Preprocessor:
         # here too for a request that is answered when added (max_tokens 0) or that replays
         # its tokens then (a continuation)
         waits = not prepared.resumed and prepared.max_tokens > 0
-        if self.compile_async and waits and not future.done():
+        if self.off_path and waits and not future.done():
             return Guide(None, words=words, compiling=future, param=param, **thinking)
         try:
             matcher = self.grammars.matcher(grammar)  # (compiled, or failed, by now)
@@ -354,10 +353,10 @@ class Preprocessor:
         text = self._template(messages, request, kwargs, tokenize=False)
         if not isinstance(text, str):
             return whole()
-        return segments.encode(text, whole, request_id, self.check_later)
+        return segments.encode(text, whole, request_id, self.off_path)
 
     def run_checks(self) -> None:
-        """The segment checks left for after their requests went on (`check_later`)."""
+        """The segment checks left for after their requests went on (`off_path`)."""
         if self.segments is not None:
             self.segments.run_checks()
 

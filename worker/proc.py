@@ -400,8 +400,8 @@ class WorkerProc:
                 item = None
             if item is not None:
                 self.inputs.put(item)
-                if isinstance(preprocess, Preprocessor):  # segment checks, off their path
-                    preprocess.run_checks()
+            if isinstance(preprocess, Preprocessor):  # segment checks, off their path (a
+                preprocess.run_checks()  # refused request's too)
 
     def _accept(self, frame: Add, preprocess: Any) -> Any:
         """The request, prepared for the engine; None when it was refused (the error went

@@ -76,7 +76,7 @@ class SegmentStats:
     hits: int = 0  # segments found in the memo
     misses: int = 0  # segments encoded
     evicted: int = 0  # segments dropped from the memo for room
-    shadow_checked: int = 0  # prompts encoded whole too, to compare
+    shadow_checked: int = 0  # prompts taken to be encoded whole too, to compare
 
 
 def entry_bytes(text: str, ids: list[int]) -> int:
@@ -193,8 +193,10 @@ class PromptSegments:
 
     def run_checks(self) -> None:
         """The checks `encode(check_later=True)` left, in order (at most `shadow_checks`
-        ever). A difference turns segments off for later prompts; the request it was found
-        in ran on its segments' ids (its text, cut differently)."""
+        since the last `clear`). A difference turns segments off for later prompts; the
+        request it was found in ran on its segments' ids (its text, cut differently). A
+        whole encoding that fails is logged and leaves segments on: the request was served,
+        and later prompts would meet the same failure without them."""
         while True:
             with self._lock:
                 if not self._pending:
@@ -204,9 +206,8 @@ class PromptSegments:
                 continue
             try:
                 self._check(ids, whole, request_id, ran=True)
-            except Exception as exc:  # the request is served already; later ones go whole
-                log.exception("checking a prompt's segments failed; prompts are tokenized whole")
-                self.turn_off(f"checking request {request_id or '?'}'s segments failed: {exc}")
+            except Exception:  # the request is served already: nothing compared
+                log.exception("request %s: its prompt's whole encoding failed", request_id or "?")
 
     def _check(
         self, ids: list[int], whole: Callable[[], list[int]], request_id: str, ran: bool = False
