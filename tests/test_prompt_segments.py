@@ -111,6 +111,22 @@ def encoder(tokenizer: Any) -> Any:
     return lambda texts: [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
 
 
+def user_turns_gain(tokenizer: Any, calls: list[list[str]] | None = None) -> Any:
+    """Fault injection: an encoder whose user turns gain a token (id 7) over the real one;
+    each batch it is asked for goes into `calls`."""
+    encode = encoder(tokenizer)
+
+    def erring(texts: list[str]) -> list[list[int]]:
+        if calls is not None:
+            calls.append(texts)
+        return [
+            [*ids, 7] if t.startswith("<|im_start|>user") else ids
+            for t, ids in zip(texts, encode(texts), strict=True)
+        ]
+
+    return erring
+
+
 MESSAGES = [
     {"role": "system", "content": "Be brief. "},
     {"role": "user", "content": "Hi there\n"},
@@ -355,17 +371,8 @@ def test_a_shadow_mismatch_turns_segments_off_for_good(
 ) -> None:
     pre = preprocessor(chat.tokenizer)
     assert pre.segments is not None
-    encode = encoder(chat.tokenizer)
-    calls = []
-
-    def erring(texts: list[str]) -> list[list[int]]:  # fault injection: a user turn gains a token
-        calls.append(texts)
-        return [
-            [*ids, 7] if t.startswith("<|im_start|>user") else ids
-            for t, ids in zip(texts, encode(texts), strict=True)
-        ]
-
-    pre.segments = PromptSegments(pre.segments.tokens, erring)
+    calls: list[list[str]] = []
+    pre.segments = PromptSegments(pre.segments.tokens, user_turns_gain(chat.tokenizer, calls))
     pre.off_path = False  # checked first (tests/test_prompt_segments_later.py: after)
     history = [Message(m["role"], m["content"]) for m in MESSAGES]
     expected = whole_ids(chat.tokenizer, MESSAGES)

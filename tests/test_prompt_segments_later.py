@@ -17,6 +17,7 @@ from tests.test_prompt_segments import (
     chat_frame,
     encoder,
     preprocessor,
+    user_turns_gain,
     whole_ids,
 )
 from worker.prompt_segments import PromptSegments
@@ -68,15 +69,7 @@ def test_a_difference_found_later_turns_segments_off_for_later_prompts(
 ) -> None:
     pre = preprocessor(chat.tokenizer)
     assert pre.segments is not None
-    encode = encoder(chat.tokenizer)
-
-    def erring(texts: list[str]) -> list[list[int]]:  # fault injection: a user turn gains a token
-        return [
-            [*ids, 7] if t.startswith("<|im_start|>user") else ids
-            for t, ids in zip(texts, encode(texts), strict=True)
-        ]
-
-    pre.segments = PromptSegments(pre.segments.tokens, erring)
+    pre.segments = PromptSegments(pre.segments.tokens, user_turns_gain(chat.tokenizer))
     assert pre.off_path  # the default: prepared on a worker's input thread
     history = [Message(m["role"], m["content"]) for m in MESSAGES]
     expected = whole_ids(chat.tokenizer, MESSAGES)

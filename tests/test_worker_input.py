@@ -4,9 +4,12 @@ thread (a grammar) wakes the engine."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -22,20 +25,21 @@ from shared.types import (
     ResponseFormat,
     SamplingParams,
 )
-from tests.test_prompt_segments import encoder
+from tests.test_prompt_segments import user_turns_gain
 from worker.preprocess import Preprocessor
 from worker.proc import WAKE, WorkerArgs, WorkerProc
 from worker.prompt_segments import PromptSegments
+
+Send = Callable[[bytes], None]
 
 # a Control whose args hold a list nested 100,000 deep: msgspec raises RecursionError
 TOO_DEEP = b"\x94\xa3ctl\x01\xa5stats\x81\xa1a" + b"\x91" * 100_000 + b"\xc0"
 
 
-def test_an_undecodable_frame_never_deafens_the_worker(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A RecursionError once escaped the decode, ended the input thread without a word and
-    left a worker that beat its heart but heard nothing, a Shutdown included."""
+@contextlib.contextmanager
+def input_thread(tmp_path: Path, preprocess: Any) -> Iterator[tuple[WorkerProc, Send]]:
+    """A worker's input thread on a real ZeroMQ socket, and a way to send it frames (the
+    first waits until the worker's DEALER is connected: ROUTER_MANDATORY)."""
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
@@ -45,20 +49,21 @@ def test_an_undecodable_frame_never_deafens_the_worker(
         "w1", f"ipc://{tmp_path}/in.sock", f"ipc://{tmp_path}/out.sock", ModelConfig("m", "m")
     )
     proc = WorkerProc(args)
-    thread = threading.Thread(target=proc._input_loop, args=(None,), daemon=True)
+    thread = threading.Thread(target=proc._input_loop, args=(preprocess,), daemon=True)
     thread.start()
-    try:
+
+    def send(frame: bytes) -> None:
         deadline = time.monotonic() + 10
-        while True:  # until the worker's DEALER is connected (ROUTER_MANDATORY)
+        while True:
             try:
-                router.send_multipart([b"w1", TOO_DEEP])
-                break
+                router.send_multipart([b"w1", frame])
+                return
             except zmq.ZMQError:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
-        router.send_multipart([b"w1", b"\xc1"])
-        router.send_multipart([b"w1", Codec().encode(Abort(["r1"]))])
-        assert proc.inputs.get(timeout=10) == Abort(["r1"])
+
+    try:
+        yield proc, send
         assert thread.is_alive()
     finally:
         proc.stopping.set()
@@ -66,6 +71,18 @@ def test_an_undecodable_frame_never_deafens_the_worker(
         proc.channels.close()
         router.close()
         context.term()
+
+
+def test_an_undecodable_frame_never_deafens_the_worker(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A RecursionError once escaped the decode, ended the input thread without a word and
+    left a worker that beat its heart but heard nothing, a Shutdown included."""
+    with input_thread(tmp_path, None) as (proc, send):
+        send(TOO_DEEP)
+        send(b"\xc1")
+        send(Codec().encode(Abort(["r1"])))
+        assert proc.inputs.get(timeout=10) == Abort(["r1"])
     dropped = [r.getMessage() for r in caplog.records if "undecodable frame" in r.getMessage()]
     assert len(dropped) == 2 and "maximum recursion depth" in dropped[0]
 
@@ -96,47 +113,21 @@ def test_the_input_thread_checks_a_prompts_segments_after_queueing_it(
 ) -> None:
     """A fresh worker's first prompts reach the engine with their segments' ids; the input
     thread encodes them whole after (here a fault makes the two differ: segments go off)."""
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    router = context.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    router.bind(f"ipc://{tmp_path}/in.sock")
-    args = WorkerArgs(
-        "w1", f"ipc://{tmp_path}/in.sock", f"ipc://{tmp_path}/out.sock", ModelConfig("m", "m")
-    )
-    proc = WorkerProc(args)
     tokenizer = load_tokenizer(hermes_model_dir)
     preprocess = Preprocessor(tokenizer, EngineOptions(), 4096)
     assert preprocess.segments is not None
-    encode = encoder(tokenizer)
+    preprocess.segments = PromptSegments(preprocess.segments.tokens, user_turns_gain(tokenizer))
     queued = threading.Event()
-
-    def erring(texts: list[str]) -> list[list[int]]:  # a user turn gains a token
-        return [
-            [*ids, 7] if t.startswith("<|im_start|>user") else ids
-            for t, ids in zip(texts, encode(texts), strict=True)
-        ]
+    render = preprocess._render
 
     def whole_after_queueing(*args: object, **kwargs: object) -> object:
         assert queued.wait(10), "the prompt was encoded whole before it was queued"
         return render(*args, **kwargs)
 
-    preprocess.segments = PromptSegments(preprocess.segments.tokens, erring)
-    render = preprocess._render
     preprocess._render = whole_after_queueing  # type: ignore[method-assign]
-    thread = threading.Thread(target=proc._input_loop, args=(preprocess,), daemon=True)
-    thread.start()
-    try:
+    with input_thread(tmp_path, preprocess) as (proc, send):
         request = CanonicalRequest(messages=[Message("user", "Hi")])
-        frame = Codec().encode(Add("r1", RequestKind.CHAT, request, SamplingParams()))
-        deadline = time.monotonic() + 10
-        while True:  # until the worker's DEALER is connected (ROUTER_MANDATORY)
-            try:
-                router.send_multipart([b"w1", frame])
-                break
-            except zmq.ZMQError:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+        send(Codec().encode(Add("r1", RequestKind.CHAT, request, SamplingParams())))
         prepared = proc.inputs.get(timeout=30)
         queued.set()
         assert 7 in prepared.prompt  # its segments' ids
@@ -145,9 +136,3 @@ def test_the_input_thread_checks_a_prompts_segments_after_queueing_it(
             assert time.monotonic() < deadline, "the input thread did not check the prompt"
             time.sleep(0.01)
         assert "r1" in (preprocess.segments.off_reason or "")
-    finally:
-        proc.stopping.set()
-        thread.join(timeout=5)
-        proc.channels.close()
-        router.close()
-        context.term()
