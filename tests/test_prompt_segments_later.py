@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
+from shared.config import EngineOptions
 from shared.types import CanonicalRequest, Message
 from tests.engine_fixtures import Loaded
 from tests.test_prompt_segments import (
@@ -20,6 +21,9 @@ from tests.test_prompt_segments import (
     user_turns_gain,
     whole_ids,
 )
+from worker.backends.formats import model_formats
+from worker.loader import LoadedModel
+from worker.opening import text_preprocessor
 from worker.prompt_segments import PromptSegments
 
 CUTS = ["<|im_start|>", "<|im_end|>"]
@@ -117,3 +121,12 @@ def test_a_sharded_groups_preprocessor_checks_first(chat: Loaded) -> None:
     assert wholes == ["whole"]  # checked before it went on
     pre.run_checks()
     assert wholes == ["whole"]
+
+
+def test_a_worker_of_its_own_prepares_off_path_and_a_sharded_groups_rank_does_not(
+    chat: Loaded,
+) -> None:
+    loaded = LoadedModel(chat.model, chat.tokenizer, chat.path, 4096, is_demo=False)
+    formats = model_formats(chat.tokenizer)
+    assert text_preprocessor(loaded, EngineOptions(), formats).off_path
+    assert not text_preprocessor(loaded, EngineOptions(), formats, group=object()).off_path

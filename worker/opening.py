@@ -15,11 +15,11 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Protocol
 
-from shared.config import ModelConfig, ModelKind
+from shared.config import EngineOptions, ModelConfig, ModelKind
 from shared.modelinfo import served_by
 from shared.protocol import Add, Capacity, PrefixCacheStats, Ready
 from shared.types import RequestOutput
-from worker.backends.formats import model_formats
+from worker.backends.formats import ModelFormats, model_formats
 from worker.backends.mlx_lm import make_backend
 from worker.embeddings.open import only_for_embeddings, open_encoder
 from worker.engine.core import EngineCore
@@ -87,6 +87,17 @@ def open_model(
     return _text(config, path, worker_id, faults, progress, group)
 
 
+def text_preprocessor(
+    loaded: LoadedModel, opts: EngineOptions, formats: ModelFormats, group: Any = None
+) -> Preprocessor:
+    """A text model's preprocessor: off the request's path what can be (a grammar's compile,
+    a segment check) on a worker of its own; on it in a sharded group, whose ranks prepare
+    requests on their engine threads and must decide alike."""
+    preprocess = Preprocessor(loaded.tokenizer, opts, loaded.max_context, formats)
+    preprocess.off_path = group is None
+    return preprocess
+
+
 def _text(
     config: ModelConfig,
     path: Path,
@@ -99,8 +110,7 @@ def _text(
     engine = text_engine(config, loaded, faults)
     opts = config.engine
     formats = model_formats(loaded.tokenizer, opts.tool_parser)
-    preprocess = Preprocessor(loaded.tokenizer, opts, loaded.max_context, formats)
-    preprocess.off_path = group is None  # a group's ranks prepare on their engine threads
+    preprocess = text_preprocessor(loaded, opts, formats, group)
     served = capabilities(loaded.tokenizer, formats)
     return Opened(engine, preprocess, text_ready(config, loaded, engine, worker_id, served))
 
