@@ -6,6 +6,7 @@ build is a 503 saying so."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,23 @@ def test_greedy_output_is_the_single_process_models(
         cached = reply[sharded].usage.prompt_tokens_details
         assert (cached.cached_tokens if cached else 0) > 0 or turn == 0
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "And?"}]
+    # a constrained answer: every rank's guide alike, the same JSON as one process's
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}
+    constrained = {
+        model: client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "A number, please."}],
+            max_tokens=16,
+            temperature=0,
+            response_format=fmt,  # type: ignore[arg-type]
+        )
+        for model in (single, sharded)
+    }
+    text = constrained[single].choices[0].message.content
+    assert constrained[sharded].choices[0].message.content == text
+    if constrained[single].choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text or "")["n"], int)
     if sharded == "piped":  # each rank ran its own layers (mlx-lm's pipeline), not a slice
         log = (gw.run_dir / "logs" / "worker-piped.log").read_text()
         assert "pipeline rank 0 of 2: layers 1-2" in log
