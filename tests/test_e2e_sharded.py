@@ -1,8 +1,8 @@
 """A model sharded over two worker processes (MLX's ring backend on loopback, tensor
 parallel, and a Qwen2 pipelined), through the gateway: greedy output token for token as the
-same model in one process, prefix-cache hits and a constrained answer included; one rank killed takes the group down
-and the supervisor restarts it as a unit; an unload ends every rank; NCCL without MLX's CUDA
-build is a 503 saying so."""
+same model in one process, prefix-cache hits and a constrained answer included; one rank
+killed takes the group down and the supervisor restarts it as a unit; an unload ends every
+rank; NCCL without MLX's CUDA build is a 503 saying so."""
 
 from __future__ import annotations
 
