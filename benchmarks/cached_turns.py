@@ -15,7 +15,8 @@ first-token ms of each turn and the cached tokens each turn found.
 
 MLX runs as a worker runs it (`shared.blas.mlx_worker_defaults`: under CUDA, off cuDNN's
 attention) unless the environment says otherwise: `MLX_CUDA_USE_CUDNN_SDPA=1` measures
-cuDNN's (each line says which, `cudnn_sdpa`).
+cuDNN's (each line says which, `cudnn_sdpa`). With `MLX_GATEWAY_STEP_TRACE` set to a folder,
+the engine's steps are timed there as a worker's are (worker/steptrace.py).
 """
 
 from __future__ import annotations
@@ -77,11 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     from shared.config import EngineOptions
     from worker.backends.mlx_lm import load, make_backend
     from worker.engine.core import EngineCore
+    from worker.steptrace import StepTrace
 
     model, tokenizer = load(args.model)
     for name, cached in SETTINGS.items():
         options = EngineOptions(max_running=8, prefill_batch_size=8, prefix_cache=cached)
-        engine = EngineCore(make_backend(model, tokenizer, options), options)
+        engine = StepTrace.wrap(EngineCore(make_backend(model, tokenizer, options), options))
         for trace in range(args.traces):
             history = _ids(1000 * trace + 1, args.system)
             line: dict[str, Any] = {"setting": name, "trace": trace, "prompt": [], "ms": []}
