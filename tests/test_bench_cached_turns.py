@@ -51,7 +51,7 @@ def test_bad_arguments_are_refused_before_loading() -> None:
 def test_the_engine_alone_benchmarks_import_no_mlx_before_their_settings() -> None:
     """MLX reads its settings once: the benchmarks set the workers' before they load it."""
     code = (
-        "import sys, benchmarks.cached_turns, benchmarks.first_token; "
+        "import sys, benchmarks.cached_turns, benchmarks.first_token, benchmarks.cached_prefill; "
         "assert 'mlx' not in sys.modules and 'mlx.core' not in sys.modules"
     )
     root = Path(__file__).resolve().parents[1]

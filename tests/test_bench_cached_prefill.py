@@ -1,0 +1,36 @@
+"""benchmarks/cached_prefill.py on the tiny chat model: one line with the forward pass and
+the attention at each new length, the cold lengths after, and the cuDNN setting."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import cached_prefill
+from shared.blas import CACHE_THRASHING_CHECK, CUDNN_SDPA, PTX_CACHE
+
+
+def test_a_cached_turns_forward_and_attention(
+    chat_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in (CUDNN_SDPA, CACHE_THRASHING_CHECK, PTX_CACHE):  # unset, restored after
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    argv = [str(chat_model), "--cached", "40", "--new", "3,9", "--trials", "2"]
+    assert cached_prefill.main(argv) == 0
+    (line,) = [json.loads(out) for out in capsys.readouterr().out.splitlines()]
+    assert line["cached"] == 40 and line["layers"] > 0
+    assert line["cudnn_sdpa"] == "0"  # MLX as a worker runs it
+    assert sorted(line["forward"]) == sorted(line["attention_ms"]) == ["3", "9"]
+    for shape in line["forward"].values():
+        assert shape["first_ms"] > 0 and shape["warm_ms"] > 0
+    assert all(ms > 0 for ms in line["attention_ms"].values())
+    assert len(line["cold_ms"]) == cached_prefill.COLD and all(ms > 0 for ms in line["cold_ms"])
+
+
+def test_bad_arguments_are_refused_before_loading() -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cached_prefill.main(["/nonexistent-model", "--cached", "0"])
+    assert exit_info.value.code == 2
