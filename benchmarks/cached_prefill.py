@@ -12,6 +12,13 @@ up, each met once, as a served worker meets a conversation's turns without prefi
 buckets; `attention_ms`: MLX's `scaled_dot_product_attention` alone at each shape (the
 model's heads, causal), the median over `--trials`, times the layers.
 
+`--via` adds the ways the rows batch (worker/backends/rows.py) runs the same prefill, each
+trial on a batch cache made anew from the cached positions (as a prefix cache hit is), that
+copy included: `batch`, mlx-lm's batch cache (its mask array); `buckets`, the same through
+the views of worker/backends/prefill_buckets.py (new tokens padded to a bucket, attention
+over a bucket of keys with a mask array), the engine's way under CUDA. `forward` then has
+one entry a way (`plain` the model's own cache).
+
 MLX runs as a worker runs it (`shared.blas.mlx_worker_defaults`: under CUDA, off cuDNN's
 attention) unless the environment says otherwise (`MLX_CUDA_USE_CUDNN_SDPA=1` for cuDNN's).
 Prints one JSON line.
@@ -30,6 +37,7 @@ from benchmarks.engine_steps import positive_ints
 from shared.blas import CUDNN_SDPA, mlx_worker_defaults
 
 COLD = 10  # lengths met once each
+WAYS = ("batch", "buckets")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,9 +46,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cached", type=int, default=4400, help="cached positions before the turn")
     p.add_argument("--new", type=positive_ints, default=[16, 128, 250], help="new tokens")
     p.add_argument("--trials", type=int, default=10, help="timed trials a shape, after 3")
+    p.add_argument("--via", default="batch,buckets", help="more ways: batch, buckets ('': none)")
     args = p.parse_args(argv)
     if args.cached < 1 or args.trials < 1:
         p.error("--cached and --trials must be at least 1")
+    args.via = [w for w in args.via.split(",") if w]
+    if set(args.via) - set(WAYS):
+        p.error(f"--via: ways are {', '.join(WAYS)}")
     return args
 
 
@@ -75,16 +87,35 @@ def main(argv: list[str] | None = None) -> int:
             c.trim(n)
         return ms
 
+    def batched(way: str, n: int) -> float:
+        from mlx_lm.models.cache import BatchKVCache
+
+        from worker.backends.prefill_buckets import TOKEN_BUCKET, bucket, views
+
+        width = bucket(n, TOKEN_BUCKET) if way == "buckets" else n
+        tokens = mx.array([[(11 * i) % 300 + 5 for i in range(n)] + [0] * (width - n)])
+        mx.eval(tokens)
+
+        def run() -> None:
+            batch = [BatchKVCache.merge([c]) for c in cache]
+            seen = views(batch) if way == "buckets" else batch
+            mx.eval(model(tokens, cache=seen)[:, n - 1, :])
+
+        return _ms(run)
+
     config, layers = model.args, len(model.layers)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     dtype = model.layers[0].self_attn.q_proj.weight.dtype
+    ways = {"plain": forward} | {w: (lambda n, w=w: batched(w, n)) for w in args.via}
     line: dict[str, Any] = {"cached": args.cached, "layers": layers, "forward": {}}
     line["attention_ms"] = {}
     for n in args.new:
-        first = forward(n)
-        times = [forward(n) for _ in range(args.trials + 2)][2:]
-        line["forward"][n] = {"first_ms": round(first, 2), "warm_ms": _median(times)}
+        for way, run in ways.items():
+            first = run(n)
+            times = [run(n) for _ in range(args.trials + 2)][2:]
+            entry = {"first_ms": round(first, 2), "warm_ms": _median(times)}
+            line["forward"].setdefault(way, {})[n] = entry
         q = mx.random.normal((1, heads, n, head_dim)).astype(dtype)
         k, v = (
             mx.random.normal((1, kv_heads, args.cached + n, head_dim)).astype(dtype)

@@ -23,14 +23,24 @@ def test_a_cached_turns_forward_and_attention(
     (line,) = [json.loads(out) for out in capsys.readouterr().out.splitlines()]
     assert line["cached"] == 40 and line["layers"] > 0
     assert line["cudnn_sdpa"] == "0"  # MLX as a worker runs it
-    assert sorted(line["forward"]) == sorted(line["attention_ms"]) == ["3", "9"]
-    for shape in line["forward"].values():
-        assert shape["first_ms"] > 0 and shape["warm_ms"] > 0
+    assert sorted(line["forward"]) == ["batch", "buckets", "plain"]  # every way by default
+    for way in line["forward"].values():
+        assert sorted(way) == ["3", "9"]
+        assert all(s["first_ms"] > 0 and s["warm_ms"] > 0 for s in way.values())
+    assert sorted(line["attention_ms"]) == ["3", "9"]
     assert all(ms > 0 for ms in line["attention_ms"].values())
     assert len(line["cold_ms"]) == cached_prefill.COLD and all(ms > 0 for ms in line["cold_ms"])
 
 
-def test_bad_arguments_are_refused_before_loading() -> None:
+def test_the_plain_forward_pass_alone(chat_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [str(chat_model), "--cached", "20", "--new", "4", "--trials", "1", "--via", ""]
+    assert cached_prefill.main(argv) == 0
+    (line,) = [json.loads(out) for out in capsys.readouterr().out.splitlines()]
+    assert list(line["forward"]) == ["plain"]
+
+
+@pytest.mark.parametrize("argv", [["--cached", "0"], ["--via", "batch,paged"]])
+def test_bad_arguments_are_refused_before_loading(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        cached_prefill.main(["/nonexistent-model", "--cached", "0"])
+        cached_prefill.main(["/nonexistent-model", *argv])
     assert exit_info.value.code == 2
