@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         def run() -> None:
             batch = [BatchKVCache.merge([c]) for c in cache]
             seen = views(batch) if way == "buckets" else batch
+            if seen is None:  # not a state the buckets read: no forward pass without a cache
+                raise RuntimeError("--via buckets: this mlx-lm's batch cache is not bucketed")
             mx.eval(model(tokens, cache=seen)[:, n - 1, :])
 
         return _ms(run)
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     config, layers = model.args, len(model.layers)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    dtype = model.layers[0].self_attn.q_proj.weight.dtype
+    dtype = cache[0].state[0].dtype  # the keys' as attention reads them
     ways = {"plain": forward} | {w: (lambda n, w=w: batched(w, n)) for w in args.via}
     line: dict[str, Any] = {"cached": args.cached, "layers": layers, "forward": {}}
     line["attention_ms"] = {}
@@ -124,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         mx.eval(q, k, v)
 
         def attend(q: Any = q, k: Any = k, v: Any = v) -> None:
-            mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask="causal"))
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5, mask="causal")
+            mx.eval(out)
 
         attend()
         one = _median([_ms(attend) for _ in range(args.trials + 2)][2:])
