@@ -5,19 +5,22 @@ hundred new tokens on a long cached prefix, and MLX's attention alone at that sh
 
 An agent's next turn prefills its new tokens (a tool result, a user message) over every
 cached position before them. The model's plain KV cache is filled with `--cached` positions
-once; each trial runs the forward pass over NEW tokens on it, to the last position's logits,
-and trims the cache back. For each length: `first_ms` (the shape met for the first time) and
-`warm_ms` (the median of `--trials` after two more); `cold_ms`: lengths from the last NEW
-up, each met once, as a served worker meets a conversation's turns without prefill
-buckets; `attention_ms`: MLX's `scaled_dot_product_attention` alone at each shape (the
-model's heads, causal), the median over `--trials`, times the layers.
+once; each trial runs the forward pass over NEW tokens on it up to its keys and values (as
+the engine's prefill does: no logits) and trims the cache back. First `cold_ms`: ten
+lengths after the last NEW, each met once, as a served worker meets a conversation's turns
+without prefill buckets. Then for each length and way: `first_ms` (that way's first call at
+that length: only the first way meets the length's shapes for the first time) and `warm_ms`
+(the median of `--trials` after two more); and `attention_ms`: MLX's
+`scaled_dot_product_attention` at that shape (the model's heads, causal), once a layer in
+one evaluation, each call on the last one's output, the median over `--trials`.
 
-`--via` adds the ways the rows batch (worker/backends/rows.py) runs the same prefill, each
-trial on a batch cache made anew from the cached positions (as a prefix cache hit is), that
-copy included: `batch`, mlx-lm's batch cache (its mask array); `buckets`, the same through
-the views of worker/backends/prefill_buckets.py (new tokens padded to a bucket, attention
-over a bucket of keys with a mask array), the engine's way under CUDA. `forward` then has
-one entry a way (`plain` the model's own cache).
+The ways: `plain`, the model's own cache; and with `--via`, the ways the rows batch
+(worker/backends/rows.py) runs the same prefill, each trial on a batch cache made anew from
+the cached positions (as a prefix cache hit is), that copy included: `batch`, mlx-lm's batch
+cache (its mask array); `buckets`, the same through the views of
+worker/backends/prefill_buckets.py (new tokens padded to a bucket, attention over a bucket
+of keys with a mask array), the engine's way under CUDA. A NEW is at most one prefill chunk
+(`engine.prefill_step_size`'s default), as a cached turn's new tokens mostly are.
 
 MLX runs as a worker runs it (`shared.blas.mlx_worker_defaults`: under CUDA, off cuDNN's
 attention) unless the environment says otherwise (`MLX_CUDA_USE_CUDNN_SDPA=1` for cuDNN's).
@@ -27,17 +30,21 @@ Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from benchmarks.engine_steps import positive_ints
 from shared.blas import CUDNN_SDPA, mlx_worker_defaults
+from shared.engine_options import EngineOptions
 
 COLD = 10  # lengths met once each
 WAYS = ("batch", "buckets")
+CHUNK = EngineOptions().prefill_step_size
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,13 +57,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.cached < 1 or args.trials < 1:
         p.error("--cached and --trials must be at least 1")
+    if max(args.new) + COLD > CHUNK:
+        p.error(f"--new: at most {CHUNK - COLD} tokens (one prefill chunk, the cold lengths after)")
     args.via = [w for w in args.via.split(",") if w]
     if set(args.via) - set(WAYS):
         p.error(f"--via: ways are {', '.join(WAYS)}")
     return args
 
 
-def _ms(run: Any) -> float:
+def _ms(run: Callable[[], None]) -> float:
     import mlx.core as mx
 
     mx.synchronize()
@@ -66,74 +75,105 @@ def _ms(run: Any) -> float:
     return 1000 * (time.perf_counter() - started)
 
 
+def _tokens(n: int, width: int) -> Any:
+    import mlx.core as mx
+
+    return mx.array([[(11 * i) % 300 + 5 for i in range(n)] + [0] * (width - n)])
+
+
+def plain(model: Any, cache: list[Any], n: int) -> float:
+    """The forward pass over n new tokens on the model's own cache, which it leaves as found."""
+    import mlx.core as mx
+
+    tokens = _tokens(n, n)
+
+    def run() -> None:
+        model(tokens, cache=cache)
+        mx.eval([c.state for c in cache])
+
+    ms = _ms(run)
+    for c in cache:
+        c.trim(n)
+    return ms
+
+
+def batched(model: Any, cache: list[Any], n: int, way: str) -> float:
+    """The same on a batch cache copied from `cache` (untouched), through the prefill
+    buckets' views for `way` "buckets"."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    from worker.backends.prefill_buckets import padded_width, views
+
+    tokens = _tokens(n, padded_width(n, CHUNK) if way == "buckets" else n)
+    mx.eval(tokens)
+
+    def run() -> None:
+        batch = [BatchKVCache.merge([c]) for c in cache]
+        seen = views(batch) if way == "buckets" else batch
+        if seen is None:  # not a state the buckets read: no forward pass without a cache
+            raise RuntimeError("--via buckets: this mlx-lm's batch cache is not bucketed")
+        model(tokens, cache=seen)
+        mx.eval([c.state for c in batch])
+
+    return _ms(run)
+
+
+def attention(shape: tuple[int, int, int, Any], cached: int, n: int, layers: int) -> float:
+    """MLX's attention of n queries over cached + n keys, once a layer, in one evaluation."""
+    import mlx.core as mx
+
+    heads, kv_heads, head_dim, dtype = shape
+    q = mx.random.normal((1, heads, n, head_dim)).astype(dtype)
+    k, v = (mx.random.normal((1, kv_heads, cached + n, head_dim)).astype(dtype) for _ in "kv")
+    mx.eval(q, k, v)
+
+    def run() -> None:
+        out = q
+        for _ in range(layers):
+            out = mx.fast.scaled_dot_product_attention(
+                out, k, v, scale=head_dim**-0.5, mask="causal"
+            )
+        mx.eval(out)
+
+    return _ms(run)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     mlx_env = mlx_worker_defaults(os.environ)  # before MLX: as a worker runs it
     import mlx.core as mx
     from mlx_lm import load
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
 
     model, _ = load(args.model)
     cache = make_prompt_cache(model)
+    if any(type(c) is not KVCache for c in cache):
+        raise SystemExit("cached_prefill: the model's cache is not mlx-lm's plain KVCache")
     prefix = mx.array([[(7 * i) % 300 + 5 for i in range(args.cached)]])
     for start in range(0, args.cached, 1024):
         model(prefix[:, start : start + 1024], cache=cache)
         mx.eval([c.state for c in cache])
+    line: dict[str, Any] = {"cached": args.cached, "layers": len(model.layers)}
+    last = args.new[-1]
+    line["cold_ms"] = [round(plain(model, cache, n), 2) for n in range(last + 1, last + 1 + COLD)]
 
-    def forward(n: int) -> float:
-        tokens = mx.array([[(11 * i) % 300 + 5 for i in range(n)]])
-        ms = _ms(lambda: mx.eval(model(tokens, cache=cache)[:, -1, :]))
-        for c in cache:
-            c.trim(n)
-        return ms
-
-    def batched(way: str, n: int) -> float:
-        from mlx_lm.models.cache import BatchKVCache
-
-        from worker.backends.prefill_buckets import TOKEN_BUCKET, bucket, views
-
-        width = bucket(n, TOKEN_BUCKET) if way == "buckets" else n
-        tokens = mx.array([[(11 * i) % 300 + 5 for i in range(n)] + [0] * (width - n)])
-        mx.eval(tokens)
-
-        def run() -> None:
-            batch = [BatchKVCache.merge([c]) for c in cache]
-            seen = views(batch) if way == "buckets" else batch
-            if seen is None:  # not a state the buckets read: no forward pass without a cache
-                raise RuntimeError("--via buckets: this mlx-lm's batch cache is not bucketed")
-            mx.eval(model(tokens, cache=seen)[:, n - 1, :])
-
-        return _ms(run)
-
-    config, layers = model.args, len(model.layers)
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    config = model.args
+    heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     dtype = cache[0].state[0].dtype  # the keys' as attention reads them
-    ways = {"plain": forward} | {w: (lambda n, w=w: batched(w, n)) for w in args.via}
-    line: dict[str, Any] = {"cached": args.cached, "layers": layers, "forward": {}}
-    line["attention_ms"] = {}
+    shape = (heads, config.num_key_value_heads, head_dim, dtype)
+    ways: dict[str, Callable[[int], float]] = {"plain": functools.partial(plain, model, cache)}
+    for way in args.via:
+        ways[way] = functools.partial(batched, model, cache, way=way)
+    line["forward"], line["attention_ms"] = {way: {} for way in ways}, {}
     for n in args.new:
         for way, run in ways.items():
             first = run(n)
             times = [run(n) for _ in range(args.trials + 2)][2:]
-            entry = {"first_ms": round(first, 2), "warm_ms": _median(times)}
-            line["forward"].setdefault(way, {})[n] = entry
-        q = mx.random.normal((1, heads, n, head_dim)).astype(dtype)
-        k, v = (
-            mx.random.normal((1, kv_heads, args.cached + n, head_dim)).astype(dtype)
-            for _ in range(2)
-        )
-        mx.eval(q, k, v)
-
-        def attend(q: Any = q, k: Any = k, v: Any = v) -> None:
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5, mask="causal")
-            mx.eval(out)
-
-        attend()
-        one = _median([_ms(attend) for _ in range(args.trials + 2)][2:])
-        line["attention_ms"][n] = round(one * layers, 2)
-    last = args.new[-1]
-    line["cold_ms"] = [round(forward(n), 2) for n in range(last + 1, last + 1 + COLD)]
+            line["forward"][way][n] = {"first_ms": round(first, 2), "warm_ms": _median(times)}
+        times = [attention(shape, args.cached, n, len(model.layers)) for _ in range(args.trials)]
+        line["attention_ms"][n] = _median(times)
     line["cudnn_sdpa"] = mlx_env[CUDNN_SDPA]
     print(json.dumps(line), flush=True)
     return 0

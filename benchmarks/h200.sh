@@ -2,8 +2,9 @@
 # The GPU figures of docs/benchmarks.md: one NVIDIA GPU, MLX's CUDA backend, random-weight
 # models of Llama-3.2-1B's and Llama-3.1-8B's shapes in bf16 (vocab 128,256).
 #
-#   benchmarks/h200.sh OUT [1b] [8b] [agent] [agent8b] [turns] [forward] [arrivals] [steps] [steps8b] [shapes] [leaving]
-#                      [prefills] [prefill-profile] [profile] [first-use]
+#   benchmarks/h200.sh OUT [1b] [8b] [agent] [agent8b] [turns] [forward] [arrivals] [steps]
+#                      [steps8b] [shapes] [leaving] [prefills] [prefill-profile] [profile]
+#                      [first-use]
 #   (default: 1b 8b agent)
 #
 # Run from the repository root with MLX (CUDA), mlx-lm and the project importable by
@@ -42,8 +43,9 @@
 #   cuDNN's attention), then on cuDNN's (AGENT_ARGS="--sources gateway-rows-cudnn,..." is
 #   the same served).
 # - forward: benchmarks.cached_prefill on the 1b shape: a cached turn's forward pass (16, 128
-#   and 250 new tokens on 4,400 cached) and MLX's attention alone at those shapes, off
-#   cuDNN's attention then on it (OUT/forward.jsonl).
+#   and 250 new tokens on 4,400 cached; plain, on mlx-lm's batch cache and through the
+#   prefill buckets) and MLX's attention alone at those shapes, off cuDNN's attention then on
+#   it (OUT/forward.jsonl; MLX's messages in OUT/forward.log).
 # - arrivals: benchmarks.arrivals on the 1b shape in one process: mlx-lm's BatchGenerator and
 #   the project's rows batch (joins at once and settled) with sequences starting together
 #   and spread, and what one join costs each.
@@ -258,7 +260,7 @@ for step in $STEPS; do
       : >"$OUT/forward.jsonl"
       for cudnn in 0 1; do
         MLX_CUDA_USE_CUDNN_SDPA=$cudnn $PY -m benchmarks.cached_prefill "$(model 1b $SHAPE_1B)" \
-          2>&1 | tee -a "$OUT/forward.jsonl"
+          2>>"$OUT/forward.log" | tee -a "$OUT/forward.jsonl"
       done
       ;;
     arrivals)

@@ -1,12 +1,17 @@
-"""benchmarks/cached_prefill.py on the tiny chat model: one line with the forward pass and
-the attention at each new length, the cold lengths after, and the cuDNN setting."""
+"""benchmarks/cached_prefill.py on the tiny chat model: one line with the forward pass each
+way and the attention at each new length, the cold lengths, and the cuDNN setting; each way
+leaves the cached prefix as it found it."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import pytest
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
 
 from benchmarks import cached_prefill
 from shared.blas import CACHE_THRASHING_CHECK, CUDNN_SDPA, PTX_CACHE
@@ -32,6 +37,33 @@ def test_a_cached_turns_forward_and_attention(
     assert len(line["cold_ms"]) == cached_prefill.COLD and all(ms > 0 for ms in line["cold_ms"])
 
 
+def _prefix(chat_model: Path, cached: int) -> tuple[object, list]:
+    model, _ = load(str(chat_model))
+    cache = make_prompt_cache(model)
+    model(mx.array([[5 + i % 50 for i in range(cached)]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return model, cache
+
+
+def test_every_way_leaves_the_cached_prefix_as_it_found_it(chat_model: Path) -> None:
+    model, cache = _prefix(chat_model, 30)
+    keys = np.array(cache[0].state[0][..., :30, :])  # a copy of its own
+    cached_prefill.plain(model, cache, 7)
+    for way in cached_prefill.WAYS:
+        cached_prefill.batched(model, cache, 7, way)
+    assert all(c.offset == 30 for c in cache)
+    assert np.array_equal(np.array(cache[0].state[0][..., :30, :]), keys)
+
+
+def test_a_batch_cache_the_buckets_cannot_read_is_an_error(
+    chat_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, cache = _prefix(chat_model, 20)
+    monkeypatch.setattr("worker.backends.prefill_buckets.views", lambda caches: None)
+    with pytest.raises(RuntimeError, match="not bucketed"):
+        cached_prefill.batched(model, cache, 4, "buckets")
+
+
 def test_the_plain_forward_pass_alone(chat_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = [str(chat_model), "--cached", "20", "--new", "4", "--trials", "1", "--via", ""]
     assert cached_prefill.main(argv) == 0
@@ -39,7 +71,7 @@ def test_the_plain_forward_pass_alone(chat_model: Path, capsys: pytest.CaptureFi
     assert list(line["forward"]) == ["plain"]
 
 
-@pytest.mark.parametrize("argv", [["--cached", "0"], ["--via", "batch,paged"]])
+@pytest.mark.parametrize("argv", [["--cached", "0"], ["--via", "batch,paged"], ["--new", "16,600"]])
 def test_bad_arguments_are_refused_before_loading(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cached_prefill.main(["/nonexistent-model", *argv])
