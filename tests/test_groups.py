@@ -33,6 +33,7 @@ def test_known_models_only_and_only_where_the_probe_agrees(
     assert first_token(other) is None
     assert first_token(Doubled(chat.model)) is None
     assert "other logits" in caplog.text
+    assert "row 1 of 1: logits off by up to" in caplog.text  # how far, for a GPU's log
 
 
 def test_auto_takes_them_from_the_prefill_on_mlx_cuda_and_cpu_not_metal(

@@ -130,21 +130,24 @@ def first_token(model: Any) -> FirstToken | None:
         log.info("first tokens: a decode step after the prefill (%s)", reason)
         return None
     first = FirstToken(model)
-    if not probe(model, first):
+    mismatch = probe(model, first)
+    if mismatch is not None:
         log.warning(
             "first tokens: a decode step after the prefill (this mlx-lm's model computes "
-            "other logits than its layers and head do on a probe)"
+            "other logits than its layers and head do on a probe: %s)",
+            mismatch,
         )
         return None
     return first
 
 
-def probe(model: Any, first: FirstToken) -> bool:
-    """Whether the first tokens' logits match the model's forward pass over each prompt
+def probe(model: Any, first: FirstToken) -> str | None:
+    """None when the first tokens' logits match the model's forward pass over each prompt
     alone: one row (the last layer's output at its last position only), and two rows of
     different lengths prefilled side by side (right-padded: its output from the shorter
-    row's end on). The tolerance is decode_step.py's probe's (bfloat16 on a GPU rounds a
-    product over a few positions otherwise than over one)."""
+    row's end on); else where and how far they differ. The tolerance is decode_step.py's
+    probe's (bfloat16 on a GPU rounds a product over a few positions otherwise than over
+    one)."""
     layers = len(model.model.layers)
     for prompts in ([[1, 2, 3, 4]], [[1, 2, 3, 4, 5], [6, 7, 8]]):
         waiting = [
@@ -157,8 +160,13 @@ def probe(model: Any, first: FirstToken) -> bool:
         for i, p in enumerate(prompts):
             want = model(mx.array([p]))[0, -1].astype(mx.float32)
             if not mx.allclose(got[i], want, rtol=2e-2, atol=2e-2).item():
-                return False
-    return True
+                off = mx.abs(got[i] - want)
+                return (
+                    f"row {i + 1} of {len(prompts)}: logits off by up to "
+                    f"{mx.max(off).item():.4g} (largest logit {mx.max(mx.abs(want)).item():.4g}, "
+                    f"{mx.sum(mx.isnan(got[i])).item()} NaN)"
+                )
+    return None
 
 
 def start_group(
