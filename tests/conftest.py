@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from shared.blas import CACHE_THRASHING_CHECK, CUDNN_SDPA, PTX_CACHE
 from tests.engine_fixtures import PROMPT_TEXTS, Loaded, load
 from tests.gateway_proc import GatewayProc, running_gateway
 from worker.modelgen import TinyModelSpec, build_tiny_model, byte_token_id
@@ -141,3 +142,12 @@ def batcher(request: pytest.FixtureRequest) -> Iterator[str]:
     finally:
         for key in ("batcher", "decode_step", "first_token"):
             engine_fixtures.ENGINE_DEFAULTS.pop(key, None)
+
+
+@pytest.fixture
+def no_mlx_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MLX settings a worker puts in its environment (shared.blas.mlx_worker_defaults)
+    unset for the test, and the environment as it was after, whatever the test set."""
+    for name in (CUDNN_SDPA, CACHE_THRASHING_CHECK, PTX_CACHE):
+        monkeypatch.setenv(name, "")  # recorded, so that a value set later goes again
+        monkeypatch.delenv(name)

@@ -14,15 +14,12 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
 from benchmarks import cached_prefill
-from shared.blas import CACHE_THRASHING_CHECK, CUDNN_SDPA, PTX_CACHE
 
 
+@pytest.mark.usefixtures("no_mlx_settings")
 def test_a_cached_turns_forward_and_attention(
-    chat_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    chat_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for name in (CUDNN_SDPA, CACHE_THRASHING_CHECK, PTX_CACHE):  # unset, restored after
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
     argv = [str(chat_model), "--cached", "40", "--new", "3,9", "--trials", "2"]
     assert cached_prefill.main(argv) == 0
     (line,) = [json.loads(out) for out in capsys.readouterr().out.splitlines()]

@@ -11,15 +11,12 @@ from pathlib import Path
 import pytest
 
 from benchmarks import cached_turns
-from shared.blas import CACHE_THRASHING_CHECK, CUDNN_SDPA, PTX_CACHE
 
 
+@pytest.mark.usefixtures("no_mlx_settings")
 def test_turns_with_and_without_the_prefix_cache(
-    chat_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    chat_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for name in (CUDNN_SDPA, CACHE_THRASHING_CHECK, PTX_CACHE):  # unset, restored after
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
     argv = [str(chat_model), "--system", "96", "--turns", "3", "--reply", "4", "--traces", "2"]
     assert cached_turns.main(argv) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

@@ -8,15 +8,13 @@ from pathlib import Path
 import pytest
 
 from benchmarks import first_token
-from shared.blas import CACHE_THRASHING_CHECK, CUDNN_SDPA, PTX_CACHE
+from shared.blas import CUDNN_SDPA
 
 
+@pytest.mark.usefixtures("no_mlx_settings")
 def test_each_case_times_both_settings(
     chat_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for name in (CACHE_THRASHING_CHECK, PTX_CACHE):  # unset, restored after
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
     monkeypatch.setenv(CUDNN_SDPA, "1")  # set: it wins over the worker's default
     argv = [str(chat_model), "--cases", "0x12,2x12x3", "--trials", "2"]
     assert first_token.main(argv) == 0
