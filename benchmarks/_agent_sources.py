@@ -29,14 +29,13 @@ GATEWAY_ENGINE: dict[str, dict[str, bool | int | float | str]] = {
         "prefill_shapes": "buckets",
     },
     "gateway-rows-stepfirst": {"prefix_cache": True, "batcher": "rows", "first_token": "step"},
-    "gateway-rows-cudnn": {"prefix_cache": True, "batcher": "rows"},
-    "gateway-rows-nocache-cudnn": {"prefix_cache": False, "batcher": "rows"},
 }
-# the environment a source's gateway (and so its workers) gets beside the run's
-GATEWAY_ENV: dict[str, dict[str, str]] = {
-    "gateway-rows-cudnn": {CUDNN_SDPA: "1"},
-    "gateway-rows-nocache-cudnn": {CUDNN_SDPA: "1"},
-}
+# the environment a source's gateway (and so its workers) gets beside the run's: a "-cudnn"
+# source is its plain one's configuration on cuDNN's attention
+GATEWAY_ENV: dict[str, dict[str, str]] = {}
+for _plain in ("gateway-rows", "gateway-rows-nocache"):
+    GATEWAY_ENGINE[f"{_plain}-cudnn"] = GATEWAY_ENGINE[_plain]
+    GATEWAY_ENV[f"{_plain}-cudnn"] = {CUDNN_SDPA: "1"}
 GATEWAY_MODEL_NAME = "bench"
 # every source --sources accepts: the default ones, then the other gateway configurations
 KNOWN = (*SOURCES, *(name for name in GATEWAY_ENGINE if name not in SOURCES))

@@ -39,9 +39,9 @@
 #   ..." picks others, e.g. gateway-rows-whole: prompts tokenized whole).
 # - turns: benchmarks.cached_turns on the 1b shape: the agent trace's lengths in one process,
 #   the engine alone with its prefix cache and without, first-token ms per turn (what
-#   serving adds to agent's turns: OUT/turns.jsonl), with MLX as workers run it (off
-#   cuDNN's attention), then on cuDNN's (AGENT_ARGS="--sources gateway-rows-cudnn,..." is
-#   the same served).
+#   serving adds to agent's turns: OUT/turns.jsonl, MLX's messages in OUT/turns.log), with
+#   MLX as workers run it (off cuDNN's attention), then on cuDNN's
+#   (AGENT_ARGS="--sources gateway-rows-cudnn,..." is the same served).
 # - forward: benchmarks.cached_prefill on the 1b shape: a cached turn's forward pass (16, 128
 #   and 250 new tokens on 4,400 cached; plain, on mlx-lm's batch cache and through the
 #   prefill buckets) and MLX's attention alone at those shapes, off cuDNN's attention then on
@@ -253,7 +253,8 @@ for step in $STEPS; do
       : >"$OUT/turns.jsonl"
       for cudnn in 0 1; do
         MLX_CUDA_USE_CUDNN_SDPA=$cudnn $PY -m benchmarks.cached_turns "$(model 1b $SHAPE_1B)" \
-          --system "$AGENT_SYSTEM" --turns "$AGENT_TURNS" 2>&1 | tee -a "$OUT/turns.jsonl"
+          --system "$AGENT_SYSTEM" --turns "$AGENT_TURNS" 2>>"$OUT/turns.log" |
+          tee -a "$OUT/turns.jsonl"
       done
       ;;
     forward)
