@@ -20,9 +20,34 @@ class Doubled:
 
     def __init__(self, model: Any) -> None:
         self.wrapped, self.model, self.model_type = model, model.model, model.model_type
+        self.lm_head = model.lm_head
 
     def __call__(self, tokens: mx.array, cache: Any = None) -> mx.array:
         return 2 * self.wrapped(tokens, cache=cache)
+
+
+class Rounded:
+    """A model whose forward pass over several positions rounds otherwise than a decode
+    step's, as a GPU's kernels do: its logits there off by a tenth."""
+
+    def __init__(self, model: Any) -> None:
+        self.wrapped, self.model, self.model_type = model, model.model, model.model_type
+        self.lm_head = model.lm_head
+
+    def __call__(self, tokens: mx.array, cache: Any = None) -> mx.array:
+        out = self.wrapped(tokens, cache=cache)
+        return out + 0.1 if tokens.shape[1] > 1 else out
+
+
+class Recorded:
+    """A layer that records its queries' positions."""
+
+    def __init__(self, layer: Any, lengths: list[int]) -> None:
+        self.layer, self.lengths = layer, lengths
+
+    def __call__(self, h: mx.array, mask: Any, cache: Any) -> mx.array:
+        self.lengths.append(h.shape[1])
+        return self.layer(h, mask, cache)
 
 
 def test_known_models_only_and_only_where_the_probe_agrees(
@@ -34,6 +59,13 @@ def test_known_models_only_and_only_where_the_probe_agrees(
     assert first_token(Doubled(chat.model)) is None
     assert "other logits" in caplog.text
     assert "row 1 of 1: logits off by up to" in caplog.text  # how far, for a GPU's log
+    assert "mlx-lm's own first token's by" in caplog.text
+
+
+def test_the_probe_takes_a_backends_rounding_as_its_yardstick(chat: Loaded) -> None:
+    """Off by more than the tolerance, but no farther than mlx-lm's own first token: the
+    model's logits as this backend rounds them."""
+    assert first_token(Rounded(chat.model)) is not None
 
 
 def test_auto_takes_them_from_the_prefill_on_mlx_cuda_and_cpu_not_metal(
@@ -127,3 +159,25 @@ def test_rows_ending_together_split_the_last_layer_and_give_mlx_lms_tokens(
             assert tokens[uid][:8] == reference_greedy(chat.model, prompt, 8)
         kv, held = batch.extract(uids[:1])[uids[0]]
         assert [c.size() for c in kv.caches()] == [len(held)] * len(batch.caches)
+
+
+def test_with_buckets_the_last_layer_splits_at_bucketed_lengths(
+    chat: Loaded, prompts: list[list[int]]
+) -> None:
+    """Two rows ending at 100 and 90 positions, in a chunk padded to 128: the last layer runs
+    over 64 positions, then 64 (not 89, then 11), and the tokens are still mlx-lm's."""
+    base = max(prompts, key=len)
+    chosen = [(base * 4)[:100], (base * 4)[1:91]]
+    lengths: list[int] = []
+    for buckets, want in ((True, [64, 64]), (False, [89, 11])):
+        first = first_token(chat.model)
+        assert first is not None
+        first.layers = [*first.layers[:-1], Recorded(first.layers[-1], lengths)]
+        batch = RowBatch(chat.model, prefill_buckets=buckets, first=first)
+        uids = insert_greedy(batch, chat, chosen)
+        tokens: dict[int, list[int]] = {}
+        lengths.clear()
+        run_steps(batch, 6, tokens)
+        assert lengths[:2] == want
+        for uid, prompt in zip(uids, chosen, strict=True):
+            assert tokens[uid][:5] == reference_greedy(chat.model, prompt, 5)
