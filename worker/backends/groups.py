@@ -170,8 +170,8 @@ def probe(model: Any, first: FirstToken) -> str | None:
             want = model(mx.array([p]))[0, -1].astype(mx.float32)
             if mx.allclose(got[i], want, rtol=2e-2, atol=2e-2).item():
                 continue
-            off = mx.max(mx.abs(got[i] - want)).item()
-            rounding = mx.max(mx.abs(mlx_lm_first(model, p, layers) - want)).item()
+            off = float(mx.max(mx.abs(got[i] - want)).item())
+            rounding = float(mx.max(mx.abs(mlx_lm_first(model, p, layers) - want)).item())
             if off <= 2 * rounding:
                 continue
             return (
