@@ -170,13 +170,13 @@ def probe(model: Any, first: FirstToken) -> str | None:
             want = model(mx.array([p]))[0, -1].astype(mx.float32)
             if mx.allclose(got[i], want, rtol=2e-2, atol=2e-2).item():
                 continue
-            off = float(mx.max(mx.abs(got[i] - want)).item())
-            rounding = float(mx.max(mx.abs(mlx_lm_first(model, p, layers) - want)).item())
-            if off <= 2 * rounding:
+            off = mx.max(mx.abs(got[i] - want))
+            rounding = mx.max(mx.abs(mlx_lm_first(model, p, layers) - want))
+            if (off <= 2 * rounding).item():
                 continue
             return (
-                f"row {i + 1} of {len(prompts)}: logits off by up to {off:.4g}, mlx-lm's own "
-                f"first token's by {rounding:.4g} (largest logit "
+                f"row {i + 1} of {len(prompts)}: logits off by up to {off.item():.4g}, mlx-lm's "
+                f"own first token's by {rounding.item():.4g} (largest logit "
                 f"{mx.max(mx.abs(want)).item():.4g}, {mx.sum(mx.isnan(got[i])).item()} NaN)"
             )
     return None
