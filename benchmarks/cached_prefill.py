@@ -11,8 +11,13 @@ lengths after the last NEW, each met once, as a served worker meets a conversati
 without prefill buckets. Then for each length and way: `first_ms` (that way's first call at
 that length: only the first way meets the length's shapes for the first time) and `warm_ms`
 (the median of `--trials` after two more); and `attention_ms`: MLX's
-`scaled_dot_product_attention` at that shape (the model's heads, causal), once a layer in
-one evaluation, each call on the last one's output, the median over `--trials`.
+`scaled_dot_product_attention` at that shape (the model's heads), once a layer in one
+evaluation, each call on the last one's output, the median over `--trials`, with each mask
+a cache hands it: `causal` (mlx-lm's plain cache: no array), `array` (its batch cache: a
+boolean array over the keys) and `bucket` (the prefill buckets: a boolean array over a
+bucket of keys, the positions past the written ones hidden). Under CUDA cuDNN's attention
+takes a mask array as a bias, and off cuDNN MLX's own composes the attention of several
+queries from separate operations either way.
 
 The ways: `plain`, the model's own cache; and with `--via`, the ways the rows batch
 (worker/backends/rows.py) runs the same prefill, each trial on a batch cache made anew from
@@ -119,21 +124,39 @@ def batched(model: Any, cache: list[Any], n: int, way: str) -> float:
     return _ms(run)
 
 
-def attention(shape: tuple[int, int, int, Any], cached: int, n: int, layers: int) -> float:
-    """MLX's attention of n queries over cached + n keys, once a layer, in one evaluation."""
+MASKS = ("causal", "array", "bucket")  # attention_ms's masks (module docstring)
+
+
+def keys_and_mask(mask: str, cached: int, n: int) -> tuple[int, Any]:
+    """The keys attention runs over and the mask it is handed for n queries after `cached`
+    positions, as the cache `mask` names hands them (MASKS)."""
+    import mlx.core as mx
+
+    from worker.backends.prefill_buckets import KEY_BUCKET, bucket
+
+    if mask == "causal":
+        return cached + n, "causal"
+    width = cached + n if mask == "array" else bucket(cached + n, KEY_BUCKET)
+    return width, (mx.arange(cached, cached + n)[:, None] >= mx.arange(width)[None])[None, None]
+
+
+def attention(
+    shape: tuple[int, int, int, Any], cached: int, n: int, layers: int, mask: str
+) -> float:
+    """MLX's attention of n queries over cached + n keys, once a layer, in one evaluation;
+    the mask as a cache hands it (keys_and_mask)."""
     import mlx.core as mx
 
     heads, kv_heads, head_dim, dtype = shape
+    width, given = keys_and_mask(mask, cached, n)
     q = mx.random.normal((1, heads, n, head_dim)).astype(dtype)
-    k, v = (mx.random.normal((1, kv_heads, cached + n, head_dim)).astype(dtype) for _ in "kv")
-    mx.eval(q, k, v)
+    k, v = (mx.random.normal((1, kv_heads, width, head_dim)).astype(dtype) for _ in "kv")
+    mx.eval(q, k, v, given if mask != "causal" else q)
 
     def run() -> None:
         out = q
         for _ in range(layers):
-            out = mx.fast.scaled_dot_product_attention(
-                out, k, v, scale=head_dim**-0.5, mask="causal"
-            )
+            out = mx.fast.scaled_dot_product_attention(out, k, v, scale=head_dim**-0.5, mask=given)
         mx.eval(out)
 
     return _ms(run)
@@ -172,8 +195,12 @@ def main(argv: list[str] | None = None) -> int:
             first = run(n)
             times = [run(n) for _ in range(args.trials + 2)][2:]
             line["forward"][way][n] = {"first_ms": round(first, 2), "warm_ms": _median(times)}
-        times = [attention(shape, args.cached, n, len(model.layers)) for _ in range(args.trials)]
-        line["attention_ms"][n] = _median(times)
+        for mask in MASKS:
+            times = [
+                attention(shape, args.cached, n, len(model.layers), mask)
+                for _ in range(args.trials)
+            ]
+            line["attention_ms"].setdefault(mask, {})[n] = _median(times)
     line["cudnn_sdpa"] = mlx_env[CUDNN_SDPA]
     print(json.dumps(line), flush=True)
     return 0

@@ -44,7 +44,8 @@
 #   (AGENT_ARGS="--sources gateway-rows-cudnn,..." is the same served).
 # - forward: benchmarks.cached_prefill on the 1b shape: a cached turn's forward pass (16, 128
 #   and 250 new tokens on 4,400 cached; plain, on mlx-lm's batch cache and through the
-#   prefill buckets) and MLX's attention alone at those shapes, off cuDNN's attention then on
+#   prefill buckets) and MLX's attention alone at those shapes (causal, with the batch cache's
+#   mask array, over a bucket of keys with the buckets' mask), off cuDNN's attention then on
 #   it (OUT/forward.jsonl; MLX's messages in OUT/forward.log).
 # - arrivals: benchmarks.arrivals on the 1b shape in one process: mlx-lm's BatchGenerator and
 #   the project's rows batch (joins at once and settled) with sequences starting together

@@ -29,9 +29,27 @@ def test_a_cached_turns_forward_and_attention(
     for way in line["forward"].values():
         assert sorted(way) == ["3", "9"]
         assert all(s["first_ms"] > 0 and s["warm_ms"] > 0 for s in way.values())
-    assert sorted(line["attention_ms"]) == ["3", "9"]
-    assert all(ms > 0 for ms in line["attention_ms"].values())
+    assert sorted(line["attention_ms"]) == sorted(cached_prefill.MASKS)  # every mask
+    for masked in line["attention_ms"].values():
+        assert sorted(masked) == ["3", "9"] and all(ms > 0 for ms in masked.values())
     assert len(line["cold_ms"]) == cached_prefill.COLD and all(ms > 0 for ms in line["cold_ms"])
+
+
+def test_each_mask_is_the_causal_attention_a_cache_hands_over() -> None:
+    """The mask arrays give the causal mask's attention; the bucket's keys past the written
+    ones are hidden."""
+    q = mx.random.normal((1, 4, 5, 8))
+    keys = mx.random.normal((1, 2, 300, 8)), mx.random.normal((1, 2, 300, 8))
+    width, causal = cached_prefill.keys_and_mask("causal", 20, 5)
+    assert (width, causal) == (25, "causal")
+    k, v = (x[:, :, :25] for x in keys)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask="causal")
+    for mask, width_wanted in (("array", 25), ("bucket", 256)):
+        width, given = cached_prefill.keys_and_mask(mask, 20, 5)
+        assert width == width_wanted and given.shape == (1, 1, 5, width)
+        k, v = (x[:, :, :width] for x in keys)
+        got = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=given)
+        assert mx.allclose(got, want, atol=1e-5).item(), mask
 
 
 def _prefix(chat_model: Path, cached: int) -> tuple[object, list]:
