@@ -61,6 +61,7 @@ def _turn(
     started, first, reply = time.perf_counter(), 0.0, []
     engine.add(PreparedRequest(request_id, prompt, tokens, greedy))
     for _ in range(100 * tokens):  # bounded: a reply takes about `tokens` steps
+        done = None
         for out in engine.step():
             if out.request_id != request_id:
                 continue
@@ -68,7 +69,10 @@ def _turn(
                 first = 1000 * (time.perf_counter() - started)
             reply += out.token_ids
             if out.finish_reason is not None:
-                return first, reply, out.usage.cached_tokens if out.usage else 0
+                done = first, reply, out.usage.cached_tokens if out.usage else 0
+        engine.settle()  # as a worker does once a step's outputs are out (its KV stored)
+        if done is not None:
+            return done
     raise RuntimeError(f"{request_id}: no reply in {100 * tokens} steps")
 
 

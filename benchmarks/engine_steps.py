@@ -195,6 +195,7 @@ def engine(
         outputs = core.step()
         if outputs:
             codec.encode(StepOutputs("bench", core.steps, outputs))
+        core.settle()  # as a worker does once a step's outputs are out
         return any(o.token_ids for o in outputs)
 
     try:

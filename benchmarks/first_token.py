@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 engines[setting].add(PreparedRequest(f"run{i}", prompt(128), 10**6, greedy))
             for _ in range(20):
                 engines[setting].step()
+                engines[setting].settle()
         times: dict[str, list[float]] = {s: [] for s in SETTINGS}
         steps: dict[str, list[float]] = {s: [] for s in SETTINGS}
         for trial in range(WARM_TRIALS + args.trials):
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 started = time.perf_counter()
                 for _ in range(3):
                     engine.step()
+                    engine.settle()  # as a worker does once a step's outputs are out
                 step_ms = 1000 * (time.perf_counter() - started) / 3
                 ids = [f"t{trial}-{j}" for j in range(joiners)]
                 started = time.perf_counter()
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                         if out.request_id in left and out.token_ids:
                             left.discard(out.request_id)
                             firsts.append(1000 * (time.perf_counter() - started))
+                    engine.settle()
                 if left:
                     raise RuntimeError(f"no first token for {sorted(left)}")
                 engine.abort(ids)

@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         for output in engine.step():
             if output.finish_reason is not None:
                 inflight.discard(output.request_id)
+        engine.settle()  # as a worker does once a step's outputs are out
         steps += 1
         ms = 1000 * (time.perf_counter() - begun)
         if ms > args.slow_ms:

@@ -41,9 +41,10 @@ from pathlib import Path
 from typing import Any
 
 # [t, step_ms, backend_ms, inserted, insert_ms, rows, outputs, masked, new_shapes, wait_ms,
-#  read_ahead, batch_rows, kv_size, prefilled, joined, cpu_ms, voluntary, involuntary, cache_mb]
+#  read_ahead, batch_rows, kv_size, prefilled, joined, cpu_ms, voluntary, involuntary, cache_mb,
+#  settle_ms]
 (T, STEP, BACKEND, INSERTED, INSERT, ROWS, OUTPUTS, MASKED, SHAPES, WAIT, AHEAD) = range(11)
-BATCH, KV, PREFILLED, JOINED, CPU, VOLUNTARY, INVOLUNTARY, CACHE = range(11, 19)
+BATCH, KV, PREFILLED, JOINED, CPU, VOLUNTARY, INVOLUNTARY, CACHE, SETTLE = range(11, 20)
 
 
 def _field(step: list[Any], at: int) -> Any:

@@ -251,6 +251,7 @@ class Engine:
                 if out.finish_reason is not None:
                     tokens += out.usage.completion_tokens if out.usage else 0
                     admit()
+            self.engine.settle()  # as a worker does once a step's outputs are out
         return tokens
 
 

@@ -81,6 +81,7 @@ def drive(
             concurrent.futures.wait(compiling, timeout=60)
         for output in engine.step():
             outputs.setdefault(output.request_id, []).append(output)
+        engine.settle()  # as the worker does once a step's outputs are out
     else:
         raise AssertionError(f"the engine did not finish within {max_steps} steps")
     for request_id, deltas in outputs.items():

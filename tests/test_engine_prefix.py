@@ -272,6 +272,7 @@ def test_a_long_system_prompt_is_shared_with_clients_arriving_while_it_runs(
     engine.add(greedy("first", first, 40, ignore_eos=True))
     while not any(o.request_id == "first" and o.token_ids for o in engine.step()):
         pass
+    engine.settle()  # as the worker does once the step's outputs are out
     stats = engine.prefix_stats()
     assert stats is not None and stats.entries == 1  # its prompt, while it still runs
     out = drive(engine, [greedy("second", second, 8, ignore_eos=True)])["second"]
@@ -297,6 +298,7 @@ def test_a_snapshot_taken_when_tokens_are_read_ahead_of_a_prefill_is_whole(
         assert engine.step() == []
     engine.add(greedy("other", chat_prompt(chat, [{"role": "user", "content": "hi"}]), 8))
     assert [o.request_id for o in engine.step()] == ["long"]  # its first token
+    engine.settle()
     stats = engine.prefix_stats()
     assert stats is not None and stats.entries == 1  # the snapshot of its prompt
     out = drive(engine, [greedy("again", long, 8, ignore_eos=True)])
@@ -370,3 +372,35 @@ def test_a_kv_budget_and_a_prefill_budget_on_a_real_model(chat: Loaded) -> None:
     waiting = [r.request_id for r in engine.requests.values() if r.status.value == "waiting"]
     assert waiting == ["p1", "p2"]  # one prompt's worth of new tokens this step
     drive(engine, [])
+
+
+def test_a_finished_rows_kv_is_stored_after_its_last_delta_and_before_the_next_step(
+    chat: Loaded,
+) -> None:
+    """A step hands out a finished request's last delta before its KV's copy (settle, which
+    the worker calls once the step's outputs are sent); the next step, or an abort, settles
+    first when nobody did: a later request always finds the prefix."""
+    prompt = chat_prompt(
+        chat, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
+    )
+    for settled_by in ("settle", "step", "abort"):
+        engine = chat.engine()
+        engine.add(greedy("a", prompt, 3, ignore_eos=True))
+        while not any(o.finish_reason is not None for o in engine.step()):
+            pass
+        stats = engine.prefix_stats()
+        assert stats is not None and stats.entries == 0  # the last delta went out first
+        assert engine.unsettled is not None
+        if settled_by == "settle":
+            engine.settle()
+        elif settled_by == "abort":
+            assert engine.abort(["nobody"]) == []
+        else:
+            engine.add(greedy("b", prompt, 2, ignore_eos=True))
+            engine.step()  # settles, then admits "b" on the prefix it stored
+        stats = engine.prefix_stats()
+        assert engine.unsettled is None and stats is not None and stats.entries >= 1
+        again = drive(engine, [greedy("c", prompt, 2, ignore_eos=True)])["c"]
+        assert final_usage(again).cached_tokens == len(prompt) - 1, settled_by
+    engine.add(greedy("d", prompt, 2, ignore_eos=True))  # the engine is whole after it all
+    assert token_ids(drive(engine, [])["d"]) == token_ids(again)

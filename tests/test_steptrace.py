@@ -52,6 +52,7 @@ def test_each_step_is_one_line_and_tokens_are_unchanged(
         voluntary,
         involuntary,
         cache_mb,
+        settle_ms,
     ) = zip(*trace, strict=True)
     assert list(t) == sorted(t)
     assert all(s >= b >= 0 for s, b in zip(step_ms, backend_ms, strict=True))
@@ -63,6 +64,9 @@ def test_each_step_is_one_line_and_tokens_are_unchanged(
     else:  # macOS does not: None
         assert all(n is None or n >= 0 for n in voluntary + involuntary)
     assert all(mb >= 0 for mb in cache_mb)
+    # each step settled once its outputs were out (drive does as the worker does); the last
+    # one's finished rows left the batch and their KV went into the prefix cache there
+    assert all(ms is not None and ms >= 0 for ms in settle_ms) and settle_ms[-1] > 0
     assert inserted[0] == 1 and sum(inserted) == 4  # the lone request, then the three
     assert all(ms > 0 for ms, n in zip(insert_ms, inserted, strict=True) if n)
     assert sum(outputs) == 6 + 3 * 4

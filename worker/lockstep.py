@@ -140,6 +140,7 @@ class Follower:
             idle = 0 if engine.has_work or turn.frames else idle + 1
             if engine.has_work:
                 engine.step()
+                engine.settle()  # where rank 0 settles: after its step's outputs went out
             elif idle >= IDLE_TURNS:  # rank 0's next turn is a tick away at most
                 self.rest(IDLE_SLEEP_S)
 

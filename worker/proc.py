@@ -255,6 +255,7 @@ class WorkerProc:
             outputs = engine.step()
             if outputs:
                 self._emit(outputs)
+            engine.settle()  # what the step put off until its outputs were out
         if self.idle_release.due(busy, time.monotonic()):
             engine.backend.release_memory()
 

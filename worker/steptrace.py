@@ -3,7 +3,7 @@
 With `MLX_GATEWAY_STEP_TRACE` set to a folder, each worker appends one JSON line per engine
 step to `steps-<pid>.jsonl` there: `[t, step_ms, backend_ms, inserted, insert_ms, rows,
 outputs, masked, new_shapes, wait_ms, read_ahead, batch_rows, kv_size, prefilled, joined,
-cpu_ms, voluntary, involuntary, cache_mb]`
+cpu_ms, voluntary, involuntary, cache_mb, settle_ms]`
 (t: wall-clock seconds at the step's start, as `time.time()`; backend_ms: the backend's
 step, the forward pass and the wait for its tokens; inserted: requests started in this step;
 rows: requests in the batch after it, prefilling or decoding; outputs: deltas it produced;
@@ -13,16 +13,19 @@ first time, each a new trace; wait_ms: of backend_ms, the rows batch's wait for 
 step's tokens, None on BatchGenerator: the rest of backend_ms is the host's own work;
 read_ahead: 1 when the rows batch only read the pending tokens ahead of a prefill, with no
 forward pass, else 0, None on BatchGenerator; batch_rows: the rows batch's rows after the
-step, those that left but still decode included, and kv_size its KV's length in positions,
-the longest row's with the padding before the others', both None on BatchGenerator;
+step and its settle, those that left but still decode included, and kv_size its KV's
+length in positions, the longest row's with the padding before the others', both None on
+BatchGenerator;
 prefilled: the prompt positions the rows batch ran for joining rows, padding included, and
 joined: the rows that joined its running batch, both None on BatchGenerator: requests start
 there a step or more after their insertion); cpu_ms: the CPU time of the thread that ran the
 step (the rest of step_ms it was off the CPU: waiting for the device, for a lock, or
 preempted), and voluntary / involuntary: its context switches in the step (None where the
 system does not count them per thread: Linux does); cache_mb: MLX's buffer cache after the
-step, in MiB. The time between one step's end and the next
-one's start is the worker's own: emitting the deltas, taking requests in, waiting for them.
+step, in MiB; settle_ms: the engine's settle after the step (its finished rows leaving the
+batch, the prefix cache's stores), once its outputs were sent, None if none followed. The
+time between one step's end and the next one's start is the worker's own: emitting the
+deltas, the settle, taking requests in, waiting for them.
 `python -m benchmarks.step_trace` summarizes it.
 
 Unset in production: `StepTrace.wrap` hands back the engine itself, nothing is timed.
@@ -49,6 +52,7 @@ log = logging.getLogger(__name__)
 
 STEP_TRACE_ENV = "MLX_GATEWAY_STEP_TRACE"
 FLUSH_EVERY = 2000  # steps; and whenever the engine runs out of work
+BATCH_ROWS, KV_SIZE, SETTLE = 11, 12, 19  # a line's fields that settle fills
 MiB = 1 << 20
 
 
@@ -170,11 +174,25 @@ class StepTrace:
                 round(cpu * 1e3, 3),
                 *moved,
                 round(mx.get_cache_memory() / MiB, 1),
+                None,  # settle_ms: settle fills it
             ]
         )
-        if len(self._rows) >= FLUSH_EVERY or not self._engine.has_work:
+        if len(self._rows) >= FLUSH_EVERY:
             self.flush()
         return outputs
+
+    def settle(self) -> None:
+        """The engine's settle, timed into the last step's line, with the batch's shape
+        after it; the lines go out when the engine has no more work."""
+        start = time.perf_counter()
+        self._engine.settle()
+        took = time.perf_counter() - start
+        if self._rows and self._rows[-1][SETTLE] is None:
+            row = self._rows[-1]
+            row[SETTLE] = round(took * 1e3, 3)
+            row[BATCH_ROWS], row[KV_SIZE] = self._batch_shape()
+        if not self._engine.has_work:
+            self.flush()
 
     def _batch_shape(self) -> tuple[int | None, int | None]:
         batch = self._batch

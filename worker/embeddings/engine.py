@@ -145,6 +145,9 @@ class EmbeddingEngine:
     def prefix_stats(self) -> None:
         return None
 
+    def settle(self) -> None:
+        """Nothing a step puts off here."""
+
     def probe(self) -> None:
         """Ready means ready: one input through the encoder, a finite unit-scale vector."""
         if self.encoder.scores:

@@ -75,6 +75,8 @@ class EngineCore:
         self.compiling: list[Request] = []  # queued while their grammars compile
         self.logprob_requests = 0  # in the batch and asking for logprobs (0: step skips them)
         self.steps = 0
+        # what the last step put off until its outputs went out (settle)
+        self.unsettled: Unsettled | None = None
 
     @property
     def has_work(self) -> bool:
@@ -167,6 +169,7 @@ class EngineCore:
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         """Remove requests wherever they are (their KV goes with them); idempotent."""
+        self.settle()
         found = [r for i in request_ids if (r := self.requests.get(i)) is not None]
         if not found:
             return []
@@ -192,6 +195,7 @@ class EngineCore:
     # ---- step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self.settle()
         self.steps += 1
         outputs = self._score_step() if self.scoring else []
         if self.compiling:
@@ -307,16 +311,32 @@ class EngineCore:
                     early.append(request.uid)
                     ended[request.uid] = request
                 self._forget(request)
-        if early:
-            removed = self.backend.remove(early, keep_caches=self.prefix_cache is not None)
-            kept += self._keyed(removed, ended)
+        if early or kept or (fresh and self.prefix_cache is not None):
+            self.unsettled = Unsettled(early, ended, fresh, kept)
+        return outputs
+
+    def settle(self) -> None:
+        """What the last step put off until its outputs went out: the rows that finished
+        there leave the batch, and their KV (and a long new prompt's, just prefilled) goes
+        into the prefix cache. The worker calls it once a step's outputs are sent (a turn's
+        last delta need not wait for its KV's copy: milliseconds of host work on a GPU);
+        a step and an abort call it first, so the batch never steps a finished row and a
+        lookup sees what the last step stored."""
+        unsettled, self.unsettled = self.unsettled, None
+        if unsettled is None:
+            return
+        kept = unsettled.kept
+        if unsettled.early:
+            keep = self.prefix_cache is not None
+            removed = self.backend.remove(unsettled.early, keep_caches=keep)
+            kept += self._keyed(removed, unsettled.ended)
+        fresh = [uid for uid in unsettled.fresh if uid in self.by_uid]
         if fresh and self.prefix_cache is not None:
             kept += self._keyed(self.backend.extract(fresh))
             for uid in fresh:
-                if self.plan is not None and (request := self.by_uid.get(uid)) is not None:
-                    self.plan.prefilled(request.request_id)
+                if self.plan is not None:
+                    self.plan.prefilled(self.by_uid[uid].request_id)
         self._store(kept)
-        return outputs
 
     def _worth_a_snapshot(self, request: Request) -> bool:
         return (
@@ -445,6 +465,7 @@ class EngineCore:
                 self.add(probe)
             later = []
             if not expected:
+                self.settle()  # the last rows leave the batch, their KV stored
                 if self.prefix_cache is not None:
                     self.prefix_cache.clear()  # the probe's KV is no one's prefix
                 return
@@ -460,3 +481,13 @@ class Scoring:
     entries: list[TokenLogprob]
     cache: Any
     position: int = 0  # the next prompt position to run
+
+
+@dataclass(slots=True, eq=False)
+class Unsettled:
+    """A step's work on its finished rows, put off until its outputs are out (settle)."""
+
+    early: list[int]  # finished here, still in the backend's batch
+    ended: dict[int, Request]  # those, by uid
+    fresh: list[int]  # a long new prompt just prefilled: its KV may serve others
+    kept: list[tuple[Any, list[int]]]  # caches for the prefix cache, with their tokens

@@ -343,6 +343,9 @@ class SpeechEngine:
     def prefix_stats(self) -> None:
         return None
 
+    def settle(self) -> None:
+        """Nothing a step puts off here."""
+
     def probe(self, prepared: PreparedSpeech | None = None) -> None:
         """Ready means ready: a short text through the engine into wav, some audio."""
         request = prepared or PreparedSpeech(

@@ -257,6 +257,9 @@ class TranscriptionEngine:
     def prefix_stats(self) -> None:
         return None
 
+    def settle(self) -> None:
+        """Nothing a step puts off here."""
+
     def probe(self, prepared: PreparedTranscription | None = None) -> None:
         """Ready means ready: one second of silence (or `prepared`) through the model."""
         audio = prepared.audio if prepared is not None else np.zeros(SAMPLE_RATE, np.float32)
