@@ -94,10 +94,11 @@ def summarize(
     traced = [s for s in steps if _field(s, SHAPES)]
     waits = [w for s in plains if (w := _field(s, WAIT)) is not None]
     leaving = sum(  # rows fewer after the step than before it and those it started
-        nxt[STEP] - nxt[BACKEND]
+        nxt[STEP] - nxt[BACKEND] + (_field(nxt, SETTLE) or 0.0)
         for prev, nxt in itertools.pairwise(steps)
         if nxt[ROWS] < prev[ROWS] + nxt[INSERTED]
     )
+    settles = [m for s in steps if (m := _field(s, SETTLE))]
     decoding = [s[ROWS] for s in steps if s[ROWS]]
     batch_rows = [b for s in plains if (b := _field(s, BATCH)) is not None]
     kv = [k for s in plains if (k := _field(s, KV)) is not None]
@@ -133,7 +134,11 @@ def summarize(
         "new_shape_steps": len(traced),
         "new_shape_step_ms": median([s[STEP] for s in traced]),
         "plain_wait_ms": median(waits),
+        # the host's work where rows left the batch (in the step, and in the settle after
+        # it once its outputs were out); the settles' share and median where one did work
         "leaving": round(leaving / 1e3 / wall, 3),
+        "settle": round(sum(settles) / 1e3 / wall, 3),
+        "settle_ms": median(settles),
         "read_aheads": sum(1 for s in steps if _field(s, AHEAD)),
         # the rows batch's plain steps: its rows (those left but decoding on included) and
         # its KV's length in positions

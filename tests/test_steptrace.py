@@ -109,14 +109,15 @@ def _step(
     joined: int = 0,
     cpu: float | None = None,
     switched: tuple[int, int] = (1, 0),
-) -> list[float]:
+    settle: float | None = None,
+) -> list[float | None]:
     backend = ms - 1 if backend is None else backend
     inserting = 0.5 if inserted else 0.0
     batch, kv = rows + 1, 100 * rows
     cpu = ms / 2 if cpu is None else cpu
     return [
         *(t, ms, backend, inserted, inserting, rows, rows, masked, shapes, ms / 2, ahead),
-        *(batch, kv, prefilled, joined, cpu, *switched, 64.0),
+        *(batch, kv, prefilled, joined, cpu, *switched, 64.0, settle),
     ]
 
 
@@ -146,6 +147,12 @@ def test_leaving_is_the_time_outside_the_backend_where_rows_left() -> None:
     ]
     s = summarize(steps, 0.0, 0.1)
     assert s is not None and s["leaving"] == pytest.approx(23 / 100)
+    assert s["settle"] == 0 and s["settle_ms"] is None
+    # the same rows leaving at the settles after their steps' outputs went out
+    steps[1][-1], steps[3][-1], steps[2][-1] = 4.0, 2.0, 0.0
+    s = summarize(steps, 0.0, 0.1)
+    assert s is not None and s["leaving"] == pytest.approx(29 / 100)
+    assert s["settle"] == pytest.approx(6 / 100) and s["settle_ms"] == 3
 
 
 def test_summary_splits_plain_steps_by_mask_and_counts_new_shapes() -> None:
