@@ -16,8 +16,10 @@ mask (rows of different lengths) and without, the share of plain steps with one,
 steps in which the compiled decode step met a row count for the first time (a new trace),
 and the median wait of a plain step for the previous step's tokens (`plain_wait_ms`: the
 rest of its backend time is the host building the step). `leaving`: the share of the wall
-time spent outside the backend in steps where rows left the batch (their KV going into the
-prefix cache, worker/backends/shelves.py). `read_aheads`: the rows batch's calls that only
+time spent outside the backend in steps where rows left the batch and in the settles after
+them (their KV going into the prefix cache, worker/backends/shelves.py); `settle` and
+`settle_ms`: the settles' share (the engine's work put off until a step's outputs were
+out) and their median where they did any. `read_aheads`: the rows batch's calls that only
 read the pending tokens ahead of a prefill. A plain step inserts no request, runs no prompt
 positions and joins no row (on the rows batch the last two come a step or more after the
 insertion: `prefill_steps_per_100`, `prefill_step_ms` and `prefill_positions` give the steps
