@@ -5,10 +5,12 @@ where a served worker's time went during each measured level of benchmarks.servi
 
 With --serving, one line per source and level: the steps that started inside the level's
 window (`window` in each run of the serving JSON). Without it, one line per trace file.
-Per line, as shares of the window's wall time: in steps (`step`; of it, the backend's forward
-pass and token wait, `backend`), between steps while requests were in the batch (`between`:
-the worker emitting deltas and taking requests in) and with none (`empty`: waiting for
-requests, and the wall time outside any step before the first and after the last). And
+Per line, as shares of the window's wall time: in steps and the settles after them (`step`;
+of it, the backend's forward pass and token wait, `backend`; a settle counts as if it came
+right after its step, though it runs once the step's outputs are sent), between steps while
+requests were in the batch (`between`: the worker emitting deltas and taking requests in)
+and with none (`empty`: waiting for requests, and the wall time outside any step before
+the first and after the last). And
 the median step without and with requests starting in it, how often requests started (per
 100 steps) and how many at a time, the mean requests in the batch (prefilling or decoding)
 over the steps that had any. On the rows batch, the median plain step with an attention
@@ -67,15 +69,19 @@ def summarize(
     """Shares of [start, end] (default: the first step's start to the last one's end)."""
     if not steps:
         return None
+
+    def took(s: list[Any]) -> float:  # ms: the step and its settle (the work it put off)
+        return s[STEP] + (_field(s, SETTLE) or 0.0)
+
     first, last = steps[0], steps[-1]
     start = first[T] if start is None else start
-    end = last[T] + last[STEP] / 1e3 if end is None else end
+    end = last[T] + took(last) / 1e3 if end is None else end
     wall = max(end - start, 1e-9)
-    step_s = sum(s[STEP] for s in steps) / 1e3
+    step_s = sum(took(s) for s in steps) / 1e3
     backend_s = sum(s[BACKEND] for s in steps) / 1e3
     between = 0.0
     for prev, nxt in itertools.pairwise(steps):
-        gap = nxt[T] - (prev[T] + prev[STEP] / 1e3)
+        gap = nxt[T] - (prev[T] + took(prev) / 1e3)
         if prev[ROWS] > 0:  # rows were waiting for their next step
             between += max(gap, 0.0)
     # no request inserted, no prompt run, no row joined (the rows batch prefills and joins

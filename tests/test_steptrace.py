@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks.step_trace import per_level, read_traces, summarize
 from tests.engine_fixtures import Loaded, drive, greedy, reference_greedy, token_ids
+from worker import steptrace
 from worker.steptrace import STEP_TRACE_ENV, StepTrace
 
 pytestmark = pytest.mark.usefixtures("batcher")
@@ -64,9 +65,11 @@ def test_each_step_is_one_line_and_tokens_are_unchanged(
     else:  # macOS does not: None
         assert all(n is None or n >= 0 for n in voluntary + involuntary)
     assert all(mb >= 0 for mb in cache_mb)
-    # each step settled once its outputs were out (drive does as the worker does); the last
-    # one's finished rows left the batch and their KV went into the prefix cache there
-    assert all(ms is not None and ms >= 0 for ms in settle_ms) and settle_ms[-1] > 0
+    # each step settled once its outputs were out (drive does as the worker does): where a
+    # request finished (the last step's rows leaving, their KV going into the prefix cache)
+    # it had work, timed; where nothing was put off, None
+    assert settle_ms[-1] is not None and settle_ms[-1] > 0 and None in settle_ms
+    assert all(ms is None or ms > 0 for ms in settle_ms)
     assert inserted[0] == 1 and sum(inserted) == 4  # the lone request, then the three
     assert all(ms > 0 for ms, n in zip(insert_ms, inserted, strict=True) if n)
     assert sum(outputs) == 6 + 3 * 4
@@ -153,6 +156,7 @@ def test_leaving_is_the_time_outside_the_backend_where_rows_left() -> None:
     s = summarize(steps, 0.0, 0.1)
     assert s is not None and s["leaving"] == pytest.approx(29 / 100)
     assert s["settle"] == pytest.approx(6 / 100) and s["settle_ms"] == 3
+    assert s["step"] == pytest.approx(66 / 100)  # the steps' 60 ms and their settles'
 
 
 def test_summary_splits_plain_steps_by_mask_and_counts_new_shapes() -> None:
@@ -216,6 +220,23 @@ def test_steps_before_an_abort_that_empties_the_engine_are_written(
     engine.abort(["a"])  # no step follows: a drain, or the last client gone
     [trace] = read_traces(tmp_path).values()
     assert len(trace) == 2
+
+
+def test_lines_written_before_the_engine_is_idle_keep_their_settle(
+    chat: Loaded, prompts: list[list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lines flushed every few steps (FLUSH_EVERY) as the whole trace at the end: a line
+    leaves only once its settle is in it."""
+    settles = []
+    for every, folder in ((10**6, tmp_path / "once"), (2, tmp_path / "often")):
+        monkeypatch.setattr(steptrace, "FLUSH_EVERY", every)
+        engine = StepTrace.wrap(chat.engine(), {STEP_TRACE_ENV: str(folder)})
+        drive(
+            engine, [greedy(f"r{i}", p, 3 + i, ignore_eos=True) for i, p in enumerate(prompts[:3])]
+        )
+        [trace] = read_traces(folder).values()
+        settles.append([line[-1] is None for line in trace])
+    assert settles[0] == settles[1] and False in settles[0]
 
 
 def test_a_folder_it_cannot_write_leaves_the_engine_alone(

@@ -23,7 +23,8 @@ step (the rest of step_ms it was off the CPU: waiting for the device, for a lock
 preempted), and voluntary / involuntary: its context switches in the step (None where the
 system does not count them per thread: Linux does); cache_mb: MLX's buffer cache after the
 step, in MiB; settle_ms: the engine's settle after the step (its finished rows leaving the
-batch, the prefix cache's stores), once its outputs were sent, None if none followed. The
+batch, the prefix cache's stores), once its outputs were sent, None where it had nothing to
+do. The
 time between one step's end and the next one's start is the worker's own: emitting the
 deltas, the settle, taking requests in, waiting for them.
 `python -m benchmarks.step_trace` summarizes it.
@@ -177,20 +178,23 @@ class StepTrace:
                 None,  # settle_ms: settle fills it
             ]
         )
-        if len(self._rows) >= FLUSH_EVERY:
-            self.flush()
+        if len(self._rows) > FLUSH_EVERY:
+            self.flush(keep=1)  # the last line waits for its settle
         return outputs
 
     def settle(self) -> None:
-        """The engine's settle, timed into the last step's line, with the batch's shape
-        after it; the lines go out when the engine has no more work."""
-        start = time.perf_counter()
-        self._engine.settle()
-        took = time.perf_counter() - start
-        if self._rows and self._rows[-1][SETTLE] is None:
-            row = self._rows[-1]
-            row[SETTLE] = round(took * 1e3, 3)
-            row[BATCH_ROWS], row[KV_SIZE] = self._batch_shape()
+        """The engine's settle, timed into the last step's line where it had work, with the
+        batch's shape after it; the lines go out when the engine has no more work."""
+        if getattr(self._engine, "unsettled", None) is None:
+            self._engine.settle()  # nothing put off: the line keeps None
+        else:
+            start = time.perf_counter()
+            self._engine.settle()
+            took = time.perf_counter() - start
+            if self._rows and self._rows[-1][SETTLE] is None:
+                row = self._rows[-1]
+                row[SETTLE] = round(took * 1e3, 3)
+                row[BATCH_ROWS], row[KV_SIZE] = self._batch_shape()
         if not self._engine.has_work:
             self.flush()
 
@@ -204,12 +208,14 @@ class StepTrace:
         batch = self._batch
         return (batch.prefilled, batch.joined) if batch is not None else (0, 0)
 
-    def flush(self) -> None:
-        if not self._rows:
+    def flush(self, keep: int = 0) -> None:
+        """Write the lines out, all but the last `keep`."""
+        done = self._rows[: len(self._rows) - keep]
+        if not done:
             return
         try:
             with self._path.open("a") as f:
-                f.writelines(json.dumps(row) + "\n" for row in self._rows)
+                f.writelines(json.dumps(row) + "\n" for row in done)
         except OSError as exc:  # a full disk drops the trace, never a request
             log.warning("step trace %s: %s; lines dropped", self._path, exc)
-        self._rows.clear()
+        del self._rows[: len(done)]
