@@ -28,15 +28,17 @@ class Doubled:
 
 class Rounded:
     """A model whose forward pass over several positions rounds otherwise than a decode
-    step's, as a GPU's kernels do: its logits there off by a tenth."""
+    step's, as a GPU's kernels do (its logits there off by `by`), and whose head, as the
+    first token's way reads it, off by `head`."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, by: float = 0.1, head: float = 0.0) -> None:
         self.wrapped, self.model, self.model_type = model, model.model, model.model_type
-        self.lm_head = model.lm_head
+        self.lm_head = lambda h: model.lm_head(h) + head
+        self.by = by
 
     def __call__(self, tokens: mx.array, cache: Any = None) -> mx.array:
         out = self.wrapped(tokens, cache=cache)
-        return out + 0.1 if tokens.shape[1] > 1 else out
+        return out + self.by if tokens.shape[1] > 1 else out
 
 
 class Recorded:
@@ -63,9 +65,15 @@ def test_known_models_only_and_only_where_the_probe_agrees(
 
 
 def test_the_probe_takes_a_backends_rounding_as_its_yardstick(chat: Loaded) -> None:
-    """Off by more than the tolerance, but no farther than mlx-lm's own first token: the
-    model's logits as this backend rounds them."""
-    assert first_token(Rounded(chat.model)) is not None
+    """Off by more than the tolerance, but no more than twice as far as mlx-lm's own first
+    token: the model's logits as this backend rounds them. More than twice, or a yardstick
+    past a rounding's size (2 % of the largest logit, here about 29): refused."""
+    # the first token's way reads the head's output, off by `head`; the whole prompt's
+    # logits are off by `by`, mlx-lm's own first token (a decode step) is not
+    assert first_token(Rounded(chat.model)) is not None  # off 0.1, mlx-lm's 0.1
+    assert first_token(Rounded(chat.model, head=0.25)) is not None  # 0.15: within 0.2
+    assert first_token(Rounded(chat.model, head=0.35)) is None  # 0.25: past 0.2
+    assert first_token(Rounded(chat.model, by=3.0)) is None  # mlx-lm's own 3: no yardstick
 
 
 def test_auto_takes_them_from_the_prefill_on_mlx_cuda_and_cpu_not_metal(
