@@ -92,6 +92,31 @@ def test_an_idle_rank_rests_between_turns_once_idle_a_while() -> None:
     assert rests == [IDLE_SLEEP_S] * 3  # the last idle turns before the frame only
 
 
+def test_a_rank_settles_each_step_where_rank_0_does() -> None:
+    """After its step, before the next turn's frames (rank 0 settles once the step's
+    outputs are sent, then takes its inputs): both ranks' batches change in one order."""
+    calls: list[str] = []
+
+    class Working(Engine):
+        def step(self) -> list[Any]:
+            calls.append("step")
+            return []
+
+        def settle(self) -> None:
+            calls.append("settle")
+
+        def abort(self, ids: list[str]) -> list[Any]:
+            calls.append("abort")
+            self.has_work = False
+            return []
+
+    engine = Working()
+    engine.has_work = True
+    turns = Turns([Turn(), Turn([Codec().encode(Abort(["a"]))]), Turn(stop=True)])
+    assert Follower(cast(Lockstep, turns)).run(engine, lambda frame: frame) == 0
+    assert calls == ["step", "settle", "abort"]
+
+
 def test_turns_travel_where_the_backend_reduces(monkeypatch: pytest.MonkeyPatch) -> None:
     assert control_stream("nccl") == mx.gpu  # NCCL reduces arrays on the GPU only
     assert control_stream("ring") == mx.cpu and control_stream("mpi") == mx.cpu
