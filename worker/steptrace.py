@@ -24,9 +24,8 @@ preempted), and voluntary / involuntary: its context switches in the step (None 
 system does not count them per thread: Linux does); cache_mb: MLX's buffer cache after the
 step, in MiB; settle_ms: the engine's settle after the step (its finished rows leaving the
 batch, the prefix cache's stores), once its outputs were sent, None where it had nothing to
-do. The
-time between one step's end and the next one's start is the worker's own: emitting the
-deltas, the settle, taking requests in, waiting for them.
+do. The time between one step's end and the next one's start is the worker's own: emitting
+the deltas, the settle, taking requests in, waiting for them.
 `python -m benchmarks.step_trace` summarizes it.
 
 Unset in production: `StepTrace.wrap` hands back the engine itself, nothing is timed.

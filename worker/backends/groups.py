@@ -147,7 +147,7 @@ def first_token(model: Any) -> FirstToken | None:
     return first
 
 
-ROUNDING = 0.02  # of the largest logit: the most rounding the probe takes for a backend's
+ROUNDING = 0.02  # the most a backend's rounding may be, as a share of the largest logit
 
 
 def probe(model: Any, first: FirstToken) -> str | None:

@@ -285,10 +285,9 @@ class EngineCore:
             rows = [(r, s.token, s.logits) for s in sampled if (r := self.by_uid.get(s.uid))]
             logprobs = self.output.sampled_logprobs(rows)
         outputs: list[RequestOutput] = []
-        early: list[int] = []  # finished here, still in the backend's batch
         fresh: list[int] = []  # a long new prompt just prefilled: its KV may serve others
         kept: list[tuple[Any, list[int]]] = []  # caches for the prefix cache
-        ended: dict[int, Request] = {}  # finished here, by uid
+        ended: dict[int, Request] = {}  # finished here, still in the backend's batch, by uid
         for s in sampled:
             request = self.by_uid.get(s.uid)
             if request is None:
@@ -308,11 +307,10 @@ class EngineCore:
                     if s.cache is not None and s.tokens is not None:
                         kept.append((s.cache, request.keyed(s.tokens)))
                 elif request.uid is not None:
-                    early.append(request.uid)
                     ended[request.uid] = request
                 self._forget(request)
-        if early or kept or (fresh and self.prefix_cache is not None):
-            self.unsettled = Unsettled(early, ended, fresh, kept)
+        if ended or kept or (fresh and self.prefix_cache is not None):
+            self.unsettled = Unsettled(ended, fresh, kept)
         return outputs
 
     def settle(self) -> None:
@@ -326,9 +324,9 @@ class EngineCore:
         if unsettled is None:
             return
         kept = unsettled.kept
-        if unsettled.early:
+        if unsettled.ended:
             keep = self.prefix_cache is not None
-            removed = self.backend.remove(unsettled.early, keep_caches=keep)
+            removed = self.backend.remove(list(unsettled.ended), keep_caches=keep)
             kept += self._keyed(removed, unsettled.ended)
         fresh = [uid for uid in unsettled.fresh if uid in self.by_uid]
         if fresh and self.prefix_cache is not None:
@@ -487,7 +485,6 @@ class Scoring:
 class Unsettled:
     """A step's work on its finished rows, put off until its outputs are out (settle)."""
 
-    early: list[int]  # finished here, still in the backend's batch
-    ended: dict[int, Request]  # those, by uid
+    ended: dict[int, Request]  # finished there, still in the backend's batch, by uid
     fresh: list[int]  # a long new prompt just prefilled: its KV may serve others
     kept: list[tuple[Any, list[int]]]  # caches for the prefix cache, with their tokens
