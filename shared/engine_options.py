@@ -91,6 +91,13 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # does. "auto": prefill where it was measured sooner (MLX's CUDA backend and its CPU;
     # docs/benchmarks.md), step on Metal, where it has not been measured yet.
     first_token: Literal["auto", "prefill", "step"] = "auto"
+    # Rows batch, first tokens from the prefill: a prefill's attention over several queries.
+    # "mlx": the model's own layers, MLX's attention with a mask (on MLX's CUDA backend a
+    # product, the mask, a softmax and a second product a layer, off cuDNN's). "kernel": one
+    # tensor-core kernel of the project's, no mask (worker/backends/prefill_attention.py;
+    # MLX's CUDA backend only, elsewhere "mlx", logged). "auto": the kernel on MLX's CUDA
+    # backend, where cached agent turns were measured sooner with it (docs/benchmarks.md).
+    prefill_attention: Literal["auto", "kernel", "mlx"] = "auto"
     # The model's tool-call format: the name of one of mlx-lm's tool parsers
     # (mlx_lm/tool_parsers: json_tools, qwen3_coder, mistral, pythonic, glm47, ...).
     # Default: the one mlx-lm infers from the model's chat template, if any.
@@ -156,6 +163,13 @@ def engine_problem(opts: EngineOptions) -> str | None:
         return (
             "engine.first_token = 'prefill' applies to the rows batch only, "
             "not to batcher = 'mlx_lm'"
+        )
+    if opts.prefill_attention != "auto" and (
+        opts.batcher == "mlx_lm" or opts.first_token == "step"
+    ):
+        return (
+            "engine.prefill_attention applies to the rows batch with first tokens from the "
+            "prefill only, not to batcher = 'mlx_lm' or first_token = 'step'"
         )
     if opts.prefill_shapes == "buckets" and opts.batcher == "mlx_lm":
         return "engine.prefill_shapes applies to the rows batch only, not to batcher = 'mlx_lm'"

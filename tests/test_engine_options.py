@@ -26,6 +26,8 @@ def test_the_defaults_are_a_valid_set() -> None:
         ({"batcher": "mlx_lm", "join_settle_steps": 2}, "engine.join_settle_steps applies"),
         ({"decode_step": "model", "decode_attention": "kernel"}, "engine.decode_attention"),
         ({"decode_step": "model", "decode_projections": "stacked"}, "engine.decode_projections"),
+        ({"first_token": "step", "prefill_attention": "kernel"}, "engine.prefill_attention"),
+        ({"batcher": "mlx_lm", "prefill_attention": "mlx"}, "engine.prefill_attention"),
     ],
 )
 def test_a_wrong_setting_is_named(fields: dict[str, object], named: str) -> None:

@@ -22,8 +22,10 @@ import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache, TokenBuffer
 
+from worker.backends import prefill_attention
 from worker.backends.decode_step import unsupported
 from worker.backends.prefill_buckets import TOKEN_BUCKET, padded_width, views
+from worker.backends.prefill_layers import PrefillLayers, takes
 from worker.backends.sampling import LogitsProcessor, Sampler
 from worker.device import on_cpu, on_cuda
 from worker.structured.guide import Guide
@@ -84,7 +86,7 @@ class FirstToken:
     shapes: under CUDA a shape met for the first time costs far more than a known one
     (cuDNN's attention builds a graph for each)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, prefill: PrefillLayers | None = None) -> None:
         inner = model.model
         self.embed = inner.embed_tokens
         self.layers = inner.layers
@@ -92,6 +94,26 @@ class FirstToken:
         self.head: Callable[[mx.array], mx.array] = (
             model.lm_head if hasattr(model, "lm_head") else inner.embed_tokens.as_linear
         )
+        self.prefill = prefill  # the layers with a kernel's attention (prefill_layers.py)
+
+    def layer(self, i: int, h: mx.array, cache: list[Any]) -> mx.array:
+        """Layer i over h: with the kernel's attention where there is one, else the model's
+        own layer (its mask made from the cache)."""
+        block, c = self.layers[i], cache[i]
+        if self.prefill is not None:
+            return self.prefill.run(block, h, c)
+        out: mx.array = block(h, create_attention_mask(h, c), c)
+        return out
+
+    def forward(self, model: Any, tokens: mx.array, cache: list[Any]) -> None:
+        """A chunk before the last: its keys and values written to `cache` (nothing else of
+        it is ever evaluated)."""
+        if self.prefill is None or not takes(cache):
+            model(tokens, cache=cache)
+            return
+        h = self.embed(tokens)
+        for i in range(len(self.layers)):
+            h = self.layer(i, h, cache)
 
     def hidden(self, tokens: mx.array, cache: list[Any], at: list[int], align: int = 1) -> mx.array:
         """(rows, hidden): the final norm's output at position at[i] of row i of the chunk,
@@ -100,6 +122,15 @@ class FirstToken:
         chunk's width is a multiple of the token bucket where `prefill_step_size` is, as
         its default is, and so are both parts)."""
         h = self.embed(tokens)
+        if self.prefill is not None and takes(cache):
+            for i in range(len(self.layers) - 1):
+                h = self.layer(i, h, cache)
+            start = min(at) // align * align
+            if start > 0:
+                self.layer(-1, h[:, :start], cache)  # its output is never computed
+                h = h[:, start:]
+            out = self.layer(-1, h, cache)
+            return self.norm(out[mx.arange(len(at)), mx.array([a - start for a in at])])
         mask = create_attention_mask(h, cache[0])
         for layer, c in zip(self.layers[:-1], cache[:-1], strict=True):
             h = layer(h, mask, c)
@@ -128,9 +159,11 @@ def wanted(setting: str) -> bool:
     return setting == "prefill"
 
 
-def first_token(model: Any) -> FirstToken | None:
+def first_token(model: Any, attention: str = "mlx") -> FirstToken | None:
     """FirstToken for a model whose layers, final norm and head decode_step.py knows, and
-    whose forward pass they match on a probe; else None: the batch keeps mlx-lm's way."""
+    whose forward pass they match on a probe; else None: the batch keeps mlx-lm's way. Its
+    prefill's attention is prefill_attention.py's kernel where `attention`
+    (`engine.prefill_attention`) asks for it and `prefill_kernel` makes it."""
     reason = unsupported(model)
     if reason is not None:
         log.info("first tokens: a decode step after the prefill (%s)", reason)
@@ -144,7 +177,44 @@ def first_token(model: Any) -> FirstToken | None:
             mismatch,
         )
         return None
+    if attention == "kernel" or (attention == "auto" and on_cuda()):
+        first.prefill = prefill_kernel(model, asked=attention == "kernel")
     return first
+
+
+def prefill_kernel(model: Any, asked: bool) -> PrefillLayers | None:
+    """The prefill's layers with the kernel's attention, where it is `asked` for or the
+    model's heads are of a size it was measured faster at (prefill_attention.AUTO_HEAD_DIM),
+    the kernel is made for the model's layout and dtype (its own check) and the layers
+    compute the model's first tokens with MLX's attention in the kernel's place (the probe:
+    the layers are the project's, the model's modules in mlx-lm's order); else None,
+    logged."""
+    attn = model.model.layers[0].self_attn
+    dim = attn.q_proj.weight.shape[0] // attn.n_heads  # output rows, packed or not
+    dtype = model.model.norm.weight.dtype  # the model's activations'
+    head_norms = hasattr(attn, "q_norm")
+    level = logging.WARNING if asked else logging.INFO
+    if not asked and dim > prefill_attention.AUTO_HEAD_DIM:
+        log.info(
+            "prefill attention: MLX's (heads of %d: the kernel was measured faster at up to "
+            "%d; engine.prefill_attention = 'kernel' takes it)",
+            dim,
+            prefill_attention.AUTO_HEAD_DIM,
+        )
+        return None
+    kernel = prefill_attention.make(attn.n_heads, attn.n_kv_heads, dim, attn.scale, dtype)
+    if kernel is None:
+        log.log(level, "prefill attention: MLX's (no kernel here: logged above)")
+        return None
+
+    def mlx(q: mx.array, k: mx.array, v: mx.array, base: mx.array, starts: mx.array) -> Any:
+        return prefill_attention.reference(q, k, v, base, starts, attn.scale)
+
+    mismatch = probe(model, FirstToken(model, PrefillLayers(mlx, head_norms)))
+    if mismatch is not None:
+        log.log(level, "prefill attention: MLX's (the layers compute other logits: %s)", mismatch)
+        return None
+    return PrefillLayers(kernel, head_norms)
 
 
 ROUNDING = 0.02  # the most a backend's rounding may be, as a share of the largest logit
@@ -241,8 +311,10 @@ def prefill_chunk(model: Any, group: Group, chunk: int, first: FirstToken | None
     n = min(chunk, group.tokens.shape[1])
     tokens, cache = group.tokens[:, :n], group.view or group.caches
     rest = group.tokens[:, n:]
-    if first is None or rest.shape[1] > 0:
+    if first is None:
         model(tokens, cache=cache)
+    elif rest.shape[1] > 0:
+        first.forward(model, tokens, cache)
     else:
         # the rows' prompts take as many chunks each (start_group) and the end's padding
         # stays inside the last one: every row's last position is in this chunk

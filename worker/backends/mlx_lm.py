@@ -293,7 +293,11 @@ class MlxRowsBackend(MlxLmBackend):
             # a shelf the prefix cache keeps whole while any of its rows is kept
             shelf_bytes=max(1, prefix_cache_bound(options) // 8),
             prefill_buckets=prefill_buckets.wanted(options.prefill_shapes),
-            first=groups.first_token(model) if groups.wanted(options.first_token) else None,
+            first=(
+                groups.first_token(model, options.prefill_attention)
+                if groups.wanted(options.first_token)
+                else None
+            ),
         )
 
     def insert(self, items: list[Insertion]) -> list[int]:

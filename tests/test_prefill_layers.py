@@ -1,0 +1,184 @@
+"""worker/backends/prefill_layers.py and its place in groups.py: a prefill's layers computed by
+the project (the model's modules, attention by a kernel), on real tiny models. Off CUDA the
+kernel does not exist; here MLX's own attention stands in for it (prefill_attention's
+`reference`, the function the kernel is checked against), so that what is tested is
+everything around the kernel: the layers, the positions and padding it is handed, the
+caches written, the tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import qwen3
+from mlx_lm.models.cache import make_prompt_cache
+
+from tests.engine_fixtures import Loaded, insert_greedy, load, reference_greedy, run_steps
+from worker.backends import groups, prefill_attention
+from worker.backends.groups import FirstToken, first_token
+from worker.backends.prefill_layers import PrefillLayers, takes
+from worker.backends.rows import RowBatch
+from worker.backends.sampling import greedy
+
+
+def mlx_attention(model: Any) -> Any:
+    scale = model.model.layers[0].self_attn.scale
+
+    def attend(q: mx.array, k: mx.array, v: mx.array, base: mx.array, starts: mx.array) -> Any:
+        return prefill_attention.reference(q, k, v, base, starts, scale)
+
+    return attend
+
+
+def with_layers(model: Any) -> FirstToken:
+    head_norms = hasattr(model.model.layers[0].self_attn, "q_norm")
+    return FirstToken(model, PrefillLayers(mlx_attention(model), head_norms))
+
+
+@pytest.fixture(scope="module")
+def qwen3_model() -> Any:
+    """Qwen3's layers: per-head norms of queries and keys before RoPE."""
+    args = qwen3.ModelArgs(
+        model_type="qwen3",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        vocab_size=512,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
+    mx.random.seed(3)
+    model = qwen3.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture(params=["llama", "qwen2", "qwen3"])
+def model(request: pytest.FixtureRequest, chat: Loaded, qwen2_model: Any) -> Any:
+    if request.param == "llama":
+        return chat.model
+    if request.param == "qwen2":
+        return load(qwen2_model).model
+    return request.getfixturevalue("qwen3_model")
+
+
+def test_the_layers_give_the_models_first_tokens(model: Any) -> None:
+    """The probe of groups.py: one row, and two rows of different lengths side by side."""
+    assert groups.probe(model, with_layers(model)) is None
+
+
+@pytest.mark.parametrize("buckets", [False, True], ids=["exact", "buckets"])
+def test_chunks_before_the_last_and_the_last_give_mlx_lms_tokens(
+    chat: Loaded, prompts: list[list[int]], buckets: bool
+) -> None:
+    """Rows of several chunks, of different lengths: every chunk's keys and values come from
+    the project's layers, and the tokens are mlx-lm's."""
+    first = with_layers(chat.model)
+    batch = RowBatch(chat.model, prefill_step_size=8, prefill_buckets=buckets, first=first)
+    chosen = sorted(prompts, key=len)[-4:]
+    assert len({len(p) for p in chosen}) > 1 and min(len(p) for p in chosen) > 8
+    uids = insert_greedy(batch, chat, chosen)
+    tokens: dict[int, list[int]] = {}
+    run_steps(batch, 40, tokens)
+    for uid, prompt in zip(uids, chosen, strict=True):
+        assert tokens[uid][:5] == reference_greedy(chat.model, prompt, 5), len(prompt)
+
+
+@pytest.mark.parametrize("buckets", [False, True], ids=["exact", "buckets"])
+def test_rows_over_cached_prefixes_of_different_lengths(
+    chat: Loaded, prompts: list[list[int]], buckets: bool
+) -> None:
+    """Two rows whose prefixes were cached (prefix cache hits of 17 and 5 positions),
+    prefilled together: the shorter prefix is padded on the left in the group's cache, and
+    the attention is handed where each row's keys start."""
+    long = max(prompts, key=len)
+    full = [[*long, 9, 8, 7], [(t + 3) % 400 + 5 for t in long][:20]]
+    cut = [17, 5]
+    caches = []
+    for prompt, n in zip(full, cut, strict=True):
+        cache = make_prompt_cache(chat.model)
+        chat.model(mx.array(prompt[:n])[None], cache=cache)
+        caches.append(cache)
+    seen: list[list[int]] = []
+    attend = mlx_attention(chat.model)
+
+    def recorded(q: mx.array, k: mx.array, v: mx.array, base: mx.array, starts: mx.array) -> Any:
+        seen.append(starts.tolist())
+        return attend(q, k, v, base, starts)
+
+    first = FirstToken(chat.model, PrefillLayers(recorded, False))
+    batch = RowBatch(chat.model, prefill_buckets=buckets, first=first)
+    uids = batch.insert(
+        [p[n:] for p, n in zip(full, cut, strict=True)],
+        caches,
+        [p[:n] for p, n in zip(full, cut, strict=True)],
+        [greedy] * 2,
+        [[], []],
+    )
+    tokens: dict[int, list[int]] = {}
+    run_steps(batch, 8, tokens)
+    assert seen[0] == [0, 12]  # the 5-position prefix sits after 12 positions of padding
+    for uid, prompt in zip(uids, full, strict=True):
+        assert tokens[uid][:5] == reference_greedy(chat.model, prompt, 5)
+
+
+def test_a_cache_it_cannot_read_keeps_the_models_layers(chat: Loaded) -> None:
+    """Plain KV caches (no batch state) go through the model's own forward pass."""
+    assert not takes(make_prompt_cache(chat.model)) and not takes([])
+    first = with_layers(chat.model)
+    cache = make_prompt_cache(chat.model)
+    first.forward(chat.model, mx.array([[1, 2, 3]]), cache)
+    assert cache[0].offset == 3
+
+
+def test_off_cuda_auto_and_mlx_keep_mlxs_attention_and_kernel_says_why(
+    chat: Loaded, caplog: pytest.LogCaptureFixture
+) -> None:
+    for setting in ("auto", "mlx"):
+        found = first_token(chat.model, setting)
+        assert found is not None and found.prefill is None
+    assert "prefill attention" not in caplog.text
+    found = first_token(chat.model, "kernel")
+    assert found is not None and found.prefill is None
+    assert "prefill attention: MLX's (no kernel here" in caplog.text
+
+
+def test_a_kernel_made_is_used_where_the_layers_match_the_model(
+    chat: Loaded, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a kernel (MLX's attention standing in for one), auto on CUDA takes it; where
+    the project's layers compute other logits than the model (here: the attention they are
+    checked with made wrong), the model's own layers are kept, logged."""
+    kernel = mlx_attention(chat.model)
+    monkeypatch.setattr(groups, "on_cuda", lambda: True)
+    monkeypatch.setattr(prefill_attention, "make", lambda *a: kernel)
+    found = first_token(chat.model, "auto")
+    assert found is not None and found.prefill is not None
+    assert found.prefill.attend is kernel
+    reference = prefill_attention.reference
+    monkeypatch.setattr(prefill_attention, "reference", lambda *a: 1.5 * reference(*a))
+    found = first_token(chat.model, "kernel")
+    assert found is not None and found.prefill is None
+    assert "prefill attention: MLX's (the layers compute other logits: row 1" in caplog.text
+
+
+def test_auto_takes_the_kernel_only_for_heads_it_was_measured_faster_at(
+    chat: Loaded, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caplog.set_level("INFO")
+    monkeypatch.setattr(groups, "on_cuda", lambda: True)
+    monkeypatch.setattr(prefill_attention, "make", lambda *a: mlx_attention(chat.model))
+    attn = chat.model.model.layers[0].self_attn
+    dim = attn.q_proj.weight.shape[0] // attn.n_heads
+    monkeypatch.setattr(prefill_attention, "AUTO_HEAD_DIM", dim - 1)
+    found = first_token(chat.model, "auto")
+    assert found is not None and found.prefill is None
+    assert f"prefill attention: MLX's (heads of {dim}: the kernel was measured" in caplog.text
+    found = first_token(chat.model, "kernel")  # asked for: taken
+    assert found is not None and found.prefill is not None

@@ -1,0 +1,484 @@
+"""A prefill's attention over a cached prefix as one tensor-core kernel, on MLX's CUDA backend.
+
+A cached agent turn prefills a few hundred new tokens over thousands of cached positions,
+and its attention is most of the forward pass (docs/benchmarks.md: 9 of 12 ms at the 1B
+shape on an H100). Over several queries MLX's CUDA backend runs attention either through
+cuDNN, which builds a graph for every new shape (64-82 ms the first time) and takes a mask
+array as a bias, or composed of separate operations: a product for the scores, the mask, a
+float32 softmax and a second product, each a pass over a (queries x keys) matrix.
+
+Here it is one kernel of our own (`mx.fast.cuda_kernel`, compiled by NVRTC on first use),
+in the manner of FlashAttention-2: a block takes 64 queries of one head, its four warps 16
+each, and walks the keys 64 at a time through shared memory; each warp computes its scores
+with the tensor cores (`mma.sync` m16n8k16, bfloat16 or float16 in, float32 out), keeps a
+running maximum and sum per query (the online softmax, in float32), and adds the tile's
+probabilities times the values into float32 accumulators held in registers. No scores
+matrix is written, no mask array is built (a query sees the keys from its row's first real
+position, the cache's left padding, up to its own position, read from two integers), and a
+new length is no new graph nor kernel: the lengths are arguments.
+
+`attend(q, k, v, base, starts)`: q (rows, heads, n, D); keys and values (rows, kv_heads,
+width, D), views of the cache's buffers read through their strides; query i of row b sees
+keys starts[b] <= j <= base + i (and j < width). The output is (rows, n, heads, D): the
+layout the output projection reads, with no transpose.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import mlx.core as mx
+
+from worker.device import on_cuda
+
+log = logging.getLogger(__name__)
+
+QUERIES = 64  # a block's queries (four warps of 16)
+THREADS = 128
+DTYPES = (mx.bfloat16, mx.float16)  # the tensor cores' inputs here
+# "auto" takes the kernel for heads up to this size: at 64 (Llama-3.2-1B's) it beat MLX's
+# attention at every shape measured; at 128 (Llama-3.1-8B's) it lost over a long cached
+# prefix (docs/benchmarks.md)
+AUTO_HEAD_DIM = 64
+
+HEADER = """
+template <typename T> struct gw_mma;
+template <> struct gw_mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(
+      float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+};
+template <> struct gw_mma<__half> {
+  static __device__ __forceinline__ void run(
+      float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+};
+// two 16-bit values as one register, the first in the low half (the operands' order)
+template <typename T>
+__device__ __forceinline__ uint32_t gw_bits(const T* p, bool lo_in, const T* q, bool hi_in) {
+  const uint32_t lo = lo_in ? *reinterpret_cast<const unsigned short*>(p) : 0u;
+  const uint32_t hi = hi_in ? *reinterpret_cast<const unsigned short*>(q) : 0u;
+  return lo | (hi << 16);
+}
+"""
+
+BODY = """
+    constexpr int BQ = 64;
+    constexpr int BK = 64;
+    constexpr int DP = D / 2;       // a key's pairs of dimensions
+    constexpr int KS = DP + 4;      // a key's row in shared memory, in pairs (padded: no conflicts)
+    constexpr int VS = BK / 2 + 4;  // a dimension's row of pairs of keys (padded)
+    constexpr float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
+    __shared__ uint32_t ks[BK * KS];
+    __shared__ uint32_t vs[D * VS];
+
+    const int tiles = (q_shape[2] + BQ - 1) / BQ;
+    const int splits = gridDim.x / tiles;  // blocks a tile's keys are split over
+    const int tile = blockIdx.x / splits;
+    const int part = blockIdx.x - tile * splits;
+    const int h = blockIdx.y;
+    const int b = blockIdx.z;
+    const int g = h / R;
+    const int n = q_shape[2];
+    const int heads = q_shape[1];
+    const int width = k_shape[2];
+    const int first = starts[b];
+    const int origin = base[0];
+    const float sl2 = scale[0] * 1.4426950408889634f;
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5;
+    const int lane = tid & 31;
+    const int gid = lane >> 2;
+    const int tig = lane & 3;
+    const int q0 = tile * BQ + warp * 16;
+
+    // the warp's 16 queries, the A operand: register c holds row gid (+8 when c is odd),
+    // dimensions 2 tig, 2 tig + 1 (+8 from c = 2)
+    uint32_t qa[D / 16][4];
+    const T* qb = q + b * q_strides[0] + h * q_strides[1];
+#pragma unroll
+    for (int s = 0; s < D / 16; ++s) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int row = q0 + gid + (c & 1) * 8;
+        const int col = s * 16 + (c >> 1) * 8 + tig * 2;
+        const T* p = qb + row * q_strides[2] + col * q_strides[3];
+        qa[s][c] = gw_bits<T>(p, row < n, p + q_strides[3], row < n);
+      }
+    }
+    float o[D / 8][4];
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) o[dn][c] = 0.0f;
+    }
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;  // rows gid and gid + 8
+    const int p0 = origin + q0 + gid;
+    const int p1 = p0 + 8;
+    // this block's keys: its share of the tile's, whole key tiles each
+    const int begin = (first / BK) * BK;
+    const int reach = min(width, origin + n);  // past the last key any query sees
+    const int share = ((reach - begin + splits - 1) / splits + BK - 1) / BK * BK;
+    const int lo = begin + part * share;
+    const int last = min(min(width, origin + min(n, tile * BQ + BQ)), lo + share);
+    const bool some = q0 < n;
+    const T* kb = k + b * k_strides[0] + g * k_strides[1];
+    const T* vb = v + b * v_strides[0] + g * v_strides[1];
+
+    for (int j0 = lo; j0 < last; j0 += BK) {
+      __syncthreads();
+      for (int i = tid; i < BK * DP; i += THREADS) {
+        const int key = i / DP;
+        const int pair = i - key * DP;
+        const int j = j0 + key;
+        const T* p = kb + j * k_strides[2] + 2 * pair * k_strides[3];
+        ks[key * KS + pair] = gw_bits<T>(p, j < width, p + k_strides[3], j < width);
+      }
+      for (int i = tid; i < D * (BK / 2); i += THREADS) {
+        const int d = i % D;
+        const int pair = i / D;
+        const int j = j0 + 2 * pair;
+        const T* p = vb + j * v_strides[2] + d * v_strides[3];
+        vs[d * VS + pair] = gw_bits<T>(p, j < width, p + v_strides[2], j + 1 < width);
+      }
+      __syncthreads();
+      if (!some || j0 > origin + q0 + 15) continue;  // no query of this warp sees the tile
+
+      float s[BK / 8][4];
+#pragma unroll
+      for (int nt = 0; nt < BK / 8; ++nt) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) s[nt][c] = 0.0f;
+      }
+#pragma unroll
+      for (int st = 0; st < D / 16; ++st) {
+#pragma unroll
+        for (int nt = 0; nt < BK / 8; ++nt) {
+          const uint32_t* kr = ks + (nt * 8 + gid) * KS + st * 8 + tig;
+          gw_mma<T>::run(s[nt], qa[st], kr[0], kr[4]);
+        }
+      }
+      // scores: register c of tile nt is row gid (+8 from c = 2), key nt * 8 + 2 tig (+1 odd c)
+      float x0 = NEG_INF, x1 = NEG_INF;
+#pragma unroll
+      for (int nt = 0; nt < BK / 8; ++nt) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int j = j0 + nt * 8 + tig * 2 + (c & 1);
+          const int p = (c & 2) ? p1 : p0;
+          const float y = (j >= first && j <= p && j < width) ? s[nt][c] * sl2 : NEG_INF;
+          s[nt][c] = y;
+          if (c & 2) x1 = fmaxf(x1, y); else x0 = fmaxf(x0, y);
+        }
+      }
+      x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, 1));
+      x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, 2));
+      x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, 1));
+      x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, 2));
+      const float n0 = fmaxf(m0, x0);
+      const float n1 = fmaxf(m1, x1);
+      const float u0 = n0 == NEG_INF ? 0.0f : n0;  // a row that has seen no key yet
+      const float u1 = n1 == NEG_INF ? 0.0f : n1;
+      const float a0 = exp2f(m0 - u0);
+      const float a1 = exp2f(m1 - u1);
+      m0 = n0;
+      m1 = n1;
+      float r0 = 0.0f, r1 = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < BK / 8; ++nt) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const float e = exp2f(s[nt][c] - ((c & 2) ? u1 : u0));
+          s[nt][c] = e;
+          if (c & 2) r1 += e; else r0 += e;
+        }
+      }
+      l0 = l0 * a0 + r0;
+      l1 = l1 * a1 + r1;
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn) {
+        o[dn][0] *= a0;
+        o[dn][1] *= a0;
+        o[dn][2] *= a1;
+        o[dn][3] *= a1;
+      }
+      // the probabilities of two key tiles of 8 are the A operand over 16 keys
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) {
+        uint32_t pa[4];
+        pa[0] = gw_mma<T>::pack(s[2 * kk][0], s[2 * kk][1]);
+        pa[1] = gw_mma<T>::pack(s[2 * kk][2], s[2 * kk][3]);
+        pa[2] = gw_mma<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pa[3] = gw_mma<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn) {
+          const uint32_t* vr = vs + (dn * 8 + gid) * VS + kk * 8 + tig;
+          gw_mma<T>::run(o[dn], pa, vr[0], vr[4]);
+        }
+      }
+    }
+
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+"""
+
+
+SOURCE = (
+    BODY
+    + """
+    const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f;  // a query that sees no key: zeros
+    const float i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+    const int row0 = q0 + gid;
+    const int row1 = row0 + 8;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      const int d = dn * 8 + tig * 2;
+      if (row0 < n) {
+        T* w = out + ((static_cast<int64_t>(b) * n + row0) * heads + h) * D + d;
+        w[0] = static_cast<T>(o[dn][0] * i0);
+        w[1] = static_cast<T>(o[dn][1] * i0);
+      }
+      if (row1 < n) {
+        T* w = out + ((static_cast<int64_t>(b) * n + row1) * heads + h) * D + d;
+        w[0] = static_cast<T>(o[dn][2] * i1);
+        w[1] = static_cast<T>(o[dn][3] * i1);
+      }
+    }
+"""
+)
+SPLIT_SOURCE = (
+    BODY
+    + """
+    // this split's attention, normalized, and its log-sum (base 2) for `combine`
+    const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f;
+    const float i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+    const int row0 = q0 + gid;
+    const int row1 = row0 + 8;
+    const int64_t slab = static_cast<int64_t>(part) * q_shape[0] + b;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      const int d = dn * 8 + tig * 2;
+      if (row0 < n) {
+        float* w = parts + ((slab * n + row0) * heads + h) * D + d;
+        w[0] = o[dn][0] * i0;
+        w[1] = o[dn][1] * i0;
+      }
+      if (row1 < n) {
+        float* w = parts + ((slab * n + row1) * heads + h) * D + d;
+        w[0] = o[dn][2] * i1;
+        w[1] = o[dn][3] * i1;
+      }
+    }
+    if (tig == 0) {
+      if (row0 < n) sums[(slab * n + row0) * heads + h] = l0 > 0.0f ? m0 + log2f(l0) : NEG_INF;
+      if (row1 < n) sums[(slab * n + row1) * heads + h] = l1 > 0.0f ? m1 + log2f(l1) : NEG_INF;
+    }
+"""
+)
+COMBINE_SOURCE = """
+    // out[b, i, h, :] from the splits' parts: each weighed by its share of the whole sum
+    const int64_t at = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int64_t per = static_cast<int64_t>(parts_shape[1]) * parts_shape[2] * parts_shape[3];
+    if (at >= per * D) return;
+    const int64_t cell = at / D;
+    const int splits = parts_shape[0];
+    float top = -cuda::std::numeric_limits<float>::infinity();
+    for (int s = 0; s < splits; ++s) top = fmaxf(top, sums[s * per + cell]);
+    float total = 0.0f;
+    float acc = 0.0f;
+    if (top != -cuda::std::numeric_limits<float>::infinity()) {
+      for (int s = 0; s < splits; ++s) {
+        const float w = exp2f(sums[s * per + cell] - top);
+        total += w;
+        acc += w * parts[s * per * D + at];
+      }
+    }
+    out[at] = static_cast<T>(total > 0.0f ? acc / total : 0.0f);
+"""
+
+
+class PrefillAttention:
+    """`attend(q, k, v, base, starts)`: softmax(q k^T * scale) v over each query's visible
+    keys (module docstring), as (rows, n, heads, D).
+
+    A block takes 64 queries of one head. Where that makes too few blocks to keep the GPU
+    busy (a few hundred new tokens over thousands of cached keys: 4 blocks a head, each
+    walking every key), each block's keys are split over several blocks instead, as
+    FlashDecoding does: each writes its share's attention and log-sum in float32, and a
+    second kernel weighs them together."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, scale: float) -> None:
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.group = heads // kv_heads
+        self.scale = mx.array([scale], dtype=mx.float32)
+        self._templates: dict[mx.Dtype, list[tuple[str, Any]]] = {}
+        inputs = ["q", "k", "v", "starts", "base", "scale"]
+        self.kernel = mx.fast.cuda_kernel(
+            name="prefill_flash_attention",
+            input_names=inputs,
+            output_names=["out"],
+            source=SOURCE,
+            header=HEADER,
+            ensure_row_contiguous=False,
+        )
+        self.split_kernel = mx.fast.cuda_kernel(
+            name="prefill_flash_attention_split",
+            input_names=inputs,
+            output_names=["parts", "sums"],
+            source=SPLIT_SOURCE,
+            header=HEADER,
+            ensure_row_contiguous=False,
+        )
+        self.combine = mx.fast.cuda_kernel(
+            name="prefill_flash_attention_combine",
+            input_names=["parts", "sums"],
+            output_names=["out"],
+            source=COMBINE_SOURCE,
+        )
+
+    def __call__(
+        self, q: mx.array, k: mx.array, v: mx.array, base: mx.array, starts: mx.array
+    ) -> mx.array:
+        rows, heads, n, dim = q.shape
+        template = self._templates.get(q.dtype)
+        if template is None:
+            template = [("T", q.dtype), ("D", dim), ("R", self.group), ("THREADS", THREADS)]
+            self._templates[q.dtype] = template
+        tiles = -(-n // QUERIES)
+        parts = splits(tiles * heads * rows, k.shape[2])
+        inputs = [q, k, v, starts, base, self.scale]
+        grid = (tiles * parts * THREADS, heads, rows)
+        if parts == 1:
+            out: mx.array = self.kernel(  # type: ignore[operator]
+                inputs=inputs,
+                template=template,
+                grid=grid,
+                threadgroup=(THREADS, 1, 1),
+                output_shapes=[(rows, n, heads, dim)],
+                output_dtypes=[q.dtype],
+            )[0]
+            return out
+        shares, sums = self.split_kernel(  # type: ignore[operator]
+            inputs=inputs,
+            template=template,
+            grid=grid,
+            threadgroup=(THREADS, 1, 1),
+            output_shapes=[(parts, rows, n, heads, dim), (parts, rows, n, heads)],
+            output_dtypes=[mx.float32, mx.float32],
+        )
+        cells = rows * n * heads * dim
+        out = self.combine(  # type: ignore[operator]
+            inputs=[shares, sums],
+            template=[("T", q.dtype), ("D", dim)],
+            grid=(-(-cells // 256) * 256, 1, 1),
+            threadgroup=(256, 1, 1),
+            output_shapes=[(rows, n, heads, dim)],
+            output_dtypes=[q.dtype],
+        )[0]
+        return out
+
+
+BLOCKS = 528  # blocks that keep an H100's or H200's 132 multiprocessors busy, four each
+SHARE = 256  # the fewest keys a split block takes
+
+
+def splits(blocks: int, keys: int) -> int:
+    """Over how many blocks each query tile's keys are split: enough for BLOCKS blocks in
+    all, each taking at least SHARE keys (1: no split, no second kernel)."""
+    if blocks >= BLOCKS:
+        return 1
+    return max(1, min(-(-BLOCKS // blocks), keys // SHARE))
+
+
+def fits(heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype) -> bool:
+    """Whether the kernel takes this layout: whole query groups, head dimensions a multiple
+    of the tensor cores' 16 up to 128 (shared memory), a dtype they take."""
+    if kv_heads <= 0 or heads % kv_heads:
+        return False
+    return head_dim % 16 == 0 and 16 <= head_dim <= 128 and dtype in DTYPES
+
+
+def reference(
+    q: mx.array, k: mx.array, v: mx.array, base: int | mx.array, starts: mx.array, scale: float
+) -> mx.array:
+    """What the kernel computes, with MLX's own attention and the mask it implies, in the
+    kernel's output layout (tests and the load-time check compare the two)."""
+    n, width = q.shape[2], k.shape[2]
+    cols = mx.arange(width)
+    mask = (cols[None] <= (base + mx.arange(n))[:, None])[None, None] & (
+        cols[None, None, None] >= starts[:, None, None, None]
+    )
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    return out.transpose(0, 2, 1, 3)
+
+
+def make(
+    heads: int, kv_heads: int, head_dim: int, scale: float, dtype: mx.Dtype
+) -> PrefillAttention | None:
+    """The kernel for this layout on MLX's CUDA backend, checked in `dtype` (the model's)
+    against `reference`; else None (another backend, a layout it does not take, a kernel
+    that does not build or agree: the caller keeps MLX's attention)."""
+    if not on_cuda():
+        return None
+    if not fits(heads, kv_heads, head_dim, dtype):
+        layout = f"{heads} heads, {kv_heads} KV heads of {head_dim}, {dtype}"
+        log.info("prefill attention: MLX's (%s)", layout)
+        return None
+    try:
+        attend = PrefillAttention(heads, kv_heads, head_dim, scale)
+        off = disagreement(attend, scale, dtype)
+    except Exception as exc:  # a kernel that does not build keeps MLX's attention
+        log.warning("prefill attention: MLX's (the kernel failed: %s)", exc)
+        return None
+    if off is not None:
+        log.warning("prefill attention: MLX's (the kernel's output differs: %s)", off)
+        return None
+    return attend
+
+
+CASES = (  # rows, queries, base, width, starts: what the check runs
+    (1, 5, 0, 5, (0,)),  # a short prompt alone
+    (3, 70, 130, 256, (0, 7, 129)),  # left padding, a query tile and a bit, unwritten keys
+    (2, 64, 64, 256, (0, 40)),  # a chunk inside a key bucket
+    (2, 100, 1000, 1280, (0, 300)),  # keys split over blocks (`splits`), left padding
+)
+
+
+def disagreement(attend: PrefillAttention, scale: float, dtype: mx.Dtype) -> str | None:
+    """None where the kernel computes `reference` on CASES, the keys and values read as
+    views inside larger buffers (as the cache hands them over); else where it differs."""
+    keys = mx.random.split(mx.random.key(0), 3)
+    for rows, n, base, width, starts in CASES:
+        dim, kvh = attend.head_dim, attend.kv_heads
+        q = mx.random.normal((rows, attend.heads, n, dim), key=keys[0]).astype(dtype)
+        shape = (rows, kvh, width + 32, dim)
+        k = mx.random.normal(shape, key=keys[1]).astype(dtype)[..., :width, :]
+        v = mx.random.normal(shape, key=keys[2]).astype(dtype)[..., :width, :]
+        first = mx.array(starts, dtype=mx.int32)
+        got = attend(q, k, v, mx.array([base], dtype=mx.int32), first).astype(mx.float32)
+        want = reference(q, k, v, base, first, scale).astype(mx.float32)
+        if not mx.allclose(got, want, rtol=2e-2, atol=2e-2).item():
+            worst = mx.max(mx.abs(got - want)).item()
+            return f"{rows} rows of {n} queries over {width} keys: off by up to {worst:.3g}"
+    return None
