@@ -14,6 +14,8 @@ SOURCES = ("gateway", "gateway-nocache", "mlx_lm", "vllm_mlx")  # launched by de
 # "gateway-rows-whole" with every prompt tokenized whole: engine.segment_tokens = false;
 # "gateway-rows-buckets" and "gateway-rows-nocache-buckets" with engine.prefill_shapes =
 # "buckets"; "gateway-rows-stepfirst" with engine.first_token = "step", mlx-lm's way;
+# "gateway-rows-mlxattn" and "gateway-rows-nocache-mlxattn" with engine.prefill_attention =
+# "mlx", MLX's attention in the prefill instead of the project's kernel;
 # "gateway-rows-cudnn" and "gateway-rows-nocache-cudnn" with MLX's CUDA backend on cuDNN's
 # attention, which workers leave off by default: GATEWAY_ENV).
 GATEWAY_ENGINE: dict[str, dict[str, bool | int | float | str]] = {
@@ -29,6 +31,12 @@ GATEWAY_ENGINE: dict[str, dict[str, bool | int | float | str]] = {
         "prefill_shapes": "buckets",
     },
     "gateway-rows-stepfirst": {"prefix_cache": True, "batcher": "rows", "first_token": "step"},
+    "gateway-rows-mlxattn": {"prefix_cache": True, "batcher": "rows", "prefill_attention": "mlx"},
+    "gateway-rows-nocache-mlxattn": {
+        "prefix_cache": False,
+        "batcher": "rows",
+        "prefill_attention": "mlx",
+    },
 }
 # the environment a source's gateway (and so its workers) gets beside the run's: a "-cudnn"
 # source is its plain one's configuration on cuDNN's attention

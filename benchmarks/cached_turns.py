@@ -29,8 +29,23 @@ from typing import Any
 
 from shared.blas import CUDNN_SDPA, mlx_worker_defaults
 
-SETTINGS = {"cache": True, "nocache": False}
+# each setting's engine options beside the trace's batch limits; "-mlxattn": the prefill's
+# attention MLX's, not the project's kernel (engine.prefill_attention = "mlx")
+SETTINGS: dict[str, dict[str, Any]] = {
+    "cache": {"prefix_cache": True},
+    "nocache": {"prefix_cache": False},
+    "cache-mlxattn": {"prefix_cache": True, "prefill_attention": "mlx"},
+    "nocache-mlxattn": {"prefix_cache": False, "prefill_attention": "mlx"},
+}
 VOCAB = 400  # ids drawn below this (and above the first few, often special)
+
+
+def _settings(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"settings are {', '.join(SETTINGS)}; not {unknown}")
+    return names
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,6 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--reply", type=int, default=64, help="tokens of each reply")
     p.add_argument("--traces", type=int, default=2, help="traces a setting, one after another")
+    p.add_argument(
+        "--settings",
+        type=_settings,
+        default=["cache", "nocache"],
+        help=f"comma-separated, of {', '.join(SETTINGS)}",
+    )
     args = p.parse_args(argv)
     if min(args.system, args.turns, args.reply, args.traces) < 1:
         p.error("--system, --turns, --reply and --traces must be at least 1")
@@ -85,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     from worker.steptrace import StepTrace
 
     model, tokenizer = load(args.model)
-    for name, cached in SETTINGS.items():
-        options = EngineOptions(max_running=8, prefill_batch_size=8, prefix_cache=cached)
+    for name in args.settings:
+        options = EngineOptions(max_running=8, prefill_batch_size=8, **SETTINGS[name])
         engine = StepTrace.wrap(EngineCore(make_backend(model, tokenizer, options), options))
         for trace in range(args.traces):
             history = _ids(1000 * trace + 1, args.system)

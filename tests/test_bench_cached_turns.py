@@ -39,9 +39,21 @@ def test_turns_with_and_without_the_prefix_cache(
                 assert prompts[t - 1] <= line["cached"][t] < prompts[t]
 
 
-def test_bad_arguments_are_refused_before_loading() -> None:
+@pytest.mark.usefixtures("no_mlx_settings")
+def test_settings_chosen_run_in_their_order(
+    chat_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [str(chat_model), "--system", "40", "--turns", "2", "--reply", "2", "--traces", "1"]
+    assert cached_turns.main([*argv, "--settings", "nocache-mlxattn,cache-mlxattn"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["setting"] for line in lines] == ["nocache-mlxattn", "cache-mlxattn"]
+    assert lines[0]["cached"] == [0, 0] and lines[1]["cached"][1] >= 40
+
+
+@pytest.mark.parametrize("argv", [["--turns", "0"], ["--settings", "cache,fast"]])
+def test_bad_arguments_are_refused_before_loading(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        cached_turns.main(["/nonexistent-model", "--turns", "0"])
+        cached_turns.main(["/nonexistent-model", *argv])
     assert exit_info.value.code == 2
 
 
