@@ -48,7 +48,7 @@ from shared.blas import CUDNN_SDPA, mlx_worker_defaults
 from shared.engine_options import EngineOptions
 
 COLD = 10  # lengths met once each
-WAYS = ("batch", "buckets")
+WAYS = ("batch", "buckets", "kernel")
 CHUNK = EngineOptions().prefill_step_size
 
 
@@ -58,7 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cached", type=int, default=4400, help="cached positions before the turn")
     p.add_argument("--new", type=positive_ints, default=[16, 128, 250], help="new tokens")
     p.add_argument("--trials", type=int, default=10, help="timed trials a shape, after 3")
-    p.add_argument("--via", default="batch,buckets", help="more ways: batch, buckets ('': none)")
+    p.add_argument(
+        "--via", default="batch,buckets,kernel", help="more ways: batch, buckets, kernel ('': none)"
+    )
     args = p.parse_args(argv)
     if args.cached < 1 or args.trials < 1:
         p.error("--cached and --trials must be at least 1")
@@ -102,29 +104,34 @@ def plain(model: Any, cache: list[Any], n: int) -> float:
     return ms
 
 
-def batched(model: Any, cache: list[Any], n: int, way: str) -> float:
+def batched(model: Any, cache: list[Any], n: int, way: str, layers: Any = None) -> float:
     """The same on a batch cache copied from `cache` (untouched), through the prefill
-    buckets' views for `way` "buckets"."""
+    buckets' views for `way` "buckets", and for "kernel" with `layers`, the project's
+    layers and its attention kernel (worker/backends/prefill_layers.py), as a worker's
+    prefill runs on MLX's CUDA backend."""
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
+    from worker.backends.groups import FirstToken
     from worker.backends.prefill_buckets import padded_width, views
 
-    tokens = _tokens(n, padded_width(n, CHUNK) if way == "buckets" else n)
+    tokens = _tokens(n, padded_width(n, CHUNK) if way != "batch" else n)
     mx.eval(tokens)
+    first = FirstToken(model, layers)
 
     def run() -> None:
         batch = [BatchKVCache.merge([c]) for c in cache]
-        seen = views(batch) if way == "buckets" else batch
+        seen = views(batch) if way != "batch" else batch
         if seen is None:  # not a state the buckets read: no forward pass without a cache
             raise RuntimeError("--via buckets: this mlx-lm's batch cache is not bucketed")
-        model(tokens, cache=seen)
+        first.forward(model, tokens, seen)  # the model's own forward pass without `layers`
         mx.eval([c.state for c in batch])
 
     return _ms(run)
 
 
 MASKS = ("causal", "array", "bucket")  # attention_ms's masks (module docstring)
+KERNEL = "kernel"  # attention_ms's entry for the project's kernel over a bucket of keys
 
 
 def keys_and_mask(mask: str, cached: int, n: int) -> tuple[int, Any]:
@@ -141,22 +148,33 @@ def keys_and_mask(mask: str, cached: int, n: int) -> tuple[int, Any]:
 
 
 def attention(
-    shape: tuple[int, int, int, Any], cached: int, n: int, layers: int, mask: str
+    shape: tuple[int, int, int, Any],
+    cached: int,
+    n: int,
+    layers: int,
+    mask: str,
+    kernel: Any = None,
 ) -> float:
     """MLX's attention of n queries over cached + n keys, once a layer, in one evaluation;
-    the mask as a cache hands it (keys_and_mask)."""
+    the mask as a cache hands it (keys_and_mask); with `kernel`, that kernel's (mask
+    KERNEL: over a bucket of keys, the causal limit and the row's start as integers)."""
     import mlx.core as mx
 
     heads, kv_heads, head_dim, dtype = shape
-    width, given = keys_and_mask(mask, cached, n)
+    width, given = keys_and_mask("bucket" if mask == KERNEL else mask, cached, n)
     q = mx.random.normal((1, heads, n, head_dim)).astype(dtype)
     k, v = (mx.random.normal((1, kv_heads, width, head_dim)).astype(dtype) for _ in "kv")
-    mx.eval(q, k, v, given if mask != "causal" else q)
+    base, starts = mx.array([cached], dtype=mx.int32), mx.array([0], dtype=mx.int32)
+    mx.eval(q, k, v, given if mask != "causal" else q, base, starts)
 
     def run() -> None:
         out = q
         for _ in range(layers):
-            out = mx.fast.scaled_dot_product_attention(out, k, v, scale=head_dim**-0.5, mask=given)
+            if mask == KERNEL:  # its output is (rows, n, heads, D): the next layer's queries
+                out = kernel(out, k, v, base, starts).transpose(0, 2, 1, 3)
+            else:
+                scale = head_dim**-0.5
+                out = mx.fast.scaled_dot_product_attention(out, k, v, scale=scale, mask=given)
         mx.eval(out)
 
     return _ms(run)
@@ -168,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from worker.backends import groups
 
     model, _ = load(args.model)
     cache = make_prompt_cache(model)
@@ -186,18 +206,23 @@ def main(argv: list[str] | None = None) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     dtype = cache[0].state[0].dtype  # the keys' as attention reads them
     shape = (heads, config.num_key_value_heads, head_dim, dtype)
+    kernel = groups.prefill_kernel(model, asked=True)  # None off MLX's CUDA backend
     ways: dict[str, Callable[[int], float]] = {"plain": functools.partial(plain, model, cache)}
     for way in args.via:
-        ways[way] = functools.partial(batched, model, cache, way=way)
+        if way != "kernel" or kernel is not None:
+            layers = kernel if way == "kernel" else None
+            ways[way] = functools.partial(batched, model, cache, way=way, layers=layers)
+    masks = [*MASKS, KERNEL] if kernel is not None else list(MASKS)
     line["forward"], line["attention_ms"] = {way: {} for way in ways}, {}
     for n in args.new:
         for way, run in ways.items():
             first = run(n)
             times = [run(n) for _ in range(args.trials + 2)][2:]
             line["forward"][way][n] = {"first_ms": round(first, 2), "warm_ms": _median(times)}
-        for mask in MASKS:
+        for mask in masks:
+            attend = kernel.attend if kernel is not None else None
             times = [
-                attention(shape, args.cached, n, len(model.layers), mask)
+                attention(shape, args.cached, n, len(model.layers), mask, attend)
                 for _ in range(args.trials)
             ]
             line["attention_ms"].setdefault(mask, {})[n] = _median(times)

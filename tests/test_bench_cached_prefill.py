@@ -35,6 +35,28 @@ def test_a_cached_turns_forward_and_attention(
     assert len(line["cold_ms"]) == cached_prefill.COLD and all(ms > 0 for ms in line["cold_ms"])
 
 
+@pytest.mark.usefixtures("no_mlx_settings")
+def test_with_a_kernel_its_forward_pass_and_attention_are_timed(
+    chat_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the prefill's kernel is made (MLX's CUDA backend; here MLX's attention stands
+    in for it), a "kernel" way and a "kernel" attention beside the others."""
+    from worker.backends import groups, prefill_attention
+    from worker.backends.prefill_layers import PrefillLayers
+
+    def made(model: object, asked: bool) -> PrefillLayers:
+        scale = model.model.layers[0].self_attn.scale  # type: ignore[attr-defined]
+        return PrefillLayers(lambda *a: prefill_attention.reference(*a, scale), False)
+
+    monkeypatch.setattr(groups, "prefill_kernel", made)
+    argv = [str(chat_model), "--cached", "40", "--new", "9", "--trials", "1"]
+    assert cached_prefill.main([*argv, "--via", "kernel"]) == 0
+    (line,) = [json.loads(out) for out in capsys.readouterr().out.splitlines()]
+    assert sorted(line["forward"]) == ["kernel", "plain"]
+    assert sorted(line["attention_ms"]) == sorted([*cached_prefill.MASKS, "kernel"])
+    assert line["attention_ms"]["kernel"]["9"] > 0
+
+
 def test_each_mask_is_the_causal_attention_a_cache_hands_over() -> None:
     """The mask arrays give the causal mask's attention; the bucket's keys past the written
     ones are hidden."""
