@@ -47,8 +47,18 @@ def test_the_layouts_it_takes() -> None:
     assert not fits(32, 8, 64, mx.float32)  # the tensor cores' inputs here: 16-bit
     assert not fits(30, 8, 64, mx.bfloat16)  # a partial query group
     assert not fits(32, 8, 256, mx.bfloat16)  # shared memory: up to 128
-    assert not fits(32, 8, 72, mx.bfloat16)  # not a multiple of 16
+    assert not fits(32, 8, 80, mx.bfloat16)  # not a multiple of 32 (a block's loads)
     assert not fits(32, 0, 64, mx.bfloat16)
+
+
+def test_keys_are_split_only_where_blocks_are_few() -> None:
+    """As measured on an H100: 64 and 128 queries of 32 heads on 4,400 cached keys (32 and
+    64 blocks) split 17 and 9 ways; 256 queries (128 blocks) and more not at all; never
+    under SHARE keys a block."""
+    assert prefill_attention.splits(32, 4608) == 17
+    assert prefill_attention.splits(64, 4608) == 9
+    assert prefill_attention.splits(128, 4864) == 1 and prefill_attention.splits(256, 8704) == 1
+    assert prefill_attention.splits(32, 600) == 2 and prefill_attention.splits(8, 300) == 1
 
 
 class Standin:
@@ -130,7 +140,7 @@ def test_the_kernels_compile_for_the_tensor_cores_without_spilling(tmp_path: Pat
         names = ", ".join(("typename " if t == "T" else "int ") + t for t in template.split())
         lines += [f"template <{names}>", f"__global__ void {name}({params}) {{", sources[name], "}"]
         for dtype in ("__nv_bfloat16", "__half"):
-            for dim, group in ((64, 4), (128, 4), (128, 2), (32, 8)):
+            for dim, group in ((64, 4), (128, 4), (128, 2), (32, 8), (96, 4)):
                 values = {"T": dtype, "D": str(dim), "R": str(group), "THREADS": "128"}
                 chosen = ", ".join(values[t] for t in template.split())
                 if f"{name}<{chosen}>" in lines[-1]:

@@ -158,6 +158,9 @@ def test_a_kernel_made_is_used_where_the_layers_match_the_model(
     kernel = mlx_attention(chat.model)
     monkeypatch.setattr(groups, "on_cuda", lambda: True)
     monkeypatch.setattr(prefill_attention, "make", lambda *a: kernel)
+    attn = chat.model.model.layers[0].self_attn
+    dim = attn.q_proj.weight.shape[0] // attn.n_heads
+    monkeypatch.setattr(prefill_attention, "AUTO_HEAD_DIMS", (dim,))  # a size measured
     found = first_token(chat.model, "auto")
     assert found is not None and found.prefill is not None
     assert found.prefill.attend is kernel
@@ -176,7 +179,11 @@ def test_auto_takes_the_kernel_only_for_heads_it_was_measured_faster_at(
     monkeypatch.setattr(prefill_attention, "make", lambda *a: mlx_attention(chat.model))
     attn = chat.model.model.layers[0].self_attn
     dim = attn.q_proj.weight.shape[0] // attn.n_heads
-    monkeypatch.setattr(prefill_attention, "AUTO_HEAD_DIM", dim - 1)
+    monkeypatch.setattr(prefill_attention, "AUTO_HEAD_DIMS", (dim,))
+    found = first_token(chat.model, "auto")  # measured at the model's size: taken
+    assert found is not None and found.prefill is not None
+    monkeypatch.setattr(prefill_attention, "AUTO_HEAD_DIMS", (64, 128))
+    assert dim not in (64, 128)
     found = first_token(chat.model, "auto")
     assert found is not None and found.prefill is None
     assert f"prefill attention: MLX's (heads of {dim}: the kernel was measured" in caplog.text

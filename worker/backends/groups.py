@@ -184,7 +184,7 @@ def first_token(model: Any, attention: str = "mlx") -> FirstToken | None:
 
 def prefill_kernel(model: Any, asked: bool) -> PrefillLayers | None:
     """The prefill's layers with the kernel's attention, where it is `asked` for or the
-    model's heads are of a size it was measured faster at (prefill_attention.AUTO_HEAD_DIM),
+    model's heads are of a size it was measured faster at (prefill_attention.AUTO_HEAD_DIMS),
     the kernel is made for the model's layout and dtype (its own check) and the layers
     compute the model's first tokens with MLX's attention in the kernel's place (the probe:
     the layers are the project's, the model's modules in mlx-lm's order); else None,
@@ -194,12 +194,12 @@ def prefill_kernel(model: Any, asked: bool) -> PrefillLayers | None:
     dtype = model.model.norm.weight.dtype  # the model's activations'
     head_norms = hasattr(attn, "q_norm")
     level = logging.WARNING if asked else logging.INFO
-    if not asked and dim > prefill_attention.AUTO_HEAD_DIM:
+    if not asked and dim not in prefill_attention.AUTO_HEAD_DIMS:
         log.info(
-            "prefill attention: MLX's (heads of %d: the kernel was measured faster at up to "
-            "%d; engine.prefill_attention = 'kernel' takes it)",
+            "prefill attention: MLX's (heads of %d: the kernel was measured faster at %s; "
+            "engine.prefill_attention = 'kernel' takes it)",
             dim,
-            prefill_attention.AUTO_HEAD_DIM,
+            " and ".join(map(str, prefill_attention.AUTO_HEAD_DIMS)),
         )
         return None
     kernel = prefill_attention.make(attn.n_heads, attn.n_kv_heads, dim, attn.scale, dtype)

@@ -37,10 +37,9 @@ log = logging.getLogger(__name__)
 QUERIES = 64  # a block's queries (four warps of 16)
 THREADS = 128
 DTYPES = (mx.bfloat16, mx.float16)  # the tensor cores' inputs here
-# "auto" takes the kernel for heads up to this size: at 64 (Llama-3.2-1B's) it beat MLX's
-# attention at every shape measured; at 128 (Llama-3.1-8B's) it lost over a long cached
-# prefix (docs/benchmarks.md)
-AUTO_HEAD_DIM = 64
+# "auto" takes the kernel for heads of the sizes it was measured faster at, on an H100:
+# Llama-3.2-1B's 64 and Llama-3.1-8B's 128 dimensions (docs/benchmarks.md)
+AUTO_HEAD_DIMS = (64, 128)
 
 HEADER = """
 template <typename T> struct gw_mma;
@@ -143,22 +142,75 @@ BODY = """
     const bool some = q0 < n;
     const T* kb = k + b * k_strides[0] + g * k_strides[1];
     const T* vb = v + b * v_strides[0] + g * v_strides[1];
+    // keys and values read 16 bytes at a time where their rows are whole and aligned (a
+    // cache's buffers are); else two bytes at a time
+    constexpr int KC = D / 8;  // a key's 16-byte pieces
+    constexpr int KN = BK * KC / THREADS;  // a thread's pieces of a key tile
+    constexpr int VN = BK / 2 * KC / THREADS;  // a thread's (pair of keys, piece) of a value tile
+    const bool wide = k_strides[3] == 1 && v_strides[3] == 1 && k_strides[2] % 8 == 0 &&
+        v_strides[2] % 8 == 0 && reinterpret_cast<unsigned long long>(kb) % 16 == 0 &&
+        reinterpret_cast<unsigned long long>(vb) % 16 == 0;
 
     for (int j0 = lo; j0 < last; j0 += BK) {
       __syncthreads();
-      for (int i = tid; i < BK * DP; i += THREADS) {
-        const int key = i / DP;
-        const int pair = i - key * DP;
-        const int j = j0 + key;
-        const T* p = kb + j * k_strides[2] + 2 * pair * k_strides[3];
-        ks[key * KS + pair] = gw_bits<T>(p, j < width, p + k_strides[3], j < width);
-      }
-      for (int i = tid; i < D * (BK / 2); i += THREADS) {
-        const int d = i % D;
-        const int pair = i / D;
-        const int j = j0 + 2 * pair;
-        const T* p = vb + j * v_strides[2] + d * v_strides[3];
-        vs[d * VS + pair] = gw_bits<T>(p, j < width, p + v_strides[2], j + 1 < width);
+      if (wide) {
+        // 16 bytes a load, every load of a tile issued before any is stored: one memory
+        // latency a tile, not one a load
+        uint4 kr[KN];
+#pragma unroll
+        for (int r = 0; r < KN; ++r) {
+          const int i = tid + r * THREADS;
+          const int j = j0 + i / KC;
+          kr[r] = j < width ? *reinterpret_cast<const uint4*>(kb + j * k_strides[2] + i % KC * 8)
+                            : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int r = 0; r < KN; ++r) {
+          const int i = tid + r * THREADS;
+          uint32_t* w = ks + (i / KC) * KS + (i % KC) * 4;
+          w[0] = kr[r].x;
+          w[1] = kr[r].y;
+          w[2] = kr[r].z;
+          w[3] = kr[r].w;
+        }
+        uint4 lo[VN];
+        uint4 hi[VN];
+#pragma unroll
+        for (int r = 0; r < VN; ++r) {
+          const int i = tid + r * THREADS;
+          const int j = j0 + 2 * (i / KC);
+          const T* p = vb + j * v_strides[2] + i % KC * 8;
+          lo[r] = j < width ? *reinterpret_cast<const uint4*>(p) : make_uint4(0u, 0u, 0u, 0u);
+          hi[r] = j + 1 < width ? *reinterpret_cast<const uint4*>(p + v_strides[2])
+                                : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int r = 0; r < VN; ++r) {
+          const int i = tid + r * THREADS;
+          uint32_t* w = vs + (i % KC) * 8 * VS + i / KC;  // dimension 8 c, pair of keys
+          const uint32_t a[4] = {lo[r].x, lo[r].y, lo[r].z, lo[r].w};
+          const uint32_t c[4] = {hi[r].x, hi[r].y, hi[r].z, hi[r].w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            w[(2 * e) * VS] = (a[e] & 0xffffu) | (c[e] << 16);
+            w[(2 * e + 1) * VS] = (a[e] >> 16) | (c[e] & 0xffff0000u);
+          }
+        }
+      } else {
+        for (int i = tid; i < BK * DP; i += THREADS) {
+          const int key = i / DP;
+          const int pair = i - key * DP;
+          const int j = j0 + key;
+          const T* p = kb + j * k_strides[2] + 2 * pair * k_strides[3];
+          ks[key * KS + pair] = gw_bits<T>(p, j < width, p + k_strides[3], j < width);
+        }
+        for (int i = tid; i < D * (BK / 2); i += THREADS) {
+          const int d = i % D;
+          const int pair = i / D;
+          const int j = j0 + 2 * pair;
+          const T* p = vb + j * v_strides[2] + d * v_strides[3];
+          vs[d * VS + pair] = gw_bits<T>(p, j < width, p + v_strides[2], j + 1 < width);
+        }
       }
       __syncthreads();
       if (!some || j0 > origin + q0 + 15) continue;  // no query of this warp sees the tile
@@ -323,10 +375,10 @@ class PrefillAttention:
     keys (module docstring), as (rows, n, heads, D).
 
     A block takes 64 queries of one head. Where that makes too few blocks to keep the GPU
-    busy (a few hundred new tokens over thousands of cached keys: 4 blocks a head, each
-    walking every key), each block's keys are split over several blocks instead, as
-    FlashDecoding does: each writes its share's attention and log-sum in float32, and a
-    second kernel weighs them together."""
+    busy (a hundred new tokens over thousands of cached keys: 2 blocks a head, each walking
+    every key), each block's keys are split over several blocks instead, as FlashDecoding
+    does: each writes its share's attention and log-sum in float32, and a second kernel
+    weighs them together."""
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, scale: float) -> None:
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
@@ -399,24 +451,27 @@ class PrefillAttention:
         return out
 
 
+SPLIT_BELOW = 128  # blocks under which a tile's keys are split (at 128 and up it lost)
 BLOCKS = 528  # blocks that keep an H100's or H200's 132 multiprocessors busy, four each
 SHARE = 256  # the fewest keys a split block takes
 
 
 def splits(blocks: int, keys: int) -> int:
-    """Over how many blocks each query tile's keys are split: enough for BLOCKS blocks in
-    all, each taking at least SHARE keys (1: no split, no second kernel)."""
-    if blocks >= BLOCKS:
+    """Over how many blocks each query tile's keys are split: none from SPLIT_BELOW blocks
+    up (on an H100 the parts' writes and the second kernel cost more than the added blocks
+    gained at 128 and 256 blocks), else enough for BLOCKS blocks in all, each taking at
+    least SHARE keys (faster at 32 and 64 blocks: docs/benchmarks.md)."""
+    if blocks >= SPLIT_BELOW:
         return 1
     return max(1, min(-(-BLOCKS // blocks), keys // SHARE))
 
 
 def fits(heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype) -> bool:
     """Whether the kernel takes this layout: whole query groups, head dimensions a multiple
-    of the tensor cores' 16 up to 128 (shared memory), a dtype they take."""
+    of 32 up to 128 (a block's loads, shared memory), a dtype the tensor cores take."""
     if kv_heads <= 0 or heads % kv_heads:
         return False
-    return head_dim % 16 == 0 and 16 <= head_dim <= 128 and dtype in DTYPES
+    return head_dim % 32 == 0 and 32 <= head_dim <= 128 and dtype in DTYPES
 
 
 def reference(
@@ -461,7 +516,7 @@ CASES = (  # rows, queries, base, width, starts: what the check runs
     (1, 5, 0, 5, (0,)),  # a short prompt alone
     (3, 70, 130, 256, (0, 7, 129)),  # left padding, a query tile and a bit, unwritten keys
     (2, 64, 64, 256, (0, 40)),  # a chunk inside a key bucket
-    (2, 100, 1000, 1280, (0, 300)),  # keys split over blocks (`splits`), left padding
+    (2, 60, 1000, 1280, (0, 300)),  # keys split over blocks (`splits`), left padding
 )
 
 

@@ -30,6 +30,13 @@ class PrefillLayers:
     def __init__(self, attend: Attend, head_norms: bool) -> None:
         self.attend = attend
         self.head_norms = head_norms  # qwen3: per-head norms of queries and keys
+        self._base: tuple[int, mx.array] | None = None  # the last chunk's start, as an array
+
+    def base(self, end: int) -> mx.array:
+        """`end` as the kernel's input: made once a chunk, not once a layer."""
+        if self._base is None or self._base[0] != end:
+            self._base = (end, mx.array([end], dtype=mx.int32))
+        return self._base[1]
 
     def run(self, block: Any, x: mx.array, cache: Any) -> mx.array:
         attn = block.self_attn
@@ -46,7 +53,7 @@ class PrefillLayers:
         _, _, _, left, end = cache.state  # the positions before this chunk's, its padding
         keys, values = cache.update_and_fetch(k, v)
         starts = left if left.dtype == mx.int32 else left.astype(mx.int32)
-        out = self.attend(q, keys, values, mx.array([end], dtype=mx.int32), starts)
+        out = self.attend(q, keys, values, self.base(end), starts)
         h = x + attn.o_proj(out.reshape(rows, n, -1))
         return h + block.mlp(block.post_attention_layernorm(h))
 
