@@ -95,8 +95,9 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # "mlx": the model's own layers, MLX's attention with a mask (on MLX's CUDA backend a
     # product, the mask, a softmax and a second product a layer, off cuDNN's). "kernel": one
     # tensor-core kernel of the project's, no mask (worker/backends/prefill_attention.py;
-    # MLX's CUDA backend only, elsewhere "mlx", logged). "auto": the kernel on MLX's CUDA
-    # backend, where cached agent turns were measured sooner with it (docs/benchmarks.md).
+    # MLX's CUDA backend only, heads of a multiple of 32 dimensions up to 128, bfloat16 or
+    # float16; elsewhere "mlx", logged). "auto": the kernel on MLX's CUDA backend for heads
+    # of 64 or 128 dimensions, where it was measured faster (docs/benchmarks.md).
     prefill_attention: Literal["auto", "kernel", "mlx"] = "auto"
     # The model's tool-call format: the name of one of mlx-lm's tool parsers
     # (mlx_lm/tool_parsers: json_tools, qwen3_coder, mistral, pythonic, glm47, ...).

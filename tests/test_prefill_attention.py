@@ -81,7 +81,7 @@ def test_the_check_passes_the_reference_and_names_where_another_differs() -> Non
     off = disagreement(Standin(0.2, late=1), 0.2, mx.bfloat16)  # type: ignore[arg-type]
     assert off is not None and "off by up to" in off
     # every case hands keys past its queries (a bucket's unwritten positions) or left padding
-    assert all(width > base + n or max(starts) > 0 for _, n, base, width, starts in CASES[1:])
+    assert all(width > base + n or max(starts) > 0 for _, n, base, width, starts, _ in CASES[1:])
 
 
 def test_make_keeps_mlxs_attention_off_cuda_and_says_why_on_it(

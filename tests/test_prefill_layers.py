@@ -7,6 +7,7 @@ caches written, the tokens."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import mlx.core as mx
@@ -14,9 +15,11 @@ import pytest
 from mlx_lm.models import qwen3
 from mlx_lm.models.cache import make_prompt_cache
 
+from shared.engine_options import EngineOptions
 from tests.engine_fixtures import Loaded, insert_greedy, load, reference_greedy, run_steps
 from worker.backends import groups, prefill_attention
 from worker.backends.groups import FirstToken, first_token
+from worker.backends.mlx_lm import make_backend
 from worker.backends.prefill_layers import PrefillLayers, takes
 from worker.backends.rows import RowBatch
 from worker.backends.sampling import greedy
@@ -79,13 +82,25 @@ def test_chunks_before_the_last_and_the_last_give_mlx_lms_tokens(
 ) -> None:
     """Rows of several chunks, of different lengths: every chunk's keys and values come from
     the project's layers, and the tokens are mlx-lm's."""
-    first = with_layers(chat.model)
+    calls: list[int] = []
+    attend = mlx_attention(chat.model)
+
+    def counted(q: mx.array, k: mx.array, v: mx.array, base: mx.array, starts: mx.array) -> Any:
+        calls.append(q.shape[2])
+        return attend(q, k, v, base, starts)
+
+    first = FirstToken(chat.model, PrefillLayers(counted, False))
     batch = RowBatch(chat.model, prefill_step_size=8, prefill_buckets=buckets, first=first)
     chosen = sorted(prompts, key=len)[-4:]
     assert len({len(p) for p in chosen}) > 1 and min(len(p) for p in chosen) > 8
     uids = insert_greedy(batch, chat, chosen)
     tokens: dict[int, list[int]] = {}
     run_steps(batch, 40, tokens)
+    # every chunk's every layer through the project's layers, chunks before the last too:
+    # rows of as many chunks prefill together, so a group a count, each chunk every layer
+    layers = len(chat.model.model.layers)
+    chunks = {-(-len(p) // 8) for p in chosen}
+    assert len(calls) >= layers * sum(chunks), (len(calls), layers, chunks)
     for uid, prompt in zip(uids, chosen, strict=True):
         assert tokens[uid][:5] == reference_greedy(chat.model, prompt, 5), len(prompt)
 
@@ -144,9 +159,28 @@ def test_off_cuda_auto_and_mlx_keep_mlxs_attention_and_kernel_says_why(
         found = first_token(chat.model, setting)
         assert found is not None and found.prefill is None
     assert "prefill attention" not in caplog.text
+    caplog.set_level("INFO")
     found = first_token(chat.model, "kernel")
     assert found is not None and found.prefill is None
-    assert "prefill attention: MLX's (no kernel here" in caplog.text
+    assert "prefill attention: MLX's (the kernel runs on MLX's CUDA backend only)" in caplog.text
+    assert "engine.prefill_attention = 'kernel': MLX's attention (logged above)" in caplog.text
+
+
+def test_kernel_where_first_tokens_come_from_a_step_is_a_warning(
+    chat: Loaded, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """first_token = "auto" on a backend where it keeps mlx-lm's way (Metal): no prefill of
+    the project's, so the kernel asked for has no effect, said so at load."""
+    monkeypatch.setattr(groups, "wanted", lambda setting: setting == "prefill")  # Metal
+    options = EngineOptions(batcher="rows", prefill_attention="kernel")
+    with caplog.at_level(logging.WARNING):
+        backend = make_backend(chat.model, chat.tokenizer, options)
+    assert backend.batch.first is None  # type: ignore[attr-defined]
+    assert "engine.prefill_attention = 'kernel': no effect here" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        make_backend(chat.model, chat.tokenizer, EngineOptions(batcher="rows"))
+    assert "no effect here" not in caplog.text
 
 
 def test_a_kernel_made_is_used_where_the_layers_match_the_model(

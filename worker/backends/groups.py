@@ -204,7 +204,8 @@ def prefill_kernel(model: Any, asked: bool) -> PrefillLayers | None:
         return None
     kernel = prefill_attention.make(attn.n_heads, attn.n_kv_heads, dim, attn.scale, dtype)
     if kernel is None:
-        log.log(level, "prefill attention: MLX's (no kernel here: logged above)")
+        if asked:
+            log.warning("engine.prefill_attention = 'kernel': MLX's attention (logged above)")
         return None
 
     def mlx(q: mx.array, k: mx.array, v: mx.array, base: mx.array, starts: mx.array) -> Any:
@@ -214,6 +215,7 @@ def prefill_kernel(model: Any, asked: bool) -> PrefillLayers | None:
     if mismatch is not None:
         log.log(level, "prefill attention: MLX's (the layers compute other logits: %s)", mismatch)
         return None
+    log.info("prefill attention: the project's kernel (heads of %d, %s)", dim, dtype)
     return PrefillLayers(kernel, head_norms)
 
 

@@ -272,6 +272,12 @@ class MlxRowsBackend(MlxLmBackend):
                     "forward pass on this backend (set decode_step = 'compiled')",
                     ", ".join(named),
                 )
+        if options.prefill_attention == "kernel" and not groups.wanted(options.first_token):
+            log.warning(
+                "engine.prefill_attention = 'kernel': no effect here: first tokens come from "
+                "a decode step after the prefill (engine.first_token = 'auto' keeps mlx-lm's "
+                "way on this backend; set first_token = 'prefill')"
+            )
         self.batch = RowBatch(
             model,
             options.prefill_step_size,

@@ -89,6 +89,8 @@ class PrefillAttention:
         self, q: mx.array, k: mx.array, v: mx.array, base: mx.array, starts: mx.array
     ) -> mx.array:
         rows, heads, n, dim = q.shape
+        if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+            raise ValueError(f"prefill attention: {q.dtype} queries over {k.dtype} keys")
         template = self._templates.get(q.dtype)
         if template is None:
             template = [("T", q.dtype), ("D", dim), ("R", self.group), ("THREADS", THREADS)]
@@ -171,6 +173,7 @@ def make(
     against `reference`; else None (another backend, a layout it does not take, a kernel
     that does not build or agree: the caller keeps MLX's attention)."""
     if not on_cuda():
+        log.info("prefill attention: MLX's (the kernel runs on MLX's CUDA backend only)")
         return None
     if not fits(heads, kv_heads, head_dim, dtype):
         layout = f"{heads} heads, {kv_heads} KV heads of {head_dim}, {dtype}"
@@ -188,28 +191,37 @@ def make(
     return attend
 
 
-CASES = (  # rows, queries, base, width, starts: what the check runs
-    (1, 5, 0, 5, (0,)),  # a short prompt alone
-    (3, 70, 130, 256, (0, 7, 129)),  # left padding, a query tile and a bit, unwritten keys
-    (2, 64, 64, 256, (0, 40)),  # a chunk inside a key bucket
-    (2, 60, 1000, 1280, (0, 300)),  # keys split over blocks (`splits`), left padding
+CASES = (  # rows, queries, base, width, starts, contiguous keys: what the check runs
+    (1, 5, 0, 5, (0,), True),  # a short prompt alone
+    (3, 70, 130, 256, (0, 7, 129), True),  # left padding, a tile and a bit, unwritten keys
+    (2, 64, 64, 256, (0, 40), True),  # a chunk inside a key bucket
+    (1, 60, 1000, 1280, (0,), True),  # keys split over blocks (`splits`) up to 127 heads
+    (2, 60, 1000, 1280, (0, 300), True),  # the same with left padding (up to 63 heads)
+    (2, 70, 130, 256, (0, 9), False),  # keys and values not contiguous: two bytes a load
 )
 
 
 def disagreement(attend: PrefillAttention, scale: float, dtype: mx.Dtype) -> str | None:
     """None where the kernel computes `reference` on CASES, the keys and values read as
-    views inside larger buffers (as the cache hands them over); else where it differs."""
+    views inside larger buffers (as the cache hands them over), or transposed; else where
+    it differs."""
     keys = mx.random.split(mx.random.key(0), 3)
-    for rows, n, base, width, starts in CASES:
+    for rows, n, base, width, starts, contiguous in CASES:
         dim, kvh = attend.head_dim, attend.kv_heads
         q = mx.random.normal((rows, attend.heads, n, dim), key=keys[0]).astype(dtype)
-        shape = (rows, kvh, width + 32, dim)
-        k = mx.random.normal(shape, key=keys[1]).astype(dtype)[..., :width, :]
-        v = mx.random.normal(shape, key=keys[2]).astype(dtype)[..., :width, :]
+        if contiguous:
+            shape = (rows, kvh, width + 32, dim)
+            k = mx.random.normal(shape, key=keys[1]).astype(dtype)[..., :width, :]
+            v = mx.random.normal(shape, key=keys[2]).astype(dtype)[..., :width, :]
+        else:
+            shape = (rows, kvh, dim, width)
+            k = mx.swapaxes(mx.random.normal(shape, key=keys[1]).astype(dtype), -1, -2)
+            v = mx.swapaxes(mx.random.normal(shape, key=keys[2]).astype(dtype), -1, -2)
         first = mx.array(starts, dtype=mx.int32)
         got = attend(q, k, v, mx.array([base], dtype=mx.int32), first).astype(mx.float32)
         want = reference(q, k, v, base, first, scale).astype(mx.float32)
         if not mx.allclose(got, want, rtol=2e-2, atol=2e-2).item():
             worst = mx.max(mx.abs(got - want)).item()
-            return f"{rows} rows of {n} queries over {width} keys: off by up to {worst:.3g}"
+            layout = "" if contiguous else " (transposed keys)"
+            return f"{rows} rows of {n} queries over {width} keys{layout}: off by up to {worst:.3g}"
     return None

@@ -8,8 +8,9 @@ in the same order and dtypes, and only the attention itself is the kernel's: a q
 its row's keys from the row's left padding up to its own position, read from the batch
 cache's public `state` before the layer writes its keys. The cache is written through its
 own `update_and_fetch` (a prefill bucket's view, prefill_buckets.py, or the batch cache),
-so everything else sees the caches it always did. groups.py's first-token probe checks the
-whole prefill against the model's forward pass at load.
+so everything else sees the caches it always did. At load groups.py's first-token probe
+checks these layers, with MLX's attention in the kernel's place, against the model's
+forward pass, and prefill_attention.py checks the kernel against MLX's attention.
 """
 
 from __future__ import annotations
