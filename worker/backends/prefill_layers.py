@@ -66,11 +66,3 @@ def takes(caches: list[Any]) -> bool:
         return False
     state = caches[0].state
     return isinstance(state, tuple) and len(state) == 5 and isinstance(state[4], int)
-
-
-def make(model: Any, attend: Attend | None) -> PrefillLayers | None:
-    """PrefillLayers for a model whose layers decode_step.py knows (the caller checked), or
-    None without a kernel."""
-    if attend is None:
-        return None
-    return PrefillLayers(attend, hasattr(model.model.layers[0].self_attn, "q_norm"))
