@@ -125,7 +125,8 @@ KERNELS = (  # name, template, its inputs' type and names, their other inputs, o
 def test_the_kernels_compile_for_the_tensor_cores_without_spilling(tmp_path: Path) -> None:
     """The sources as MLX compiles them (each body in a function of the inputs, their shapes
     and strides; T, D, R and THREADS its template), for sm_90 (Hopper, where it was
-    measured), every layout of a Llama-family model, without registers spilled to memory."""
+    measured), at the head sizes of the models it was measured on and the least it takes,
+    without registers spilled to memory."""
     header = prefill_attention.HEADER
     lines = ["#include <cstdint>", "#include <cuda_bf16.h>", "#include <cuda_fp16.h>"]
     lines += ["#include <cuda/std/limits>", header]
@@ -140,7 +141,7 @@ def test_the_kernels_compile_for_the_tensor_cores_without_spilling(tmp_path: Pat
         names = ", ".join(("typename " if t == "T" else "int ") + t for t in template.split())
         lines += [f"template <{names}>", f"__global__ void {name}({params}) {{", sources[name], "}"]
         for dtype in ("__nv_bfloat16", "__half"):
-            for dim, group in ((64, 4), (128, 4), (128, 2), (32, 8), (96, 4)):
+            for dim, group in ((64, 4), (128, 4), (32, 8)):
                 values = {"T": dtype, "D": str(dim), "R": str(group), "THREADS": "128"}
                 chosen = ", ".join(values[t] for t in template.split())
                 if f"{name}<{chosen}>" in lines[-1]:
