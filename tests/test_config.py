@@ -350,6 +350,16 @@ def test_decode_step_is_the_models_or_the_compiled_one_in_the_rows_batch(tmp_pat
     for other in ('batcher = "mlx_lm"\n', 'decode_step = "model"\n'):
         with pytest.raises(ConfigError, match="decode_attention applies to the compiled step"):
             load_config(write(tmp_path, head + other + 'decode_attention = "kernel"\n'))
+    # a prefill's attention: named only where first tokens come from the rows' prefill
+    for name in ("kernel", "mlx"):
+        chosen = load_config(write(tmp_path, head + f'prefill_attention = "{name}"\n'))
+        assert chosen.models[0].engine.prefill_attention == name
+    for bad in ("prefill_attention = 1\n", 'prefill_attention = "flash"\n'):
+        with pytest.raises(ConfigError, match="prefill_attention"):
+            load_config(write(tmp_path, head + bad))
+    for other in ('batcher = "mlx_lm"\n', 'first_token = "step"\n'):
+        with pytest.raises(ConfigError, match="prefill_attention applies to the rows batch"):
+            load_config(write(tmp_path, head + other + 'prefill_attention = "mlx"\n'))
     # and its projections: apart by default, stacked only where the compiled step may run
     assert load_config(write(tmp_path, head)).models[0].engine.decode_projections == "separate"
     chosen = load_config(write(tmp_path, head + 'decode_projections = "stacked"\n'))

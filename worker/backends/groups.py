@@ -97,13 +97,9 @@ class FirstToken:
         self.prefill = prefill  # the layers with a kernel's attention (prefill_layers.py)
 
     def layer(self, i: int, h: mx.array, cache: list[Any]) -> mx.array:
-        """Layer i over h: with the kernel's attention where there is one, else the model's
-        own layer (its mask made from the cache)."""
-        block, c = self.layers[i], cache[i]
-        if self.prefill is not None:
-            return self.prefill.run(block, h, c)
-        out: mx.array = block(h, create_attention_mask(h, c), c)
-        return out
+        """Layer i over h with the kernel's attention (callers check there is one)."""
+        assert self.prefill is not None
+        return self.prefill.run(self.layers[i], h, cache[i])
 
     def forward(self, model: Any, tokens: mx.array, cache: list[Any]) -> None:
         """A chunk before the last: its keys and values written to `cache` (nothing else of
