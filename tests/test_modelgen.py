@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm import generate, stream_generate
@@ -101,6 +102,7 @@ def test_generation_is_printable_text(loaded: tuple[Any, Any]) -> None:
         [{"role": "user", "content": "Hello"}], add_generation_prompt=True
     )
     sampler = make_sampler(temp=1.0)
+    mx.random.seed(7)  # sampled: unseeded, a draw of the end token first left no text at random
     text = generate(model, tokenizer, ids, max_tokens=24, sampler=sampler)
     assert text.strip()
     assert is_printable_text(text)
