@@ -107,8 +107,8 @@ def plain(model: Any, cache: list[Any], n: int) -> float:
 def batched(model: Any, cache: list[Any], n: int, way: str, layers: Any = None) -> float:
     """The same on a batch cache copied from `cache` (untouched), through the prefill
     buckets' views for `way` "buckets", and for "kernel" with `layers`, the project's
-    layers and its attention kernel (worker/backends/prefill_layers.py), as a worker's
-    prefill runs on MLX's CUDA backend."""
+    layers and its attention kernel (worker/backends/prefill_layers.py; the compiled decode
+    step's functions around it), as a worker's prefill runs on MLX's CUDA backend."""
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     from mlx_lm import load
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    from worker.backends import groups
+    from worker.backends import decode_step, groups
 
     model, _ = load(args.model)
     cache = make_prompt_cache(model)
@@ -206,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     dtype = cache[0].state[0].dtype  # the keys' as attention reads them
     shape = (heads, config.num_key_value_heads, head_dim, dtype)
-    kernel = groups.prefill_kernel(model, asked=True)  # None off MLX's CUDA backend
+    # None off MLX's CUDA backend; the compiled decode step's functions around it, as a worker
+    step = decode_step.build(model, asked=False) if "kernel" in args.via else None
+    kernel = groups.prefill_kernel(model, asked=True, step=step) if "kernel" in args.via else None
     ways: dict[str, Callable[[int], float]] = {"plain": functools.partial(plain, model, cache)}
     for way in args.via:
         if way != "kernel" or kernel is not None:

@@ -44,7 +44,7 @@ def test_with_a_kernel_its_forward_pass_and_attention_are_timed(
     from worker.backends import groups, prefill_attention
     from worker.backends.prefill_layers import PrefillLayers
 
-    def made(model: object, asked: bool) -> PrefillLayers:
+    def made(model: object, asked: bool, step: object = None) -> PrefillLayers:
         scale = model.model.layers[0].self_attn.scale  # type: ignore[attr-defined]
         return PrefillLayers(lambda *a: prefill_attention.reference(*a, scale), False)
 

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from shared.engine_options import EngineOptions
 from tests.engine_fixtures import Loaded, insert_greedy, load, reference_greedy, run_steps
-from worker.backends import groups, prefill_attention
+from worker.backends import decode_step, groups, prefill_attention
 from worker.backends.groups import FirstToken, first_token
 from worker.backends.mlx_lm import make_backend
 from worker.backends.prefill_layers import PrefillLayers, takes
@@ -34,9 +34,9 @@ def mlx_attention(model: Any) -> Any:
     return attend
 
 
-def with_layers(model: Any) -> FirstToken:
+def with_layers(model: Any, step: Any = None) -> FirstToken:
     head_norms = hasattr(model.model.layers[0].self_attn, "q_norm")
-    return FirstToken(model, PrefillLayers(mlx_attention(model), head_norms))
+    return FirstToken(model, PrefillLayers(mlx_attention(model), head_norms, step))
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +58,9 @@ def qwen3_model() -> Any:
     )
     mx.random.seed(3)
     model = qwen3.Model(args)
+    for layer in model.model.layers:  # norms not all ones: a norm's weight swapped shows
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm, layer.input_layernorm):
+            norm.weight = 1 + 0.5 * mx.random.normal(norm.weight.shape)
     mx.eval(model.parameters())
     return model
 
@@ -76,20 +79,55 @@ def test_the_layers_give_the_models_first_tokens(model: Any) -> None:
     assert groups.probe(model, with_layers(model)) is None
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["apart", "stacked"])
+def test_the_compiled_layers_give_the_models_first_tokens(model: Any, fuse: bool) -> None:
+    """With the compiled decode step, each layer is its two compiled functions around the
+    attention, over a chunk's positions: the same probe passes, and those functions ran."""
+    step = decode_step.build(model, fuse=fuse)
+    assert step is not None
+    ran: list[int] = []
+    project = step.project
+
+    def counted(i: int, x: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
+        ran.append(x.shape[1])
+        return project(i, x, offset)
+
+    step.project = counted  # type: ignore[method-assign]
+    assert groups.probe(model, with_layers(model, step)) is None
+    assert len(ran) >= len(model.model.layers) and max(ran) > 1
+
+
+def test_compiled_layers_that_compute_another_layer_fail_the_probe(chat: Loaded) -> None:
+    """The probe checks the compiled functions too: a layer's output off by its input
+    (a residual counted twice) is found."""
+    step = decode_step.build(chat.model)
+    assert step is not None
+    close = step.close
+
+    def doubled(i: int, x: mx.array, out: mx.array) -> mx.array:
+        return close(i, x, out) + x
+
+    step.close = doubled  # type: ignore[method-assign]
+    assert groups.probe(chat.model, with_layers(chat.model, step)) is not None
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["modules", "compiled"])
 @pytest.mark.parametrize("buckets", [False, True], ids=["exact", "buckets"])
 def test_chunks_before_the_last_and_the_last_give_mlx_lms_tokens(
-    chat: Loaded, prompts: list[list[int]], buckets: bool
+    chat: Loaded, prompts: list[list[int]], buckets: bool, compiled: bool
 ) -> None:
     """Rows of several chunks, of different lengths: every chunk's keys and values come from
-    the project's layers, and the tokens are mlx-lm's."""
+    the project's layers (the model's modules, or the compiled decode step's functions),
+    and the tokens are mlx-lm's."""
     calls: list[int] = []
     attend = mlx_attention(chat.model)
+    step = decode_step.build(chat.model) if compiled else None
 
     def counted(q: mx.array, k: mx.array, v: mx.array, base: mx.array, starts: mx.array) -> Any:
         calls.append(q.shape[2])
         return attend(q, k, v, base, starts)
 
-    first = FirstToken(chat.model, PrefillLayers(counted, False))
+    first = FirstToken(chat.model, PrefillLayers(counted, False, step))
     batch = RowBatch(chat.model, prefill_step_size=8, prefill_buckets=buckets, first=first)
     chosen = sorted(prompts, key=len)[-4:]
     assert len({len(p) for p in chosen}) > 1 and min(len(p) for p in chosen) > 8
@@ -105,9 +143,10 @@ def test_chunks_before_the_last_and_the_last_give_mlx_lms_tokens(
         assert tokens[uid][:5] == reference_greedy(chat.model, prompt, 5), len(prompt)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["modules", "compiled"])
 @pytest.mark.parametrize("buckets", [False, True], ids=["exact", "buckets"])
 def test_rows_over_cached_prefixes_of_different_lengths(
-    chat: Loaded, prompts: list[list[int]], buckets: bool
+    chat: Loaded, prompts: list[list[int]], buckets: bool, compiled: bool
 ) -> None:
     """Two rows whose prefixes were cached (prefix cache hits of 17 and 5 positions),
     prefilled together: the shorter prefix is padded on the left in the group's cache, and
@@ -127,7 +166,8 @@ def test_rows_over_cached_prefixes_of_different_lengths(
         seen.append(starts.tolist())
         return attend(q, k, v, base, starts)
 
-    first = FirstToken(chat.model, PrefillLayers(recorded, False))
+    step = decode_step.build(chat.model) if compiled else None
+    first = FirstToken(chat.model, PrefillLayers(recorded, False, step))
     batch = RowBatch(chat.model, prefill_buckets=buckets, first=first)
     uids = batch.insert(
         [p[n:] for p, n in zip(full, cut, strict=True)],
@@ -203,6 +243,31 @@ def test_a_kernel_made_is_used_where_the_layers_match_the_model(
     found = first_token(chat.model, "kernel")
     assert found is not None and found.prefill is None
     assert "prefill attention: MLX's (the layers compute other logits: row 1" in caplog.text
+
+
+def test_a_worker_runs_the_kernels_layers_on_its_compiled_decode_step(
+    chat: Loaded, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backend hands its compiled decode step to the prefill's layers; layers on a step
+    that fails the probe give way to the model's modules, the kernel kept."""
+    caplog.set_level("INFO")
+    monkeypatch.setattr(groups, "on_cuda", lambda: True)
+    monkeypatch.setattr(prefill_attention, "make", lambda *a: mlx_attention(chat.model))
+    attn = chat.model.model.layers[0].self_attn
+    monkeypatch.setattr(
+        prefill_attention, "AUTO_HEAD_DIMS", (attn.q_proj.weight.shape[0] // attn.n_heads,)
+    )
+    options = EngineOptions(batcher="rows", decode_step="compiled", first_token="prefill")
+    batch = make_backend(chat.model, chat.tokenizer, options).batch  # type: ignore[attr-defined]
+    assert batch.decode is not None and batch.first is not None
+    assert batch.first.prefill is not None and batch.first.prefill.step is batch.decode
+    step = decode_step.build(chat.model)
+    assert step is not None
+    close = step.close
+    step.close = lambda i, x, out: close(i, x, out) + x  # type: ignore[method-assign]
+    found = first_token(chat.model, "auto", step)
+    assert found is not None and found.prefill is not None and found.prefill.step is None
+    assert "its layers around the compiled step differ" in caplog.text
 
 
 def test_auto_takes_the_kernel_only_for_heads_it_was_measured_faster_at(

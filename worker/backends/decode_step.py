@@ -24,8 +24,10 @@ The operations are the model's own, in its order and dtypes, so greedy tokens ar
 knows (llama, mistral, qwen2, qwen3 with plain or quantized linear layers and full
 attention in every layer), and checks its step against the model's forward pass on a probe
 before it is used: a model it does not know, or an mlx-lm whose model no longer computes
-what this step does, keeps mlx-lm's forward pass (logged). Prefill (several tokens a row)
-always runs the model's own forward pass.
+what this step does, keeps mlx-lm's forward pass (logged). A prefill (several tokens a
+row) runs the model's own forward pass, or, where the project's prefill attention runs
+(prefill_layers.py), the same two compiled functions around it over the chunk's positions
+(`project`, `close`).
 """
 
 from __future__ import annotations
@@ -157,7 +159,7 @@ class DecodeStep:
         def attend(
             x: mx.array, offset: mx.array, arrays: list[mx.array]
         ) -> tuple[mx.array, mx.array, mx.array]:
-            rows = x.shape[0]
+            rows, n = x.shape[0], x.shape[1]
             h = mx.fast.rms_norm(x, arrays[0], eps)
             if shape.fused:
                 y = apply(h, kinds[0], arrays[1 : 1 + counts[0]])
@@ -165,9 +167,14 @@ class DecodeStep:
             else:
                 qkv = split(arrays[1:], counts[:3])
                 q, k, v = (apply(h, kinds[i], qkv[i]) for i in range(3))
-            q = q.reshape(rows, heads, 1, head_dim)
-            k = k.reshape(rows, kv_heads, 1, head_dim)
-            v = v.reshape(rows, kv_heads, 1, head_dim)
+            if n == 1:  # one position: straight to the attention's layout
+                q = q.reshape(rows, heads, 1, head_dim)
+                k = k.reshape(rows, kv_heads, 1, head_dim)
+                v = v.reshape(rows, kv_heads, 1, head_dim)
+            else:  # a prefill chunk's (project)
+                q = q.reshape(rows, n, heads, head_dim).transpose(0, 2, 1, 3)
+                k = k.reshape(rows, n, kv_heads, head_dim).transpose(0, 2, 1, 3)
+                v = v.reshape(rows, n, kv_heads, head_dim).transpose(0, 2, 1, 3)
             if norm_eps is not None:
                 q = mx.fast.rms_norm(q, arrays[-2], norm_eps)
                 k = mx.fast.rms_norm(k, arrays[-1], norm_eps)
@@ -178,7 +185,7 @@ class DecodeStep:
             o_at = 1 if shape.fused else 3
             o_count = counts[o_at]
             o, norm, rest = arrays[:o_count], arrays[o_count], arrays[o_count + 1 :]
-            h = x + apply(out.reshape(rows, 1, heads * head_dim), kinds[o_at], o)
+            h = x + apply(out.reshape(rows, x.shape[1], heads * head_dim), kinds[o_at], o)
             m = mx.fast.rms_norm(h, norm, eps)
             if shape.fused:
                 gate_up, down = split(rest, counts[2:])
@@ -192,8 +199,20 @@ class DecodeStep:
         self._attend = mx.compile(attend)
         self._finish = mx.compile(finish)
         # The row counts met: each new one is a new trace of both functions (and on CUDA,
-        # kernels built for it); the step trace (worker/steptrace.py) counts them.
+        # kernels built for it); the step trace (worker/steptrace.py) counts them. A
+        # prefill's chunks (`project`, `close`) trace their own shapes, not counted here.
         self.row_counts: set[int] = set()
+
+    def project(self, i: int, x: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
+        """Layer i's queries, keys and values (rows, heads, n, D) for x (rows, n, hidden) at
+        positions from `offset` (each row's), as the step computes them: one compiled call
+        (a prefill's layers, prefill_layers.py)."""
+        return self._attend(x, offset, self.layers[i].attend)
+
+    def close(self, i: int, x: mx.array, out: mx.array) -> mx.array:
+        """Layer i's output for its input x (rows, n, hidden) and its attention's `out`
+        (rows, n, heads, D): the rest of the layer, one compiled call."""
+        return self._finish(x, out, self.layers[i].mlp)
 
     def __call__(self, tokens: mx.array, caches: Sequence[Any], masked: bool) -> mx.array:
         """Logits of one step: `tokens` (rows,) are each row's next input; `caches` the

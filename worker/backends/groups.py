@@ -23,7 +23,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache, TokenBuffer
 
 from worker.backends import prefill_attention
-from worker.backends.decode_step import unsupported
+from worker.backends.decode_step import DecodeStep, unsupported
 from worker.backends.prefill_buckets import TOKEN_BUCKET, padded_width, views
 from worker.backends.prefill_layers import PrefillLayers, takes
 from worker.backends.sampling import LogitsProcessor, Sampler
@@ -99,7 +99,7 @@ class FirstToken:
     def layer(self, i: int, h: mx.array, cache: list[Any]) -> mx.array:
         """Layer i over h with the kernel's attention (callers check there is one)."""
         assert self.prefill is not None
-        return self.prefill.run(self.layers[i], h, cache[i])
+        return self.prefill.run(i % len(self.layers), self.layers[i], h, cache[i])
 
     def forward(self, model: Any, tokens: mx.array, cache: list[Any]) -> None:
         """A chunk before the last: its keys and values written to `cache` (nothing else of
@@ -155,11 +155,14 @@ def wanted(setting: str) -> bool:
     return setting == "prefill"
 
 
-def first_token(model: Any, attention: str = "mlx") -> FirstToken | None:
+def first_token(
+    model: Any, attention: str = "mlx", step: DecodeStep | None = None
+) -> FirstToken | None:
     """FirstToken for a model whose layers, final norm and head decode_step.py knows, and
     whose forward pass they match on a probe; else None: the batch keeps mlx-lm's way. Its
     prefill's attention is prefill_attention.py's kernel where `attention`
-    (`engine.prefill_attention`) asks for it and `prefill_kernel` makes it."""
+    (`engine.prefill_attention`) asks for it and `prefill_kernel` makes it; with the
+    compiled decode `step`, its layers run the step's compiled functions around it."""
     reason = unsupported(model)
     if reason is not None:
         log.info("first tokens: a decode step after the prefill (%s)", reason)
@@ -174,17 +177,19 @@ def first_token(model: Any, attention: str = "mlx") -> FirstToken | None:
         )
         return None
     if attention == "kernel" or (attention == "auto" and on_cuda()):
-        first.prefill = prefill_kernel(model, asked=attention == "kernel")
+        first.prefill = prefill_kernel(model, asked=attention == "kernel", step=step)
     return first
 
 
-def prefill_kernel(model: Any, asked: bool) -> PrefillLayers | None:
+def prefill_kernel(model: Any, asked: bool, step: DecodeStep | None = None) -> PrefillLayers | None:
     """The prefill's layers with the kernel's attention, where it is `asked` for or the
     model's heads are of a size it was measured faster at (prefill_attention.AUTO_HEAD_DIMS),
     the kernel is made for the model's layout and dtype (its own check) and the layers
     compute the model's first tokens with MLX's attention in the kernel's place (the probe:
-    the layers are the project's, the model's modules in mlx-lm's order); else None,
-    logged."""
+    the layers are the project's: the compiled decode `step`'s functions, else the model's
+    modules, in mlx-lm's order); else None, logged. Layers on the step that fail the probe
+    (e.g. a step of stacked projections, whose rounding drifts over a model's layers in
+    bfloat16) give way to the modules' before the kernel is given up."""
     attn = model.model.layers[0].self_attn
     dim = attn.q_proj.weight.shape[0] // attn.n_heads  # output rows, packed or not
     dtype = model.model.norm.weight.dtype  # the model's activations'
@@ -207,12 +212,17 @@ def prefill_kernel(model: Any, asked: bool) -> PrefillLayers | None:
     def mlx(q: mx.array, k: mx.array, v: mx.array, base: mx.array, starts: mx.array) -> Any:
         return prefill_attention.reference(q, k, v, base, starts, attn.scale)
 
-    mismatch = probe(model, FirstToken(model, PrefillLayers(mlx, head_norms)))
+    mismatch = probe(model, FirstToken(model, PrefillLayers(mlx, head_norms, step)))
+    if mismatch is not None and step is not None:
+        log.info("prefill attention: its layers around the compiled step differ (%s)", mismatch)
+        step = None
+        mismatch = probe(model, FirstToken(model, PrefillLayers(mlx, head_norms)))
     if mismatch is not None:
         log.log(level, "prefill attention: MLX's (the layers compute other logits: %s)", mismatch)
         return None
-    log.info("prefill attention: the project's kernel (heads of %d, %s)", dim, dtype)
-    return PrefillLayers(kernel, head_norms)
+    around = "the compiled step's layers" if step is not None else "the model's modules"
+    log.info("prefill attention: the project's kernel (heads of %d, %s; %s)", dim, dtype, around)
+    return PrefillLayers(kernel, head_norms, step)
 
 
 ROUNDING = 0.02  # the most a backend's rounding may be, as a share of the largest logit

@@ -278,29 +278,30 @@ class MlxRowsBackend(MlxLmBackend):
                 "a decode step after the prefill (engine.first_token = 'auto' keeps mlx-lm's "
                 "way on this backend; set first_token = 'prefill')"
             )
+        decode = (
+            decode_step.build(
+                model,
+                fuse=options.decode_projections == "stacked",
+                asked=options.decode_step == "compiled",
+                ragged=options.decode_attention != "mlx",
+                ragged_asked=options.decode_attention == "kernel",
+            )
+            if compiled
+            else None
+        )
         self.batch = RowBatch(
             model,
             options.prefill_step_size,
             self.prefill_batch_size,
             settle_steps=options.join_settle_steps,
-            decode=(
-                decode_step.build(
-                    model,
-                    fuse=options.decode_projections == "stacked",
-                    asked=options.decode_step == "compiled",
-                    ragged=options.decode_attention != "mlx",
-                    ragged_asked=options.decode_attention == "kernel",
-                )
-                if compiled
-                else None
-            ),
+            decode=decode,
             # what it saves was measured on MLX's CUDA backend only (buckets.py)
             bucket_rows=on_cuda(),
             # a shelf the prefix cache keeps whole while any of its rows is kept
             shelf_bytes=max(1, prefix_cache_bound(options) // 8),
             prefill_buckets=prefill_buckets.wanted(options.prefill_shapes),
             first=(
-                groups.first_token(model, options.prefill_attention)
+                groups.first_token(model, options.prefill_attention, decode)
                 if groups.wanted(options.first_token)
                 else None
             ),
