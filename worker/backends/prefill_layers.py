@@ -11,7 +11,7 @@ public `state` before the layer writes its keys. The cache is written through it
 everything else sees the caches it always did. Where the compiled decode step runs
 (decode_step.py), the layer around the attention is its two compiled functions instead of
 the modules' calls, over the chunk's positions: the same operations, fewer for MLX to build
-and launch (a cached turn's forward pass 7-14 % sooner on an H200, docs/benchmarks.md). At
+and launch (a cached turn's forward pass 1-14 % sooner on an H200, docs/benchmarks.md). At
 load groups.py's first-token probe checks these layers, with MLX's attention in the kernel's
 place, against the model's forward pass, and prefill_attention.py checks the kernel against
 MLX's attention.
