@@ -24,7 +24,10 @@ The ways: `plain`, the model's own cache; and with `--via`, the ways the rows ba
 the cached positions (as a prefix cache hit is), that copy included: `batch`, mlx-lm's batch
 cache (its mask array); `buckets`, the same through the views of
 worker/backends/prefill_buckets.py (new tokens padded to a bucket, attention over a bucket
-of keys with a mask array), the engine's way under CUDA. A NEW is at most one prefill chunk
+of keys with a mask array); `kernel`, the same with the project's layers and attention
+kernel, the engine's way under CUDA (its layers on the compiled decode step's functions),
+and `kernel-modules`, its layers through the model's modules instead (both only where the
+kernel is made: MLX's CUDA backend). A NEW is at most one prefill chunk
 (`engine.prefill_step_size`'s default), as a cached turn's new tokens mostly are.
 
 MLX runs as a worker runs it (`shared.blas.mlx_worker_defaults`: under CUDA, off cuDNN's
@@ -48,7 +51,7 @@ from shared.blas import CUDNN_SDPA, mlx_worker_defaults
 from shared.engine_options import EngineOptions
 
 COLD = 10  # lengths met once each
-WAYS = ("batch", "buckets", "kernel")
+WAYS = ("batch", "buckets", "kernel", "kernel-modules")
 CHUNK = EngineOptions().prefill_step_size
 
 
@@ -59,7 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new", type=positive_ints, default=[16, 128, 250], help="new tokens")
     p.add_argument("--trials", type=int, default=10, help="timed trials a shape, after 3")
     p.add_argument(
-        "--via", default="batch,buckets,kernel", help="more ways: batch, buckets, kernel ('': none)"
+        "--via",
+        default=",".join(WAYS),
+        help=f"more ways: {', '.join(WAYS)} ('': none)",
     )
     args = p.parse_args(argv)
     if args.cached < 1 or args.trials < 1:
@@ -106,9 +111,10 @@ def plain(model: Any, cache: list[Any], n: int) -> float:
 
 def batched(model: Any, cache: list[Any], n: int, way: str, layers: Any = None) -> float:
     """The same on a batch cache copied from `cache` (untouched), through the prefill
-    buckets' views for `way` "buckets", and for "kernel" with `layers`, the project's
-    layers and its attention kernel (worker/backends/prefill_layers.py; the compiled decode
-    step's functions around it), as a worker's prefill runs on MLX's CUDA backend."""
+    buckets' views for `way` "buckets", and for "kernel" and "kernel-modules" with
+    `layers`, the project's layers and its attention kernel (worker/backends/
+    prefill_layers.py: on the compiled decode step's functions, as a worker's prefill runs
+    on MLX's CUDA backend, or through the model's modules)."""
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
@@ -206,13 +212,19 @@ def main(argv: list[str] | None = None) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     dtype = cache[0].state[0].dtype  # the keys' as attention reads them
     shape = (heads, config.num_key_value_heads, head_dim, dtype)
-    # None off MLX's CUDA backend; the compiled decode step's functions around it, as a worker
-    step = decode_step.build(model, asked=False) if "kernel" in args.via else None
-    kernel = groups.prefill_kernel(model, asked=True, step=step) if "kernel" in args.via else None
+    # the kernel's layers (None off MLX's CUDA backend): on the compiled decode step's
+    # functions, as a worker runs them, and through the model's modules
+    kernels: dict[str, Any] = {}
+    if "kernel" in args.via:
+        step = decode_step.build(model, asked=False)
+        kernels["kernel"] = groups.prefill_kernel(model, asked=True, step=step)
+    if "kernel-modules" in args.via:
+        kernels["kernel-modules"] = groups.prefill_kernel(model, asked=True)
+    kernel = next((k for k in kernels.values() if k is not None), None)
     ways: dict[str, Callable[[int], float]] = {"plain": functools.partial(plain, model, cache)}
     for way in args.via:
-        if way != "kernel" or kernel is not None:
-            layers = kernel if way == "kernel" else None
+        if way not in kernels or kernels[way] is not None:
+            layers = kernels.get(way)
             ways[way] = functools.partial(batched, model, cache, way=way, layers=layers)
     masks = [*MASKS, KERNEL] if kernel is not None else list(MASKS)
     line["forward"], line["attention_ms"] = {way: {} for way in ways}, {}

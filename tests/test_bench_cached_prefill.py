@@ -44,15 +44,19 @@ def test_with_a_kernel_its_forward_pass_and_attention_are_timed(
     from worker.backends import groups, prefill_attention
     from worker.backends.prefill_layers import PrefillLayers
 
+    steps: list[object] = []
+
     def made(model: object, asked: bool, step: object = None) -> PrefillLayers:
+        steps.append(step)
         scale = model.model.layers[0].self_attn.scale  # type: ignore[attr-defined]
         return PrefillLayers(lambda *a: prefill_attention.reference(*a, scale), False)
 
     monkeypatch.setattr(groups, "prefill_kernel", made)
     argv = [str(chat_model), "--cached", "40", "--new", "9", "--trials", "1"]
-    assert cached_prefill.main([*argv, "--via", "kernel"]) == 0
+    assert cached_prefill.main([*argv, "--via", "kernel,kernel-modules"]) == 0
     (line,) = [json.loads(out) for out in capsys.readouterr().out.splitlines()]
-    assert sorted(line["forward"]) == ["kernel", "plain"]
+    assert sorted(line["forward"]) == ["kernel", "kernel-modules", "plain"]
+    assert [s is not None for s in steps] == [True, False]  # the worker's way, the modules
     assert sorted(line["attention_ms"]) == sorted([*cached_prefill.MASKS, "kernel"])
     assert line["attention_ms"]["kernel"]["9"] > 0
 
