@@ -7,36 +7,30 @@ is made, templated on the names given at each call (T, D, R, THREADS)."""
 
 from __future__ import annotations
 
-HEADER = """
-template <typename T> struct gw_mma;
-template <> struct gw_mma<__nv_bfloat16> {
+# the tensor cores' product and packing for one input type: its name in CUDA, in the PTX
+# instruction, and the intrinsic that packs two floats into its pair type
+MMA = """
+template <> struct gw_mma<{T}> {{
   static __device__ __forceinline__ void run(
-      float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+      float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {{
     asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
+        "mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32 "
+        "{{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, {{%0,%1,%2,%3}};\\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  }}
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {{
+    {pair} v = {pack}(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
-  }
-};
-template <> struct gw_mma<__half> {
-  static __device__ __forceinline__ void run(
-      float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-};
+  }}
+}};"""
+
+HEADER = (
+    """
+template <typename T> struct gw_mma;"""
+    + MMA.format(T="__nv_bfloat16", ptx="bf16", pair="__nv_bfloat162", pack="__floats2bfloat162_rn")
+    + MMA.format(T="__half", ptx="f16", pair="__half2", pack="__floats2half2_rn")
+    + """
 // two 16-bit values as one register, the first in the low half (the operands' order)
 template <typename T>
 __device__ __forceinline__ uint32_t gw_bits(const T* p, bool lo_in, const T* q, bool hi_in) {
@@ -45,6 +39,7 @@ __device__ __forceinline__ uint32_t gw_bits(const T* p, bool lo_in, const T* q, 
   return lo | (hi << 16);
 }
 """
+)
 
 BODY = """
     constexpr int BQ = 64;
