@@ -99,7 +99,7 @@ class FirstToken:
     def layer(self, i: int, h: mx.array, cache: list[Any]) -> mx.array:
         """Layer i over h with the kernel's attention (callers check there is one)."""
         assert self.prefill is not None
-        return self.prefill.run(i % len(self.layers), self.layers[i], h, cache[i])
+        return self.prefill.run(i, self.layers[i], h, cache[i])
 
     def forward(self, model: Any, tokens: mx.array, cache: list[Any]) -> None:
         """A chunk before the last: its keys and values written to `cache` (nothing else of

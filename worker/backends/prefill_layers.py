@@ -53,9 +53,7 @@ class PrefillLayers:
         step, attn = self.step, block.self_attn
         offset = cache.offset
         if step is not None:
-            q, k, v = step.project(
-                i, x, offset if isinstance(offset, mx.array) else mx.array(offset)
-            )
+            q, k, v = step.project(i, x, offset)  # the batch cache's: an array
         else:
             q, k, v = self._project(attn, block.input_layernorm(x), offset)
         _, _, _, left, end = cache.state  # the positions before this chunk's, its padding
