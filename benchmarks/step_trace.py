@@ -1,8 +1,10 @@
 """Summary of the engine's step timeline (`MLX_GATEWAY_STEP_TRACE`, worker/steptrace.py):
 where a served worker's time went during each measured level of benchmarks.serving.
 
-    python -m benchmarks.step_trace TRACE_DIR [--serving OUT.json]
+    python -m benchmarks.step_trace TRACE_DIR [--serving OUT.json | --starts]
 
+With --starts, one line per step that started requests (`starts`: what a served turn's
+first step took against the engine alone's, and how long the worker sat idle before it).
 With --serving, one line per source and level: the steps that started inside the level's
 window (`window` in each run of the serving JSON). Without it, one line per trace file.
 Per line, as shares of the window's wall time: in steps and the settles after them (`step`;
@@ -63,15 +65,17 @@ def read_traces(folder: Path) -> dict[str, list[list[float]]]:
     return traces
 
 
+def took(step: list[Any]) -> float:
+    """ms: the step and its settle (the work it put off)."""
+    return float(step[STEP]) + (_field(step, SETTLE) or 0.0)
+
+
 def summarize(
     steps: list[list[float]], start: float | None = None, end: float | None = None
 ) -> dict[str, Any] | None:
     """Shares of [start, end] (default: the first step's start to the last one's end)."""
     if not steps:
         return None
-
-    def took(s: list[Any]) -> float:  # ms: the step and its settle (the work it put off)
-        return s[STEP] + (_field(s, SETTLE) or 0.0)
 
     first, last = steps[0], steps[-1]
     start = first[T] if start is None else start
@@ -166,6 +170,34 @@ def summarize(
     }
 
 
+def starts(steps: list[list[Any]]) -> list[dict[str, Any]]:
+    """One line per step that started requests (a turn's first step when one request runs
+    at a time): the worker's idle spell before it (from the step before's end, its settle
+    included; None for the first step), the step's time and the engine thread's CPU time in
+    it, the backend's part and the insertion's, the prompt positions it ran (the rows
+    batch; padding included) and the KV's length after it."""
+    lines = []
+    for i, step in enumerate(steps):
+        if not step[INSERTED]:
+            continue
+        before = steps[i - 1] if i else None
+        idle = None if before is None else 1e3 * (step[T] - before[T]) - took(before)
+        lines.append(
+            {
+                "t": step[T],
+                "idle_ms": None if idle is None else round(idle, 2),
+                "step_ms": step[STEP],
+                "cpu_ms": _field(step, CPU),
+                "backend_ms": step[BACKEND],
+                "insert_ms": step[INSERT],
+                "started": step[INSERTED],
+                "prefilled": _field(step, PREFILLED),
+                "kv_size": _field(step, KV),
+            }
+        )
+    return lines
+
+
 def per_100(counts: list[int]) -> float | None:
     return round(100 * sum(counts) / len(counts), 1) if counts else None
 
@@ -196,12 +228,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.step_trace", description=__doc__)
     p.add_argument("trace_dir", type=Path)
     p.add_argument("--serving", type=Path, help="benchmarks.serving's JSON (level windows)")
+    p.add_argument(
+        "--starts",
+        action="store_true",
+        help="a line per step that started requests (the idle spell before it, its CPU time)",
+    )
     args = p.parse_args(argv)
     traces = read_traces(args.trace_dir)
     if not traces:
         print(f"no steps-*.jsonl in {args.trace_dir}", file=sys.stderr)
         return 1
-    if args.serving is not None:
+    if args.starts:
+        lines = [{"file": name, **line} for name, steps in traces.items() for line in starts(steps)]
+    elif args.serving is not None:
         lines = per_level(traces, json.loads(args.serving.read_text()))
     else:
         lines = [{"file": name, **(summarize(steps) or {})} for name, steps in traces.items()]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.step_trace import per_level, read_traces, summarize
+from benchmarks import step_trace
+from benchmarks.step_trace import per_level, read_traces, starts, summarize
 from tests.engine_fixtures import Loaded, drive, greedy, reference_greedy, token_ids
 from worker import steptrace
 from worker.steptrace import STEP_TRACE_ENV, StepTrace
@@ -207,6 +208,32 @@ def test_levels_take_the_steps_inside_their_windows(tmp_path: Path) -> None:
     [line] = per_level(read_traces(tmp_path), serving)
     assert (line["source"], line["concurrency"], line["steps"]) == ("gateway", 4, 2)
     assert line["joins_per_100"] == 50.0
+
+
+def test_starts_list_each_starting_step_with_the_idle_spell_before_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a turn starts at 0 (no step before), ends at 30 with a 2 ms settle; the next starts
+    # at 50 after a plain step at 20-30 (a second request starting beside it counts once)
+    steps = [
+        _step(0.0, 12, 1, prefilled=256, cpu=11.5),
+        _step(0.02, 8, settle=2.0),
+        _step(0.05, 15, 2, prefilled=192, cpu=14.0),
+        _step(0.07, 4),
+    ]
+    first, second = starts(steps)
+    assert first["idle_ms"] is None and second["idle_ms"] == pytest.approx(20.0)
+    assert (first["step_ms"], first["cpu_ms"], first["prefilled"]) == (12, 11.5, 256)
+    assert (second["started"], second["backend_ms"], second["insert_ms"]) == (2, 14, 0.5)
+    assert second["kv_size"] == 400 and second["t"] == 0.05
+    assert starts([x[:7] for x in steps])[1]["cpu_ms"] is None  # an older worker's trace
+    (tmp_path / "steps-9.jsonl").write_text("".join(json.dumps(x) + "\n" for x in steps))
+    assert step_trace.main([str(tmp_path), "--starts"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(x["file"], x["prefilled"]) for x in lines] == [
+        ("steps-9.jsonl", 256),
+        ("steps-9.jsonl", 192),
+    ]
 
 
 def test_steps_before_an_abort_that_empties_the_engine_are_written(
