@@ -25,6 +25,8 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from shared.blas import CUDNN_SDPA, mlx_worker_defaults
@@ -72,14 +74,22 @@ def _ids(seed: int, length: int) -> list[int]:
 
 
 def _turn(
-    engine: Any, request_id: str, prompt: list[int], tokens: int
+    engine: Any,
+    request_id: str,
+    prompt: list[int],
+    tokens: int,
+    window: AbstractContextManager[Any] | None = None,
 ) -> tuple[float, list[int], int]:
-    """One greedy turn of `tokens`: (ms to its first token, the reply's ids, cached tokens)."""
+    """One greedy turn of `tokens`: (ms to its first token, the reply's ids, cached tokens).
+    `window` is entered at the add and left once the first token is out (a profiler's
+    range: benchmarks/turn_kernels.py)."""
     from shared.types import SamplingParams
     from worker.preprocess import PreparedRequest
 
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
     started, first, reply = time.perf_counter(), 0.0, []
+    if window is not None:
+        window.__enter__()
     engine.add(PreparedRequest(request_id, prompt, tokens, greedy))
     for _ in range(100 * tokens):  # bounded: a reply takes about `tokens` steps
         done = None
@@ -88,6 +98,8 @@ def _turn(
                 continue
             if out.token_ids and not first:
                 first = 1000 * (time.perf_counter() - started)
+                if window is not None:
+                    window.__exit__(None, None, None)
             reply += out.token_ids
             if out.finish_reason is not None:
                 done = first, reply, out.usage.cached_tokens if out.usage else 0
@@ -95,6 +107,26 @@ def _turn(
         if done is not None:
             return done
     raise RuntimeError(f"{request_id}: no reply in {100 * tokens} steps")
+
+
+def run_trace(
+    engine: Any,
+    label: str,
+    trace: int,
+    args: argparse.Namespace,
+    window: Callable[[int], AbstractContextManager[Any] | None] = lambda t: None,
+) -> dict[str, list[Any]]:
+    """Trace number `trace` of the conversation (`args`: system, turns, reply): each turn's
+    prompt length, ms to its first token and cached tokens; `window(t)` as `_turn` takes it."""
+    history = _ids(1000 * trace + 1, args.system)
+    line: dict[str, list[Any]] = {"prompt": [], "ms": [], "cached": []}
+    for t in range(args.turns):
+        ms, reply, hit = _turn(engine, f"{label}-{trace}-{t}", history, args.reply, window(t))
+        line["prompt"].append(len(history))
+        line["ms"].append(round(ms, 2))
+        line["cached"].append(hit)
+        history = history + reply + _ids(1000 * trace + t + 2, 150 + 7 * t)
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,16 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         options = EngineOptions(max_running=8, prefill_batch_size=8, **SETTINGS[name])
         engine = StepTrace.wrap(EngineCore(make_backend(model, tokenizer, options), options))
         for trace in range(args.traces):
-            history = _ids(1000 * trace + 1, args.system)
-            line: dict[str, Any] = {"setting": name, "trace": trace, "prompt": [], "ms": []}
-            line["cudnn_sdpa"] = mlx_env[CUDNN_SDPA]
-            line["cached"] = []
-            for t in range(args.turns):
-                ms, reply, hit = _turn(engine, f"{name}-{trace}-{t}", history, args.reply)
-                line["prompt"].append(len(history))
-                line["ms"].append(round(ms, 2))
-                line["cached"].append(hit)
-                history = history + reply + _ids(1000 * trace + t + 2, 150 + 7 * t)
+            turns = run_trace(engine, name, trace, args)
+            line = {"setting": name, "trace": trace, "prompt": turns["prompt"], "ms": turns["ms"]}
+            line |= {"cudnn_sdpa": mlx_env[CUDNN_SDPA], "cached": turns["cached"]}
             print(json.dumps(line), flush=True)
     return 0
 

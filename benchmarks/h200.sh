@@ -2,7 +2,7 @@
 # The GPU figures of docs/benchmarks.md: one NVIDIA GPU, MLX's CUDA backend, random-weight
 # models of Llama-3.2-1B's and Llama-3.1-8B's shapes in bf16 (vocab 128,256).
 #
-#   benchmarks/h200.sh OUT [1b] [8b] [agent] [agent8b] [turns] [forward] [arrivals] [steps]
+#   benchmarks/h200.sh OUT [1b] [8b] [agent] [agent8b] [turns] [kernels] [forward] [arrivals] [steps]
 #                      [steps8b] [shapes] [leaving] [prefills] [prefill-profile] [profile]
 #                      [first-use]
 #   (default: 1b 8b agent)
@@ -42,6 +42,9 @@
 #   serving adds to agent's turns: OUT/turns.jsonl, MLX's messages in OUT/turns.log), with
 #   MLX as workers run it (off cuDNN's attention), then on cuDNN's
 #   (AGENT_ARGS="--sources gateway-rows-cudnn,..." is the same served).
+# - kernels: benchmarks.turn_kernels on the 1b shape: the agent trace's cached turns in one
+#   process, the device's kernels from each turn's add to its first token (PyTorch's profiler,
+#   CUPTI: OUT/kernels.jsonl, MLX's messages in OUT/kernels.log).
 # - forward: benchmarks.cached_prefill on the 1b shape: a cached turn's forward pass (16, 128
 #   and 250 new tokens on 4,400 cached; plain, on mlx-lm's batch cache and through the
 #   prefill buckets) and MLX's attention alone at those shapes (causal, with the batch cache's
@@ -257,6 +260,10 @@ for step in $STEPS; do
           --system "$AGENT_SYSTEM" --turns "$AGENT_TURNS" 2>>"$OUT/turns.log" |
           tee -a "$OUT/turns.jsonl"
       done
+      ;;
+    kernels)
+      $PY -m benchmarks.turn_kernels "$(model 1b $SHAPE_1B)" --system "$AGENT_SYSTEM" \
+        --turns "$AGENT_TURNS" 2>"$OUT/kernels.log" | tee "$OUT/kernels.jsonl"
       ;;
     forward)
       : >"$OUT/forward.jsonl"
