@@ -91,6 +91,14 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # does. "auto": prefill where it was measured sooner (MLX's CUDA backend and its CPU;
     # docs/benchmarks.md), step on Metal, where it has not been measured yet.
     first_token: Literal["auto", "prefill", "step"] = "auto"
+    # Rows batch, first tokens from the prefill: when the first token of a request that
+    # starts in an idle batch (no other row decoding) is read. "pipelined": once the batch's
+    # next decode step is built, as every later token is (the host builds step n+1 while the
+    # device runs step n). "early": as soon as its prefill is done, before that step is
+    # built: the step's host time comes off the first token and onto the second. Opt-in
+    # until measured served on a GPU (docs/benchmarks.md: a cached agent turn's next step
+    # ran on the device before its first token was read).
+    first_token_read: Literal["pipelined", "early"] = "pipelined"
     # Rows batch, first tokens from the prefill: a prefill's attention over several queries.
     # "mlx": the model's own layers, MLX's attention with a mask (on MLX's CUDA backend a
     # product, the mask, a softmax and a second product a layer, off cuDNN's). "kernel": one
@@ -170,6 +178,13 @@ def engine_problem(opts: EngineOptions) -> str | None:
     ):
         return (
             "engine.prefill_attention applies to the rows batch with first tokens from the "
+            "prefill only, not to batcher = 'mlx_lm' or first_token = 'step'"
+        )
+    if opts.first_token_read != "pipelined" and (
+        opts.batcher == "mlx_lm" or opts.first_token == "step"
+    ):
+        return (
+            "engine.first_token_read applies to the rows batch with first tokens from the "
             "prefill only, not to batcher = 'mlx_lm' or first_token = 'step'"
         )
     if opts.prefill_shapes == "buckets" and opts.batcher == "mlx_lm":

@@ -360,6 +360,15 @@ def test_decode_step_is_the_models_or_the_compiled_one_in_the_rows_batch(tmp_pat
     for other in ('batcher = "mlx_lm"\n', 'first_token = "step"\n'):
         with pytest.raises(ConfigError, match="prefill_attention applies to the rows batch"):
             load_config(write(tmp_path, head + other + 'prefill_attention = "mlx"\n'))
+    # when a lone request's first token is read: likewise
+    assert load_config(write(tmp_path, head)).models[0].engine.first_token_read == "pipelined"
+    chosen = load_config(write(tmp_path, head + 'first_token_read = "early"\n'))
+    assert chosen.models[0].engine.first_token_read == "early"
+    with pytest.raises(ConfigError, match="first_token_read"):
+        load_config(write(tmp_path, head + 'first_token_read = "soon"\n'))
+    for other in ('batcher = "mlx_lm"\n', 'first_token = "step"\n'):
+        with pytest.raises(ConfigError, match="first_token_read applies to the rows batch"):
+            load_config(write(tmp_path, head + other + 'first_token_read = "early"\n'))
     # and its projections: apart by default, stacked only where the compiled step may run
     assert load_config(write(tmp_path, head)).models[0].engine.decode_projections == "separate"
     chosen = load_config(write(tmp_path, head + 'decode_projections = "stacked"\n'))

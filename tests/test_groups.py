@@ -112,6 +112,44 @@ def test_a_rows_first_token_comes_out_of_the_step_that_prefilled_it(
     assert [c.size() for c in cache.caches()] == [len(held)] * len(batch.caches)
 
 
+def test_early_a_row_joining_an_idle_batch_is_read_before_the_next_step_is_built(
+    chat: Loaded, prompts: list[list[int]]
+) -> None:
+    """`early_first`: the step that prefilled a lone row returns its first token (and its
+    distribution) without building the next step (its KV is the prompt's alone), the next
+    call builds it; a row joining a running batch is read as before, with the running row's
+    token. Tokens as mlx-lm's."""
+    batch = RowBatch(chat.model, first=first_token(chat.model), early_first=True)
+    (lone,) = insert_greedy(batch, chat, [prompts[0]])
+    [(uid, token, lines)] = batch.step()
+    assert uid == lone and lines is not None and int(mx.argmax(lines)) == token
+    assert [c.size() for c in batch.caches] == [len(prompts[0])] * len(batch.caches)
+    assert batch.step() == []  # the next step built, its token read by the call after
+    assert [c.size() for c in batch.caches] == [len(prompts[0]) + 1] * len(batch.caches)
+    tokens = {lone: [token]}
+    run_steps(batch, 3, tokens)
+    (joiner,) = insert_greedy(batch, chat, [prompts[1]])
+    out = batch.step()  # not idle: the running row's next token and the joiner's first
+    assert sorted(uid for uid, _, _ in out) == sorted([lone, joiner])
+    assert not batch.flushed  # read once the next step was built, as every later token
+    for uid, token, _ in out:
+        tokens.setdefault(uid, []).append(token)
+    run_steps(batch, 6, tokens)
+    assert tokens[lone][:10] == reference_greedy(chat.model, prompts[0], 10)
+    assert tokens[joiner][:6] == reference_greedy(chat.model, prompts[1], 6)
+    kept = batch.extract([joiner])[joiner]  # what it holds is what its KV holds
+    assert [c.size() for c in kept[0].caches()] == [len(kept[1])] * len(batch.caches)
+
+
+def test_pipelined_a_lone_rows_next_step_is_built_before_its_first_token_is_read(
+    chat: Loaded, prompts: list[list[int]]
+) -> None:
+    batch = RowBatch(chat.model, first=first_token(chat.model))
+    (lone,) = insert_greedy(batch, chat, [prompts[0]])
+    assert [uid for uid, _, _ in batch.step()] == [lone]
+    assert [c.size() for c in batch.caches] == [len(prompts[0]) + 1] * len(batch.caches)
+
+
 @pytest.mark.parametrize("buckets", [False, True], ids=["exact", "buckets"])
 def test_rows_of_different_lengths_over_several_chunks_give_mlx_lms_tokens(
     chat: Loaded, prompts: list[list[int]], buckets: bool

@@ -210,6 +210,22 @@ def test_levels_take_the_steps_inside_their_windows(tmp_path: Path) -> None:
     assert line["joins_per_100"] == 50.0
 
 
+def test_an_early_first_token_is_not_a_read_ahead(
+    chat: Loaded, prompts: list[list[int]], tmp_path: Path
+) -> None:
+    """engine.first_token_read = "early": the step that prefilled a lone request sends its
+    first token (a step with a forward pass, not a read-ahead), the next sends nothing."""
+    engine = chat.engine(batcher="rows", first_token="prefill", first_token_read="early")
+    assert engine.backend.batch.early_first
+    traced = StepTrace.wrap(engine, {STEP_TRACE_ENV: str(tmp_path / "trace")})
+    out = drive(traced, [greedy("a", prompts[0], 6, ignore_eos=True)])
+    assert token_ids(out["a"]) == reference_greedy(chat.model, prompts[0], 6)
+    [trace] = read_traces(tmp_path / "trace").values()
+    first, second = trace[0], trace[1]
+    assert (first[3], first[6], first[10], first[13]) == (1, 1, 0, len(prompts[0]))
+    assert (second[6], second[10], second[13]) == (0, 0, 0)
+
+
 def test_starts_list_each_starting_step_with_the_idle_spell_before_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -149,7 +149,14 @@ class StepTrace:
         )
         if self._decode is not None:
             shapes = len(self._decode.row_counts) - shapes
-        ahead = int(self._batch.flushed) if self._batch is not None else None
+        counts = (
+            tuple(a - b for a, b in zip(self._batch_counts(), before, strict=True))
+            if self._batch is not None
+            else (None, None)
+        )
+        # only read tokens: flushed with no prompt run (a row that joined an idle batch has
+        # its first token read by the step that prefilled it: `early_first`)
+        ahead = int(self._batch.flushed and not counts[0]) if self._batch is not None else None
         self._rows.append(
             [
                 round(wall, 6),
@@ -166,11 +173,7 @@ class StepTrace:
                 else None,
                 ahead,
                 *self._batch_shape(),
-                *(
-                    (now - then for now, then in zip(self._batch_counts(), before, strict=True))
-                    if self._batch is not None
-                    else (None, None)
-                ),
+                *counts,
                 round(cpu * 1e3, 3),
                 *moved,
                 round(mx.get_cache_memory() / MiB, 1),

@@ -305,6 +305,7 @@ class MlxRowsBackend(MlxLmBackend):
                 if groups.wanted(options.first_token)
                 else None
             ),
+            early_first=options.first_token_read == "early",
         )
 
     def insert(self, items: list[Insertion]) -> list[int]:

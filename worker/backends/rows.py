@@ -23,6 +23,9 @@ bound by the host):
   a step's distribution into one array per row only while a request asks for logprobs
   (BatchGenerator always does: at 128 rows on an H200, up to a third of a step);
 - a step with a prefill due and a first token pending only reads the tokens (`_flush`);
+- with `early_first`, rows that join an idle batch have their first tokens read by the step
+  that prefilled them, before the next step is built (`_flush` again: that step is built
+  by the next call);
 - with `prefill_buckets`, a group prefills at a few shapes (prefill_buckets.py).
 
 Greedy output is the same token for token as mlx-lm's `generate_step` (tests). Stop rules
@@ -68,9 +71,12 @@ class RowBatch:
         shelf_bytes: int = 1 << 28,
         prefill_buckets: bool = False,
         first: FirstToken | None = None,
+        early_first: bool = False,
     ) -> None:
         self.model = model
         self.first = first  # rows' first tokens from their prefill (groups.py), or None
+        # rows joining an idle batch: their first tokens read before the next step is built
+        self.early_first = early_first
         self.prefill_buckets = prefill_buckets  # prefills at a few shapes (prefill_buckets.py)
         self.shelf_bytes = shelf_bytes  # the most that rows leaving together share (shelves.py)
         self.bucket = ROW_BUCKET if bucket_rows else 1  # row counts kept (buckets.py)
@@ -185,6 +191,7 @@ class RowBatch:
         joined = [g for g in self.groups if g.tokens is None]
         if joined or self._dead_share() >= COMPACT_SHARE:
             self._compact(sum(not r.dead for g in joined for r in g.rows))
+        idle = not any(not r.dead for r in self.rows)  # no row decoding before the joiners
         for group in joined:
             self._join(group, logprobs)
         self.groups = [g for g in self.groups if g.tokens is not None]
@@ -194,6 +201,8 @@ class RowBatch:
             # the joiners' first tokens as an evaluation of their own: read by this call,
             # before the step built next is done
             mx.async_eval(self.inputs)
+            if self.early_first and idle and not self.guided:
+                return self._flush()  # read now; the next call builds the next step
         return self._decode(logprobs)
 
     def _flush_due(self) -> bool:
