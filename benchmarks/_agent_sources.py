@@ -14,6 +14,8 @@ SOURCES = ("gateway", "gateway-nocache", "mlx_lm", "vllm_mlx")  # launched by de
 # "gateway-rows-whole" with every prompt tokenized whole: engine.segment_tokens = false;
 # "gateway-rows-buckets" and "gateway-rows-nocache-buckets" with engine.prefill_shapes =
 # "buckets"; "gateway-rows-stepfirst" with engine.first_token = "step", mlx-lm's way;
+# "gateway-rows-early" and "gateway-rows-nocache-early" with engine.first_token_read =
+# "early", a lone request's first token read before the next step is built;
 # "gateway-rows-mlxattn" and "gateway-rows-nocache-mlxattn" with engine.prefill_attention =
 # "mlx", MLX's attention in the prefill instead of the project's kernel;
 # "gateway-rows-cudnn" and "gateway-rows-nocache-cudnn" with MLX's CUDA backend on cuDNN's
@@ -31,6 +33,12 @@ GATEWAY_ENGINE: dict[str, dict[str, bool | int | float | str]] = {
         "prefill_shapes": "buckets",
     },
     "gateway-rows-stepfirst": {"prefix_cache": True, "batcher": "rows", "first_token": "step"},
+    "gateway-rows-early": {"prefix_cache": True, "batcher": "rows", "first_token_read": "early"},
+    "gateway-rows-nocache-early": {
+        "prefix_cache": False,
+        "batcher": "rows",
+        "first_token_read": "early",
+    },
     "gateway-rows-mlxattn": {"prefix_cache": True, "batcher": "rows", "prefill_attention": "mlx"},
     "gateway-rows-nocache-mlxattn": {
         "prefix_cache": False,

@@ -11,7 +11,10 @@ and 7 more each turn (an agent's tool results), as token ids (no template, no to
 cost). Every setting runs TRACES traces of other ids and the same lengths, one after the
 other: the first meets the shapes for the first time (as a fresh server), the later ones
 meet them again (as an always-on one). Prints one JSON line per setting and trace: the
-first-token ms of each turn and the cached tokens each turn found.
+first-token ms of each turn and the cached tokens each turn found. `--idle-ms` leaves the
+engine out of work that long before each later turn, as a client's pause does a served
+worker (asleep, or with `--idle-spin` spinning on the CPU: whether an idle spell slows the
+turn after it, and whether the thread's sleep is why).
 
 MLX runs as a worker runs it (`shared.blas.mlx_worker_defaults`: under CUDA, off cuDNN's
 attention) unless the environment says otherwise: `MLX_CUDA_USE_CUDNN_SDPA=1` measures
@@ -58,6 +61,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reply", type=int, default=64, help="tokens of each reply")
     p.add_argument("--traces", type=int, default=2, help="traces a setting, one after another")
     p.add_argument(
+        "--idle-ms",
+        type=float,
+        default=0.0,
+        help="the engine idle this long before each turn after the first (a client's pause)",
+    )
+    p.add_argument(
+        "--idle-spin",
+        action="store_true",
+        help="spend the idle spell spinning on the CPU instead of asleep",
+    )
+    p.add_argument(
         "--settings",
         type=_settings,
         default=["cache", "nocache"],
@@ -66,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if min(args.system, args.turns, args.reply, args.traces) < 1:
         p.error("--system, --turns, --reply and --traces must be at least 1")
+    if not 0 <= args.idle_ms <= 60_000:
+        p.error("--idle-ms must be between 0 and 60000")
     return args
 
 
@@ -109,6 +125,16 @@ def _turn(
     raise RuntimeError(f"{request_id}: no reply in {100 * tokens} steps")
 
 
+def _idle(seconds: float, spin: bool) -> None:
+    """The engine out of work for `seconds`: this thread asleep, or spinning on the CPU."""
+    if not spin:
+        time.sleep(seconds)
+        return
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
+
+
 def run_trace(
     engine: Any,
     label: str,
@@ -121,6 +147,8 @@ def run_trace(
     history = _ids(1000 * trace + 1, args.system)
     line: dict[str, list[Any]] = {"prompt": [], "ms": [], "cached": []}
     for t in range(args.turns):
+        if t:
+            _idle(args.idle_ms / 1e3, args.idle_spin)
         ms, reply, hit = _turn(engine, f"{label}-{trace}-{t}", history, args.reply, window(t))
         line["prompt"].append(len(history))
         line["ms"].append(round(ms, 2))
@@ -145,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             turns = run_trace(engine, name, trace, args)
             line = {"setting": name, "trace": trace, "prompt": turns["prompt"], "ms": turns["ms"]}
             line |= {"cudnn_sdpa": mlx_env[CUDNN_SDPA], "cached": turns["cached"]}
+            if args.idle_ms:
+                line |= {"idle_ms": args.idle_ms, "idle_spin": args.idle_spin}
             print(json.dumps(line), flush=True)
     return 0
 

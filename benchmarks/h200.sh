@@ -20,7 +20,9 @@
 # gateway-compiled-buckets the compiled step with prefills at a few shapes
 # (engine.prefill_shapes = "buckets"), gateway-compiled-stepfirst the compiled step with each
 # request's first token from the batch's next step after its prefill (engine.first_token =
-# "step", mlx-lm's way; the default takes it from the prefill),
+# "step", mlx-lm's way; the default takes it from the prefill), gateway-compiled-early the
+# compiled step with a lone request's first token read before the next step is built
+# (engine.first_token_read = "early"),
 # gateway-compiled-env the same with $GATEWAY_ENV in its environment
 # (e.g. GATEWAY_ENV="MLX_MAX_OPS_PER_BUFFER=250": MLX settings under test; gateway-compiled-env2
 # reads $GATEWAY_ENV2, and so on, to compare several in one run), gateway-rows-settle
@@ -118,7 +120,7 @@ model() {  # NAME SHAPE...
   echo "$M/$name"
 }
 
-gateway_config() {  # MODEL_DIR MAX_CONCURRENCY [BATCHER] [SETTLE] [DECODE_STEP] [ATTENTION] [PROJECTIONS] [PREFILL_SHAPES] [FIRST_TOKEN] -> config path; the ceiling's batch sizes
+gateway_config() {  # MODEL_DIR MAX_CONCURRENCY [BATCHER] [SETTLE] [DECODE_STEP] [ATTENTION] [PROJECTIONS] [PREFILL_SHAPES] [FIRST_TOKEN] [FIRST_TOKEN_READ] -> config path; the ceiling's batch sizes
   local cfg run
   cfg=$(mktemp /tmp/gw-XXXX.toml)
   run=$(mktemp -d /tmp/gwXXXX)
@@ -141,6 +143,7 @@ decode_attention = "${6:-auto}"
 decode_projections = "${7:-separate}"
 prefill_shapes = "${8:-exact}"
 first_token = "${9:-auto}"
+first_token_read = "${10:-pipelined}"
 TOML
   echo "$cfg"
 }
@@ -152,7 +155,7 @@ throughput() {  # NAME SHAPE LEVELS: the ceiling, then each of $SOURCES
   max=${3##*,}
   for src in ${SOURCES//,/ }; do
     case $src in
-      gateway | gateway-rows | gateway-rows-settle | gateway-compiled | gateway-compiled-mask | gateway-compiled-stacked | gateway-compiled-buckets | gateway-compiled-stepfirst | gateway-compiled-env*)
+      gateway | gateway-rows | gateway-rows-settle | gateway-compiled | gateway-compiled-mask | gateway-compiled-stacked | gateway-compiled-buckets | gateway-compiled-stepfirst | gateway-compiled-early | gateway-compiled-env*)
         local env=""
         case $src in
           gateway) cfg=$(gateway_config "$dir" "$max" mlx_lm) ;;
@@ -162,6 +165,7 @@ throughput() {  # NAME SHAPE LEVELS: the ceiling, then each of $SOURCES
           gateway-compiled-stacked) cfg=$(gateway_config "$dir" "$max" rows 0 compiled auto stacked) ;;
           gateway-compiled-buckets) cfg=$(gateway_config "$dir" "$max" rows 0 compiled auto separate buckets) ;;
           gateway-compiled-stepfirst) cfg=$(gateway_config "$dir" "$max" rows 0 compiled auto separate exact step) ;;
+          gateway-compiled-early) cfg=$(gateway_config "$dir" "$max" rows 0 compiled auto separate exact auto early) ;;
           gateway-compiled-env*)  # gateway-compiled-envX reads GATEWAY_ENVX
             local var=GATEWAY_ENV${src#gateway-compiled-env}
             cfg=$(gateway_config "$dir" "$max" rows 0 compiled)

@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warm", type=int, default=2, help="traces run unrecorded first")
     p.add_argument("--top", type=int, default=12, help="kernels listed per turn")
     p.add_argument("--trace-out", type=Path, help="keep the profiler's trace (Chrome JSON)")
+    p.set_defaults(idle_ms=0.0, idle_spin=False)  # cached_turns.run_trace's: turns back to back
     args = p.parse_args(argv)
     if min(args.system, args.turns, args.reply, args.top) < 1 or args.warm < 0:
         p.error("--system, --turns, --reply and --top must be at least 1, --warm at least 0")

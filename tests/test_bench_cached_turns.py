@@ -50,7 +50,25 @@ def test_settings_chosen_run_in_their_order(
     assert lines[0]["cached"] == [0, 0] and lines[1]["cached"][1] >= 40
 
 
-@pytest.mark.parametrize("argv", [["--turns", "0"], ["--settings", "cache,fast"]])
+@pytest.mark.usefixtures("no_mlx_settings")
+def test_an_idle_spell_before_each_later_turn(
+    chat_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(cached_turns.time, "sleep", slept.append)
+    argv = [str(chat_model), "--system", "40", "--turns", "3", "--reply", "2", "--traces", "1"]
+    assert cached_turns.main([*argv, "--settings", "cache", "--idle-ms", "25"]) == 0
+    [line] = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert slept == [0.025, 0.025]  # before turns 2 and 3, asleep
+    assert (line["idle_ms"], line["idle_spin"]) == (25, False)
+    assert cached_turns.main([*argv, "--settings", "cache", "--idle-ms", "25", "--idle-spin"]) == 0
+    assert slept == [0.025, 0.025]  # spinning: no sleep
+    assert json.loads(capsys.readouterr().out)["idle_spin"] is True
+
+
+@pytest.mark.parametrize(
+    "argv", [["--turns", "0"], ["--settings", "cache,fast"], ["--idle-ms", "-1"]]
+)
 def test_bad_arguments_are_refused_before_loading(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cached_turns.main(["/nonexistent-model", *argv])
