@@ -180,6 +180,36 @@ def test_rows_joining_and_leaving_around_a_constrained_row_keep_every_mask_on_it
         jsonschema.validate(json.loads(text(out[rid])), SCHEMA)
 
 
+def test_a_constrained_request_right_after_a_lone_ones_first_token_keeps_its_own(
+    hermes: Loaded,
+) -> None:
+    """engine.first_token_read: a constrained request added in the call after a lone
+    request's first token (read early, or once the next step was built) gets every token
+    its guide took: the same valid JSON either way."""
+    fmt = ResponseFormat(OutputFormat.JSON_SCHEMA, SCHEMA, strict=True)
+    texts = {}
+    for read in ("pipelined", "early"):
+        engine = hermes.engine(batcher="rows", first_token="prefill", first_token_read=read)
+        plain = prepare(hermes, "p", chat(chat_template_kwargs=OFF), max_tokens=30, temperature=0.0)
+        constrained = prepare(
+            hermes,
+            "j",
+            chat(response_format=fmt, chat_template_kwargs=OFF),
+            max_tokens=120,
+            temperature=0.0,
+        )
+        assert constrained.guide is not None and constrained.guide.compiling is not None
+        constrained.guide.compiling.result(timeout=60)  # compiled before it arrives
+        engine.add(plain)
+        assert [o.request_id for o in engine.step() if o.token_ids] == ["p"]
+        engine.settle()
+        out = drive(engine, [constrained])
+        assert out["j"][-1].finish_reason is FinishReason.STOP
+        texts[read] = text(out["j"])
+        jsonschema.validate(json.loads(texts[read]), SCHEMA)
+    assert texts["early"] == texts["pipelined"]
+
+
 def test_a_grammar_still_compiling_holds_its_request_alone(hermes: Loaded) -> None:
     # its compile on the grammar thread (here, by hand): the plain request runs to its end
     # meanwhile; once compiled the constrained one follows its schema; a failed compile is

@@ -4,14 +4,17 @@ distributions as mlx-lm's, a step sooner."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import mlx.core as mx
 import pytest
 
+from shared.config import EngineOptions
 from tests.engine_fixtures import Loaded, insert_greedy, reference_greedy, run_steps
 from worker.backends import groups
 from worker.backends.groups import first_token
+from worker.backends.mlx_lm import make_backend
 from worker.backends.rows import RowBatch
 
 
@@ -139,6 +142,54 @@ def test_early_a_row_joining_an_idle_batch_is_read_before_the_next_step_is_built
     assert tokens[joiner][:6] == reference_greedy(chat.model, prompts[1], 6)
     kept = batch.extract([joiner])[joiner]  # what it holds is what its KV holds
     assert [c.size() for c in kept[0].caches()] == [len(kept[1])] * len(batch.caches)
+
+
+@pytest.mark.parametrize("chunk", [2048, 8], ids=["one-chunk", "chunks"])
+def test_early_a_row_joining_the_call_after_an_early_read_waits_for_its_step(
+    chat: Loaded, prompts: list[list[int]], chunk: int
+) -> None:
+    """A row that would join in the call right after an early read (it arrived meanwhile,
+    or its group took more chunks than the lone row's) joins once the early row's next
+    step is built: every first token comes out, and what a row holds is what its KV holds."""
+    batch = RowBatch(
+        chat.model, prefill_step_size=chunk, first=first_token(chat.model), early_first=True
+    )
+    if chunk == 8:  # arriving together, the longer prompt's group takes one chunk more
+        chosen = [prompts[0], prompts[3]]
+        assert -(-len(chosen[1]) // 8) == -(-len(chosen[0]) // 8) + 1
+        uids = insert_greedy(batch, chat, chosen)
+    else:  # the second arrives right after the first's early read
+        chosen = [prompts[0], prompts[2]]
+        uids = insert_greedy(batch, chat, chosen[:1])
+    tokens: dict[int, list[int]] = {}
+    while not tokens:  # the first row's prefill chunks, then its early read
+        run_steps(batch, 1, tokens)
+    assert batch.flushed and list(tokens) == uids[:1]
+    if chunk != 8:
+        uids += insert_greedy(batch, chat, chosen[1:])
+    run_steps(batch, 30, tokens)
+    for uid, prompt in zip(uids, chosen, strict=True):
+        assert tokens[uid][:6] == reference_greedy(chat.model, prompt, 6), len(prompt)
+        cache, held = batch.extract([uid])[uid]
+        assert -1 not in held and held[: len(prompt)] == prompt
+        assert [c.size() for c in cache.caches()] == [len(held)] * len(batch.caches)
+
+
+def test_early_where_first_tokens_come_from_a_step_is_a_warning(
+    chat: Loaded, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """first_token = "auto" where it keeps mlx-lm's way (Metal): nothing to read early,
+    said so at load; where first tokens come from the prefill, nothing said."""
+    options = EngineOptions(batcher="rows", first_token_read="early")
+    with caplog.at_level(logging.WARNING):
+        backend = make_backend(chat.model, chat.tokenizer, options)
+    assert backend.batch.early_first and backend.batch.first is not None  # type: ignore[attr-defined]
+    assert "no effect here" not in caplog.text
+    monkeypatch.setattr(groups, "wanted", lambda setting: setting == "prefill")  # Metal
+    with caplog.at_level(logging.WARNING):
+        backend = make_backend(chat.model, chat.tokenizer, options)
+    assert backend.batch.first is None  # type: ignore[attr-defined]
+    assert "engine.first_token_read = 'early': no effect here" in caplog.text
 
 
 def test_pipelined_a_lone_rows_next_step_is_built_before_its_first_token_is_read(

@@ -307,6 +307,12 @@ class MlxRowsBackend(MlxLmBackend):
             ),
             early_first=options.first_token_read == "early",
         )
+        if self.batch.early_first and self.batch.first is None:
+            log.warning(
+                "engine.first_token_read = 'early': no effect here: first tokens come from a "
+                "decode step after the prefill (engine.first_token = 'auto' keeps mlx-lm's way "
+                "on this backend, or this model's first tokens cannot come from its prefill)"
+            )
 
     def insert(self, items: list[Insertion]) -> list[int]:
         return self.batch.insert(

@@ -25,7 +25,7 @@ bound by the host):
 - a step with a prefill due and a first token pending only reads the tokens (`_flush`);
 - with `early_first`, rows that join an idle batch have their first tokens read by the step
   that prefilled them, before the next step is built (`_flush` again: that step is built
-  by the next call);
+  by the next call, before any other row joins);
 - with `prefill_buckets`, a group prefills at a few shapes (prefill_buckets.py).
 
 Greedy output is the same token for token as mlx-lm's `generate_step` (tests). Stop rules
@@ -93,7 +93,9 @@ class RowBatch:
         self.logprobs: list[mx.array | None] = []
         self.fresh: set[int] = set()  # rows whose input is their prompt's last token
         self.unsent: set[int] = set()  # rows whose first output token is the pending input
-        self.flushed = False  # the pending inputs were read ahead of a prefill (`_flush`)
+        # the pending inputs were read ahead of a prefill, or right after rows joined an idle
+        # batch (`early_first`): by `_flush`
+        self.flushed = False
         self.waiting: list[Waiting] = []
         self.groups: list[Group] = []  # prefilling, at most MAX_GROUPS
         self.uid_count = 0
@@ -189,12 +191,17 @@ class RowBatch:
         for group in self.groups:
             self.prefilled += prefill_chunk(self.model, group, self.prefill_step_size, self.first)
         joined = [g for g in self.groups if g.tokens is None]
+        if self.flushed and self.first is not None and any(not r.dead for r in self.rows):
+            # rows read early (`early_first`) take their next step before any row joins:
+            # that step appends the tokens `_flush` read, a joiner's is not among them
+            joined = []
         if joined or self._dead_share() >= COMPACT_SHARE:
             self._compact(sum(not r.dead for g in joined for r in g.rows))
         idle = not any(not r.dead for r in self.rows)  # no row decoding before the joiners
         for group in joined:
             self._join(group, logprobs)
-        self.groups = [g for g in self.groups if g.tokens is not None]
+        joining = {id(g) for g in joined}
+        self.groups = [g for g in self.groups if id(g) not in joining]
         if not self.rows or self.inputs is None:
             return []
         if joined and self.first is not None:
@@ -377,6 +384,8 @@ class RowBatch:
         self.inputs, self.logprobs = sampled, rows_logprobs
         out = []
         if self.flushed:  # read at the call before (`pending`), but for rows joined since
+            # (fresh: their prompt's last token; rows with first tokens from their prefill
+            # join only once this step is built)
             self.flushed = False
             for row in self.rows:
                 row.held.append(row.last if row.uid in self.fresh else row.pending)
