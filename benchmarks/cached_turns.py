@@ -29,7 +29,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 from shared.blas import CUDNN_SDPA, mlx_worker_defaults
@@ -82,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--system, --turns, --reply and --traces must be at least 1")
     if not 0 <= args.idle_ms <= 60_000:
         p.error("--idle-ms must be between 0 and 60000")
+    if args.idle_spin and not args.idle_ms:
+        p.error("--idle-spin spins through the --idle-ms spell: give one")
     return args
 
 
@@ -104,24 +106,24 @@ def _turn(
 
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
     started, first, reply = time.perf_counter(), 0.0, []
-    if window is not None:
-        window.__enter__()
-    engine.add(PreparedRequest(request_id, prompt, tokens, greedy))
-    for _ in range(100 * tokens):  # bounded: a reply takes about `tokens` steps
-        done = None
-        for out in engine.step():
-            if out.request_id != request_id:
-                continue
-            if out.token_ids and not first:
-                first = 1000 * (time.perf_counter() - started)
-                if window is not None:
-                    window.__exit__(None, None, None)
-            reply += out.token_ids
-            if out.finish_reason is not None:
-                done = first, reply, out.usage.cached_tokens if out.usage else 0
-        engine.settle()  # as a worker does once a step's outputs are out (its KV stored)
-        if done is not None:
-            return done
+    with ExitStack() as opened:  # the window left at the first token, or on the way out
+        if window is not None:
+            opened.enter_context(window)
+        engine.add(PreparedRequest(request_id, prompt, tokens, greedy))
+        for _ in range(100 * tokens):  # bounded: a reply takes about `tokens` steps
+            done = None
+            for out in engine.step():
+                if out.request_id != request_id:
+                    continue
+                if out.token_ids and not first:
+                    first = 1000 * (time.perf_counter() - started)
+                    opened.close()
+                reply += out.token_ids
+                if out.finish_reason is not None:
+                    done = first, reply, out.usage.cached_tokens if out.usage else 0
+            engine.settle()  # as a worker does once a step's outputs are out (its KV stored)
+            if done is not None:
+                return done
     raise RuntimeError(f"{request_id}: no reply in {100 * tokens} steps")
 
 

@@ -227,8 +227,9 @@ def per_level(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.step_trace", description=__doc__)
     p.add_argument("trace_dir", type=Path)
-    p.add_argument("--serving", type=Path, help="benchmarks.serving's JSON (level windows)")
-    p.add_argument(
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--serving", type=Path, help="benchmarks.serving's JSON (level windows)")
+    which.add_argument(
         "--starts",
         action="store_true",
         help="a line per step that started requests (the idle spell before it, its CPU time)",

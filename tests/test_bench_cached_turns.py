@@ -54,20 +54,31 @@ def test_settings_chosen_run_in_their_order(
 def test_an_idle_spell_before_each_later_turn(
     chat_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    slept: list[float] = []
-    monkeypatch.setattr(cached_turns.time, "sleep", slept.append)
+    idled: list[tuple[float, bool]] = []
+    monkeypatch.setattr(cached_turns, "_idle", lambda s, spin: idled.append((s, spin)))
     argv = [str(chat_model), "--system", "40", "--turns", "3", "--reply", "2", "--traces", "1"]
     assert cached_turns.main([*argv, "--settings", "cache", "--idle-ms", "25"]) == 0
     [line] = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    assert slept == [0.025, 0.025]  # before turns 2 and 3, asleep
+    assert idled == [(0.025, False), (0.025, False)]  # before turns 2 and 3, asleep
     assert (line["idle_ms"], line["idle_spin"]) == (25, False)
     assert cached_turns.main([*argv, "--settings", "cache", "--idle-ms", "25", "--idle-spin"]) == 0
-    assert slept == [0.025, 0.025]  # spinning: no sleep
+    assert idled[2:] == [(0.025, True), (0.025, True)]
     assert json.loads(capsys.readouterr().out)["idle_spin"] is True
 
 
+def test_idle_sleeps_or_spins(monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(cached_turns.time, "sleep", slept.append)
+    cached_turns._idle(0.002, spin=False)
+    assert slept == [0.002]
+    started = cached_turns.time.perf_counter()
+    cached_turns._idle(0.002, spin=True)
+    assert slept == [0.002] and cached_turns.time.perf_counter() - started >= 0.002
+
+
 @pytest.mark.parametrize(
-    "argv", [["--turns", "0"], ["--settings", "cache,fast"], ["--idle-ms", "-1"]]
+    "argv",
+    [["--turns", "0"], ["--settings", "cache,fast"], ["--idle-ms", "-1"], ["--idle-spin"]],
 )
 def test_bad_arguments_are_refused_before_loading(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
@@ -78,7 +89,8 @@ def test_bad_arguments_are_refused_before_loading(argv: list[str]) -> None:
 def test_the_engine_alone_benchmarks_import_no_mlx_before_their_settings() -> None:
     """MLX reads its settings once: the benchmarks set the workers' before they load it."""
     code = (
-        "import sys, benchmarks.cached_turns, benchmarks.first_token, benchmarks.cached_prefill; "
+        "import sys, benchmarks.cached_turns, benchmarks.first_token, benchmarks.cached_prefill, "
+        "benchmarks.turn_kernels; "
         "assert 'mlx' not in sys.modules and 'mlx.core' not in sys.modules"
     )
     root = Path(__file__).resolve().parents[1]

@@ -246,6 +246,8 @@ def test_starts_list_each_starting_step_with_the_idle_spell_before_it(
     (tmp_path / "steps-9.jsonl").write_text("".join(json.dumps(x) + "\n" for x in steps))
     assert step_trace.main([str(tmp_path), "--starts"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    with pytest.raises(SystemExit):  # one or the other
+        step_trace.main([str(tmp_path), "--starts", "--serving", str(tmp_path / "s.json")])
     assert [(x["file"], x["prefilled"]) for x in lines] == [
         ("steps-9.jsonl", 256),
         ("steps-9.jsonl", 192),
