@@ -105,6 +105,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="each session sends its next turn as soon as it has a reply (default: turn t of "
         "every session goes together)",
     )
+    p.add_argument(
+        "--no-account",
+        dest="account",
+        action="store_false",
+        help="no scrape of the gateway's /metrics before and after each measured turn (its "
+        "own account of where the turn's first tokens waited): the measured turns then follow "
+        "each other with no idle spell between them, as the warm trace's do",
+    )
     p.add_argument("--baseline", default="gateway", help="the source ratios are taken to")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument(
@@ -220,7 +228,8 @@ async def measure(
         on_start()
         shares: list[dict[str, float]] = []
         sys0, t0, cpu0 = _cpu.snapshot(), time.perf_counter(), time.process_time()
-        records = await run_sessions(client, target, trace, args.lockstep, shares)
+        accounted = shares if args.account else None
+        records = await run_sessions(client, target, trace, args.lockstep, accounted)
         sys1, wall = _cpu.snapshot(), time.perf_counter() - t0
         client_cpu = round(100 * (time.process_time() - cpu0) / wall, 1)
     return {

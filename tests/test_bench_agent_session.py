@@ -175,6 +175,11 @@ def test_cli_against_a_running_url(gateway: GatewayProc, chat_model: Path, tmp_p
     assert (turns[0]["cached_tokens"] or 0) < 32
     assert len(variant["runs"]["gateway"][0]["records"]) == 2
     assert len(variant["runs"]["gateway"][0]["worker_share"]) == 2
+    # without the gateway's account: the same turns, no scrape between them
+    argv = [a for a in argv if a != "--warm-trace"] + ["--no-account"]
+    assert agent_session.main(argv) == 0
+    run = json.loads(out.read_text())["variants"][0]["runs"]["gateway"][0]
+    assert len(run["records"]) == 2 and run["worker_share"] == []
 
 
 def test_url_sources_take_names_model_ids_and_ignore_eos() -> None:
