@@ -53,13 +53,12 @@ def _settings(text: str) -> list[str]:
     return names
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.cached_turns", description=__doc__)
+def add_trace_args(p: argparse.ArgumentParser) -> None:
+    """The conversation's arguments, shared with benchmarks/turn_kernels.py (`run_trace`)."""
     p.add_argument("model", help="an mlx-lm model directory")
     p.add_argument("--system", type=int, default=4096, help="the first prompt's tokens")
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--reply", type=int, default=64, help="tokens of each reply")
-    p.add_argument("--traces", type=int, default=2, help="traces a setting, one after another")
     p.add_argument(
         "--idle-ms",
         type=float,
@@ -71,6 +70,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="spend the idle spell spinning on the CPU instead of asleep",
     )
+
+
+def check_trace_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if min(args.system, args.turns, args.reply) < 1:
+        p.error("--system, --turns and --reply must be at least 1")
+    if not 0 <= args.idle_ms <= 60_000:
+        p.error("--idle-ms must be between 0 and 60000")
+    if args.idle_spin and not args.idle_ms:
+        p.error("--idle-spin spins through the --idle-ms spell: give one")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cached_turns", description=__doc__)
+    add_trace_args(p)
+    p.add_argument("--traces", type=int, default=2, help="traces a setting, one after another")
     p.add_argument(
         "--settings",
         type=_settings,
@@ -78,12 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"comma-separated, of {', '.join(SETTINGS)}",
     )
     args = p.parse_args(argv)
-    if min(args.system, args.turns, args.reply, args.traces) < 1:
-        p.error("--system, --turns, --reply and --traces must be at least 1")
-    if not 0 <= args.idle_ms <= 60_000:
-        p.error("--idle-ms must be between 0 and 60000")
-    if args.idle_spin and not args.idle_ms:
-        p.error("--idle-spin spins through the --idle-ms spell: give one")
+    check_trace_args(p, args)
+    if args.traces < 1:
+        p.error("--traces must be at least 1")
     return args
 
 

@@ -3,6 +3,7 @@ token, in one process (the engine alone, as benchmarks/cached_turns.py runs an a
 trace's lengths, prefix cache on). MLX's CUDA backend only.
 
     python -m benchmarks.turn_kernels MODEL [--system 4096] [--turns 8] [--reply 64]
+                                            [--idle-ms MS [--idle-spin]]
 
 The kernels come from PyTorch's profiler, which records the process's CUDA activity through
 CUPTI, every library's kernels included (MLX's, here); PyTorch is not one of the project's
@@ -29,7 +30,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cached_turns import run_trace
+from benchmarks.cached_turns import add_trace_args, check_trace_args, run_trace
 from shared.blas import mlx_worker_defaults
 
 KERNEL_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -39,17 +40,14 @@ NAME_CHARS = 90
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.turn_kernels", description=__doc__)
-    p.add_argument("model", help="an mlx-lm model directory")
-    p.add_argument("--system", type=int, default=4096, help="the first prompt's tokens")
-    p.add_argument("--turns", type=int, default=8)
-    p.add_argument("--reply", type=int, default=64, help="tokens of each reply")
+    add_trace_args(p)  # cached_turns.py's: the same conversation, idle spells included
     p.add_argument("--warm", type=int, default=2, help="traces run unrecorded first")
     p.add_argument("--top", type=int, default=12, help="kernels listed per turn")
     p.add_argument("--trace-out", type=Path, help="keep the profiler's trace (Chrome JSON)")
-    p.set_defaults(idle_ms=0.0, idle_spin=False)  # cached_turns.run_trace's: turns back to back
     args = p.parse_args(argv)
-    if min(args.system, args.turns, args.reply, args.top) < 1 or args.warm < 0:
-        p.error("--system, --turns, --reply and --top must be at least 1, --warm at least 0")
+    check_trace_args(p, args)
+    if args.top < 1 or args.warm < 0:
+        p.error("--top must be at least 1, --warm at least 0")
     return args
 
 

@@ -173,20 +173,13 @@ def engine_problem(opts: EngineOptions) -> str | None:
             "engine.first_token = 'prefill' applies to the rows batch only, "
             "not to batcher = 'mlx_lm'"
         )
-    if opts.prefill_attention != "auto" and (
-        opts.batcher == "mlx_lm" or opts.first_token == "step"
-    ):
-        return (
-            "engine.prefill_attention applies to the rows batch with first tokens from the "
-            "prefill only, not to batcher = 'mlx_lm' or first_token = 'step'"
-        )
-    if opts.first_token_read != "pipelined" and (
-        opts.batcher == "mlx_lm" or opts.first_token == "step"
-    ):
-        return (
-            "engine.first_token_read applies to the rows batch with first tokens from the "
-            "prefill only, not to batcher = 'mlx_lm' or first_token = 'step'"
-        )
+    no_prefill_first = opts.batcher == "mlx_lm" or opts.first_token == "step"
+    for name, default in (("prefill_attention", "auto"), ("first_token_read", "pipelined")):
+        if getattr(opts, name) != default and no_prefill_first:
+            return (
+                f"engine.{name} applies to the rows batch with first tokens from the "
+                "prefill only, not to batcher = 'mlx_lm' or first_token = 'step'"
+            )
     if opts.prefill_shapes == "buckets" and opts.batcher == "mlx_lm":
         return "engine.prefill_shapes applies to the rows batch only, not to batcher = 'mlx_lm'"
     if opts.join_settle_steps and opts.batcher == "mlx_lm":

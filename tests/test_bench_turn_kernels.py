@@ -49,7 +49,9 @@ def test_a_turn_without_kernels_says_so() -> None:
     )
 
 
-@pytest.mark.parametrize("argv", [["--turns", "0"], ["--warm", "-1"], ["--top", "0"]])
+@pytest.mark.parametrize(
+    "argv", [["--turns", "0"], ["--warm", "-1"], ["--top", "0"], ["--idle-spin"]]
+)
 def test_bad_arguments_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         turn_kernels.main(["/nonexistent-model", *argv])

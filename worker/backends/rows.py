@@ -197,7 +197,8 @@ class RowBatch:
             joined = []
         if joined or self._dead_share() >= COMPACT_SHARE:
             self._compact(sum(not r.dead for g in joined for r in g.rows))
-        idle = not any(not r.dead for r in self.rows)  # no row decoding before the joiners
+        # no row decoding before the joiners (asked only where it decides something)
+        idle = bool(joined) and self.early_first and not any(not r.dead for r in self.rows)
         for group in joined:
             self._join(group, logprobs)
         joining = {id(g) for g in joined}
@@ -208,7 +209,7 @@ class RowBatch:
             # the joiners' first tokens as an evaluation of their own: read by this call,
             # before the step built next is done
             mx.async_eval(self.inputs)
-            if self.early_first and idle and not self.guided:
+            if idle and not self.guided:
                 return self._flush()  # read now; the next call builds the next step
         return self._decode(logprobs)
 
