@@ -78,11 +78,9 @@ class Workers:
         if self.loading:
             await asyncio.sleep(0.05)
         self.submissions.append(submission)
-        stream = RequestStream(submission.request_id or "r", submission.model, "w")
         outputs = self.script if self.script is not None else self._answer(submission)
-        loop = asyncio.get_running_loop()
-        for i, output in enumerate(outputs):
-            loop.call_later(0.001 * (i + 1), stream.put, output)
+        stream = PacedStream(submission.request_id or "r", submission.model, outputs)
+        asyncio.get_running_loop().call_later(0.001, stream.feed)
         return stream
 
     @staticmethod
@@ -104,6 +102,24 @@ class Workers:
 
     def abort(self, stream: RequestStream) -> None:
         self.aborted.append(stream.request_id)
+
+
+class PacedStream(RequestStream):
+    """A worker's outputs one at a time: the next is sent once the reader took the one before,
+    so that none merge (an error after audio stays after it, however slow the machine)."""
+
+    def __init__(self, request_id: str, model: str, outputs: list[RequestOutput]) -> None:
+        super().__init__(request_id, model, "w")
+        self.outputs = list(outputs)
+
+    def feed(self) -> None:
+        if self.outputs:
+            self.put(self.outputs.pop(0))
+
+    async def get(self) -> RequestOutput:
+        output = await super().get()
+        asyncio.get_running_loop().call_later(0.001, self.feed)
+        return output
 
 
 Client = Callable[..., httpx2.AsyncClient]
