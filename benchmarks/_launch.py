@@ -126,6 +126,35 @@ def child_env(blas: str | None) -> dict[str, str]:
     return env
 
 
+# Set in a benchmark that `as_worker` re-executed (and by the tests, which call benchmarks'
+# `main` in pytest's own process): it runs on as it is.
+AS_WORKER = "MLXGW_BENCH_AS_WORKER"
+
+
+def as_worker(module: str, argv: list[str] | None) -> None:
+    """Run an in-process benchmark (`python -m module`) under the environment a worker gets
+    (shared/blas.py: on a CPU the OpenBLAS preload; MLX's settings), or MLX would run there
+    on its reference BLAS, about half as fast, where the gateway's worker does not:
+    re-executes once, before the benchmark's work, where the environment lacks any of it."""
+    if os.environ.get(AS_WORKER):
+        return
+    import mlx.core as mx
+
+    from shared.blas import worker_env
+
+    device = "cpu" if mx.default_device() == mx.cpu else "gpu"
+    env = {**worker_env("auto", device=device), AS_WORKER: "1"}
+    if all(os.environ.get(key) == value for key, value in env.items() if key != AS_WORKER):
+        return
+    args = sys.argv[1:] if argv is None else argv
+    os.execve(sys.executable, [sys.executable, "-m", module, *args], env)
+
+
+def without_as_worker() -> dict[str, str]:
+    """This process's environment for a server it launches (which re-executes nothing)."""
+    return {k: v for k, v in os.environ.items() if k != AS_WORKER}
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

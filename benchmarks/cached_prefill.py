@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks import _launch
 from benchmarks.engine_steps import positive_ints
 from shared.blas import CUDNN_SDPA, mlx_worker_defaults
 from shared.engine_options import EngineOptions
@@ -188,6 +189,7 @@ def attention(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    _launch.as_worker("benchmarks.cached_prefill", argv)
     mlx_env = mlx_worker_defaults(os.environ)  # before MLX: as a worker runs it
     import mlx.core as mx
     from mlx_lm import load

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
+from benchmarks import _launch
 from shared.blas import CUDNN_SDPA, mlx_worker_defaults
 
 # each setting's engine options beside the trace's batch limits; "-mlxattn": the prefill's
@@ -172,6 +173,7 @@ def run_trace(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    _launch.as_worker("benchmarks.cached_turns", argv)
     mlx_env = mlx_worker_defaults(os.environ)  # before MLX: the engine as a worker runs it
     from shared.config import EngineOptions
     from worker.backends.mlx_lm import load, make_backend

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks import _launch
 
 WORDS = [
     "river",
@@ -112,27 +112,9 @@ def through_gateway(url: str, served: str, clients: int, per_request: int, secon
     return sum(counts) / (time.perf_counter() - start)
 
 
-def _with_workers_blas(argv: list[str] | None) -> None:
-    """Run in-process under the environment a worker gets (on a CPU: the OpenBLAS preload,
-    shared/blas.py), or the ceiling would be MLX's reference BLAS: re-executes once."""
-    if os.environ.get(_CHILD):
-        return
-    import mlx.core as mx
-
-    from shared.blas import worker_env
-
-    device = "cpu" if mx.default_device() == mx.cpu else "gpu"
-    env = {**worker_env("auto", device=device), _CHILD: "1"}
-    args = sys.argv[1:] if argv is None else argv
-    os.execve(sys.executable, [sys.executable, "-m", "benchmarks.embeddings", *args], env)
-
-
-_CHILD = "MLXGW_BENCH_EMBEDDINGS_CHILD"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    _with_workers_blas(argv)
+    _launch.as_worker("benchmarks.embeddings", argv)
     from worker.embeddings.encoder import Encoder
 
     encoder = Encoder(model_path(args.model))

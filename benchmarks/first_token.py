@@ -24,6 +24,7 @@ import statistics
 import time
 from typing import Any
 
+from benchmarks import _launch
 from shared.blas import CUDNN_SDPA, mlx_worker_defaults
 
 WARM_TRIALS = 3
@@ -62,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    _launch.as_worker("benchmarks.first_token", argv)
     mlx_env = mlx_worker_defaults(os.environ)  # before MLX: the engine as a worker runs it
     from shared.config import EngineOptions
     from shared.types import SamplingParams

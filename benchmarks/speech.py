@@ -71,7 +71,6 @@ SCRIPT = (
     " The gateway starts one worker per model and talks to it over a socket. A request"
     " arrives, the prompt is tokenized, and tokens stream back as they are made."
 )
-_CHILD = "MLXGW_BENCH_SPEECH_CHILD"
 
 
 def _whisper(state: int, heads: int, layers: int) -> TinyWhisperSpec:
@@ -337,7 +336,7 @@ def launched_gateway(model: Path, served: str, timeout: float) -> Iterator[_laun
     run_dir = _launch.gateway_run_dir()
     config = _launch.write_gateway_config(run_dir / "gw.toml", run_dir, str(model), served, {})
     fields = {"python": sys.executable, "config": str(config)}
-    env = {k: v for k, v in os.environ.items() if k != _CHILD}
+    env = _launch.without_as_worker()
     server = _launch.Server("gateway", _launch.GATEWAY_COMMAND, fields, env, run_dir)
     try:
         server.wait_ready(timeout)
@@ -453,25 +452,9 @@ def facts(paths: dict[str, Path], args: argparse.Namespace) -> dict[str, Any]:
     return {"machine": machine, "models": models, "args": {k: getattr(args, k) for k in keys}}
 
 
-def _with_workers_blas(argv: list[str] | None) -> None:
-    """Run in-process under the environment a worker gets (on a CPU: the OpenBLAS preload,
-    shared/blas.py), or mlx-audio and the engines would run on MLX's reference BLAS where
-    the gateway's worker does not: re-executes once."""
-    if os.environ.get(_CHILD):
-        return
-    import mlx.core as mx
-
-    from shared.blas import worker_env
-
-    device = "cpu" if mx.default_device() == mx.cpu else "gpu"
-    env = {**worker_env("auto", device=device), _CHILD: "1"}
-    args = sys.argv[1:] if argv is None else argv
-    os.execve(sys.executable, [sys.executable, "-m", "benchmarks.speech", *args], env)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    _with_workers_blas(argv)
+    _launch.as_worker("benchmarks.speech", argv)
     os.environ["HF_HUB_OFFLINE"] = "1"  # local folders: nothing to fetch
     # a SIGTERM unwinds main, which stops the gateway it launched
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -57,7 +57,6 @@ SOURCES = ("mlx-vlm", "engine", "gateway")
 BASELINE = "mlx-vlm"
 QUESTION = "What is in this picture?"
 SERVED = "vision"
-_CHILD = "MLXGW_BENCH_VISION_CHILD"
 
 
 def _shape(hidden: int, layers: int, intermediate: int, vision: int) -> TinyVisionSpec:
@@ -310,7 +309,7 @@ def launched_gateway(model: Path, prefix_cache: bool, timeout: float) -> Iterato
     config = run_dir / "gw.toml"
     _launch.write_gateway_config(config, run_dir, str(model), SERVED, engine)
     fields = {"python": sys.executable, "config": str(config)}
-    env = {k: v for k, v in os.environ.items() if k != _CHILD}
+    env = _launch.without_as_worker()
     server = _launch.Server("gateway", _launch.GATEWAY_COMMAND, fields, env, run_dir)
     try:
         server.wait_ready(timeout)
@@ -390,22 +389,6 @@ def facts(path: Path, engine: Engine | None, args: argparse.Namespace) -> dict[s
     return {"machine": machine, "model": model, "args": {k: getattr(args, k) for k in keys}}
 
 
-def _with_workers_blas(argv: list[str] | None) -> None:
-    """Run in-process under the environment a worker gets (on a CPU: the OpenBLAS preload,
-    shared/blas.py), or mlx-vlm and the engine would run on MLX's reference BLAS where the
-    gateway's worker does not: re-executes once."""
-    if os.environ.get(_CHILD):
-        return
-    import mlx.core as mx
-
-    from shared.blas import worker_env
-
-    device = "cpu" if mx.default_device() == mx.cpu else "gpu"
-    env = {**worker_env("auto", device=device), _CHILD: "1"}
-    args = sys.argv[1:] if argv is None else argv
-    os.execve(sys.executable, [sys.executable, "-m", "benchmarks.vision", *args], env)
-
-
 def _quiet_transformers() -> None:
     """mlx-vlm's batch_generate makes transformers warn once an image about its kwargs."""
     with contextlib.suppress(ImportError, AttributeError):
@@ -416,7 +399,7 @@ def _quiet_transformers() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    _with_workers_blas(argv)
+    _launch.as_worker("benchmarks.vision", argv)
     _quiet_transformers()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local folder: nothing to fetch
     with contextlib.ExitStack() as stack:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks._launch import AS_WORKER
 from shared.blas import CACHE_THRASHING_CHECK, CUDNN_SDPA, PTX_CACHE
 from tests.engine_fixtures import PROMPT_TEXTS, Loaded, load
 from tests.gateway_proc import GatewayProc, running_gateway
@@ -142,6 +143,13 @@ def batcher(request: pytest.FixtureRequest) -> Iterator[str]:
     finally:
         for key in ("batcher", "decode_step", "first_token"):
             engine_fixtures.ENGINE_DEFAULTS.pop(key, None)
+
+
+@pytest.fixture(autouse=True)
+def benchmarks_run_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A benchmark's `main` called by a test runs in pytest's own process: it does not
+    re-execute itself under a worker's environment (benchmarks/_launch.py, `as_worker`)."""
+    monkeypatch.setenv(AS_WORKER, "1")
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ pytest.importorskip("mlx_audio")
 def test_every_source_is_measured_for_both_tasks(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv(speech._CHILD, "1")  # no re-exec under the worker's BLAS: pytest is us
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # restored after (the script sets it for itself)
     monkeypatch.setattr(speech.signal, "signal", lambda *_: None)  # pytest keeps its SIGTERM
     argv = ["--stt-shape", "tiny", "--seconds", "1", "--tts-frames", "4", "--concurrency", "1"]

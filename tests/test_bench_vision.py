@@ -15,7 +15,6 @@ pytest.importorskip("mlx_vlm")
 def test_every_source_is_measured_at_every_concurrency(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv(vision._CHILD, "1")  # no re-exec under the worker's BLAS: pytest is us
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # restored after (the script sets it for itself)
     argv = ["--shape", "tiny", "--concurrency", "1,2", "--requests", "2", "--repeats", "1"]
     argv += ["--max-tokens", "4", "--image", "56", "--wait-idle", "0", "--retries", "0"]
