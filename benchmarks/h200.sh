@@ -141,7 +141,7 @@ join_settle_steps = ${4:-0}
 decode_step = "${5:-model}"
 decode_attention = "${6:-auto}"
 decode_projections = "${7:-separate}"
-prefill_shapes = "${8:-exact}"
+prefill_shapes = "${8:-auto}"
 first_token = "${9:-auto}"
 first_token_read = "${10:-pipelined}"
 TOML
@@ -164,8 +164,8 @@ throughput() {  # NAME SHAPE LEVELS: the ceiling, then each of $SOURCES
           gateway-compiled-mask) cfg=$(gateway_config "$dir" "$max" rows 0 compiled mlx) ;;
           gateway-compiled-stacked) cfg=$(gateway_config "$dir" "$max" rows 0 compiled auto stacked) ;;
           gateway-compiled-buckets) cfg=$(gateway_config "$dir" "$max" rows 0 compiled auto separate buckets) ;;
-          gateway-compiled-stepfirst) cfg=$(gateway_config "$dir" "$max" rows 0 compiled auto separate exact step) ;;
-          gateway-compiled-early) cfg=$(gateway_config "$dir" "$max" rows 0 compiled auto separate exact auto early) ;;
+          gateway-compiled-stepfirst) cfg=$(gateway_config "$dir" "$max" rows 0 compiled auto separate auto step) ;;
+          gateway-compiled-early) cfg=$(gateway_config "$dir" "$max" rows 0 compiled auto separate auto auto early) ;;
           gateway-compiled-env*)  # gateway-compiled-envX reads GATEWAY_ENVX
             local var=GATEWAY_ENV${src#gateway-compiled-env}
             cfg=$(gateway_config "$dir" "$max" rows 0 compiled)
