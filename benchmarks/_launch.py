@@ -134,8 +134,9 @@ AS_WORKER = "MLXGW_BENCH_AS_WORKER"
 def as_worker(module: str, argv: list[str] | None) -> None:
     """Run an in-process benchmark (`python -m module`) under the environment a worker gets
     (shared/blas.py: on a CPU the OpenBLAS preload; MLX's settings), or MLX would run there
-    on its reference BLAS, about half as fast, where the gateway's worker does not:
-    re-executes once, before the benchmark's work, where the environment lacks any of it."""
+    on its reference BLAS where the gateway's worker does not (a 16-layer test model's
+    cached agent turns took twice as long): re-executes once, before the benchmark's work,
+    where the environment lacks any of it."""
     if os.environ.get(AS_WORKER):
         return
     import mlx.core as mx
