@@ -136,7 +136,8 @@ def as_worker(module: str, argv: list[str] | None) -> None:
     (shared/blas.py: on a CPU the OpenBLAS preload; MLX's settings), or MLX would run there
     on its reference BLAS where the gateway's worker does not (a 16-layer test model's
     cached agent turns took twice as long): re-executes once, before the benchmark's work,
-    where the environment lacks any of it."""
+    where the environment lacks any of it. `MLXGW_BENCH_AS_WORKER=1` keeps the environment
+    as it is (to measure MLX's reference BLAS, say)."""
     if os.environ.get(AS_WORKER):
         return
     import mlx.core as mx
@@ -147,8 +148,10 @@ def as_worker(module: str, argv: list[str] | None) -> None:
     env = {**worker_env("auto", device=device), AS_WORKER: "1"}
     if all(os.environ.get(key) == value for key, value in env.items() if key != AS_WORKER):
         return
-    args = sys.argv[1:] if argv is None else argv
-    os.execve(sys.executable, [sys.executable, "-m", module, *args], env)
+    # the command line as it was (interpreter options, a profiler's -m wrapper), or the
+    # module with the arguments main was given
+    again = sys.orig_argv[1:] if argv is None else ["-m", module, *argv]
+    os.execve(sys.executable, [sys.executable, *again], env)
 
 
 def without_as_worker() -> dict[str, str]:

@@ -30,8 +30,10 @@ and `kernel-modules`, its layers through the model's modules instead (both only 
 kernel is made: MLX's CUDA backend). A NEW is at most one prefill chunk
 (`engine.prefill_step_size`'s default), as a cached turn's new tokens mostly are.
 
-MLX runs as a worker runs it (`shared.blas.mlx_worker_defaults`: under CUDA, off cuDNN's
-attention) unless the environment says otherwise (`MLX_CUDA_USE_CUDNN_SDPA=1` for cuDNN's).
+MLX runs as a worker runs it (under CUDA, off cuDNN's attention; on a CPU, OpenBLAS
+preloaded: it re-executes itself under a worker's environment, benchmarks/_launch.py
+`as_worker`) unless the environment says otherwise (`MLX_CUDA_USE_CUDNN_SDPA=1` for
+cuDNN's).
 Prints one JSON line.
 """
 

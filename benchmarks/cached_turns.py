@@ -16,8 +16,9 @@ engine out of work that long before each later turn, as a client's pause does a 
 worker (asleep, or with `--idle-spin` spinning on the CPU: whether an idle spell slows the
 turn after it, and whether the thread's sleep is why).
 
-MLX runs as a worker runs it (`shared.blas.mlx_worker_defaults`: under CUDA, off cuDNN's
-attention) unless the environment says otherwise: `MLX_CUDA_USE_CUDNN_SDPA=1` measures
+MLX runs as a worker runs it (under CUDA, off cuDNN's attention; on a CPU, OpenBLAS
+preloaded: it re-executes itself under a worker's environment, benchmarks/_launch.py
+`as_worker`) unless the environment says otherwise: `MLX_CUDA_USE_CUDNN_SDPA=1` measures
 cuDNN's (each line says which, `cudnn_sdpa`). With `MLX_GATEWAY_STEP_TRACE` set to a folder,
 the engine's steps are timed there as a worker's are (worker/steptrace.py).
 """

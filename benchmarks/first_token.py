@@ -11,8 +11,10 @@ requests (default 1) of PROMPT, PROMPT - 1, ... tokens are added together and th
 `add` to each one's first token taken (their mean is the trial's). Prints one JSON line per
 case: each setting's quartiles in ms over the trials after WARM_TRIALS, and the median time
 of a step of the running batch between trials (`<setting>_step_ms`). MLX runs as a worker
-runs it (under CUDA, off cuDNN's attention) unless the environment says otherwise
-(`MLX_CUDA_USE_CUDNN_SDPA=1`; each line says which, `cudnn_sdpa`).
+runs it (under CUDA, off cuDNN's attention; on a CPU, OpenBLAS preloaded: it re-executes
+itself under a worker's environment, benchmarks/_launch.py `as_worker`) unless the
+environment says otherwise (`MLX_CUDA_USE_CUDNN_SDPA=1`; each line says which,
+`cudnn_sdpa`).
 """
 
 from __future__ import annotations

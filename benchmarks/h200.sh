@@ -18,7 +18,9 @@
 # instead of the ragged-attention kernel (engine.decode_attention = "mlx"), gateway-compiled-stacked
 # the compiled step with stacked projections (engine.decode_projections = "stacked"),
 # gateway-compiled-buckets the compiled step with prefills at a few shapes
-# (engine.prefill_shapes = "buckets"), gateway-compiled-stepfirst the compiled step with each
+# (engine.prefill_shapes = "buckets": the default "auto" is that under CUDA),
+# gateway-compiled-exact the same with prefills at exact shapes (as runs A-F of
+# docs/benchmarks.md), gateway-compiled-stepfirst the compiled step with each
 # request's first token from the batch's next step after its prefill (engine.first_token =
 # "step", mlx-lm's way; the default takes it from the prefill), gateway-compiled-early the
 # compiled step with a lone request's first token read before the next step is built
@@ -155,7 +157,7 @@ throughput() {  # NAME SHAPE LEVELS: the ceiling, then each of $SOURCES
   max=${3##*,}
   for src in ${SOURCES//,/ }; do
     case $src in
-      gateway | gateway-rows | gateway-rows-settle | gateway-compiled | gateway-compiled-mask | gateway-compiled-stacked | gateway-compiled-buckets | gateway-compiled-stepfirst | gateway-compiled-early | gateway-compiled-env*)
+      gateway | gateway-rows | gateway-rows-settle | gateway-compiled | gateway-compiled-mask | gateway-compiled-stacked | gateway-compiled-buckets | gateway-compiled-exact | gateway-compiled-stepfirst | gateway-compiled-early | gateway-compiled-env*)
         local env=""
         case $src in
           gateway) cfg=$(gateway_config "$dir" "$max" mlx_lm) ;;
@@ -164,6 +166,7 @@ throughput() {  # NAME SHAPE LEVELS: the ceiling, then each of $SOURCES
           gateway-compiled-mask) cfg=$(gateway_config "$dir" "$max" rows 0 compiled mlx) ;;
           gateway-compiled-stacked) cfg=$(gateway_config "$dir" "$max" rows 0 compiled auto stacked) ;;
           gateway-compiled-buckets) cfg=$(gateway_config "$dir" "$max" rows 0 compiled auto separate buckets) ;;
+          gateway-compiled-exact) cfg=$(gateway_config "$dir" "$max" rows 0 compiled auto separate exact) ;;
           gateway-compiled-stepfirst) cfg=$(gateway_config "$dir" "$max" rows 0 compiled auto separate auto step) ;;
           gateway-compiled-early) cfg=$(gateway_config "$dir" "$max" rows 0 compiled auto separate auto auto early) ;;
           gateway-compiled-env*)  # gateway-compiled-envX reads GATEWAY_ENVX
