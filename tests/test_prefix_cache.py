@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.protocol import PrefixCacheStats
+from shared.types import SamplingParams
 from worker.engine.prefix_cache import BLOCK as KEY_TOKENS
-from worker.engine.prefix_cache import MAX_ENTRIES, PrefixCache
+from worker.engine.prefix_cache import MAX_ENTRIES, PrefixCache, PromptKey, block_chain
+from worker.engine.request import Request
 
 HEAD = list(range(1000, 1000 + KEY_TOKENS))  # a shared start, long enough to be indexed
 
@@ -77,6 +79,28 @@ def test_the_next_turn_reuses_the_whole_previous_one() -> None:
     turn2 = [*turn1, 60, 61, 62]  # the answer re-sent, a new user message
     hit = cache.lookup(turn2)
     assert hit is not None and hit.length == len(turn1)
+
+
+def test_a_prompt_key_finds_what_its_tokens_find_its_chain_made_once() -> None:
+    cache = PrefixCache(10_000, FakeOps())
+    turn2 = seq(*range(1, KEY_TOKENS + 1))  # two blocks, the second ending at the last token
+    key = PromptKey(turn2)
+    assert cache.match(key) == (-1, 0)  # nothing stored yet
+    store(cache, seq(*range(1, 11)))  # the previous turn comes in after the key was made
+    chain, array = key.chain, key.array
+    assert chain == block_chain(turn2[:-1]) and len(chain) == 1  # the last token: prefilled
+    assert cache.match(key) == cache.match(turn2) and cache.match(key)[1] == KEY_TOKENS + 10
+    assert key.chain is chain and key.array is array  # kept, not made again
+    hit = cache.lookup(key)
+    assert hit is not None and hit.length == KEY_TOKENS + 10
+
+
+def test_a_request_looks_up_its_cache_key_through_one_prompt_key() -> None:
+    request = Request("r", seq(1, 2, 3), 4, SamplingParams())
+    assert request.prefix_key is request.prefix_key
+    assert request.prefix_key.tokens == request.cache_key == seq(1, 2, 3)
+    keyed = Request("v", seq(1, 2, 3), 4, SamplingParams(), key=seq(7, 7, 3))  # image ids
+    assert keyed.prefix_key.tokens == seq(7, 7, 3)
 
 
 def test_the_longest_common_prefix_not_only_an_extension() -> None:

@@ -216,7 +216,7 @@ class EngineCore:
         for request in list(admitted):
             request.admitted_at = now
             hit = (
-                self.prefix_cache.lookup(request.cache_key)
+                self.prefix_cache.lookup(request.prefix_key)
                 if self.prefix_cache is not None
                 else None
             )

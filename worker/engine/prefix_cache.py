@@ -94,6 +94,31 @@ def block_chain(tokens: list[int]) -> list[int]:
     return chain
 
 
+class PromptKey:
+    """A prompt as lookups see it, its block chain and its array each made once: a request's
+    scheduling and its start look one prompt up two or three times."""
+
+    __slots__ = ("_array", "_chain", "tokens")
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self._chain: list[int] | None = None
+        self._array: np.ndarray | None = None
+
+    @property
+    def chain(self) -> list[int]:
+        """The key of each full block of all but the last token (always prefilled)."""
+        if self._chain is None:
+            self._chain = block_chain(self.tokens[:-1])
+        return self._chain
+
+    @property
+    def array(self) -> np.ndarray:
+        if self._array is None:
+            self._array = np.asarray(self.tokens, dtype=np.int64)
+        return self._array
+
+
 class PrefixCache:
     def __init__(self, capacity_bytes: int, ops: CacheOps) -> None:
         self.capacity = capacity_bytes
@@ -121,17 +146,18 @@ class PrefixCache:
             self.oversize,
         )
 
-    def match(self, prompt: list[int]) -> tuple[int, int]:
+    def match(self, prompt: list[int] | PromptKey) -> tuple[int, int]:
         """(key, length): the entry that covers the most of `prompt`, and how much; (-1, 0)
         when none covers a block's worth. Changes nothing."""
-        limit = len(prompt) - 1  # the last prompt token is always prefilled
-        chain = block_chain(prompt[:limit])
+        prompt = prompt if isinstance(prompt, PromptKey) else PromptKey(prompt)
+        limit = len(prompt.tokens) - 1  # the last prompt token is always prefilled
+        chain = prompt.chain
         depth = 0
         while depth < len(chain) and chain[depth] in self.blocks:
             depth += 1
         if depth == 0:
             return -1, 0
-        query = np.asarray(prompt, dtype=np.int64)
+        query = prompt.array
         best_key, best = -1, 0
         for level in range(depth - 1, -1, -1):  # the deepest shared block first
             keys = self.blocks[chain[level]]
@@ -150,7 +176,7 @@ class PrefixCache:
         # an untrimmable cache: only an exact extension of the entry
         return common if common == len(entry.tokens) <= limit else 0
 
-    def lookup(self, prompt: list[int]) -> Hit | None:
+    def lookup(self, prompt: list[int] | PromptKey) -> Hit | None:
         """The cache for the longest usable prefix of `prompt`, counted as a hit; None on a
         miss. The entry becomes the most recently used."""
         self.lookups += 1

@@ -13,7 +13,7 @@ that share nothing go ahead.
 
 from __future__ import annotations
 
-from worker.engine.prefix_cache import BLOCK, PrefixCache, block_chain
+from worker.engine.prefix_cache import BLOCK, PrefixCache
 from worker.engine.request import Request
 
 
@@ -25,24 +25,24 @@ class PrefixPlan:
         self.registered: dict[str, list[int]] = {}  # request id -> the keys it counts in
 
     def new_tokens(self, request: Request) -> int:
-        return len(request.prompt) - self.cache.match(request.cache_key)[1]
+        return len(request.prompt) - self.cache.match(request.prefix_key)[1]
 
     def waits(self, request: Request) -> bool:
         if not self.inflight or len(request.prompt) <= self.min_tokens:
             return False
         shared = 0
-        for key in self._chain(request):
+        for key in request.prefix_key.chain:
             if key not in self.inflight:
                 break
             shared += 1
         if shared * BLOCK < self.min_tokens:
             return False
-        return shared * BLOCK - self.cache.match(request.cache_key)[1] >= self.min_tokens
+        return shared * BLOCK - self.cache.match(request.prefix_key)[1] >= self.min_tokens
 
     def admitted(self, request: Request, new_tokens: int) -> None:
         if new_tokens < self.min_tokens:
             return
-        keys = self._chain(request)
+        keys = request.prefix_key.chain
         self.registered[request.request_id] = keys
         for key in keys:
             self.inflight[key] = self.inflight.get(key, 0) + 1
@@ -55,8 +55,3 @@ class PrefixPlan:
                 self.inflight[key] = left
             else:
                 del self.inflight[key]
-
-    def _chain(self, request: Request) -> list[int]:
-        if request.block_keys is None:
-            request.block_keys = block_chain(request.cache_key[:-1])
-        return request.block_keys

@@ -8,6 +8,7 @@ from typing import Any
 
 from shared.types import SamplingParams, TokenLogprob
 from worker.engine.detokenize import Detokenizer
+from worker.engine.prefix_cache import PromptKey
 from worker.engine.stop import StopStringMatcher
 from worker.parsing.response import ResponseParser
 from worker.structured.guide import Guide
@@ -38,7 +39,6 @@ class Request:
     completion_tokens: int = 0
     reasoning_tokens: int = 0  # of them, made while thinking
     stop_ids: frozenset[int] = frozenset()  # tokens that end it (EOS unless ignored, stop ids)
-    block_keys: list[int] | None = None  # its prompt's block chain, once the prefix plan asks
     # perf_counter: the worker got it, had it prepared, started it in the batch
     received_at: float = 0.0
     prepared_at: float = 0.0
@@ -58,10 +58,20 @@ class Request:
     # a continuation: its prompt's last `resumed` tokens are output an earlier worker made
     resumed: int = 0
 
+    # its cache key as lookups see it, made at the first (prefix_cache.PromptKey)
+    lookup_key: PromptKey | None = None
+
     @property
     def cache_key(self) -> list[int]:
         """The prompt as the prefix cache sees it."""
         return self.key if self.key is not None else self.prompt
+
+    @property
+    def prefix_key(self) -> PromptKey:
+        """`cache_key` with its block chain and array, each made once."""
+        if self.lookup_key is None:
+            self.lookup_key = PromptKey(self.cache_key)
+        return self.lookup_key
 
     def keyed(self, tokens: list[int]) -> list[int]:
         """Tokens a row of this request holds, as the prefix cache keys them."""
