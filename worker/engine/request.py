@@ -59,7 +59,7 @@ class Request:
     resumed: int = 0
 
     # its cache key as lookups see it, made at the first (prefix_cache.PromptKey)
-    lookup_key: PromptKey | None = None
+    _prefix_key: PromptKey | None = field(default=None, init=False, repr=False)
 
     @property
     def cache_key(self) -> list[int]:
@@ -68,10 +68,11 @@ class Request:
 
     @property
     def prefix_key(self) -> PromptKey:
-        """`cache_key` with its block chain and array, each made once."""
-        if self.lookup_key is None:
-            self.lookup_key = PromptKey(self.cache_key)
-        return self.lookup_key
+        """`cache_key` with its block chain and array, each made once (the prompt and its
+        key are set when the request is made and never change)."""
+        if self._prefix_key is None:
+            self._prefix_key = PromptKey(self.cache_key)
+        return self._prefix_key
 
     def keyed(self, tokens: list[int]) -> list[int]:
         """Tokens a row of this request holds, as the prefix cache keys them."""
