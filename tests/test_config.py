@@ -341,43 +341,67 @@ def test_decode_step_is_the_models_or_the_compiled_one_in_the_rows_batch(tmp_pat
         load_config(write(tmp_path, head + 'decode_step = "fast"\n'))
     with pytest.raises(ConfigError, match="decode_step = 'compiled' runs in the rows batch"):
         load_config(write(tmp_path, head + 'batcher = "mlx_lm"\ndecode_step = "compiled"\n'))
-    # the compiled step's attention: named only where that step may run
-    for name in ("kernel", "mlx"):
-        chosen = load_config(write(tmp_path, head + f'decode_attention = "{name}"\n'))
-        assert chosen.models[0].engine.decode_attention == name
-    with pytest.raises(ConfigError, match="decode_attention"):
-        load_config(write(tmp_path, head + "decode_attention = 1\n"))
-    for other in ('batcher = "mlx_lm"\n', 'decode_step = "model"\n'):
-        with pytest.raises(ConfigError, match="decode_attention applies to the compiled step"):
-            load_config(write(tmp_path, head + other + 'decode_attention = "kernel"\n'))
-    # a prefill's attention: named only where first tokens come from the rows' prefill
-    for name in ("kernel", "mlx"):
-        chosen = load_config(write(tmp_path, head + f'prefill_attention = "{name}"\n'))
-        assert chosen.models[0].engine.prefill_attention == name
-    for bad in ("prefill_attention = 1\n", 'prefill_attention = "flash"\n'):
-        with pytest.raises(ConfigError, match="prefill_attention"):
-            load_config(write(tmp_path, head + bad))
-    for other in ('batcher = "mlx_lm"\n', 'first_token = "step"\n'):
-        with pytest.raises(ConfigError, match="prefill_attention applies to the rows batch"):
-            load_config(write(tmp_path, head + other + 'prefill_attention = "mlx"\n'))
-    # when a lone request's first token is read: likewise
-    assert load_config(write(tmp_path, head)).models[0].engine.first_token_read == "pipelined"
-    chosen = load_config(write(tmp_path, head + 'first_token_read = "early"\n'))
-    assert chosen.models[0].engine.first_token_read == "early"
-    with pytest.raises(ConfigError, match="first_token_read"):
-        load_config(write(tmp_path, head + 'first_token_read = "soon"\n'))
-    for other in ('batcher = "mlx_lm"\n', 'first_token = "step"\n'):
-        with pytest.raises(ConfigError, match="first_token_read applies to the rows batch"):
-            load_config(write(tmp_path, head + other + 'first_token_read = "early"\n'))
-    # and its projections: apart by default, stacked only where the compiled step may run
-    assert load_config(write(tmp_path, head)).models[0].engine.decode_projections == "separate"
-    chosen = load_config(write(tmp_path, head + 'decode_projections = "stacked"\n'))
-    assert chosen.models[0].engine.decode_projections == "stacked"
-    with pytest.raises(ConfigError, match="decode_projections"):
-        load_config(write(tmp_path, head + 'decode_projections = "fused"\n'))
-    for other in ('batcher = "mlx_lm"\n', 'decode_step = "model"\n'):
-        with pytest.raises(ConfigError, match="decode_projections applies to the compiled step"):
-            load_config(write(tmp_path, head + other + 'decode_projections = "stacked"\n'))
+
+
+# Options taken only where what they choose runs: (option, its default, the values it takes,
+# values it refuses, settings that leave it nothing to choose, the refusal's words)
+WHERE_IT_RUNS = [
+    (
+        "decode_attention",
+        "auto",
+        ("kernel", "mlx"),
+        ("1",),
+        ('batcher = "mlx_lm"', 'decode_step = "model"'),
+        "applies to the compiled step",
+    ),
+    (
+        "prefill_attention",
+        "auto",
+        ("kernel", "mlx"),
+        ("1", '"flash"'),
+        ('batcher = "mlx_lm"', 'first_token = "step"'),
+        "applies to the rows batch",
+    ),
+    (
+        "first_token_read",
+        "pipelined",
+        ("early",),
+        ('"soon"',),
+        ('batcher = "mlx_lm"', 'first_token = "step"'),
+        "applies to the rows batch",
+    ),
+    (
+        "decode_projections",
+        "separate",
+        ("stacked",),
+        ('"fused"',),
+        ('batcher = "mlx_lm"', 'decode_step = "model"'),
+        "applies to the compiled step",
+    ),
+]
+
+
+@pytest.mark.parametrize(("option", "default", "values", "wrong", "others", "words"), WHERE_IT_RUNS)
+def test_an_option_is_taken_only_where_what_it_chooses_runs(
+    tmp_path: Path,
+    option: str,
+    default: str,
+    values: tuple[str, ...],
+    wrong: tuple[str, ...],
+    others: tuple[str, ...],
+    words: str,
+) -> None:
+    head = '[[models]]\nname = "a"\nsource = "x"\n[models.engine]\n'
+    assert getattr(load_config(write(tmp_path, head)).models[0].engine, option) == default
+    for value in values:
+        chosen = load_config(write(tmp_path, head + f'{option} = "{value}"\n'))
+        assert getattr(chosen.models[0].engine, option) == value
+    for bad in wrong:
+        with pytest.raises(ConfigError, match=option):
+            load_config(write(tmp_path, head + f"{option} = {bad}\n"))
+    for other in others:
+        with pytest.raises(ConfigError, match=f"{option} {words}"):
+            load_config(write(tmp_path, head + f'{other}\n{option} = "{values[0]}"\n'))
 
 
 def test_a_model_without_kind_is_what_its_worker_served() -> None:
