@@ -1,6 +1,7 @@
 """The gateway's real app (its middleware, routes and translators) in process, in front of a
 scripted stand-in for the workers that answers each request as its model's kind of worker
-would: the fuzz tests' target (tests/test_fuzz_http.py, tests/test_fuzz_openapi.py)."""
+would: the fuzz tests' target (tests/test_fuzz_http.py, tests/test_fuzz_openapi.py). And a
+stream that hands a reader a worker's outputs one at a time (tests/test_audio_routes.py)."""
 
 from __future__ import annotations
 
@@ -127,3 +128,21 @@ def scripted_app(folder: Path, any_name: bool = False, **server: Any) -> Gateway
     app = create_app(Config(server=ServerConfig(**settings)))  # type: ignore[arg-type]
     app.state.workers = Workers(any_name)
     return app
+
+
+class PacedStream(RequestStream):
+    """A worker's outputs one at a time: the next is sent once the reader took the one before,
+    so that none merge (an error after audio stays after it, however slow the machine)."""
+
+    def __init__(self, request_id: str, model: str, outputs: list[RequestOutput]) -> None:
+        super().__init__(request_id, model, "w")
+        self.outputs = list(outputs)
+
+    def feed(self) -> None:
+        if self.outputs:
+            self.put(self.outputs.pop(0))
+
+    async def get(self) -> RequestOutput:
+        output = await super().get()
+        asyncio.get_running_loop().call_later(0.001, self.feed)
+        return output

@@ -34,6 +34,7 @@ from shared.types import (
     Usage,
     Word,
 )
+from tests.scripted_workers import PacedStream
 
 MODELS = {
     "whisper": ["transcription", "translation"],
@@ -102,24 +103,6 @@ class Workers:
 
     def abort(self, stream: RequestStream) -> None:
         self.aborted.append(stream.request_id)
-
-
-class PacedStream(RequestStream):
-    """A worker's outputs one at a time: the next is sent once the reader took the one before,
-    so that none merge (an error after audio stays after it, however slow the machine)."""
-
-    def __init__(self, request_id: str, model: str, outputs: list[RequestOutput]) -> None:
-        super().__init__(request_id, model, "w")
-        self.outputs = list(outputs)
-
-    def feed(self) -> None:
-        if self.outputs:
-            self.put(self.outputs.pop(0))
-
-    async def get(self) -> RequestOutput:
-        output = await super().get()
-        asyncio.get_running_loop().call_later(0.001, self.feed)
-        return output
 
 
 Client = Callable[..., httpx2.AsyncClient]
